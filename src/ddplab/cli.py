@@ -1,0 +1,128 @@
+"""The `ddplab` command: one line and exit 2 for bad input, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ddplab.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        print(f"ddplab: error: {message} (see ddplab {self.prog.split()[-1]} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def split_args(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG.yaml] [key=value ...]`: the first item without '=' is the config file."""
+    config, overrides = None, []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif config is None:
+            config = item
+        else:
+            raise UserError(f"unexpected argument '{item}': only one config file, then key=value overrides")
+    return config, overrides
+
+
+def _config_help() -> str:
+    from ddplab.config import describe_fields
+
+    lines = ["config fields (key=value):"]
+    lines += [f"  {name} = {default}  {help}" for name, default, help in describe_fields()]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ddplab", description="Distributed Data Parallel training with numbers you can trust.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model (default: a character GPT on Shakespeare)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EpilogLazy())
+    t.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    t.add_argument("--nproc-per-node", type=int, default=None, help="launch N local processes (torch.distributed.run)")
+    t.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times after a failure")
+
+    g = sub.add_parser("generate", help="sample text from a trained language model")
+    g.add_argument("run", help="run folder or checkpoint file")
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--max-new-tokens", type=int, default=300)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--seed", type=int, default=0)
+
+    v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
+    v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    v.add_argument("--nproc", type=int, default=2)
+    v.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss difference, relative")
+    v.add_argument("--weight-tolerance", type=float, default=1e-3, help="largest allowed weight difference")
+    return p
+
+
+class _EpilogLazy(str):
+    """Builds the config help only when --help is printed (no work at import)."""
+
+    def __new__(cls):
+        return str.__new__(cls, "")
+
+    def __str__(self) -> str:  # pragma: no cover - help text
+        return _config_help()
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{name} must be >= 1, got {value}")
+
+
+def cmd_train(ns) -> int:
+    from ddplab.config import load_config
+
+    config, overrides = split_args(ns.args)
+    cfg = load_config(config, overrides)
+    _positive("--nproc-per-node", ns.nproc_per_node)
+    if ns.nproc_per_node or ns.max_restarts:
+        from ddplab.launch import run_workers
+
+        return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
+    from ddplab.run import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_generate(ns) -> int:
+    from ddplab.generate import load_model, sample
+
+    _positive("--max-new-tokens", ns.max_new_tokens)
+    model, ckpt = load_model(ns.run)
+    print(sample(model, ckpt.get("meta", {}), ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed))
+    return 0
+
+
+def cmd_verify(ns) -> int:
+    from ddplab.verify import verify
+
+    _positive("--nproc", ns.nproc)
+    config, overrides = split_args(ns.args)
+    return verify(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "verify": cmd_verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[ns.command](ns)
+    except UserError as err:
+        print(f"ddplab: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("ddplab: interrupted", file=sys.stderr)
+        return 130

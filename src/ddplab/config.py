@@ -1,0 +1,361 @@
+"""One typed config tree, loaded from YAML and `key=value` overrides.
+
+Field names are public: users type them on the command line and in YAML files, tests and
+docs use them. Each field's `help` becomes documentation; `choices` and `min` are checked
+by `validate`, which names the dotted field in its one-line error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ddplab.errors import UserError
+
+
+def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+       positive: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "min": min, "positive": positive}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ExperimentConfig:
+    name: Optional[str] = _f(None, "run folder name under output_dir; default <model>-<data>")
+    output_dir: str = _f("experiments", "folder that holds run folders")
+    seed: int = _f(1337, "seed for weights, data order, dropout", min=0)
+
+
+@dataclass
+class DataConfig:
+    name: str = _f("text", "dataset (see `ddplab train --help`)")
+    path: Optional[str] = _f(None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus")
+    root: Optional[str] = _f(None, "dataset folder for torchvision datasets and image_folder")
+    train: Optional[str] = _f(None, "train file (CSV/JSON/Parquet) for text_files")
+    val: Optional[str] = _f(None, "validation file for text_files")
+    test: Optional[str] = _f(None, "test file for text_files")
+    text_column: str = _f("text", "text column of text_files")
+    label_column: str = _f("label", "label column of text_files")
+    tokenizer: Optional[str] = _f(None, "hash | hf | char | byte; default depends on the model", choices=("hash", "hf", "char", "byte", None))
+    vocab_size: int = _f(30000, "hash tokenizer buckets", positive=True)
+    max_len: int = _f(256, "tokens per text sample (truncation)", positive=True)
+    val_fraction: float = _f(0.1, "share of train carved out for validation when no split exists", min=0.0)
+    limit: Optional[int] = _f(None, "cap on training samples (quick runs)", positive=True)
+    num_samples: int = _f(2000, "size of generated datasets (synthetic, synthetic_reviews)", positive=True)
+    num_classes: Optional[int] = _f(None, "classes of generated datasets")
+    image_size: Optional[int] = _f(None, "resize images to this side; default per model")
+    augment: bool = _f(False, "random crop + horizontal flip for training images")
+    download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
+    cache_dir: Optional[str] = _f(None, "cache folder for HF datasets and token caches")
+    num_workers: int = _f(0, "DataLoader worker processes per rank", min=0)
+    pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("gpt", "model (see `ddplab train --help`)")
+    layers: int = _f(3, "transformer layers", positive=True)
+    heads: int = _f(4, "attention heads", positive=True)
+    dim: int = _f(128, "embedding width", positive=True)
+    ff_dim: Optional[int] = _f(None, "feed-forward width; default 4 x dim", positive=True)
+    context: int = _f(64, "tokens of context (GPT block size)", positive=True)
+    dropout: float = _f(0.1, "dropout probability", min=0.0)
+    bias: bool = _f(False, "bias in linear layers and layer norms (GPT)")
+    pooling: str = _f("cls", "sequence pooling of classifiers", choices=("cls", "mean"))
+    patch_size: int = _f(4, "ViT patch side", positive=True)
+    pretrained: Optional[str] = _f(None, "HF hub name or local folder (model.name=hf, vit)")
+    weights: Optional[str] = _f(None, "local weights file for torchvision models")
+    freeze: bool = _f(False, "freeze the pretrained encoder / feature extractor")
+
+
+@dataclass
+class TrainingConfig:
+    epochs: int = _f(2, "passes over the training set", positive=True)
+    max_steps: Optional[int] = _f(None, "stop after this many optimizer steps", positive=True)
+    time_budget: Optional[str] = _f(None, "stop after this much training time: 2h, 90m, 30s")
+    batch_size: int = _f(32, "samples per process per micro-step", positive=True)
+    grad_accum_steps: int = _f(1, "micro-steps per optimizer step", positive=True)
+    lr: float = _f(2e-3, "peak learning rate (before lr_scaling)", positive=True)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a share of the peak (cosine, linear)", min=0.0)
+    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
+    momentum: float = _f(0.9, "SGD momentum", min=0.0)
+    weight_decay: float = _f(0.01, "decoupled weight decay", min=0.0)
+    warmup_steps: int = _f(50, "linear warm-up steps", min=0)
+    schedule: str = _f("cosine", "learning-rate schedule after warm-up", choices=("cosine", "linear", "constant"))
+    lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
+    clip_grad_norm: Optional[float] = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
+    amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
+    compile: bool = _f(False, "torch.compile the model")
+    eval_every: Optional[int] = _f(None, "also evaluate every N optimizer steps", positive=True)
+    nonfinite: str = _f("stop", "on a non-finite loss on any rank: stop or skip the step", choices=("stop", "skip"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: Optional[int] = _f(None, "snapshot every N optimizer steps (always at epoch end)", positive=True)
+    keep_last: int = _f(2, "complete snapshots kept", positive=True)
+    resume: str = _f("auto", "auto (newest complete snapshot), never, or a snapshot path")
+    save_best: bool = _f(True, "keep the model with the best validation loss")
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = _f("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
+    timeout: float = _f(600.0, "seconds before a stuck collective fails the job", positive=True)
+    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size", positive=True)
+    comm_hook: str = _f("none", "DDP communication hook", choices=("none", "fp16", "bf16", "powersgd"))
+    simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0)
+    simulated_bandwidth_mbps: Optional[float] = _f(None, "cap on simulated link bandwidth", positive=True)
+    find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(True, "write TensorBoard events")
+    progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
+    log_every: int = _f(10, "optimizer steps between train-loss logs", positive=True)
+
+
+@dataclass
+class GenerateConfig:
+    prompt: str = _f("\n", "prompt for the sample printed after training a language model")
+    max_new_tokens: int = _f(300, "tokens to sample (0 disables the sample)", min=0)
+    temperature: float = _f(0.8, "sampling temperature", positive=True)
+    top_k: Optional[int] = _f(40, "sample among the k most likely tokens", positive=True)
+
+
+@dataclass
+class Config:
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def run_name(self) -> str:
+        return self.experiment.name or f"{self.model.name}-{self.data.name}"
+
+
+# ---------------------------------------------------------------------------- loading
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a Config from an optional YAML file and dotted `key=value` overrides."""
+    tree: dict = {}
+    if path is not None:
+        tree = read_yaml(path)
+    cfg = from_dict(tree)
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise UserError(f"config file {path} is not valid YAML{where}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
+    return tree
+
+
+def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Typed construction: unknown keys and wrong types name the dotted field."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise UserError(f"'{dotted}' must be a section (mapping), got {value!r}")
+            kwargs[key] = from_dict(value, hint, dotted + ".")
+        else:
+            kwargs[key] = coerce(value, hint, dotted)
+    return cls(**kwargs)
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    if "=" not in item:
+        raise UserError(f"override '{item}' is not of the form key=value (e.g. training.lr=3e-4)")
+    dotted, raw = item.split("=", 1)
+    dotted = dotted.strip()
+    parts = dotted.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            raise UserError(f"unknown config key '{dotted}'")
+        names = [f.name for f in dataclasses.fields(node)]
+        if part not in names:
+            where = ".".join(parts[:i]) or "top level"
+            raise UserError(f"unknown config key '{dotted}'; valid keys in {where}: {', '.join(names)}")
+        if i == len(parts) - 1:
+            hint = typing.get_type_hints(type(node))[part]
+            if dataclasses.is_dataclass(hint):
+                raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
+            setattr(node, part, coerce(parse_scalar(raw), hint, dotted))
+        else:
+            node = getattr(node, part)
+
+
+def parse_scalar(raw: str) -> Any:
+    """Command-line text to a Python value; the field's type decides the rest in coerce."""
+    text = raw.strip()
+    if text.lower() in ("null", "none", "~"):
+        return None
+    return text
+
+
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def coerce(value: Any, hint: Any, dotted: str) -> Any:
+    """Convert YAML or command-line values to the field's declared type, or explain why not."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().lower() in ("null", "none"):
+            return None
+        hint = args[0]
+    if value is None:
+        raise UserError(f"'{dotted}' may not be null; expected {_type_name(hint)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.strip().lower() in ("true", "yes", "on", "1")
+        raise UserError(f"'{dotted}' must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise UserError(f"'{dotted}' must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and _NUMBER.match(value.strip()):
+            number = float(value)
+            if number.is_integer():
+                return int(number)
+        raise UserError(f"'{dotted}' must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise UserError(f"'{dotted}' must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and _NUMBER.match(value.strip()):
+            return float(value)
+        raise UserError(f"'{dotted}' must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"'{dotted}' must be a string, got {value!r}")
+    raise UserError(f"'{dotted}' has an unsupported type {hint}")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+# ---------------------------------------------------------------------------- validation
+
+def validate(cfg: Config) -> None:
+    """Range and choice checks for every field, then cross-field checks."""
+    _check_fields(cfg, "")
+    parse_duration(cfg.training.time_budget, "training.time_budget")
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
+        raise UserError(f"checkpoint.resume: '{cfg.checkpoint.resume}' is neither auto, never nor an existing snapshot")
+    if cfg.model.dim % cfg.model.heads:
+        raise UserError(f"model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
+    if cfg.model.dropout >= 1:
+        raise UserError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
+    # Name checks live beside their registries; imported here, not at module import.
+    from ddplab.data import check_data_config
+    from ddplab.models import check_model_config
+
+    check_model_config(cfg)
+    check_data_config(cfg)
+
+
+def _check_fields(node: Any, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        dotted = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, dotted + ".")
+            continue
+        meta = f.metadata
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            allowed = ", ".join(str(c) for c in meta["choices"] if c is not None)
+            raise UserError(f"'{dotted}' must be one of {allowed}; got {value!r}")
+        if value is None or isinstance(value, (bool, str)):
+            continue
+        if meta.get("positive") and value <= 0:
+            raise UserError(f"'{dotted}' must be > 0, got {value}")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise UserError(f"'{dotted}' must be >= {meta['min']}, got {value}")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str | None, dotted: str = "duration") -> float | None:
+    """'2h', '90m', '30s', '45' (seconds) -> seconds."""
+    if text is None:
+        return None
+    match = _DURATION.match(str(text))
+    if not match:
+        raise UserError(f"'{dotted}' must be a duration like 2h, 90m, 30s; got {text!r}")
+    number, unit = float(match.group(1)), match.group(2) or "s"
+    seconds = number * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    if seconds <= 0:
+        raise UserError(f"'{dotted}' must be positive; got {text!r}")
+    return seconds
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def describe_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field, for --help texts and docs."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,34 @@
+"""Dataset registry: `data.name` -> builder(cfg, ctx) -> DataBundle."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch.utils.data import Subset
+
+from ddplab.data import synthetic, text_lm
+from ddplab.data.bundle import DataBundle
+from ddplab.errors import UserError
+
+DATASETS: dict[str, Callable] = {
+    "text": text_lm.build,
+    "synthetic": synthetic.build,
+}
+
+
+def check_data_config(cfg) -> None:
+    """Cheap checks before any process starts."""
+    if cfg.data.name not in DATASETS:
+        raise UserError(f"data.name: unknown dataset '{cfg.data.name}'; choose one of {', '.join(sorted(DATASETS))}")
+    if cfg.data.name == "text" and cfg.data.path is not None:
+        from pathlib import Path
+
+        if not Path(cfg.data.path).exists():
+            raise UserError(f"data.path: no such file or folder: {cfg.data.path}")
+
+
+def build_data(cfg, ctx) -> DataBundle:
+    bundle = DATASETS[cfg.data.name](cfg, ctx)
+    if cfg.data.limit is not None and cfg.data.limit < len(bundle.train):
+        bundle.train = Subset(bundle.train, range(cfg.data.limit))
+    return bundle

@@ -1,0 +1,74 @@
+"""Samplers that shard a dataset across ranks.
+
+`ResumableDistributedSampler` is torch's `DistributedSampler` (same permutation, same
+padding, same rank-strided split) that can start part-way through an epoch in O(1): the
+samples already consumed in an epoch are always a prefix of that epoch's permutation, so
+resuming is slicing, never replaying batches. The remaining samples are re-divided among
+however many ranks there are now.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+from torch.utils.data import DistributedSampler, Sampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=drop_last)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Begin `epoch`, skipping the first `start` samples of its global order."""
+        super().set_epoch(epoch)
+        self.start = start
+
+    def global_order(self) -> list[int]:
+        """The epoch's permutation of the whole dataset (identical on every rank)."""
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            return torch.randperm(n, generator=g).tolist()
+        return list(range(n))
+
+    def _remaining(self) -> list[int]:
+        # Pad (or cut) what is left, not the whole epoch, so that a world size that changed
+        # on resume still gets equal shares. Padding repeats the epoch's first samples, as
+        # DistributedSampler does, so an unchanged world size sees exactly its order.
+        order = self.global_order()
+        rest = order[self.start:]
+        if self.drop_last:
+            return rest[: len(rest) - len(rest) % self.num_replicas]
+        pad = -len(rest) % self.num_replicas
+        if pad:
+            rest += (order * math.ceil(pad / max(len(order), 1)))[:pad]
+        return rest
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining()[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        rest = max(len(self.dataset) - self.start, 0)
+        if self.drop_last:
+            return rest // self.num_replicas
+        return math.ceil(rest / self.num_replicas)
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation split: rank r takes r, r+W, r+2W, ... with no padding, so every sample
+    is counted exactly once when per-rank sums are all-reduced."""
+
+    def __init__(self, size: int, rank: int, world_size: int) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.size, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world_size))

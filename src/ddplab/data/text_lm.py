@@ -1,0 +1,103 @@
+"""Character / byte language-model data from any text file or folder of text files."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddplab.data.bundle import DataBundle
+from ddplab.errors import UserError
+
+
+def embedded_corpus() -> str:
+    return resources.files("ddplab.resources").joinpath("shakespeare.txt").read_text(encoding="utf-8")
+
+
+def read_corpus(path: str | None) -> str:
+    if path is None:
+        return embedded_corpus()
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".md", ".text", ""))
+        if not files:
+            raise UserError(f"data.path: folder {path} holds no .txt files")
+    else:
+        raise UserError(f"data.path: no such file or folder: {path}")
+    text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    if len(text) < 16:
+        raise UserError(f"data.path: {path} holds too little text ({len(text)} characters)")
+    return text
+
+
+class CharTokenizer:
+    """Characters of the corpus (sorted), or all 256 bytes. Its state lives in checkpoints."""
+
+    def __init__(self, kind: str, chars: str = "") -> None:
+        self.kind = kind
+        self.chars = chars
+        self.index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def fit(cls, kind: str, text: str) -> "CharTokenizer":
+        return cls(kind, "".join(sorted(set(text))) if kind == "char" else "")
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "CharTokenizer":
+        return cls(meta["tokenizer"], meta.get("chars", ""))
+
+    def meta(self) -> dict:
+        return {"tokenizer": self.kind, "chars": self.chars, "vocab_size": self.vocab_size}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.kind == "byte" else len(self.chars)
+
+    def encode(self, text: str) -> np.ndarray:
+        if self.kind == "byte":
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        unknown = set(text) - self.index.keys()
+        if unknown:
+            raise UserError(f"characters not in the model's vocabulary: {''.join(sorted(unknown))[:20]!r}")
+        return np.fromiter((self.index[c] for c in text), dtype=np.int64, count=len(text))
+
+    def decode(self, ids) -> str:
+        if self.kind == "byte":
+            return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+class TokenChunks(Dataset):
+    """Non-overlapping windows of `context + 1` tokens: input and next-token target."""
+
+    def __init__(self, tokens: np.ndarray, context: int) -> None:
+        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        self.context = context
+
+    def __len__(self) -> int:
+        return max((len(self.tokens) - 1) // self.context, 0)
+
+    def __getitem__(self, i: int):
+        chunk = self.tokens[i * self.context : i * self.context + self.context + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def build(cfg, ctx) -> DataBundle:
+    kind = cfg.data.tokenizer or "char"
+    if kind not in ("char", "byte"):
+        raise UserError(f"data.tokenizer={kind} does not fit data.name=text; use char or byte")
+    text = read_corpus(cfg.data.path)
+    tokenizer = CharTokenizer.fit(kind, text)
+    tokens = tokenizer.encode(text)
+    n_val = int(len(tokens) * cfg.data.val_fraction)
+    context = cfg.model.context
+    train = TokenChunks(tokens[: len(tokens) - n_val], context)
+    val = TokenChunks(tokens[len(tokens) - n_val :], context) if n_val > context else None
+    if len(train) == 0:
+        raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
+    return DataBundle(task="lm", train=train, val=val, vocab_size=tokenizer.vocab_size, meta=tokenizer.meta())

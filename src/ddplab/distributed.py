@@ -1,0 +1,219 @@
+"""The one seam to torch.distributed.
+
+Reads the launcher's environment (torchrun, SLURM, or nothing), starts the process group,
+picks backend and device, wraps models in DDP, and offers rank-0 helpers and reductions.
+Nothing else in ddplab calls `init_process_group`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as the launcher told it."""
+
+    launcher: str  # "torchrun" | "slurm" | "none"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """torchrun's variables win (torchrun inside srun is common); then SLURM's; else one process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return LaunchInfo(
+            launcher="torchrun",
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        world = int(env["SLURM_NTASKS"])
+        nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+        job = int(env.get("SLURM_JOB_ID", "0"))
+        return LaunchInfo(
+            launcher="slurm",
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world,
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(re.match(r"\d+", per_node).group()),
+            master_addr=env.get("MASTER_ADDR") or nodes[0],
+            # A job-dependent port lets two jobs share a first node.
+            master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000),
+        )
+    return LaunchInfo(launcher="none")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list ('gpu[01-03,07],login1') to host names, in order."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            for i in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    return hosts
+
+
+@dataclass
+class DistContext:
+    """This process's view of the job, with the reductions the trainer needs."""
+
+    launch: LaunchInfo
+    backend: str | None
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.launch.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.launch.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place, and returned; a no-op with one process."""
+        if self.is_distributed:
+            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return tensor
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(tensor.clone(), "sum") / self.world_size
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's object, on every rank, in rank order."""
+        if not self.is_distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def pick_backend(requested: str, cuda: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    return requested
+
+
+@contextlib.contextmanager
+def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistContext]:
+    """Start the process group (if launched as several processes) and always tear it down.
+
+    Teardown drops every reference it can and collects garbage before destroying the
+    group: with gloo, a DDP model or optimizer still alive at destroy time makes about one
+    two-process run in four abort at exit.
+    """
+    launch = detect_launch()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    chosen = None
+    if launch.world_size > 1:
+        chosen = pick_backend(backend, cuda)
+        if launch.launcher == "slurm":
+            os.environ.setdefault("MASTER_ADDR", launch.master_addr or "localhost")
+            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        kwargs = {"device_id": device} if chosen == "nccl" else {}
+        dist.init_process_group(
+            backend=chosen,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    ctx = DistContext(launch=launch, backend=chosen, device=device)
+    failed = False
+    try:
+        yield ctx
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        gc.collect()
+        if dist.is_available() and dist.is_initialized():
+            if not failed:
+                # Let every rank finish its last collective before the group goes away.
+                with contextlib.suppress(Exception):
+                    dist.barrier()
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def wrap_model(model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float = 25.0,
+               find_unused_parameters: bool = False) -> torch.nn.Module:
+    """DDP around the model when there is more than one process; the model itself otherwise."""
+    model.to(ctx.device)
+    if not ctx.is_distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=find_unused_parameters,
+    )
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under DDP and torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,132 @@
+"""Snapshots that survive crashes, and the best model.
+
+A snapshot is a folder `step-000000123/` holding `state.pt`; it counts only once its
+marker file `COMPLETE` (written last, after an fsync of the data) is there. It is built
+under a temporary name and renamed into place, so a kill at any moment leaves the
+previous complete snapshot untouched; incomplete leftovers are ignored and cleaned.
+Everything is saved as tensors and plain Python values so it loads with
+`torch.load(weights_only=True)`; nothing is unpickled unsafely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ddplab.errors import UserError
+
+MARKER = "COMPLETE"
+STATE = "state.pt"
+BEST = "best.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file, fsync, rename over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def load_file(path: str | Path) -> dict:
+    """Load a checkpoint safely; a truncated, foreign or code-carrying file is a UserError."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint not found: {path}") from None
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not ours"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load checkpoint {path}: not a complete ddplab checkpoint ({first[:160]})") from None
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise UserError(f"cannot load checkpoint {path}: not a ddplab checkpoint")
+    return obj
+
+
+class Checkpointer:
+    def __init__(self, root: Path, is_main: bool, keep_last: int = 2) -> None:
+        self.root = Path(root)
+        self.is_main = is_main
+        self.keep_last = keep_last
+
+    def snapshots(self) -> list[Path]:
+        """Complete snapshots, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob("step-*") if p.is_dir() and (p / MARKER).is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+    def latest(self) -> Path | None:
+        snaps = self.snapshots()
+        return snaps[-1] if snaps else None
+
+    def clean_incomplete(self) -> None:
+        if not self.is_main or not self.root.is_dir():
+            return
+        for p in self.root.iterdir():
+            if p.is_dir() and (p.name.startswith(".tmp-") or (p.name.startswith("step-") and not (p / MARKER).is_file())):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def save_snapshot(self, state: dict, step: int, info: dict) -> Path | None:
+        """Rank 0 only writes; the caller holds the other ranks at a barrier."""
+        if not self.is_main:
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"step-{step:09d}"
+        tmp = self.root / f".tmp-step-{step:09d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with open(tmp / STATE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        marker_fd = os.open(tmp / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(marker_fd, json.dumps(info).encode())
+            os.fsync(marker_fd)
+        finally:
+            os.close(marker_fd)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        for old in self.snapshots()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_snapshot(self, path: Path) -> dict:
+        path = Path(path)
+        if path.is_dir():
+            if not (path / MARKER).is_file():
+                raise UserError(f"snapshot {path} is incomplete (no {MARKER} marker)")
+            path = path / STATE
+        return load_file(path)
+
+    def load_latest(self, log=print) -> tuple[Path, dict] | None:
+        """The newest complete snapshot that loads, falling back to older ones."""
+        for snap in reversed(self.snapshots()):
+            try:
+                return snap, self.load_snapshot(snap)
+            except UserError as err:
+                log(f"skipping snapshot {snap.name}: {err}")
+        return None
+
+    def save_best(self, payload: dict) -> None:
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_save(payload, self.root / BEST)

@@ -1,0 +1,54 @@
+"""Optimizer, learning-rate schedule and world-size scaling of the learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def scaled_lr(lr: float, rule: str, world_size: int) -> float:
+    """`linear`: lr x world size (Goyal et al.); `sqrt`: lr x sqrt(world size) (Krizhevsky)."""
+    return lr * {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[rule]
+
+
+def build_optimizer(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    # Decay matrices, not biases, norms or other vectors (the usual transformer recipe).
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr at `step`: linear warm-up, then cosine / linear / constant."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, t, total_steps: int) -> None:
+        self.warmup, self.total, self.kind, self.min_ratio = t.warmup_steps, total_steps, t.schedule, t.min_lr_ratio
+        super().__init__(optimizer, self._multiplier)
+
+    def _multiplier(self, step: int) -> float:
+        return lr_lambda(step, self.warmup, self.total, self.kind, self.min_ratio)
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "base_lrs": self.base_lrs, "_last_lr": self._last_lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch = state["last_epoch"]
+        self.base_lrs = state["base_lrs"]
+        self._last_lr = state["_last_lr"]  # the optimizer's own state restores each group's lr

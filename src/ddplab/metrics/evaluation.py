@@ -1,0 +1,83 @@
+"""Exact, global evaluation metrics.
+
+Each rank accumulates sums on its device over its own shard (no padding: see
+ShardSampler); one all-reduce at the end makes them global, so every validation sample
+counts exactly once whatever the world size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class LMEvaluator:
+    """Token-level cross-entropy, perplexity and next-token accuracy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        flat = logits.float().flatten(0, 1)
+        loss = F.cross_entropy(flat, target.flatten(), reduction="sum")
+        correct = (flat.argmax(-1) == target.flatten()).sum()
+        self.sums += torch.stack([loss.double(), torch.tensor(target.numel(), device=loss.device, dtype=torch.float64), correct.double()])
+
+    def compute(self, ctx) -> dict[str, float]:
+        loss_sum, tokens, correct = ctx.all_reduce(self.sums.clone()).tolist()
+        if tokens == 0:
+            return {}
+        loss = loss_sum / tokens
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": correct / tokens, "samples": tokens}
+
+
+class ClassificationEvaluator:
+    """Loss, accuracy, top-5 accuracy, macro precision / recall / F1 from a global confusion matrix."""
+
+    def __init__(self, num_classes: int, device: torch.device) -> None:
+        self.num_classes = num_classes
+        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, count, top5 correct
+        self.predictions: list[torch.Tensor] = []
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        logits = logits.float()
+        loss = F.cross_entropy(logits, target, reduction="sum")
+        pred = logits.argmax(-1)
+        c = self.num_classes
+        self.confusion += torch.bincount(target * c + pred, minlength=c * c).view(c, c).double()
+        k = min(5, c)
+        top5 = (logits.topk(k, dim=-1).indices == target[:, None]).any(-1).sum()
+        self.sums += torch.stack([loss.double(), torch.tensor(len(target), device=loss.device, dtype=torch.float64), top5.double()])
+
+    def compute(self, ctx) -> dict[str, float]:
+        confusion = ctx.all_reduce(self.confusion.clone())
+        loss_sum, count, top5 = ctx.all_reduce(self.sums.clone()).tolist()
+        if count == 0:
+            return {}
+        out = {"loss": loss_sum / count, "samples": count}
+        out.update(scores_from_confusion(confusion))
+        if self.num_classes > 5:
+            out["top5_accuracy"] = top5 / count
+        return out
+
+
+def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
+    """Accuracy and macro precision / recall / F1 as scikit-learn defines them
+    (zero_division=0; macro averages over the classes present in targets or predictions)."""
+    tp = confusion.diag()
+    predicted = confusion.sum(0)
+    actual = confusion.sum(1)
+    present = (predicted + actual) > 0
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    denom = precision + recall
+    f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
+    return {
+        "accuracy": (tp.sum() / confusion.sum()).item(),
+        "precision": precision[present].mean().item(),
+        "recall": recall[present].mean().item(),
+        "f1": f1[present].mean().item(),
+    }

@@ -1,0 +1,99 @@
+"""The run folder: rank 0 writes it, other ranks never touch shared files.
+
+config.yaml, env.json, metrics.csv (one row per epoch), metrics.json, train.log,
+tensorboard/, checkpoints/ (SPEC section 4). Reports read only these files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+EPOCH_COLUMNS = [
+    "epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_top5_accuracy", "val_precision", "val_recall",
+    "val_f1", "val_perplexity", "epoch_time_s", "eval_time_s", "elapsed_s", "samples_per_s", "tokens_per_s", "lr",
+    "peak_mem_mb", "gpu_util", "gpu_mem_mb", "comm_time_s", "compute_time_s", "data_wait_s",
+]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _clean(value):
+    """JSON has no NaN or infinity; write null for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class RunFolder:
+    def __init__(self, path: Path, is_main: bool, tensorboard: bool = True, purge_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.is_main = is_main
+        self.console = Console(stderr=False, highlight=False, soft_wrap=True)
+        self.tb = None
+        if is_main:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.path / "train.log", "a", buffering=1)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=str(self.path / "tensorboard"), purge_step=purge_step)
+
+    # -- what rank 0 prints -------------------------------------------------------------
+    def log(self, message: str) -> None:
+        if not self.is_main:
+            return
+        self.console.print(message, markup=False)
+        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+    # -- files --------------------------------------------------------------------------
+    def write_text(self, name: str, text: str) -> None:
+        if self.is_main:
+            _write_atomic(self.path / name, text)
+
+    def write_json(self, name: str, obj) -> None:
+        self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")
+
+    def write_epochs(self, rows: list[dict]) -> None:
+        """Rewrite metrics.csv from the full history (so a resumed run never duplicates rows)."""
+        if not self.is_main:
+            return
+        extra = sorted({k for r in rows for k in r} - set(EPOCH_COLUMNS))
+        columns = [c for c in EPOCH_COLUMNS if any(c in r for r in rows)] + extra
+        tmp = self.path / ".metrics.csv.tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
+        os.replace(tmp, self.path / "metrics.csv")
+
+    def scalars(self, prefix: str, values: dict, step: int) -> None:
+        if self.tb is None:
+            return
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        if self.tb is not None:
+            self.tb.close()
+        self._log.close()
+        sys.stdout.flush()

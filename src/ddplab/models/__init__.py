@@ -1,0 +1,35 @@
+"""Model registry: `model.name` -> builder(cfg, bundle) -> nn.Module.
+
+Models are plain modules: they take a small config and know nothing of torch.distributed,
+YAML or files.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+from ddplab.errors import UserError
+from ddplab.models import gpt
+
+MODELS: dict[str, Callable] = {
+    "gpt": gpt.build,
+}
+
+# Which task each model serves, so a model/data mismatch is caught before training.
+TASKS: dict[str, str] = {
+    "gpt": "lm",
+}
+
+
+def check_model_config(cfg) -> None:
+    if cfg.model.name not in MODELS:
+        raise UserError(f"model.name: unknown model '{cfg.model.name}'; choose one of {', '.join(sorted(MODELS))}")
+
+
+def build_model(cfg, bundle) -> nn.Module:
+    task = TASKS.get(cfg.model.name)
+    if task is not None and task != bundle.task:
+        raise UserError(f"model.name={cfg.model.name} does a {task} task but data.name={cfg.data.name} is {bundle.task} data")
+    return MODELS[cfg.model.name](cfg, bundle)

@@ -1,0 +1,52 @@
+"""Shared helpers: run the CLI as a user would, in fresh processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A GPT small enough that a 2-process run takes seconds on one core each.
+TINY_GPT = ["model.layers=1", "model.dim=32", "model.heads=2", "model.context=32", "training.batch_size=8",
+            "logging.tensorboard=false", "logging.progress=false", "generate.max_new_tokens=20"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def ddplab(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`ddplab ARGS` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "ddplab", *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300,
+             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra,
+           "-m", "ddplab", *args]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A 60 KB slice of the embedded corpus as a user's text file."""
+    from ddplab.data.text_lm import embedded_corpus
+
+    path = tmp_path / "corpus.txt"
+    path.write_text(embedded_corpus()[:60_000])
+    return path

@@ -1,0 +1,77 @@
+"""The command line as a user meets it: bad input, a short run, its run folder, generation."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_GPT, assert_ok, ddplab
+
+
+@pytest.mark.parametrize("args, field", [
+    (["train", "no_such.yaml"], "no_such.yaml"),
+    (["train", "training.lr=abc"], "training.lr"),
+    (["train", "training.batch_size=-1"], "training.batch_size"),
+    (["train", "model.name=nope"], "model.name"),
+    (["train", "data.path=/no/such/corpus.txt"], "data.path"),
+    (["train", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["train", "--nproc-per-node", "two"], "--nproc-per-node"),
+    (["generate", "/no/such/run"], "/no/such/run"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, field, tmp_path):
+    proc = ddplab(*args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "experiments").exists()  # nothing started, nothing written
+
+
+def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
+    proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.epochs=2", "logging.tensorboard=true",
+                  "experiment.name=short", cwd=tmp_path)
+    assert_ok(proc)
+    run = tmp_path / "experiments" / "short"
+    for name in ("config.yaml", "env.json", "metrics.csv", "metrics.json", "train.log", "sample.txt"):
+        assert (run / name).is_file(), name
+    assert any((run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "best.pt").is_file()
+    assert "global batch = 8 per process x 1 accumulation x 1 processes = 8" in proc.stdout
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert float(rows[1]["val_loss"]) < float(rows[0]["val_loss"])  # it learns
+    for col in ("train_loss", "val_perplexity", "epoch_time_s", "samples_per_s", "tokens_per_s", "lr", "peak_mem_mb"):
+        assert float(rows[0][col]) > 0, col
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["status"] == "complete" and summary["ddp"]["world_size"] == 1
+    assert summary["dataset"]["train"] > 0 and summary["aggregates"]["epochs_completed"] == 2
+    env = json.loads((run / "env.json").read_text())
+    assert env["torch"] == torch.__version__ and env["world_size"] == 1
+    snap = torch.load(sorted((run / "checkpoints").glob("step-*/state.pt"))[-1], weights_only=True)
+    assert snap["trainer"]["epoch"] == 2
+
+    gen = ddplab("generate", str(run), "--prompt", "ROMEO.", "--max-new-tokens", "40", cwd=tmp_path)
+    assert_ok(gen)
+    assert gen.stdout.startswith("ROMEO.") and len(gen.stdout.strip()) >= 40
+
+    # The same name again: the finished run is kept, the new one gets a fresh folder.
+    again = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=2", "experiment.name=short",
+                   cwd=tmp_path)
+    assert_ok(again)
+    assert (tmp_path / "experiments" / "short-2" / "metrics.json").is_file()
+    assert len(list(csv.DictReader(open(run / "metrics.csv")))) == 2
+
+
+def test_resume_auto_continues_an_unfinished_run(tmp_path, corpus):
+    common = [f"data.path={corpus}", *TINY_GPT, "experiment.name=r", "training.epochs=3"]
+    assert_ok(ddplab("train", *common, "training.max_steps=10", cwd=tmp_path))
+    summary = json.loads((tmp_path / "experiments/r/metrics.json").read_text())
+    # max_steps ended it: complete, so a new folder would be used; mark it unfinished as a crash would leave it.
+    summary["status"] = "running"
+    (tmp_path / "experiments/r/metrics.json").write_text(json.dumps(summary))
+    proc = ddplab("train", *common, "training.max_steps=14", cwd=tmp_path)
+    assert_ok(proc)
+    assert "resumed from" in proc.stdout and "step 10" in proc.stdout
+    final = json.loads((tmp_path / "experiments/r/metrics.json").read_text())
+    assert final["aggregates"]["steps"] == 14
