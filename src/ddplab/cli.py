@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--seed", type=int, default=0)
 
+    pr = sub.add_parser("predict", help="label and probability for texts or images with a trained classifier")
+    pr.add_argument("run", help="run folder or checkpoint file")
+    pr.add_argument("inputs", nargs="*", help="texts, or image files")
+    pr.add_argument("--file", help="read one input per line from this file")
+    pr.add_argument("--batch-size", type=int, default=32)
+
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     v.add_argument("--nproc", type=int, default=2)
@@ -105,6 +111,24 @@ def cmd_generate(ns) -> int:
     return 0
 
 
+def cmd_predict(ns) -> int:
+    from pathlib import Path
+
+    from ddplab.predict import predict
+
+    items = list(ns.inputs)
+    if ns.file:
+        if not Path(ns.file).is_file():
+            raise UserError(f"--file: no such file: {ns.file}")
+        items += [line.rstrip("\n") for line in open(ns.file, encoding="utf-8") if line.strip()]
+    if not items:
+        raise UserError("predict: give inputs on the command line or --file")
+    _positive("--batch-size", ns.batch_size)
+    for item, label, prob in predict(ns.run, items, ns.batch_size):
+        print(f"{label}\t{prob:.4f}\t{item}")
+    return 0
+
+
 def cmd_verify(ns) -> int:
     from ddplab.verify import verify
 
@@ -113,7 +137,7 @@ def cmd_verify(ns) -> int:
     return verify(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "verify": cmd_verify}
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict, "verify": cmd_verify}
 
 
 def main(argv: list[str] | None = None) -> int:
