@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     v.add_argument("--nproc", type=int, default=2)
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss difference, relative")
-    v.add_argument("--weight-tolerance", type=float, default=1e-3, help="largest allowed weight difference")
+    v.add_argument("--weight-tolerance", type=float, default=1e-4, help="largest allowed weight difference")
     return p
 
 
