@@ -145,20 +145,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
+        self.resume()  # may replace self.state: read it only after
         t, s = self.cfg.training, self.state
-        self.resume()
         self.run.log(f"world size {self.ctx.world_size} ({self.ctx.launch.launcher}, backend {self.ctx.backend or 'none'}, "
                      f"device {self.ctx.device}); global batch = {self.batch['per_process']} per process x "
                      f"{self.batch['grad_accum_steps']} accumulation x {self.batch['world_size']} processes = "
                      f"{self.batch['global']}; lr {self.lr:g}; {self.steps_per_epoch} steps per epoch")
+        if t.max_steps and s.step >= t.max_steps:
+            s.stop_reason = "max_steps"
         while s.epoch < t.epochs and s.stop_reason is None:
             self.train_epoch()
             epoch_done = s.consumed == 0
             row = self.end_of_epoch(partial=not epoch_done)
+            self.run.log(self._format_row(row) + ("" if epoch_done else f" (stopped mid-epoch: {s.stop_reason})"))
             self.snapshot()
             if not epoch_done:
                 break
-            self.run.log(self._format_row(row))
         if s.stop_reason is None:
             s.stop_reason = "epochs"
         return s
@@ -190,8 +192,8 @@ class Trainer:
                 break
         if progress:
             progress.stop()
-        if s.stop_reason is None:
-            s.consumed = 0  # the epoch ran to its end
+        if s.consumed >= self.sampler.total_size:
+            s.consumed = 0  # the epoch ran to its end (possibly on the very step that stopped training)
 
     def train_step(self, micro: list) -> None:
         """One optimizer step over `micro` batches, syncing gradients only on the last."""
@@ -296,7 +298,8 @@ class Trainer:
             self.checkpoints.save_best(self.inference_payload(val_loss=None))
         if not partial:
             s.epoch += 1
-        s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_time = 0.0
+            # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers.
+            s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_time = 0.0
         return row
 
     # ------------------------------------------------------------------ evaluation
@@ -363,6 +366,9 @@ class Trainer:
         self.scaler.load_state_dict(snap["scaler"])
         self.state = TrainState(**snap["trainer"])
         self.state.stop_reason = None
+        # A row written when training stopped mid-epoch describes a point this run moves past.
+        while self.state.history and self.state.history[-1].get("partial"):
+            self.state.history.pop()
         if snap["world_size"] == self.ctx.world_size:
             set_rng_state(snap["rng"][self.ctx.rank])
         else:
