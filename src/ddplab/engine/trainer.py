@@ -43,6 +43,7 @@ class TrainState:
     epoch_samples: float = 0.0
     epoch_tokens: float = 0.0
     epoch_time: float = 0.0
+    epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
     history: list = field(default_factory=list)  # one dict per epoch
     steps: list = field(default_factory=list)  # one dict per log interval
     stop_reason: str | None = None
@@ -172,7 +173,9 @@ class Trainer:
         start = time.perf_counter()
         progress = self._progress(len(self.sampler))
         while True:
+            waited = time.perf_counter()
             micro = list(islice(batches, t.grad_accum_steps))
+            s.epoch_data_wait += time.perf_counter() - waited
             if not micro:
                 break
             self.train_step(micro)
@@ -277,13 +280,15 @@ class Trainer:
         eval_time = time.perf_counter() - t0
         peak = self.ctx.all_reduce(torch.tensor([peak_memory_mb(self.ctx.device)], device=self.ctx.device), "max").item()
         epoch_time = s.epoch_time
+        # The slowest rank's wait is what holds the others at the next all-reduce.
+        data_wait = self.ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=self.ctx.device), "max").item()
         row = {"epoch": s.epoch + 1, "step": s.step,
                "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
                **{f"val_{k}": v for k, v in val.items() if k != "samples"},
                "epoch_time_s": epoch_time, "eval_time_s": eval_time, "elapsed_s": s.elapsed,
                "samples_per_s": s.epoch_samples / epoch_time if epoch_time else None,
                "tokens_per_s": tokens / epoch_time if epoch_time and tokens else None,
-               "lr": self.scheduler.get_last_lr()[0], "peak_mem_mb": peak}
+               "lr": self.scheduler.get_last_lr()[0], "peak_mem_mb": peak, "data_wait_s": data_wait}
         if partial:
             row["partial"] = True
         s.history.append(row)
@@ -299,7 +304,7 @@ class Trainer:
         if not partial:
             s.epoch += 1
             # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers.
-            s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_time = 0.0
+            s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_time = s.epoch_data_wait = 0.0
         return row
 
     # ------------------------------------------------------------------ evaluation

@@ -1,0 +1,44 @@
+"""The same loop written for Lightning Fabric.
+
+    torchrun --standalone --nproc-per-node=N benchmarks/contenders/fabric_loop.py gpt 3 out.json
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import call, loss_fn, report, setup  # noqa: E402
+
+
+def main(workload: str, epochs: int, out: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    fabric.launch()
+    cfg, ctx, bundle, model = setup(workload, epochs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.training.weight_decay)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True,
+                                                 collate_fn=bundle.collate_fn))
+    times = []
+    for epoch in range(epochs):
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        for inputs, target in loader:
+            loss = loss_fn(call(model, inputs), target)
+            optimizer.zero_grad(set_to_none=True)
+            fabric.backward(loss)
+            optimizer.step()
+        times.append(time.perf_counter() - start)
+    report(out, times)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

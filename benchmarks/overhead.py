@@ -1,0 +1,88 @@
+"""ddplab against a hand-written DDP loop, HF Accelerate and Lightning Fabric.
+
+Same model, data, seed, per-process batch and process count for every contender; runs
+alternate between contenders so drifting machine load hits all of them alike. For each
+workload and process count it prints the median training time per epoch (the first epoch
+of every run is a warm-up and is not counted) and one line per pair:
+
+    ratio ddplab/<contender> <workload> nproc=<N> <value>
+
+plus ddplab's data-wait share: the time the slowest rank waited for its next batch, over
+the epoch time.
+
+    python benchmarks/overhead.py                      # all workloads, 1 and 2 processes, 5 runs each
+    python benchmarks/overhead.py --workloads gpt --nproc 2 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import WORKLOADS, machine  # noqa: E402
+
+CONTENDERS = {
+    "ddplab": "ddplab_run.py",
+    "handwritten": "handwritten.py",
+    "accelerate": "accelerate_loop.py",
+    "fabric": "fabric_loop.py",
+}
+
+
+def run_once(contender: str, workload: str, nproc: int, epochs: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(HERE / "contenders" / CONTENDERS[contender]), workload, str(epochs), str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"{contender} {workload} nproc={nproc} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--nproc", default="1,2")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is a warm-up")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    args = p.parse_args()
+    contenders = args.contenders.split(",")
+    print(f"machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
+    print(f"runs: {args.runs} per contender, alternating; {args.epochs} epochs per run, first one not counted")
+    for workload in args.workloads.split(","):
+        for nproc in (int(n) for n in args.nproc.split(",")):
+            times: dict[str, list[float]] = {c: [] for c in contenders}
+            waits: list[float] = []
+            for i in range(args.runs):
+                order = contenders[i % len(contenders):] + contenders[: i % len(contenders)]
+                for contender in order:
+                    result = run_once(contender, workload, nproc, args.epochs)
+                    times[contender].append(statistics.mean(result["epoch_times"][1:]))
+                    if contender == "ddplab":
+                        waits += [w / t for w, t in zip(result["data_wait_s"][1:], result["epoch_times"][1:]) if w is not None]
+            medians = {c: statistics.median(v) for c, v in times.items()}
+            print(f"\n{workload}, {nproc} process(es): median seconds per epoch")
+            for c in contenders:
+                spread = f"(min {min(times[c]):.3f}, max {max(times[c]):.3f})"
+                print(f"  {c:12s} {medians[c]:.3f} {spread}")
+            for c in contenders:
+                if c != "ddplab" and "ddplab" in medians:
+                    print(f"ratio ddplab/{c} {workload} nproc={nproc} {medians['ddplab'] / medians[c]:.3f}")
+            if waits:
+                print(f"data wait ddplab {workload} nproc={nproc} {100 * statistics.median(waits):.2f}% of epoch time")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
