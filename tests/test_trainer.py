@@ -57,3 +57,26 @@ def test_lr_scaling_with_world_size():
     assert scaled_lr(1e-3, "none", 8) == 1e-3
     assert scaled_lr(1e-3, "linear", 8) == pytest.approx(8e-3)
     assert scaled_lr(1e-3, "sqrt", 4) == pytest.approx(2e-3)
+
+
+def test_gpt_flops_per_token_matches_a_hand_count():
+    from ddplab.models.gpt import GPT, GPTConfig
+
+    c = GPTConfig(vocab_size=50, context=16, layers=2, heads=2, dim=32)
+    model = GPT(c)
+    # 6 FLOPs per parameter per token (forward + backward) without the position table,
+    # plus attention's 12 * layers * dim * context.
+    n = sum(p.numel() for p in model.parameters()) - 16 * 32
+    assert model.flops_per_token() == 6 * n + 12 * 2 * 32 * 16
+
+
+def test_mfu_only_for_known_gpus():
+    import torch
+
+    from ddplab.metrics.throughput import mfu
+
+    class M(torch.nn.Module):
+        def flops_per_token(self):
+            return 1e9
+
+    assert mfu(M(), 1000.0, torch.device("cpu"), 1) is None

@@ -157,6 +157,9 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
     if cuda:
         device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        # TF32 tensor cores for fp32 matmuls and convolutions (Ampere and later; ignored before).
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")
     chosen = None

@@ -27,6 +27,7 @@ from ddplab.engine.optim import Schedule, build_optimizer, scaled_lr
 from ddplab.engine.tasks import call_model, make_task, to_device
 from ddplab.errors import UserError
 from ddplab.metrics.run_folder import RunFolder
+from ddplab.metrics.throughput import mfu
 
 
 @dataclass
@@ -289,6 +290,9 @@ class Trainer:
                "samples_per_s": s.epoch_samples / epoch_time if epoch_time else None,
                "tokens_per_s": tokens / epoch_time if epoch_time and tokens else None,
                "lr": self.scheduler.get_last_lr()[0], "peak_mem_mb": peak, "data_wait_s": data_wait}
+        utilisation = mfu(self.raw, row["tokens_per_s"], self.ctx.device, self.ctx.world_size)
+        if utilisation is not None:
+            row["mfu"] = utilisation
         if partial:
             row["partial"] = True
         s.history.append(row)

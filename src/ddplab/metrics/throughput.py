@@ -1,0 +1,34 @@
+"""Model FLOPs utilisation: achieved training FLOP/s over the devices' peak.
+
+Peaks are dense bf16/fp16 tensor-core figures from the vendors' data sheets (the usual MFU
+reference, as in the PaLM paper); the model's FLOPs per token are its own estimate
+(`flops_per_token()`, forward + backward). Unknown devices and CPUs get no MFU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Device-name substring -> peak dense bf16 TFLOP/s. Longer, more specific names first.
+PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
+    "A10": 125.0, "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0, "T4": 65.0,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def mfu(model: torch.nn.Module, tokens_per_s: float | None, device: torch.device, world_size: int) -> float | None:
+    """Global tokens/s x FLOPs per token over (peak x processes); None where unknown."""
+    peak = peak_flops(device)
+    if not peak or not tokens_per_s or not hasattr(model, "flops_per_token"):
+        return None
+    return tokens_per_s * model.flops_per_token() / (peak * world_size)
