@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model (default: a character GPT on Shakespeare)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EpilogLazy())
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_config_help())
     t.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     t.add_argument("--nproc-per-node", type=int, default=None, help="launch N local processes (torch.distributed.run)")
     t.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times after a failure")
@@ -66,19 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss difference, relative")
     v.add_argument("--weight-tolerance", type=float, default=1e-4, help="largest allowed weight difference")
     return p
-
-
-class _EpilogLazy(str):
-    """Builds the config help only when --help is printed (no work at import)."""
-
-    def __new__(cls):
-        return str.__new__(cls, "")
-
-    def __str__(self) -> str:  # pragma: no cover - help text
-        return _config_help()
-
-    def __bool__(self) -> bool:
-        return True
 
 
 def _positive(name: str, value: int | None) -> None:
