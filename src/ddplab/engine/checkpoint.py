@@ -85,12 +85,16 @@ class Checkpointer:
         snaps = self.snapshots()
         return snaps[-1] if snaps else None
 
-    def clean_incomplete(self) -> None:
+    def clean_incomplete(self) -> list[str]:
+        """Remove what a kill during a save left behind; returns the names removed."""
         if not self.is_main or not self.root.is_dir():
-            return
-        for p in self.root.iterdir():
+            return []
+        removed = []
+        for p in sorted(self.root.iterdir()):
             if p.is_dir() and (p.name.startswith((".tmp-", ".old-")) or (p.name.startswith("step-") and not (p / MARKER).is_file())):
                 shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
 
     def save_snapshot(self, state: dict, step: int, info: dict) -> Path | None:
         """Rank 0 only writes; the caller holds the other ranks at a barrier."""

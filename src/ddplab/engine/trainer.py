@@ -408,7 +408,8 @@ class Trainer:
         how = self.cfg.checkpoint.resume
         if how == "never":
             return
-        self.checkpoints.clean_incomplete()
+        for name in self.checkpoints.clean_incomplete():
+            self.run.log(f"removed incomplete snapshot {name} (a save was interrupted)")
         self.ctx.barrier()
         if how == "auto":
             found = self.checkpoints.load_latest(self.run.log)
