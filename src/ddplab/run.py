@@ -15,6 +15,7 @@ from ddplab.config import Config, dump_yaml
 from ddplab.data import build_data
 from ddplab.engine.checkpoint import BEST, load_file
 from ddplab.engine.trainer import Trainer, batch_arithmetic, seed_everything
+from ddplab.errors import UserError
 from ddplab.metrics import env as env_info
 from ddplab.metrics.run_folder import RunFolder
 from ddplab.models import build_model
@@ -89,7 +90,7 @@ def train(cfg: Config) -> dict:
                 run.log("sample:\n" + text)
             return summary
         except Exception as exc:
-            if ctx.is_distributed:  # torchrun interleaves ranks' output: say whose error this is
+            if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
                 print(f"ddplab: rank {ctx.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             raise
         finally:
