@@ -161,11 +161,13 @@ def _trace(trace: Path) -> dict[int, dict[int, list[int]]]:
 
 def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sample_once(tmp_path, data,
                                                                                             monkeypatch):
-    """Pre-empted (SIGUSR1) after steps 3, 6 (end of epoch 1) and 9, then finished by ONE process."""
+    """Pre-empted (SIGUSR1, SIGTERM, SIGUSR1) after steps 3, 6 (end of epoch 1) and 9, then finished
+    by ONE process."""
     trace = tmp_path / "trace"
     args = _args(data, "p")
     for step in (3, 6, 9):  # workers started as srun does; the signal reaches one rank only
-        outs = _wait(_srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step}"))
+        sig = "TERM" if step == 6 else "USR1"
+        outs = _wait(_srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step},sig={sig}"))
         assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # EXIT_PREEMPTED, both ranks
         summary = _summary(tmp_path / "experiments" / "p")
         assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == ("preempted", "preempted", step)

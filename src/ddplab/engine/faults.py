@@ -7,7 +7,8 @@ Unset (always, outside tests) every hook below is a no-op. The value is comma-se
   kill_rank=R,step=S      rank R sends itself SIGKILL (a worker that dies without a word)
   raise_rank=R,step=S     rank R raises RuntimeError (an ordinary crash)
   hang_rank=R,step=S      rank R stops taking part (sleeps until SIGTERM/SIGKILL ends it)
-  signal_rank=R,step=S    rank R sends itself SIGUSR1, as SLURM does before pre-emption
+  signal_rank=R,step=S    rank R sends itself SIGUSR1 (or sig=TERM: SIGTERM), as SLURM does
+                          before pre-emption
   nan_rank=R,step=S       rank R's loss of step S becomes NaN
   crash_before_marker=S   rank 0 dies after writing snapshot S's data, before its COMPLETE marker
   trace=DIR               each rank appends "epoch index" for every sample it trains on to
@@ -47,7 +48,7 @@ class Faults:
         if self._fires("raise", step):
             raise RuntimeError(f"injected fault on rank {self.rank} after step {step}")
         if self._fires("signal", step):
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.Signals["SIG" + self.items.get("sig", "USR1")])
         if self._fires("hang", step):
             # A stuck rank: it ignores the job, but the launcher's SIGTERM still ends it.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

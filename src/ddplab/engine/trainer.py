@@ -156,10 +156,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
-        t, s = self.cfg.training, self.state
         if not self._resumed:
             self.resume()
-        s = self.state
+        t, s = self.cfg.training, self.state
         self.run.log(f"world size {self.ctx.world_size} ({self.ctx.launch.launcher}, backend {self.ctx.backend or 'none'}, "
                      f"device {self.ctx.device}); global batch = {self.batch['per_process']} per process x "
                      f"{self.batch['grad_accum_steps']} accumulation x {self.batch['world_size']} processes = "
