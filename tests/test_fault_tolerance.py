@@ -66,10 +66,17 @@ def _same_as_reference(run: Path, reference: Path) -> None:
 
 
 def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, data, reference, monkeypatch):
-    monkeypatch.setenv("DDPLAB_FAULT", "kill_rank=1,step=9")  # the last snapshot is step 8, mid-epoch 2
-    proc = ddplab("train", "--nproc-per-node", "2", "--max-restarts", "1", *_args(data, "k")[1:], cwd=tmp_path)
+    monkeypatch.setenv("DDPLAB_FAULT", "kill_rank=1,step=10")  # the last snapshot is step 8, mid-epoch 2
+    proc = ddplab("train", "--nproc-per-node", "2", "--max-restarts", "1", *_args(data, "k")[1:],
+                  "logging.tensorboard=true", cwd=tmp_path)
     assert_ok(proc)
     run = tmp_path / "experiments" / "k"
+    assert (run / "train.log").read_text().count("epoch 2 step 9:") == 2  # logged by the attempt that died, too
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))  # step 9 once
     assert "step-000000008 (epoch 2, step 8, 32 samples into the epoch" in (run / "train.log").read_text()
     _same_as_reference(run, reference)
     summary = _summary(run)
