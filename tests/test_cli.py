@@ -17,6 +17,7 @@ from conftest import TINY_GPT, assert_ok, ddplab
     (["train", "data.path=/no/such/corpus.txt"], "data.path"),
     (["train", "--nproc-per-node", "0"], "--nproc-per-node"),
     (["train", "--nproc-per-node", "two"], "--nproc-per-node"),
+    (["train", "--max-restarts", "-1"], "--max-restarts"),
     (["generate", "/no/such/run"], "/no/such/run"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, field, tmp_path):

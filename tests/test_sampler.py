@@ -58,3 +58,32 @@ def _ranks(data, world, start):
 def test_shard_sampler_counts_each_sample_once():
     shards = [list(ShardSampler(11, r, 3)) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(11))
+
+
+class _CountingDataset:
+    """Counts item reads: resuming must read the next batch, not the ones before it."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.reads += 1
+        return i
+
+
+@pytest.mark.parametrize("position", [0.1, 0.9])
+def test_resume_seeks_without_reading_the_consumed_batches(position):
+    from torch.utils.data import DataLoader
+
+    data = _CountingDataset(10_000)
+    consumed = int(len(data) * position) // 16 * 16  # whole global batches of 2 ranks x 8
+    sampler = ResumableDistributedSampler(data, 2, 1, seed=3)
+    sampler.set_epoch(4, start=consumed)
+    first = next(iter(DataLoader(data, batch_size=8, sampler=sampler)))
+    assert data.reads == 8  # one batch read, whatever the position
+    unbroken = DistributedSampler(data, 2, 1, seed=3)
+    unbroken.set_epoch(4)
+    assert first.tolist() == list(unbroken)[consumed // 2 : consumed // 2 + 8]

@@ -79,14 +79,21 @@ def cmd_train(ns) -> int:
     config, overrides = split_args(ns.args)
     cfg = load_config(config, overrides)
     _positive("--nproc-per-node", ns.nproc_per_node)
+    if ns.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if ns.nproc_per_node or ns.max_restarts:
         from ddplab.launch import run_workers
 
         return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ddplab.engine.preemption import EXIT_PREEMPTED
     from ddplab.run import train
 
-    train(cfg)
-    return 0
+    # record(): under torchrun, the failing rank's exception is written where the launcher
+    # prints it in its failure summary.
+    summary = record(train)(cfg)
+    return EXIT_PREEMPTED if summary["status"] == "preempted" else 0
 
 
 def cmd_generate(ns) -> int:

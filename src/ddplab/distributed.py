@@ -169,6 +169,9 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
             os.environ.setdefault("MASTER_ADDR", launch.master_addr or "localhost")
             os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         kwargs = {"device_id": device} if chosen == "nccl" else {}
+        store = attempt_store(launch, timeout_s)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(
             backend=chosen,
             rank=launch.rank,
@@ -192,6 +195,20 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
                     dist.barrier()
             gc.collect()
             dist.destroy_process_group()
+
+
+def attempt_store(launch: LaunchInfo, timeout_s: float):
+    """torchrun's own store, under a prefix per restart attempt (None outside torchrun).
+
+    The agent's store outlives a `--max-restarts` restart; without the prefix, workers of
+    the new attempt can read the dead attempt's peer addresses and fail to connect.
+    """
+    if launch.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"ddplab/attempt-{attempt}", base)
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float = 25.0,

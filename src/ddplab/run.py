@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -14,12 +15,14 @@ from ddplab.config import Config, dump_yaml
 from ddplab.data import build_data
 from ddplab.engine.checkpoint import BEST, load_file
 from ddplab.engine.trainer import Trainer, batch_arithmetic, seed_everything
+from ddplab.errors import UserError
 from ddplab.metrics import env as env_info
 from ddplab.metrics.run_folder import RunFolder
 from ddplab.models import build_model
 
 
 def finished(run_dir: Path) -> bool:
+    """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
     try:
         return json.loads((run_dir / "metrics.json").read_text()).get("status") == "complete"
     except (OSError, ValueError):
@@ -57,10 +60,16 @@ def train(cfg: Config) -> dict:
             model = build_model(cfg, bundle)
             seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
             trainer = Trainer(cfg, ctx, bundle, model, run)
+            trainer.resume()
             summary = _summary(cfg, ctx, bundle, trainer, status="running")
             run.write_json("metrics.json", summary)
             start = time.time()
             state = trainer.fit()
+            if state.stop_reason == "preempted":
+                summary = _summary(cfg, ctx, bundle, trainer, status="preempted")
+                run.write_json("metrics.json", summary)
+                run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
+                return summary
             digests = ctx.gather_objects(parameter_digest(trainer.raw))
             if len(set(digests)) > 1:
                 run.log(f"WARNING: parameters differ between ranks after training: {digests}")
@@ -80,6 +89,10 @@ def train(cfg: Config) -> dict:
                 (run_dir / "sample.txt").write_text(text)
                 run.log("sample:\n" + text)
             return summary
+        except Exception as exc:
+            if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
+                print(f"ddplab: rank {ctx.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            raise
         finally:
             if trainer is not None:
                 trainer.close()
@@ -114,7 +127,8 @@ def _summary(cfg: Config, ctx, bundle, trainer: Trainer, status: str, test: dict
     rates = [r["samples_per_s"] for r in full if r.get("samples_per_s")]
     last = s.history[-1] if s.history else {}
     aggregates = {
-        "epochs_completed": s.epoch, "steps": s.step, "train_time_s": s.elapsed,
+        "epochs_completed": s.epoch, "steps": s.step, "train_time_s": s.elapsed, "resumes": s.resumes,
+        "time_budget_s": trainer.budget,
         "mean_epoch_time_s": sum(times) / len(times) if times else None,
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
         "best_val_loss": s.best_val_loss if s.best_epoch else None, "best_epoch": s.best_epoch,

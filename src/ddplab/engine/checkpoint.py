@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from ddplab.engine import faults
 from ddplab.errors import UserError
 
 MARKER = "COMPLETE"
@@ -50,11 +52,20 @@ def load_file(path: str | Path) -> dict:
     except FileNotFoundError:
         raise UserError(f"checkpoint not found: {path}") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not ours"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"cannot load checkpoint {path}: not a complete ddplab checkpoint ({first[:160]})") from None
+        raise UserError(f"cannot load checkpoint {path}: {_why(str(exc))}") from None
     if not isinstance(obj, dict) or "model" not in obj:
-        raise UserError(f"cannot load checkpoint {path}: not a ddplab checkpoint")
+        raise UserError(f"cannot load checkpoint {path}: not a ddplab checkpoint (no model weights)")
     return obj
+
+
+def _why(message: str) -> str:
+    """torch.load's long explanations, as a few words."""
+    unsafe = re.search(r"GLOBAL ([\w.]+)", message)
+    if unsafe:
+        return f"it holds Python objects ({unsafe.group(1)}) that could run code when loaded; refused (weights_only=True)"
+    if "central directory" in message or "zip archive" in message or "eof" in message.lower():
+        return "the file is truncated or not a torch checkpoint"
+    return "not a torch checkpoint"
 
 
 class Checkpointer:
@@ -74,12 +85,16 @@ class Checkpointer:
         snaps = self.snapshots()
         return snaps[-1] if snaps else None
 
-    def clean_incomplete(self) -> None:
+    def clean_incomplete(self) -> list[str]:
+        """Remove what a kill during a save left behind; returns the names removed."""
         if not self.is_main or not self.root.is_dir():
-            return
-        for p in self.root.iterdir():
-            if p.is_dir() and (p.name.startswith(".tmp-") or (p.name.startswith("step-") and not (p / MARKER).is_file())):
+            return []
+        removed = []
+        for p in sorted(self.root.iterdir()):
+            if p.is_dir() and (p.name.startswith((".tmp-", ".old-")) or (p.name.startswith("step-") and not (p / MARKER).is_file())):
                 shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
 
     def save_snapshot(self, state: dict, step: int, info: dict) -> Path | None:
         """Rank 0 only writes; the caller holds the other ranks at a barrier."""
@@ -94,6 +109,7 @@ class Checkpointer:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        faults.current().before_marker(step)
         marker_fd = os.open(tmp / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(marker_fd, json.dumps(info).encode())
@@ -101,8 +117,10 @@ class Checkpointer:
         finally:
             os.close(marker_fd)
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # the same step saved twice (a step snapshot that ends an epoch)
+            old = self.root / f".old-step-{step:09d}"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(self.root)
         for old in self.snapshots()[: -self.keep_last]:

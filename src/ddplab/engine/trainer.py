@@ -2,6 +2,10 @@
 
 fit() = resume -> [train an epoch -> evaluate -> record -> snapshot] until done -> test.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
+
+Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1), so
+they all snapshot the same step; a snapshot holds everything needed to continue exactly
+(weights, optimizer, schedule, scaler, position in the epoch, every rank's RNG streams).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from torch.utils.data import DataLoader
 from ddplab.config import Config, parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
 from ddplab.distributed import DistContext, unwrap, wrap_model
+from ddplab.engine import faults
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.optim import Schedule, build_optimizer, scaled_lr
+from ddplab.engine.preemption import StopSignals
 from ddplab.engine.tasks import call_model, make_task, to_device
 from ddplab.errors import UserError
 from ddplab.metrics.run_folder import RunFolder
@@ -37,7 +43,7 @@ class TrainState:
     epoch: int = 0  # epochs fully completed
     step: int = 0  # optimizer steps taken
     consumed: int = 0  # samples of the current epoch's global order already trained on
-    elapsed: float = 0.0  # training seconds, across restarts
+    elapsed: float = 0.0  # seconds inside fit() (training, evaluation, snapshots), across restarts
     best_val_loss: float = math.inf
     best_epoch: int | None = None
     epoch_loss_sum: float = 0.0  # global, for the epoch in progress
@@ -47,7 +53,8 @@ class TrainState:
     epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
     history: list = field(default_factory=list)  # one dict per epoch
     steps: list = field(default_factory=list)  # one dict per log interval
-    stop_reason: str | None = None
+    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted
+    resumes: int = 0  # how many times this run was resumed from a snapshot
 
 
 def batch_arithmetic(cfg: Config, world_size: int) -> dict:
@@ -112,13 +119,17 @@ class Trainer:
 
         self.sampler = ResumableDistributedSampler(bundle.train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.experiment.seed)
-        self.train_loader = self._loader(bundle.train, self.sampler)
+        self.faults = faults.current()  # test-only hooks; no-ops unless DDPLAB_FAULT is set
+        self.train_loader = self._loader(bundle.train, self.faults.traced(self.sampler))
         self.steps_per_epoch = math.ceil(len(self.train_loader) / t.grad_accum_steps)
         total = t.max_steps or self.steps_per_epoch * t.epochs
         self.scheduler = Schedule(self.optimizer, t, total)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.checkpoints = Checkpointer(run.path / "checkpoints", ctx.is_main, cfg.checkpoint.keep_last)
+        self.signals = StopSignals()
+        self._resumed = False
+        self._mark = time.perf_counter()
         self._bad_step = torch.full((), -1, dtype=torch.long, device=ctx.device)
         self._interval = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, samples, tokens since last log
 
@@ -147,43 +158,69 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
-        self.resume()  # may replace self.state: read it only after
+        if not self._resumed:
+            self.resume()
         t, s = self.cfg.training, self.state
         self.run.log(f"world size {self.ctx.world_size} ({self.ctx.launch.launcher}, backend {self.ctx.backend or 'none'}, "
                      f"device {self.ctx.device}); global batch = {self.batch['per_process']} per process x "
                      f"{self.batch['grad_accum_steps']} accumulation x {self.batch['world_size']} processes = "
                      f"{self.batch['global']}; lr {self.lr:g}; {self.steps_per_epoch} steps per epoch")
-        if t.max_steps and s.step >= t.max_steps:
-            s.stop_reason = "max_steps"
-        while s.epoch < t.epochs and s.stop_reason is None:
-            self.train_epoch()
-            epoch_done = s.consumed == 0
-            row = self.end_of_epoch(partial=not epoch_done)
-            self.run.log(self._format_row(row) + ("" if epoch_done else f" (stopped mid-epoch: {s.stop_reason})"))
-            self.snapshot()
-            if not epoch_done:
-                break
+        self.signals.install()
+        self._mark = time.perf_counter()
+        try:
+            if t.max_steps and s.step >= t.max_steps:
+                s.stop_reason = "max_steps"
+            while s.epoch < t.epochs and s.stop_reason is None:
+                if self.train_epoch():
+                    row = self.end_of_epoch()
+                    self.snapshot()
+                    self.run.log(self._format_row(row))
+                else:
+                    self.stop_mid_epoch()
+        finally:
+            self.signals.restore()
         if s.stop_reason is None:
             s.stop_reason = "epochs"
         return s
 
-    def train_epoch(self) -> None:
+    def stop_mid_epoch(self) -> None:
+        """Snapshot where the stop happened; then (unless pre-empted) evaluate and record it."""
+        s = self.state
+        self.snapshot()
+        self.run.log(f"stopped ({s.stop_reason}) after step {s.step}, {s.consumed} samples into epoch {s.epoch + 1}; "
+                     f"snapshot saved")
+        if s.stop_reason != "preempted":
+            # A row for the part-epoch, after the snapshot: a resumed run finishes the epoch
+            # from the snapshot's sums, so metrics.csv never holds the epoch twice.
+            self.end_of_epoch(partial=True)
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        self.state.elapsed += now - self._mark
+        self._mark = now
+
+    def train_epoch(self) -> bool:
+        """Train until the epoch ends (True) or a stop is agreed (False)."""
         t, s = self.cfg.training, self.state
         self.sampler.set_epoch(s.epoch, start=s.consumed)
+        # Worker seeds come from the loader's own generator: a function of the epoch only,
+        # so a resumed epoch hands its workers the same seeds.
+        self.train_loader.generator.manual_seed(self.cfg.experiment.seed + s.epoch)
         batches = iter(self.train_loader)
+        left = len(self.sampler)  # samples still to come on this rank
         start = time.perf_counter()
-        progress = self._progress(len(self.sampler))
-        while True:
+        progress = self._progress(left)
+        while left > 0:
             waited = time.perf_counter()
             micro = list(islice(batches, t.grad_accum_steps))
             s.epoch_data_wait += time.perf_counter() - waited
             if not micro:
                 break
             self.train_step(micro)
-            now = time.perf_counter()
-            s.elapsed += now - start
-            s.epoch_time += now - start
-            start = now
+            left -= sum(len(b[1]) for b in micro)
+            self.faults.after_step(s.step)
+            s.epoch_time += time.perf_counter() - start
+            self._tick()
             if progress:
                 progress.update(progress.task_ids[0], advance=sum(len(b[1]) for b in micro))
             if s.step % self.cfg.logging.log_every == 0:
@@ -192,12 +229,15 @@ class Trainer:
                 self.snapshot()
             if self.cfg.training.eval_every and s.step % self.cfg.training.eval_every == 0:
                 self.run.log(f"step {s.step}: " + self._format_metrics(self.evaluate(self.bundle.val, "val")))
+            start = time.perf_counter()
             if self._should_stop():
                 break
         if progress:
             progress.stop()
-        if s.consumed >= self.sampler.total_size:
-            s.consumed = 0  # the epoch ran to its end (possibly on the very step that stopped training)
+        if left > 0 and s.stop_reason is not None:
+            return False
+        s.consumed = 0
+        return True
 
     def train_step(self, micro: list) -> None:
         """One optimizer step over `micro` batches, syncing gradients only on the last."""
@@ -211,7 +251,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not self.ctx.is_distributed else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    loss = self.task.loss(call_model(self.model, inputs), target)
+                    loss = self.faults.loss(self.task.loss(call_model(self.model, inputs), target), s.step + 1)
                 self.scaler.scale(loss / n).backward()
             counts[0] += loss.detach().double() * len(target)
             counts[1] += len(target)
@@ -221,9 +261,13 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.training.clip_grad_norm)
         if self.cfg.training.nonfinite == "skip" and not self._all_finite(loss_sum):
-            self.run.log(f"step {s.step + 1}: non-finite loss on some rank; step skipped")
+            # Every rank agrees (reduced flag), so all skip the same step and stay identical.
+            self.run.log(f"step {s.step + 1}: non-finite loss on some rank; step skipped (training.nonfinite=skip)")
+            if self.scaler.is_enabled():  # the scaler skips non-finite gradients itself and lowers its scale
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update() if self.scaler.is_enabled() else None
+            counts.zero_()  # keep the skipped loss out of the logged mean
         else:
             self._bad_step = torch.where((self._bad_step < 0) & ~torch.isfinite(loss_sum),
                                          torch.full_like(self._bad_step, s.step + 1), self._bad_step)
@@ -262,17 +306,26 @@ class Trainer:
             self.run.log(f"epoch {s.epoch + 1} step {s.step}: loss {loss:.4f} lr {lr:.3e}")
 
     def _should_stop(self) -> bool:
+        """Agree on stopping after this step: every rank must stop at the same step, or one
+        would wait forever in a collective for another."""
         s, t = self.state, self.cfg.training
         if t.max_steps and s.step >= t.max_steps:
-            s.stop_reason = "max_steps"
-        elif self.budget is not None:
-            # Clocks differ between ranks: agree, or one rank would wait forever for another.
-            over = torch.tensor([float(s.elapsed >= self.budget)], device=self.ctx.device)
-            if self.ctx.all_reduce(over, "max").item() > 0:
-                s.stop_reason = "time_budget"
+            s.stop_reason = "max_steps"  # the same on every rank without asking
+            return True
+        over = self.budget is not None and s.elapsed >= self.budget
+        flags = torch.tensor([float(over), float(self.signals.received is not None)], device=self.ctx.device)
+        over, signalled = self.ctx.all_reduce(flags, "max").tolist()
+        if signalled:
+            s.stop_reason = "preempted"
+            self.run.log(f"stop signal ({self.signals.received or 'on another rank'}) after step {s.step}: "
+                         f"snapshotting and exiting")
+        elif over:
+            s.stop_reason = "time_budget"
+            self.run.log(f"time budget {self.cfg.training.time_budget} reached after step {s.step} "
+                         f"({s.elapsed:.1f} s spent)")
         return s.stop_reason is not None
 
-    def end_of_epoch(self, partial: bool) -> dict:
+    def end_of_epoch(self, partial: bool = False) -> dict:
         s = self.state
         self.log_interval()
         tokens = s.epoch_tokens
@@ -345,22 +398,27 @@ class Trainer:
     def snapshot(self) -> None:
         """A collective: every rank hands its RNG state to rank 0, which writes."""
         self.log_interval()
+        self._tick()
         rngs = self.ctx.gather_objects(rng_state())
         s = self.state
         if self.ctx.is_main:
             state = {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                      "trainer": asdict(s), "rng": rngs, "world_size": self.ctx.world_size,
+                     "sampler": {"seed": self.sampler.seed, "epoch": s.epoch, "consumed": s.consumed},
                      "config": self.cfg.to_dict(), "meta": self.bundle.meta}
             self.checkpoints.save_snapshot(state, s.step, {"step": s.step, "epoch": s.epoch, "consumed": s.consumed,
                                                            "world_size": self.ctx.world_size})
         self.ctx.barrier()
 
     def resume(self) -> None:
+        """Load the newest complete snapshot (checkpoint.resume=auto) or the one named."""
+        self._resumed = True
         how = self.cfg.checkpoint.resume
         if how == "never":
             return
-        self.checkpoints.clean_incomplete()
+        for name in self.checkpoints.clean_incomplete():
+            self.run.log(f"removed incomplete snapshot {name} (a save was interrupted)")
         self.ctx.barrier()
         if how == "auto":
             found = self.checkpoints.load_latest(self.run.log)
@@ -375,17 +433,20 @@ class Trainer:
         self.scaler.load_state_dict(snap["scaler"])
         self.state = TrainState(**snap["trainer"])
         self.state.stop_reason = None
-        # A row written when training stopped mid-epoch describes a point this run moves past.
-        while self.state.history and self.state.history[-1].get("partial"):
-            self.state.history.pop()
+        self.state.resumes += 1
         if snap["world_size"] == self.ctx.world_size:
             set_rng_state(snap["rng"][self.ctx.rank])
         else:
-            # Other world size: the remaining samples are re-divided (see the sampler);
-            # per-rank random streams cannot carry over, so they are reseeded.
+            # The remaining samples of the epoch are re-divided among the new ranks (see the
+            # sampler); per-rank random streams cannot carry over, so they are reseeded.
             seed_everything(self.cfg.experiment.seed + 1000 * self.state.step + self.ctx.rank)
+            self.run.log(f"world size changed from {snap['world_size']} to {self.ctx.world_size}: the rest of epoch "
+                         f"{self.state.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample "
+                         f"repeated or lost); dropout streams are reseeded, so the run is no longer bit-identical")
+        # Events logged after the snapshot by the attempt that died are dropped from TensorBoard.
+        self.run.purge_step = self.state.step + 1
         self.run.log(f"resumed from {where} (epoch {self.state.epoch + 1}, step {self.state.step}, "
-                     f"{self.state.consumed} samples into the epoch)")
+                     f"{self.state.consumed} samples into the epoch, {self.state.elapsed:.1f} s already spent)")
 
     # ------------------------------------------------------------------ presentation
     def _progress(self, total: int):

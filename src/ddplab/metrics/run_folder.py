@@ -46,13 +46,13 @@ class RunFolder:
         self.is_main = is_main
         self.console = Console(stderr=False, highlight=False, soft_wrap=True)
         self.tb = None
+        self._tensorboard = tensorboard and is_main
+        # Opened at the first scalar, so that a resumed run can first set the step from which
+        # the events of the attempt that died are purged.
+        self.purge_step = purge_step
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
             self._log = open(self.path / "train.log", "a", buffering=1)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(log_dir=str(self.path / "tensorboard"), purge_step=purge_step)
 
     # -- what rank 0 prints -------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -84,8 +84,12 @@ class RunFolder:
         os.replace(tmp, self.path / "metrics.csv")
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
-        if self.tb is None:
+        if not self._tensorboard:
             return
+        if self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.path / "tensorboard"), purge_step=self.purge_step)
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self.tb.add_scalar(f"{prefix}/{k}", v, step)

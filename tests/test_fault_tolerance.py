@@ -1,0 +1,242 @@
+"""Kills, crashes, hangs, NaNs and pre-emption in real 2-process gloo jobs (faults injected
+through DDPLAB_FAULT, see ddplab/engine/faults.py), checked against an unbroken run."""
+
+import csv
+import json
+import math
+import re
+import socket
+import subprocess
+import sys
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
+from ddplab.engine.checkpoint import Checkpointer
+
+SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
+
+
+def _args(corpus: Path, name: str) -> list[str]:
+    return ["train", f"data.path={corpus}", *TINY_GPT, f"data.limit={SAMPLES}", "training.epochs=2",
+            "checkpoint.every=2", "logging.log_every=1", "generate.max_new_tokens=0", "distributed.timeout=60",
+            f"experiment.name={name}"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from ddplab.data.text_lm import embedded_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(embedded_corpus()[:20_000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data) -> Path:
+    """The same job, never interrupted."""
+    cwd = tmp_path_factory.mktemp("reference")
+    assert_ok(torchrun(2, *_args(data, "ref"), cwd=cwd))
+    return cwd / "experiments" / "ref"
+
+
+def _weights(run: Path) -> dict:
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    return ck.load_snapshot(ck.latest())["model"]
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in _summary(run)["steps"]]
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _same_as_reference(run: Path, reference: Path) -> None:
+    mine, ref = _weights(run), _weights(reference)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    assert _losses(run) == _losses(reference)  # every step's loss, bit for bit
+    assert [r["epoch"] for r in csv.DictReader(open(run / "metrics.csv"))] == ["1", "2"]  # no duplicated rows
+
+
+def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, data, reference, monkeypatch):
+    monkeypatch.setenv("DDPLAB_FAULT", "kill_rank=1,step=10")  # the last snapshot is step 8, mid-epoch 2
+    proc = ddplab("train", "--nproc-per-node", "2", "--max-restarts", "1", *_args(data, "k")[1:],
+                  "logging.tensorboard=true", cwd=tmp_path)
+    assert_ok(proc)
+    run = tmp_path / "experiments" / "k"
+    assert (run / "train.log").read_text().count("epoch 2 step 9:") == 2  # logged by the attempt that died, too
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))  # step 9 once
+    assert "step-000000008 (epoch 2, step 8, 32 samples into the epoch" in (run / "train.log").read_text()
+    _same_as_reference(run, reference)
+    summary = _summary(run)
+    assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1
+
+
+def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
+    env = _env() | {"DDPLAB_FAULT": "kill_rank=1,step=3"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
+           *_args(data, "dead")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    ended = datetime.now()
+    assert proc.returncode != 0
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", proc.stderr), proc.stderr[-2000:]
+    assert "ddplab: rank 0 failed" in proc.stderr  # the survivor says why it stopped, and does not hang
+    last = (tmp_path / "experiments" / "dead" / "train.log").read_text().strip().splitlines()[-1]
+    assert "step 2:" in last  # step 3's loss is reduced after rank 1 died: rank 0 fails there
+    assert (ended - datetime.strptime(last[:19], "%Y-%m-%d %H:%M:%S")).total_seconds() < 60  # distributed.timeout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _srun_like(tmp_path: Path, args: list[str], fault: str) -> list[subprocess.Popen]:
+    """Two workers started as srun would: rank variables set, no launcher watching them."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "DDPLAB_FAULT": fault}
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddplab", *args], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each worker; a hang fails the test instead of the suite."""
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        results.append((p.returncode, out, err))
+    return results
+
+
+def test_an_exception_on_one_rank_ends_every_rank_without_a_launcher(tmp_path, data):
+    (code0, _, err0), (code1, _, err1) = _wait(_srun_like(tmp_path, _args(data, "crash"), "raise_rank=1,step=3"))
+    assert code0 != 0 and code1 != 0
+    assert "ddplab: rank 1 failed: RuntimeError: injected fault on rank 1 after step 3" in err1
+    assert "ddplab: rank 0 failed" in err0
+
+
+def test_a_hung_rank_fails_the_others_at_the_process_group_timeout(tmp_path, data):
+    args = [*_args(data, "hang"), "distributed.timeout=5"]
+    procs = _srun_like(tmp_path, args, "hang_rank=1,step=3")
+    try:
+        out, err = procs[0].communicate(timeout=240)
+        assert procs[0].returncode != 0 and "ddplab: rank 0 failed" in err
+        assert procs[1].poll() is None  # rank 1 is still stuck: rank 0 did not wait for it
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+
+
+def test_a_kill_between_snapshot_data_and_marker_resumes_from_the_previous_snapshot(tmp_path, data, reference,
+                                                                                     monkeypatch):
+    monkeypatch.setenv("DDPLAB_FAULT", "crash_before_marker=8")  # complete before it: step 6 (and 4)
+    proc = ddplab("train", "--nproc-per-node", "2", "--max-restarts", "1", *_args(data, "m")[1:], cwd=tmp_path)
+    assert_ok(proc)
+    run = tmp_path / "experiments" / "m"
+    log = (run / "train.log").read_text()
+    assert "removed incomplete snapshot .tmp-step-000000008" in log
+    assert "step-000000006 (epoch 2, step 6, 0 samples into the epoch" in log
+    _same_as_reference(run, reference)
+
+
+def _trace(trace: Path) -> dict[int, dict[int, list[int]]]:
+    """epoch -> rank -> indices in the order trained."""
+    seen: dict = {}
+    for path in trace.glob("rank*.txt"):
+        rank = int(path.stem[4:])
+        for line in path.read_text().split("\n")[:-1]:
+            epoch, index = map(int, line.split())
+            seen.setdefault(epoch, {}).setdefault(rank, []).append(index)
+    return seen
+
+
+def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sample_once(tmp_path, data,
+                                                                                            monkeypatch):
+    """Pre-empted (SIGUSR1, SIGTERM, SIGUSR1) after steps 3, 6 (end of epoch 1) and 9, then finished
+    by ONE process."""
+    trace = tmp_path / "trace"
+    args = _args(data, "p")
+    for step in (3, 6, 9):  # workers started as srun does; the signal reaches one rank only
+        sig = "TERM" if step == 6 else "USR1"
+        outs = _wait(_srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step},sig={sig}"))
+        assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # EXIT_PREEMPTED, both ranks
+        summary = _summary(tmp_path / "experiments" / "p")
+        assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == ("preempted", "preempted", step)
+    monkeypatch.setenv("DDPLAB_FAULT", f"trace={trace}")
+    proc = ddplab(*args, cwd=tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process
+    assert_ok(proc)
+    assert "world size changed from 2 to 1" in proc.stdout
+    summary = _summary(tmp_path / "experiments" / "p")
+    assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 3
+    assert summary["aggregates"]["epochs_completed"] == 2 and summary["aggregates"]["steps"] == 9 + 6
+
+    seen = _trace(trace)
+    assert sorted(seen) == [0, 1]
+    for epoch, ranks in seen.items():
+        everything = Counter(i for indices in ranks.values() for i in indices)
+        assert sorted(everything) == list(range(SAMPLES)) and set(everything.values()) == {1}, epoch
+    for rank in (0, 1):  # epoch 1, stopped twice, is exactly DistributedSampler's order
+        expected = DistributedSampler(range(SAMPLES), 2, rank, seed=1337)
+        expected.set_epoch(0)
+        assert seen[0][rank] == list(expected)
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, monkeypatch, mode):
+    args = [*_args(data, mode), f"training.nonfinite={mode}", "training.max_steps=7"]
+    outs = _wait(_srun_like(tmp_path, args, "nan_rank=1,step=5"))
+    run = tmp_path / "experiments" / mode
+    if mode == "stop":
+        for code, _, err in outs:  # each rank, the same step, one line, exit 2
+            assert code == 2 and err.strip().splitlines()[-1].startswith("ddplab: error: non-finite loss at step 5"), err
+        assert "epoch 1 step 6:" not in (run / "train.log").read_text()
+    else:
+        assert [code for code, _, _ in outs] == [0, 0], outs[0][2][-2000:]
+        assert "step 5: non-finite loss on some rank; step skipped (training.nonfinite=skip)" in outs[0][1]
+        summary = _summary(run)
+        assert summary["ddp"]["ranks_identical"] and summary["aggregates"]["steps"] == 7
+        steps = summary["steps"]  # the skipped step has no loss to report
+        assert [r["step"] for r in steps] == [1, 2, 3, 4, 6, 7] and all(math.isfinite(r["loss"]) for r in steps)
+        assert all(torch.isfinite(w).all() for w in _weights(run).values())
+
+
+def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data, monkeypatch):
+    args = [*_args(data, "tb"), "training.epochs=1000", "training.time_budget=2s", "checkpoint.every=null"]
+    monkeypatch.setenv("DDPLAB_FAULT", "signal_rank=0,step=4")
+    first = ddplab(*args, cwd=tmp_path)
+    assert first.returncode == 75, first.stderr[-2000:]  # EXIT_PREEMPTED: requeue me
+    assert "stop signal (SIGUSR1) after step 4" in first.stdout
+    run = tmp_path / "experiments" / "tb"
+    spent = _summary(run)["aggregates"]["train_time_s"]
+    assert spent > 0 and _summary(run)["status"] == "preempted"
+
+    monkeypatch.delenv("DDPLAB_FAULT")
+    second = ddplab(*args, cwd=tmp_path)
+    assert_ok(second)
+    summary = _summary(run)
+    agg = summary["aggregates"]
+    assert summary["stop_reason"] == "time_budget" and summary["status"] == "complete"
+    assert agg["time_budget_s"] == 2 and agg["train_time_s"] >= 2 and agg["resumes"] == 1
+    last = summary["epochs"][-1]  # evaluated at the stop (a part-epoch, unless it ended one)
+    assert agg["steps"] > 4 and agg["epochs_completed"] == last["epoch"] - (1 if last.get("partial") else 0)
+    assert last["step"] == agg["steps"] and last["val_loss"] > 0
+    elapsed = [r["elapsed_s"] for r in summary["steps"]]
+    assert elapsed == sorted(elapsed) and elapsed[4] >= spent  # the clock went on from the first attempt
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    assert ck.latest().name == f"step-{agg['steps']:09d}"  # snapshotted at the stop
