@@ -228,10 +228,11 @@ def build_torchvision(cfg, ctx) -> DataBundle:
 
     cls = getattr(torchvision.datasets, TORCHVISION[cfg.data.name])
     root = default_root(cfg)
-    if cfg.data.download and ctx.is_main:
-        for train in (True, False):  # one process downloads while the others wait
-            cls(root, train=train, download=True)
-    ctx.barrier()
+    if cfg.data.download:
+        if ctx.is_main:  # one process downloads while the others wait
+            for train in (True, False):
+                cls(root, train=train, download=True)
+        ctx.barrier()
     try:
         sets = [cls(root, train=train) for train in (True, False)]
     except RuntimeError:

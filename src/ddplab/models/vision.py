@@ -159,6 +159,22 @@ def _torchvision(name: str, side: int) -> nn.Module:
     return models.get_model(name, weights=None, **_tv_kwargs(name, side))
 
 
+def _pretrained(name: str, side: int, path: str) -> nn.Module:
+    """Built on the meta device and given the file's tensors: random init of 100M+ parameters
+    (VGG) costs seconds and would be overwritten anyway."""
+    weights = read_weights(path)
+    with torch.device("meta"):
+        model = _torchvision(name, side)
+    problem = weights_mismatch(model, weights)
+    if problem:
+        raise UserError(f"model.weights: {path} does not fit {name}: {problem}")
+    model.load_state_dict(weights, assign=True)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
+        model = _torchvision(name, side)
+        model.load_state_dict(weights)
+    return model
+
+
 def find_head(model: nn.Module) -> str:
     """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
     found = None
@@ -185,10 +201,8 @@ def _freeze_all_but(model: nn.Module, head: nn.Module) -> None:
 
 def build_torchvision(cfg, bundle) -> nn.Module:
     """torchvision classifier by name: random init, then model.weights, then a new head for the classes."""
-    name = cfg.model.name
-    model = _torchvision(name, _shape(bundle)[1])
-    if cfg.model.weights:
-        load_weights(model, cfg.model.weights, name)
+    name, side = cfg.model.name, _shape(bundle)[1]
+    model = _pretrained(name, side, cfg.model.weights) if cfg.model.weights else _torchvision(name, side)
     head_name = find_head(model)
     old = model.get_submodule(head_name)
     if isinstance(old, nn.Linear):
