@@ -87,10 +87,11 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def cmd_train(ns) -> int:
-    from ddplab.config import load_config
+    from ddplab.config import check_files, load_config
 
     config, overrides = split_args(ns.args)
     cfg = load_config(config, overrides)
+    check_files(cfg)
     _positive("--nproc-per-node", ns.nproc_per_node)
     if ns.nproc_per_node or ns.max_restarts:
         from ddplab.launch import run_workers

@@ -311,6 +311,16 @@ def validate(cfg: Config) -> None:
     check_data_config(cfg)
 
 
+def check_files(cfg: Config) -> None:
+    """The files a config names (dataset folders, weights) exist and fit. Run before launching a
+    job, not by load_config: shipped configs name data that only users' machines hold."""
+    from ddplab.data import check_data_files
+    from ddplab.models import check_model_files
+
+    check_model_files(cfg)
+    check_data_files(cfg)
+
+
 def _check_fields(node: Any, prefix: str) -> None:
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)

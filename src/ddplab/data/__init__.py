@@ -34,6 +34,12 @@ def check_data_config(cfg) -> None:
         vision.check_config(cfg)
 
 
+def check_data_files(cfg) -> None:
+    """Dataset folders the config names exist and hold what the loader reads; run before launch."""
+    if cfg.data.name in vision.NATIVE:
+        vision.check_files(cfg)
+
+
 def build_data(cfg, ctx) -> DataBundle:
     bundle = DATASETS[cfg.data.name](cfg, ctx)
     if cfg.data.limit is not None and cfg.data.limit < len(bundle.train):

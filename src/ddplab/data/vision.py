@@ -60,22 +60,28 @@ def image_spec(cfg) -> tuple[int, int, int]:
 
 
 def check_config(cfg) -> None:
-    """Cheap checks before any process starts: files where torchvision looks, class folders."""
+    """From the config alone: the images fit the model (a meta-device forward pass)."""
+    from ddplab.models.vision import check_input
+
+    if cfg.data.name == "image_folder" and cfg.data.root is None:
+        raise UserError("data.root: image_folder needs data.root=<folder with one sub-folder per class, "
+                        "or train/ and val/ holding them>")
+    _, channels, side = image_spec(cfg)
+    check_input(cfg, channels, side)
+
+
+def check_files(cfg) -> None:
+    """Before launch: the files torchvision reads are where it looks; folder trees have 2+ classes."""
     name = cfg.data.name
     if name in TORCHVISION:
         root = default_root(cfg)
-        if cfg.data.root is not None and not cfg.data.download and not Path(root).is_dir():
-            raise UserError(f"data.root: no such folder: {root} (or set data.download=true)")
         missing = [p for p in expected_files(name, root) if not p.is_file()]
         if missing and not cfg.data.download:
-            where = missing[0].parent
+            where = "no such folder" if not Path(root).is_dir() else f"{missing[0].name} missing"
             names = ", ".join(p.name for p in expected_files(name, root))
-            raise UserError(f"data.root: {TORCHVISION[name]} not found: put {names} in {where} "
-                            f"(uncompressed), or set data.download=true")
+            raise UserError(f"data.root: {TORCHVISION[name]} not found under {root} ({where}): put {names} "
+                            f"in {missing[0].parent} (uncompressed), or set data.download=true")
     elif name == "image_folder":
-        if cfg.data.root is None:
-            raise UserError("data.root: image_folder needs data.root=<folder with one sub-folder per class, "
-                            "or train/ and val/ holding them>")
         root = Path(cfg.data.root)
         if not root.is_dir():
             raise UserError(f"data.root: no such folder: {root}")
@@ -85,10 +91,6 @@ def check_config(cfg) -> None:
                 if len(classes) < 2:
                     raise UserError(f"data.root: {split} holds {len(classes)} class folder(s) "
                                     f"({', '.join(classes) or 'none'}); image_folder needs at least 2, one per class")
-    from ddplab.models.vision import check_input
-
-    _, channels, side = image_spec(cfg)
-    check_input(cfg, channels, side)
 
 
 def folder_layout(root: Path) -> dict[str, Path | None]:

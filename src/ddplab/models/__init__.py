@@ -31,7 +31,11 @@ TASKS: dict[str, str] = {
 def check_model_config(cfg) -> None:
     if cfg.model.name not in MODELS and not vision.is_torchvision(cfg.model.name):
         raise UserError(vision.unknown_model(cfg.model.name, list(MODELS)))
-    vision.check_config(cfg)
+
+
+def check_model_files(cfg) -> None:
+    """Files the model section names (model.weights) exist and fit; run before launch."""
+    vision.check_files(cfg)
 
 
 def build_model(cfg, bundle) -> nn.Module:

@@ -246,8 +246,8 @@ def _own_weights(cfg, model: nn.Module, head: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------- checks
 
-def check_config(cfg) -> None:
-    """Before any process starts: the weights file exists and fits the architecture."""
+def check_files(cfg) -> None:
+    """Before launch: the weights file exists and fits the architecture."""
     if not cfg.model.weights or not is_torchvision(cfg.model.name):
         return
     weights = read_weights(cfg.model.weights)
