@@ -74,10 +74,11 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def cmd_train(ns) -> int:
-    from ddplab.config import load_config
+    from ddplab.config import check_files, load_config
 
     config, overrides = split_args(ns.args)
     cfg = load_config(config, overrides)
+    check_files(cfg)
     _positive("--nproc-per-node", ns.nproc_per_node)
     if ns.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")

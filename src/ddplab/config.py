@@ -49,6 +49,7 @@ class DataConfig:
     vocab_size: int = _f(30000, "hash tokenizer buckets", positive=True)
     max_len: int = _f(256, "tokens per text sample (truncation)", positive=True)
     val_fraction: float = _f(0.1, "share of train carved out for validation when no split exists", min=0.0)
+    test_fraction: float = _f(0.1, "share carved out as a test split when none exists (digits, image_folder without test/)", min=0.0)
     limit: Optional[int] = _f(None, "cap on training samples (quick runs)", positive=True)
     num_samples: int = _f(2000, "size of generated datasets (synthetic, synthetic_reviews)", positive=True)
     num_classes: Optional[int] = _f(None, "classes of generated datasets")
@@ -300,12 +301,24 @@ def validate(cfg: Config) -> None:
         raise UserError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if not 0 <= cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
+    if not 0 <= cfg.data.test_fraction < 1:
+        raise UserError(f"data.test_fraction must be in [0, 1), got {cfg.data.test_fraction}")
     # Name checks live beside their registries; imported here, not at module import.
     from ddplab.data import check_data_config
     from ddplab.models import check_model_config
 
     check_model_config(cfg)
     check_data_config(cfg)
+
+
+def check_files(cfg: Config) -> None:
+    """The files a config names (dataset folders, weights) exist and fit. Run before launching a
+    job, not by load_config: shipped configs name data that only users' machines hold."""
+    from ddplab.data import check_data_files
+    from ddplab.models import check_model_files
+
+    check_model_files(cfg)
+    check_data_files(cfg)
 
 
 def _check_fields(node: Any, prefix: str) -> None:

@@ -129,6 +129,12 @@ class DistContext:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def broadcast_buffers(self, module: torch.nn.Module, src: int = 0) -> None:
+        """Copy rank `src`'s buffers (BatchNorm running statistics) to every rank, in place."""
+        if self.is_distributed:
+            for buf in module.buffers():
+                dist.broadcast(buf.data, src=src)
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's object, on every rank, in rank order."""
         if not self.is_distributed:

@@ -35,6 +35,7 @@ def load_model(path: str | Path):
 
     ckpt = load_file(find_checkpoint(path))
     cfg = from_dict(ckpt["config"])
+    cfg.model.weights = None  # the checkpoint holds every weight; the original file may be gone
     meta = ckpt.get("meta", {})
     bundle = DataBundle(task=ckpt.get("task", "lm"), train=[], val=None, num_classes=ckpt.get("num_classes"),
                         vocab_size=ckpt.get("vocab_size") or meta.get("vocab_size"), meta=meta)

@@ -6,13 +6,18 @@ from typing import Callable
 
 from torch.utils.data import Subset
 
-from ddplab.data import synthetic, text_lm
+from ddplab.data import synthetic, text_lm, vision
 from ddplab.data.bundle import DataBundle
 from ddplab.errors import UserError
 
 DATASETS: dict[str, Callable] = {
     "text": text_lm.build,
     "synthetic": synthetic.build,
+    "digits": vision.build_digits,
+    "mnist": vision.build_torchvision,
+    "fashion_mnist": vision.build_torchvision,
+    "cifar10": vision.build_torchvision,
+    "image_folder": vision.build_image_folder,
 }
 
 
@@ -25,6 +30,14 @@ def check_data_config(cfg) -> None:
 
         if not Path(cfg.data.path).exists():
             raise UserError(f"data.path: no such file or folder: {cfg.data.path}")
+    if cfg.data.name in vision.NATIVE:
+        vision.check_config(cfg)
+
+
+def check_data_files(cfg) -> None:
+    """Dataset folders the config names exist and hold what the loader reads; run before launch."""
+    if cfg.data.name in vision.NATIVE:
+        vision.check_files(cfg)
 
 
 def build_data(cfg, ctx) -> DataBundle:

@@ -370,6 +370,9 @@ class Trainer:
         if dataset is None or len(dataset) == 0:
             return {}
         model = self.raw
+        # DDP syncs buffers at the start of each training forward, so after the last step every
+        # rank holds its own BatchNorm statistics: evaluate all shards with rank 0's, as DDP would.
+        self.ctx.broadcast_buffers(model)
         was_training = model.training
         model.eval()
         evaluator = self.task.evaluator(self.ctx.device)

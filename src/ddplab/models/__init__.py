@@ -11,25 +11,36 @@ from typing import Callable
 import torch.nn as nn
 
 from ddplab.errors import UserError
-from ddplab.models import gpt
+from ddplab.models import gpt, vision
 
 MODELS: dict[str, Callable] = {
     "gpt": gpt.build,
+    "cnn": vision.build_cnn,
+    "vit": vision.build_vit,
 }
+# Every torchvision classifier name (torchvision.models.list_models) is accepted too (see build_model).
 
 # Which task each model serves, so a model/data mismatch is caught before training.
 TASKS: dict[str, str] = {
     "gpt": "lm",
+    "cnn": "classification",
+    "vit": "classification",
 }
 
 
 def check_model_config(cfg) -> None:
-    if cfg.model.name not in MODELS:
-        raise UserError(f"model.name: unknown model '{cfg.model.name}'; choose one of {', '.join(sorted(MODELS))}")
+    if cfg.model.name not in MODELS and not vision.is_torchvision(cfg.model.name):
+        raise UserError(vision.unknown_model(cfg.model.name, list(MODELS)))
+
+
+def check_model_files(cfg) -> None:
+    """Files the model section names (model.weights) exist and fit; run before launch."""
+    vision.check_files(cfg)
 
 
 def build_model(cfg, bundle) -> nn.Module:
-    task = TASKS.get(cfg.model.name)
+    torchvision_model = cfg.model.name not in MODELS and vision.is_torchvision(cfg.model.name)
+    task = "classification" if torchvision_model else TASKS.get(cfg.model.name)
     if task is not None and task != bundle.task:
         raise UserError(f"model.name={cfg.model.name} does a {task} task but data.name={cfg.data.name} is {bundle.task} data")
-    return MODELS[cfg.model.name](cfg, bundle)
+    return (vision.build_torchvision if torchvision_model else MODELS[cfg.model.name])(cfg, bundle)

@@ -1,0 +1,279 @@
+"""Image classifiers: the FashionMNIST-tutorial CNN, a small ViT, and torchvision's classifiers
+by name with the head replaced for the data's classes.
+
+The modules are plain; the builders around them read the config, and load a local weights
+file (`model.weights`) when one is given. Nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddplab.errors import UserError
+
+IMAGENET_CLASSES = 1000  # torchvision builds every classifier with this head first
+
+
+class CNN(nn.Module):
+    """Two 3x3 convolutions, max-pool, dropout, two linear layers (the FashionMNIST tutorial net)."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.25,
+                 hidden: int = 128) -> None:
+        super().__init__()
+        if image_size < 6:
+            raise ValueError(f"CNN needs images of at least 6x6, got {image_size}")
+        self.conv1 = nn.Conv2d(in_channels, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        side = (image_size - 4) // 2
+        self.dropout1 = nn.Dropout(dropout)
+        self.fc1 = nn.Linear(64 * side * side, hidden)
+        self.dropout2 = nn.Dropout(min(2 * dropout, 0.9))  # the tutorial's 0.25 / 0.5 pair
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, S, S) -> (B, classes)
+        x = F.relu(self.conv1(x))  # (B, 32, S-2, S-2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # (B, 64, (S-4)/2, (S-4)/2)
+        x = self.dropout1(x).flatten(1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)
+
+
+# ---------------------------------------------------------------------------- names
+
+def torchvision_names() -> list[str]:
+    from torchvision import models
+
+    return models.list_models(module=models)  # classifiers only: detection etc. live in sub-modules
+
+
+def is_torchvision(name: str) -> bool:
+    return name not in ("cnn", "vit") and name in torchvision_names()
+
+
+def input_needs(name: str) -> tuple[int | None, int | None]:
+    """(channels, default image side) a model wants; None: whatever the data has."""
+    if name == "cnn":
+        return None, None
+    if name == "vit":
+        return 3, None
+    return 3, 224  # torchvision classifiers: RGB at the side their ImageNet weights were made for
+
+
+def compact(names: list[str]) -> str:
+    """'resnet{18,34,50}, vgg{11,11_bn}, alexnet': every name, grouped by family."""
+    families: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        family = re.match(r"[a-z]+", name).group()
+        families[family].append(name[len(family):])
+    parts = []
+    for family, rests in sorted(families.items()):
+        rests = sorted(rests, key=_natural)
+        parts.append(family + rests[0] if len(rests) == 1 else f"{family}{{{','.join(rests)}}}")
+    return ", ".join(parts)
+
+
+def _natural(text: str) -> list:
+    """'101' after '50': digits compare as numbers."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
+
+
+def unknown_model(name: str, own: list[str]) -> str:
+    tv = torchvision_names()
+    close = difflib.get_close_matches(name, own + tv, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return (f"model.name: unknown model '{name}'{hint}; choose one of {', '.join(sorted(own))}, "
+            f"or a torchvision classifier: {compact(tv)}")
+
+
+# ---------------------------------------------------------------------------- weights
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """A state dict from a local file (plain, or inside a 'state_dict' / 'model' entry)."""
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # reads only what is used
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except FileNotFoundError:
+        raise UserError(f"model.weights: no such file: {path}") from None
+    except Exception as exc:  # noqa: BLE001 - anything unreadable is the user's file, not a bug
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"model.weights: cannot read {path} as a state dict ({first[:120]})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"model.weights: {path} is not a state dict (a mapping of parameter names to tensors)")
+    return {k.removeprefix("module."): v for k, v in obj.items()}  # saved from a DDP-wrapped model
+
+
+def weights_mismatch(model: nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
+    """Why `weights` cannot load into `model` strictly, in a few words; None if it can."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+             f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
+             f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def load_weights(model: nn.Module, path: str, name: str) -> None:
+    weights = read_weights(path)
+    problem = weights_mismatch(model, weights)
+    if problem:
+        raise UserError(f"model.weights: {path} does not fit {name}: {problem}")
+    model.load_state_dict(weights)
+
+
+# ---------------------------------------------------------------------------- builders
+
+def _shape(bundle) -> tuple[int, int]:
+    """(channels, side) of the images, from the bundle or, at predict time, its stored meta."""
+    shape = bundle.input_shape or tuple(bundle.meta["input_shape"])
+    return shape[0], shape[-1]
+
+
+def _tv_kwargs(name: str, side: int) -> dict:
+    if name.startswith("vit_"):
+        return {"image_size": side}  # position embeddings are sized for the input
+    if name in ("googlenet", "inception_v3"):
+        return {"aux_logits": False, "init_weights": True}  # one output; training mode returns a tuple otherwise
+    return {}
+
+
+def _torchvision(name: str, side: int) -> nn.Module:
+    from torchvision import models
+
+    return models.get_model(name, weights=None, **_tv_kwargs(name, side))
+
+
+def _pretrained(name: str, side: int, path: str) -> nn.Module:
+    """Built on the meta device and given the file's tensors: random init of 100M+ parameters
+    (VGG) costs seconds and would be overwritten anyway."""
+    weights = read_weights(path)
+    with torch.device("meta"):
+        model = _torchvision(name, side)
+    problem = weights_mismatch(model, weights)
+    if problem:
+        raise UserError(f"model.weights: {path} does not fit {name}: {problem}")
+    model.load_state_dict(weights, assign=True)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
+        model = _torchvision(name, side)
+        model.load_state_dict(weights)
+    return model
+
+
+def find_head(model: nn.Module) -> str:
+    """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
+    found = None
+    for name, m in model.named_modules():
+        if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES) or \
+                (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES):
+            found = name
+    if found is None:
+        raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
+    return found
+
+
+def _replace(model: nn.Module, dotted: str, layer: nn.Module) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+
+
+def _freeze_all_but(model: nn.Module, head: nn.Module) -> None:
+    for p in model.parameters():
+        p.requires_grad = False
+    for p in head.parameters():
+        p.requires_grad = True
+
+
+def build_torchvision(cfg, bundle) -> nn.Module:
+    """torchvision classifier by name: random init, then model.weights, then a new head for the classes."""
+    name, side = cfg.model.name, _shape(bundle)[1]
+    model = _pretrained(name, side, cfg.model.weights) if cfg.model.weights else _torchvision(name, side)
+    head_name = find_head(model)
+    old = model.get_submodule(head_name)
+    if isinstance(old, nn.Linear):
+        head = nn.Linear(old.in_features, bundle.num_classes)
+    else:
+        head = nn.Conv2d(old.in_channels, bundle.num_classes, kernel_size=1)
+    _replace(model, head_name, head)
+    if cfg.model.freeze:
+        _freeze_all_but(model, head)
+    return model
+
+
+def build_cnn(cfg, bundle) -> nn.Module:
+    channels, side = _shape(bundle)
+    model = CNN(channels, bundle.num_classes, side, dropout=cfg.model.dropout)
+    _own_weights(cfg, model, model.fc2)
+    return model
+
+
+def build_vit(cfg, bundle) -> nn.Module:
+    """A small Vision Transformer (torchvision's class) sized by model.layers / heads / dim / patch_size."""
+    from torchvision.models import VisionTransformer
+
+    _, side = _shape(bundle)
+    m = cfg.model
+    if side % m.patch_size:
+        raise UserError(f"model.patch_size={m.patch_size} must divide the image side {side} (data.image_size)")
+    model = VisionTransformer(image_size=side, patch_size=m.patch_size, num_layers=m.layers, num_heads=m.heads,
+                              hidden_dim=m.dim, mlp_dim=m.ff_dim or 4 * m.dim, dropout=m.dropout,
+                              num_classes=bundle.num_classes)
+    _own_weights(cfg, model, model.heads)
+    return model
+
+
+def _own_weights(cfg, model: nn.Module, head: nn.Module) -> None:
+    if cfg.model.weights:
+        load_weights(model, cfg.model.weights, cfg.model.name)
+    if cfg.model.freeze:
+        _freeze_all_but(model, head)
+
+
+# ---------------------------------------------------------------------------- checks
+
+def check_files(cfg) -> None:
+    """Before launch: the weights file exists and fits the architecture."""
+    if not cfg.model.weights or not is_torchvision(cfg.model.name):
+        return
+    weights = read_weights(cfg.model.weights)
+    side = cfg.data.image_size or 224
+    with torch.device("meta"):  # shapes without memory or init time
+        model = _torchvision(cfg.model.name, side)
+    problem = weights_mismatch(model, weights)
+    if problem:
+        raise UserError(f"model.weights: {cfg.model.weights} does not fit {cfg.model.name}: {problem}")
+
+
+def check_input(cfg, channels: int, side: int) -> None:
+    """A meta-device forward pass: images too small for the architecture fail here, not in a worker."""
+    name = cfg.model.name
+    if name not in ("cnn", "vit") and not is_torchvision(name):
+        return
+    try:
+        with torch.device("meta"):
+            if name == "cnn":
+                CNN(channels, 2, side)(torch.empty(1, channels, side, side))
+            elif name == "vit":
+                if side % cfg.model.patch_size:
+                    raise ValueError(f"model.patch_size={cfg.model.patch_size} does not divide it")
+            else:
+                _torchvision(name, side).eval()(torch.empty(1, channels, side, side))
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} ({first[:120]}); "
+                        f"set another data.image_size") from None
