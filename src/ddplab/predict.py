@@ -17,7 +17,9 @@ from ddplab.errors import UserError
 from ddplab.generate import load_model
 
 # input kind -> "module:function" with signature (meta: dict, items: list[str]) -> inputs batch
-ENCODERS: dict[str, str] = {}
+ENCODERS: dict[str, str] = {
+    "text": "ddplab.data.text_cls:encode_texts",
+}
 
 
 def _encoder(kind: str) -> Callable:

@@ -6,13 +6,17 @@ from typing import Callable
 
 from torch.utils.data import Subset
 
-from ddplab.data import synthetic, text_lm
+from ddplab.data import synthetic, text_cls, text_lm
 from ddplab.data.bundle import DataBundle
 from ddplab.errors import UserError
 
 DATASETS: dict[str, Callable] = {
     "text": text_lm.build,
     "synthetic": synthetic.build,
+    "imdb": text_cls.build,
+    "amazon_polarity": text_cls.build,
+    "text_files": text_cls.build,
+    "synthetic_reviews": text_cls.build,
 }
 
 
@@ -25,6 +29,8 @@ def check_data_config(cfg) -> None:
 
         if not Path(cfg.data.path).exists():
             raise UserError(f"data.path: no such file or folder: {cfg.data.path}")
+    if cfg.data.name in text_cls.SOURCES:
+        text_cls.check_config(cfg)
 
 
 def build_data(cfg, ctx) -> DataBundle:

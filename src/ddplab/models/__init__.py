@@ -11,21 +11,33 @@ from typing import Callable
 import torch.nn as nn
 
 from ddplab.errors import UserError
-from ddplab.models import gpt
+from ddplab.models import gpt, hf, transformer
 
 MODELS: dict[str, Callable] = {
     "gpt": gpt.build,
+    "transformer": transformer.build,
+    "hf": hf.build,
 }
 
 # Which task each model serves, so a model/data mismatch is caught before training.
 TASKS: dict[str, str] = {
     "gpt": "lm",
+    "transformer": "classification",
+    "hf": "classification",
 }
 
 
 def check_model_config(cfg) -> None:
     if cfg.model.name not in MODELS:
         raise UserError(f"model.name: unknown model '{cfg.model.name}'; choose one of {', '.join(sorted(MODELS))}")
+    if cfg.model.name in ("transformer", "hf"):
+        from ddplab.data.text_cls import SOURCES
+
+        if cfg.data.name not in SOURCES:
+            raise UserError(f"model.name={cfg.model.name} classifies text: set data.name to one of "
+                            f"{', '.join(sorted(SOURCES))} (got data.name={cfg.data.name})")
+    if cfg.model.name == "hf":
+        hf.check_pretrained(cfg.model.pretrained)
 
 
 def build_model(cfg, bundle) -> nn.Module:
