@@ -156,6 +156,8 @@ def label_mapping(labels, num_classes: int | None, column: str) -> tuple[list[st
     if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
         low, high = int(labels.min()), int(labels.max())
         k = num_classes or high + 1
+        if k < 2:
+            raise UserError(f"data.label_column '{column}' holds only label {high}; a classifier needs at least 2 classes")
         if low < 0 or high >= k:
             bad = low if low < 0 else high
             raise UserError(f"data.label_column '{column}': label {bad} does not fit data.num_classes={k} "
