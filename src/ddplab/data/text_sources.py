@@ -29,16 +29,18 @@ SMALL = 20 * 2**20  # files up to this size get their labels checked before laun
 
 @contextlib.contextmanager
 def _offline():
-    """data.download=false: never touch the network (else an unreachable hub costs ~30 s of retries)."""
+    """data.download=false: never touch the network (else an unreachable hub costs ~30 s of retries).
+
+    Both libraries read their offline flag at import time; it is flipped for this call only."""
     import datasets
     import huggingface_hub.constants as hub
 
-    with contextlib.ExitStack() as stack:
-        from unittest import mock
-
-        stack.enter_context(mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True))
-        stack.enter_context(mock.patch.object(hub, "HF_HUB_OFFLINE", True))
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
         yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
 
 
 def hub_source(cfg) -> TextSource:
