@@ -19,6 +19,7 @@ from ddplab.generate import load_model
 # input kind -> "module:function" with signature (meta: dict, items: list[str]) -> inputs batch
 ENCODERS: dict[str, str] = {
     "image": "ddplab.data.vision:encode_images",
+    "text": "ddplab.data.text_cls:encode_texts",
 }
 
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 from torch.utils.data import Subset
 
-from ddplab.data import synthetic, text_lm, vision
+from ddplab.data import synthetic, text_cls, text_lm, vision
 from ddplab.data.bundle import DataBundle
 from ddplab.errors import UserError
 
@@ -18,6 +18,10 @@ DATASETS: dict[str, Callable] = {
     "fashion_mnist": vision.build_torchvision,
     "cifar10": vision.build_torchvision,
     "image_folder": vision.build_image_folder,
+    "imdb": text_cls.build,
+    "amazon_polarity": text_cls.build,
+    "text_files": text_cls.build,
+    "synthetic_reviews": text_cls.build,
 }
 
 
@@ -32,6 +36,8 @@ def check_data_config(cfg) -> None:
             raise UserError(f"data.path: no such file or folder: {cfg.data.path}")
     if cfg.data.name in vision.NATIVE:
         vision.check_config(cfg)
+    if cfg.data.name in text_cls.SOURCES:
+        text_cls.check_config(cfg)
 
 
 def check_data_files(cfg) -> None:

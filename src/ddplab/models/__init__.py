@@ -11,10 +11,12 @@ from typing import Callable
 import torch.nn as nn
 
 from ddplab.errors import UserError
-from ddplab.models import gpt, vision
+from ddplab.models import gpt, hf, transformer, vision
 
 MODELS: dict[str, Callable] = {
     "gpt": gpt.build,
+    "transformer": transformer.build,
+    "hf": hf.build,
     "cnn": vision.build_cnn,
     "vit": vision.build_vit,
 }
@@ -25,12 +27,22 @@ TASKS: dict[str, str] = {
     "gpt": "lm",
     "cnn": "classification",
     "vit": "classification",
+    "transformer": "classification",
+    "hf": "classification",
 }
 
 
 def check_model_config(cfg) -> None:
     if cfg.model.name not in MODELS and not vision.is_torchvision(cfg.model.name):
         raise UserError(vision.unknown_model(cfg.model.name, list(MODELS)))
+    if cfg.model.name in ("transformer", "hf"):
+        from ddplab.data.text_cls import SOURCES
+
+        if cfg.data.name not in SOURCES:
+            raise UserError(f"model.name={cfg.model.name} classifies text: set data.name to one of "
+                            f"{', '.join(sorted(SOURCES))} (got data.name={cfg.data.name})")
+    if cfg.model.name == "hf":
+        hf.check_pretrained(cfg.model.pretrained)
 
 
 def check_model_files(cfg) -> None:

@@ -1,0 +1,146 @@
+"""The on-disk token cache: tokenise a dataset once, then every rank memory-maps it read-only.
+
+A cache is a folder `text-<key>/` whose key hashes the data source and the tokenizer
+settings. Per split it holds `<split>.ids.npy` (N, max_len) padded ids, `<split>.lengths.npy`
+and `<split>.labels.npy`, plus `meta.json` (label names, sizes, tokenizer). It is written
+under a temporary name and renamed into place, so a half-written cache is never read.
+Ranks hold no token lists of their own: their memory stays flat however large the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ddplab.errors import UserError
+
+META = "meta.json"
+VERSION = 1  # bump when the layout or a tokenizer's output changes
+CHUNK = 10_000  # texts tokenised per write
+
+
+@dataclass
+class TextSplit:
+    """One split of raw data: its size and a reader of (texts, label ids) chunks."""
+
+    size: int
+    chunks: Callable[[int], Iterator[tuple[list[str], np.ndarray]]]
+
+
+@dataclass
+class TextSource:
+    splits: dict[str, TextSplit]
+    label_names: list[str]
+
+
+def cache_folder(root: str | Path, description: dict) -> Path:
+    blob = json.dumps({"version": VERSION, **description}, sort_keys=True, default=str)
+    return Path(root) / f"text-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / META).is_file()
+
+
+def write(folder: Path, source: TextSource, tokenizer, description: dict, log: Callable[[str], None] = print) -> None:
+    """Tokenise every split of `source` into `folder`, atomically."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        sizes = {}
+        for name, split in source.splits.items():
+            sizes[name] = _write_split(tmp, name, split, tokenizer)
+            log(f"token cache: {name} split, {sizes[name]} texts tokenised")
+        meta = {"label_names": source.label_names, "sizes": sizes, "tokenizer": tokenizer.describe(),
+                "source": description, "dtype": tokenizer.dtype.name, "version": VERSION}
+        (tmp / META).write_text(json.dumps(meta, indent=1))  # last: its presence marks a complete cache
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not is_complete(folder):  # another node's rank 0 did not win the race either
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
+    n, width = split.size, tokenizer.max_len
+    # Headers come from open_memmap; the rows are written through a plain file handle, so the
+    # writing rank does not keep the whole matrix resident in its own address space.
+    headers = {}
+    for field, dtype, shape in (("ids", tokenizer.dtype, (n, width)), ("lengths", np.int32, (n,)),
+                                ("labels", np.int64, (n,))):
+        arr = np.lib.format.open_memmap(folder / f"{name}.{field}.npy", mode="w+", dtype=dtype, shape=shape)
+        headers[field] = arr.offset
+        del arr
+    handles = {field: open(folder / f"{name}.{field}.npy", "r+b") for field in headers}
+    row = 0
+    try:
+        for texts, labels in split.chunks(CHUNK):
+            ids, lengths = tokenizer.encode_batch(texts)
+            if row + len(texts) > n:
+                raise RuntimeError(f"the {name} split yielded more than its {n} rows")
+            for field, block in (("ids", ids), ("lengths", lengths), ("labels", np.asarray(labels, dtype=np.int64))):
+                f = handles[field]
+                f.seek(headers[field] + row * block[0:1].nbytes)
+                f.write(np.ascontiguousarray(block).tobytes())
+            row += len(texts)
+    finally:
+        for f in handles.values():
+            f.close()
+    if row != n:
+        raise RuntimeError(f"the {name} split yielded {row} rows, expected {n}")
+    return n
+
+
+def ensure(ctx, folder: Path, build: Callable[[], None]) -> None:
+    """Rank 0 builds the cache if it is missing while the others wait; errors reach every rank.
+
+    Without a filesystem shared across nodes, each other node's first rank then builds its own copy.
+    """
+    for builder in (ctx.is_main, not ctx.is_main and ctx.local_rank == 0):
+        error, failure = None, None
+        if builder and not is_complete(folder):
+            try:
+                build()
+            except UserError as exc:
+                error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the others must not wait forever for a crashed rank 0
+                error = f"building the token cache failed on rank {ctx.rank}: {type(exc).__name__}: {exc}"
+                failure = exc
+        errors = [e for e in ctx.gather_objects(error) if e]  # also the barrier the others wait at
+        if failure is not None:
+            raise failure  # a bug keeps its traceback where it happened
+        if errors:
+            raise UserError(errors[0])
+
+
+class TokenCache:
+    """Read-only view of a complete cache. Opened lazily, so pickling it (DataLoader workers)
+    sends a path, not the arrays."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.meta = json.loads((self.folder / META).read_text())
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def array(self, split: str, field: str) -> np.ndarray:
+        key = f"{split}.{field}"
+        if key not in self._arrays:
+            self._arrays[key] = np.load(self.folder / f"{key}.npy", mmap_mode="r")
+        return self._arrays[key]
+
+    def size(self, split: str) -> int:
+        return self.meta["sizes"].get(split, 0)
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "meta": self.meta, "_arrays": {}}

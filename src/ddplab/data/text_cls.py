@@ -1,0 +1,168 @@
+"""Text classification data: any source -> token cache -> memory-mapped datasets -> DataBundle.
+
+Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset), text_files
+(the user's CSV / TSV / JSON / JSONL / Parquet) and synthetic_reviews (generated). Tokenizers
+(data.tokenizer): hash for the scratch Transformer, hf (the pretrained model's own) for model.name=hf.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddplab.data import text_cache, text_sources, text_synthetic
+from ddplab.data.bundle import DataBundle
+from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
+from ddplab.errors import UserError
+
+# data.name -> (source reader, cheap description for the cache key)
+SOURCES = {
+    "imdb": (text_sources.hub_source, text_sources.hub_describe),
+    "amazon_polarity": (text_sources.hub_source, text_sources.hub_describe),
+    "text_files": (text_sources.files_source, text_sources.files_describe),
+    "synthetic_reviews": (text_synthetic.source, text_synthetic.describe),
+}
+# model.name -> the tokenizer it reads, when data.tokenizer is not set
+DEFAULT_TOKENIZER = {"transformer": "hash", "hf": "hf"}
+
+
+def tokenizer_kind(cfg) -> str:
+    return cfg.data.tokenizer or DEFAULT_TOKENIZER.get(cfg.model.name, "hash")
+
+
+def check_config(cfg) -> None:
+    """Cheap checks before any process starts."""
+    d, m = cfg.data, cfg.model
+    if m.name not in DEFAULT_TOKENIZER:
+        raise UserError(f"data.name={d.name} is text classification: use model.name=transformer (from scratch) "
+                        f"or model.name=hf model.pretrained=<hub name or folder>; got model.name={m.name}")
+    kind = tokenizer_kind(cfg)
+    if kind not in ("hash", "hf"):
+        raise UserError(f"data.tokenizer={kind} does not fit data.name={d.name}; use hash or hf")
+    if kind != DEFAULT_TOKENIZER[m.name]:
+        wanted = DEFAULT_TOKENIZER[m.name]
+        raise UserError(f"data.tokenizer={kind} does not fit model.name={m.name}, which reads "
+                        f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
+                        f"use data.tokenizer={wanted} (or leave it unset)")
+    if d.name == "synthetic_reviews":
+        k = d.num_classes or 2
+        if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
+            raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
+    if d.name == "text_files":
+        text_sources.check_files(cfg)
+
+
+def make_tokenizer(cfg):
+    if tokenizer_kind(cfg) == "hf":
+        return HFTokenizer(cfg.model.pretrained, cfg.data.max_len)
+    return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len)
+
+
+def tokenizer_description(cfg) -> dict:
+    """What the cache key needs, without loading a pretrained tokenizer."""
+    if tokenizer_kind(cfg) == "hf":
+        p = Path(cfg.model.pretrained)
+        stamp = [(f.name, f.stat().st_size) for f in sorted(p.glob("*token*")) + sorted(p.glob("vocab*"))] if p.is_dir() else None
+        return {"tokenizer": "hf", "pretrained": str(p.resolve()) if p.is_dir() else cfg.model.pretrained,
+                "files": stamp, "max_len": cfg.data.max_len}
+    return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len).describe()
+
+
+def cache_root(cfg) -> Path:
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.experiment.output_dir) / ".cache"
+
+
+# ---------------------------------------------------------------------------- datasets
+
+class TokenizedTexts(Dataset):
+    """Rows of one cached split, in the order `rows` gives; items are ({input_ids}, label)."""
+
+    def __init__(self, cache: text_cache.TokenCache, split: str, rows: np.ndarray) -> None:
+        self.cache, self.split, self.rows = cache, split, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        r = self.rows[i]
+        n = int(self.cache.array(self.split, "lengths")[r])
+        ids = torch.from_numpy(self.cache.array(self.split, "ids")[r, :n].astype(np.int64))
+        return {"input_ids": ids}, int(self.cache.array(self.split, "labels")[r])
+
+
+class PadCollate:
+    """Pads a batch to its longest text (not max_len): short reviews cost short sequences."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items):
+        seqs = [inputs["input_ids"] for inputs, _ in items]
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=self.pad_id)
+        lengths = torch.tensor([len(s) for s in seqs])
+        mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+        return {"input_ids": ids, "attention_mask": mask}, torch.tensor([t for _, t in items], dtype=torch.long)
+
+
+def build(cfg, ctx) -> DataBundle:
+    read, describe = SOURCES[cfg.data.name]
+    description = {"source": describe(cfg), "tokenizer": tokenizer_description(cfg)}
+    folder = text_cache.cache_folder(cache_root(cfg), description)
+
+    def write() -> None:
+        tokenizer = make_tokenizer(cfg)
+        print(f"token cache: tokenising {cfg.data.name} with the {tokenizer_kind(cfg)} tokenizer into {folder}", flush=True)
+        text_cache.write(folder, read(cfg), tokenizer, description)
+
+    text_cache.ensure(ctx, folder, write)
+    cache = text_cache.TokenCache(folder)
+    names = list(cache.meta["label_names"])
+    k = cfg.data.num_classes or len(names)
+    if k < len(names):
+        raise UserError(f"data.num_classes={k} but data.name={cfg.data.name} has {len(names)} labels ({', '.join(names)})")
+    names += [str(i) for i in range(len(names), k)]
+    train, val, test = _splits(cfg, cache)
+    meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
+    return DataBundle(task="classification", train=train, val=val, test=test, num_classes=k,
+                      vocab_size=meta["vocab_size"], meta=meta, collate_fn=PadCollate(meta["pad_id"]))
+
+
+def _splits(cfg, cache: text_cache.TokenCache):
+    """Train rows shuffled with the seed (so data.limit takes a random subset of label-sorted data
+    such as IMDB's), validation from the data or carved from train, everything capped by data.limit."""
+    d = cfg.data
+    rng = np.random.default_rng(cfg.experiment.seed)
+    rows = rng.permutation(cache.size("train"))
+    if cache.size("val"):
+        val = TokenizedTexts(cache, "val", np.arange(cache.size("val")))
+    elif d.val_fraction > 0:
+        n_val = max(int(len(rows) * d.val_fraction), 1)
+        val, rows = TokenizedTexts(cache, "train", np.sort(rows[:n_val])), rows[n_val:]
+    else:
+        val = None
+    test = TokenizedTexts(cache, "test", np.arange(cache.size("test"))) if cache.size("test") else None
+    if len(rows) == 0:
+        raise UserError(f"data.name={d.name}: no training samples left after carving data.val_fraction={d.val_fraction}")
+    if d.limit is not None:
+        for split in (val, test):
+            if split is not None:
+                split.rows = split.rows[: d.limit]
+    return TokenizedTexts(cache, "train", rows), val, test
+
+
+# ---------------------------------------------------------------------------- inference
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def encode_texts(meta: dict, items: list[str]) -> dict:
+    """`ddplab predict`: raw texts -> the padded batch the model saw in validation."""
+    key = repr(sorted((k, str(v)) for k, v in meta.items() if k != "label_names"))
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = tokenizer_from_meta(meta)
+    ids, lengths = _TOKENIZERS[key].encode_batch(items)
+    items_ = [({"input_ids": torch.from_numpy(ids[i, :n].astype(np.int64))}, 0) for i, n in enumerate(lengths)]
+    return PadCollate(meta["pad_id"])(items_)[0]

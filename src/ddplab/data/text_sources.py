@@ -1,0 +1,207 @@
+"""Where labelled texts come from: the HF hub datasets (IMDB, Amazon Polarity) and the user's files.
+
+Each source is read only by the rank that builds the token cache, in chunks of (texts, label ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ddplab.data.text_cache import TextSource, TextSplit
+from ddplab.errors import UserError
+
+# data.name -> (hub name, text fields joined into one text)
+HUB = {
+    "imdb": ("stanfordnlp/imdb", ("text",)),
+    "amazon_polarity": ("fancyzhx/amazon_polarity", ("title", "content")),
+}
+HUB_SPLITS = {"train": "train", "validation": "val", "test": "test"}  # IMDB's "unsupervised" has no labels
+SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet", ".pq")
+SMALL = 20 * 2**20  # files up to this size get their labels checked before launch
+
+
+# ---------------------------------------------------------------------------- hub datasets
+
+@contextlib.contextmanager
+def _offline():
+    """data.download=false: never touch the network (else an unreachable hub costs ~30 s of retries).
+
+    Both libraries read their offline flag at import time; it is flipped for this call only."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def hub_source(cfg) -> TextSource:
+    import datasets
+
+    name, fields = HUB[cfg.data.name]
+    try:
+        with contextlib.nullcontext() if cfg.data.download else _offline():
+            ds = datasets.load_dataset(name, cache_dir=cfg.data.cache_dir)
+    except Exception as exc:  # noqa: BLE001 - every way of not finding the data gets the same advice
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        how = ("the hub is unreachable" if cfg.data.download else "data.download=false and it is not in the HF cache")
+        raise UserError(f"data.name={cfg.data.name}: cannot load '{name}' with datasets.load_dataset ({how}: {reason}); "
+                        f"run once with data.download=true on a connected machine (data.cache_dir=<folder> to keep it), "
+                        f"or use data.name=text_files data.train=<csv/json/parquet>") from None
+    names = list(ds["train"].features["label"].names)
+    splits = {ours: _hub_split(ds[theirs], fields) for theirs, ours in HUB_SPLITS.items() if theirs in ds}
+    return TextSource(splits=splits, label_names=names)
+
+
+def _hub_split(split, fields: tuple[str, ...]) -> TextSplit:
+    def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
+        for start in range(0, len(split), size):
+            batch = split[start:start + size]  # Arrow-backed: only this chunk is materialised
+            columns = [batch[f] for f in fields]
+            texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns)]
+            yield texts, np.asarray(batch["label"], dtype=np.int64)
+
+    return TextSplit(len(split), chunks)
+
+
+def hub_describe(cfg) -> dict:
+    name, fields = HUB[cfg.data.name]
+    return {"dataset": name, "fields": fields, "cache_dir": cfg.data.cache_dir}
+
+
+# ---------------------------------------------------------------------------- the user's files
+
+def _files(cfg) -> dict[str, str]:
+    return {split: path for split, path in (("train", cfg.data.train), ("val", cfg.data.val),
+                                            ("test", cfg.data.test)) if path is not None}
+
+
+def read_table(path: str | Path, columns: list[str] | None = None):
+    import pandas as pd
+
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        return pd.read_csv(p, sep="\t" if suffix == ".tsv" else ",", usecols=columns, keep_default_na=False,
+                           na_values=[""])
+    if suffix in (".parquet", ".pq"):
+        return pd.read_parquet(p, columns=columns)
+    try:
+        frame = pd.read_json(p, lines=suffix == ".jsonl")
+    except ValueError:
+        frame = pd.read_json(p, lines=suffix != ".jsonl")
+    return frame[columns] if columns else frame
+
+
+def header(path: str | Path) -> list[str] | None:
+    """Column names, read cheaply (None where that would mean reading a large JSON file)."""
+    import pandas as pd
+
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        return list(pd.read_csv(p, sep="\t" if suffix == ".tsv" else ",", nrows=0).columns)
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(p).names)
+    if suffix == ".jsonl":
+        with open(p, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "{}")
+        return list(json.loads(first))
+    return list(read_table(p).columns) if p.stat().st_size <= SMALL else None
+
+
+def check_files(cfg) -> None:
+    """Missing files, unknown formats, missing columns, and (for small files) labels that do not fit."""
+    d = cfg.data
+    if d.train is None:
+        raise UserError("data.name=text_files needs data.train=<file> (CSV, TSV, JSON, JSONL or Parquet); "
+                        "data.val and data.test are optional")
+    files = _files(cfg)
+    for split, path in files.items():
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"data.{split}: no such file: {path}")
+        if p.suffix.lower() not in SUFFIXES:
+            raise UserError(f"data.{split}: {path} is not one of {', '.join(SUFFIXES)}")
+        try:
+            columns = header(p)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the file's, not ours
+            raise UserError(f"data.{split}: cannot read {path}: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}") from None
+        if columns is None:
+            continue
+        for field, column in (("text_column", d.text_column), ("label_column", d.label_column)):
+            if column not in columns:
+                raise UserError(f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}")
+    if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
+        import pandas as pd
+
+        labels = pd.concat([read_table(p, [d.label_column])[d.label_column] for p in files.values()])
+        label_mapping(labels, d.num_classes, d.label_column)
+
+
+def label_mapping(labels, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
+    """Label names, and a value -> id mapping for non-integer labels (None: the values are the ids)."""
+    import pandas as pd
+
+    if labels.isna().any():
+        raise UserError(f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})")
+    if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
+        low, high = int(labels.min()), int(labels.max())
+        k = num_classes or high + 1
+        if k < 2:
+            raise UserError(f"data.label_column '{column}' holds only label {high}; a classifier needs at least 2 classes")
+        if low < 0 or high >= k:
+            bad = low if low < 0 else high
+            raise UserError(f"data.label_column '{column}': label {bad} does not fit data.num_classes={k} "
+                            f"(integer labels are class ids 0..{k - 1}); set data.num_classes or fix the labels")
+        return [str(i) for i in range(k)], None
+    names = sorted(str(v) for v in labels.astype(str).unique())
+    if num_classes is not None and len(names) > num_classes:
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise UserError(f"data.label_column '{column}' holds {len(names)} distinct labels ({shown}) "
+                        f"but data.num_classes={num_classes}")
+    if len(names) < 2 and num_classes is None:
+        raise UserError(f"data.label_column '{column}' holds a single label ({names[0]}); a classifier needs at least 2")
+    return names, {name: i for i, name in enumerate(names)}
+
+
+def files_source(cfg) -> TextSource:
+    import pandas as pd
+
+    d = cfg.data
+    check_files(cfg)
+    frames = {split: read_table(path, [d.text_column, d.label_column]) for split, path in _files(cfg).items()}
+    names, mapping = label_mapping(pd.concat([f[d.label_column] for f in frames.values()]), d.num_classes, d.label_column)
+
+    def split_of(frame) -> TextSplit:
+        def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
+            for start in range(0, len(frame), size):
+                part = frame.iloc[start:start + size]
+                texts = part[d.text_column].fillna("").astype(str).tolist()
+                raw = part[d.label_column]
+                labels = raw.astype(str).map(mapping).to_numpy() if mapping else raw.to_numpy()
+                yield texts, np.asarray(labels, dtype=np.int64)
+
+        return TextSplit(len(frame), chunks)
+
+    return TextSource(splits={split: split_of(f) for split, f in frames.items()}, label_names=names)
+
+
+def files_describe(cfg) -> dict:
+    d = cfg.data
+    files = {}
+    for split, path in _files(cfg).items():
+        st = Path(path).stat()
+        files[split] = [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
+    return {"dataset": "text_files", "files": files, "text_column": d.text_column, "label_column": d.label_column,
+            "num_classes": d.num_classes}

@@ -1,0 +1,126 @@
+"""Tokenizers for text classification: the vocabulary-free hash tokenizer and a model's own HF one.
+
+Both encode a batch of texts into a fixed-width id matrix plus true lengths, the layout of the
+on-disk token cache; both can be rebuilt from the plain dict they describe themselves with,
+which runs and checkpoints keep for inference.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import numpy as np
+
+from ddplab.errors import UserError
+
+# Words (letters, digits, underscore; any script) and single punctuation marks.
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every id: halves the cache for vocabularies < 65,536."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+class HashTokenizer:
+    """Lower-case, split on whitespace and punctuation, hash each word into `vocab_size` buckets.
+
+    Ids 0 and 1 are reserved for padding and the leading [CLS] position; words land in
+    2 .. vocab_size-1 through CRC-32, which (unlike Python's `hash`) is the same in every process.
+    """
+
+    PAD, CLS, RESERVED = 0, 1, 2
+    # Bound on the word -> id memo; real corpora are Zipfian, so a modest memo hits almost always.
+    MEMO = 1_000_000
+
+    def __init__(self, vocab_size: int, max_len: int, lowercase: bool = True) -> None:
+        if vocab_size <= self.RESERVED:
+            raise UserError(f"data.vocab_size must be > {self.RESERVED} for the hash tokenizer, got {vocab_size}")
+        if max_len < 2:
+            raise UserError(f"data.max_len must be >= 2 (one [CLS] position plus words), got {max_len}")
+        self.vocab_size, self.max_len, self.lowercase = vocab_size, max_len, lowercase
+        self.pad_id, self.dtype = self.PAD, id_dtype(vocab_size)
+        self._memo: dict[str, int] = {}
+
+    def describe(self) -> dict:
+        return {"tokenizer": "hash", "vocab_size": self.vocab_size, "max_len": self.max_len,
+                "lowercase": self.lowercase, "split": _TOKEN.pattern, "hash": "crc32",
+                "pad_id": self.PAD, "cls_id": self.CLS}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "HashTokenizer":
+        return cls(meta["vocab_size"], meta["max_len"], meta.get("lowercase", True))
+
+    def words(self, text: str) -> list[str]:
+        keep = self.max_len - 1
+        # Scan only a prefix long enough for `keep` words; fall back to the whole text if it was not.
+        prefix = text[: keep * 24]
+        if self.lowercase:
+            prefix = prefix.lower()
+        words = _TOKEN.findall(prefix)
+        if len(words) < keep and len(prefix) < len(text):
+            words = _TOKEN.findall(text.lower() if self.lowercase else text)
+        return words[:keep]
+
+    def _bucket(self, word: str) -> int:
+        i = zlib.crc32(word.encode("utf-8")) % (self.vocab_size - self.RESERVED) + self.RESERVED
+        if len(self._memo) >= self.MEMO:
+            self._memo.clear()
+        self._memo[word] = i
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        memo, bucket = self._memo, self._bucket
+        return [self.CLS] + [memo[w] if w in memo else bucket(w) for w in self.words(text)]
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids (N, max_len) padded with 0, lengths (N,))."""
+        ids = np.zeros((len(texts), self.max_len), dtype=self.dtype)
+        lengths = np.empty(len(texts), dtype=np.int32)
+        for i, text in enumerate(texts):
+            seq = self.encode(text)
+            ids[i, : len(seq)] = seq
+            lengths[i] = len(seq)
+        return ids, lengths
+
+
+class HFTokenizer:
+    """A pretrained model's own tokenizer (AutoTokenizer), truncating to `max_len`."""
+
+    def __init__(self, pretrained: str, max_len: int) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(pretrained)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"model.pretrained: cannot load a tokenizer from '{pretrained}' ({first[:160]}); "
+                            f"give a local model folder, or a hub name on a connected machine") from None
+        self.pretrained = pretrained
+        limit = self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len
+        self.max_len = min(max_len, limit)
+        self.vocab_size = len(self.tok)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        self.dtype = id_dtype(self.vocab_size)
+
+    def describe(self) -> dict:
+        return {"tokenizer": "hf", "pretrained": self.pretrained, "max_len": self.max_len,
+                "vocab_size": self.vocab_size, "pad_id": self.pad_id, "class": type(self.tok).__name__}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "HFTokenizer":
+        return cls(meta["pretrained"], meta["max_len"])
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        encoded = self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
+        ids = np.full((len(texts), self.max_len), self.pad_id, dtype=self.dtype)
+        lengths = np.empty(len(texts), dtype=np.int32)
+        for i, seq in enumerate(encoded):
+            ids[i, : len(seq)] = seq
+            lengths[i] = len(seq)
+        return ids, lengths
+
+
+def tokenizer_from_meta(meta: dict):
+    return HashTokenizer.from_meta(meta) if meta["tokenizer"] == "hash" else HFTokenizer.from_meta(meta)

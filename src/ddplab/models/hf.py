@@ -1,0 +1,52 @@
+"""Any Hugging Face AutoModelForSequenceClassification, from a hub name or a local folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.nn as nn
+
+from ddplab.errors import UserError
+
+
+def looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+
+
+def check_pretrained(pretrained: str | None) -> None:
+    """Cheap, before launch: a local folder must hold a model's config.json (hub names are checked on load)."""
+    if not pretrained:
+        raise UserError("model.name=hf needs model.pretrained=<hub name, e.g. distilbert-base-uncased, or local folder>")
+    if not looks_like_path(pretrained):
+        return
+    p = Path(pretrained).expanduser()
+    if not p.is_dir():
+        raise UserError(f"model.pretrained: no such model folder: {pretrained}")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"model.pretrained: {pretrained} is not a Hugging Face model folder (no readable config.json)") from None
+    if "model_type" not in config:
+        raise UserError(f"model.pretrained: {pretrained}/config.json names no model_type; not a transformers model")
+
+
+def build(cfg, bundle) -> nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    check_pretrained(cfg.model.pretrained)
+    names = bundle.meta.get("label_names") or [str(i) for i in range(bundle.num_classes)]
+    try:
+        # A pretrained encoder gets a fresh head sized to this data's labels.
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(Path(cfg.model.pretrained).expanduser()) if looks_like_path(cfg.model.pretrained) else cfg.model.pretrained,
+            num_labels=bundle.num_classes, id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise UserError(f"model.pretrained: cannot load '{cfg.model.pretrained}' as a sequence classifier ({first}); "
+                        f"give a local model folder, or a hub name on a connected machine") from None
+    if cfg.model.freeze:
+        for p in model.base_model.parameters():
+            p.requires_grad_(False)
+    return model

@@ -1,0 +1,166 @@
+"""Text classification data: hash tokenizer, token cache, sources, pre-launch checks."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from ddplab.config import load_config
+from ddplab.data import build_data
+from ddplab.data.text_cls import encode_texts
+from ddplab.data.text_synthetic import generate
+from ddplab.data.text_tokenize import HashTokenizer
+from ddplab.distributed import DistContext, LaunchInfo
+from ddplab.errors import UserError
+
+ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
+
+
+def bundle_for(tmp_path, *overrides):
+    cfg = load_config(None, ["model.name=transformer", f"experiment.output_dir={tmp_path}", *overrides])
+    return build_data(cfg, ONE)
+
+
+# ---------------------------------------------------------------------------- hash tokenizer
+
+def test_hash_tokenizer_splits_lowercases_and_truncates():
+    tok = HashTokenizer(vocab_size=1000, max_len=8)
+    a = tok.encode("Hello, World! It's")
+    assert a == tok.encode("hello , world ! it ' s")  # punctuation marks are tokens of their own
+    assert a[0] == HashTokenizer.CLS and len(a) == 1 + 7
+    assert all(HashTokenizer.RESERVED <= i < 1000 for i in a[1:])
+    assert tok.encode("good") != tok.encode("bad")
+    ids, lengths = tok.encode_batch(["one two", "word " * 500, ""])
+    assert ids.shape == (3, 8) and lengths.tolist() == [3, 8, 1]
+    assert (ids[0, 3:] == HashTokenizer.PAD).all() and ids[2, 0] == HashTokenizer.CLS
+
+
+def test_hash_ids_are_the_same_in_every_process():
+    code = ("from ddplab.data.text_tokenize import HashTokenizer; "
+            "print(HashTokenizer(30000, 16).encode('Rank zero and rank one agree, always.'))")
+    seed = str(hash("seed") % 1000 + 1)  # another string-hash seed than this process's
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(HashTokenizer(30000, 16).encode("Rank zero and rank one agree, always."))
+
+
+# ---------------------------------------------------------------------------- synthetic reviews + cache
+
+def test_synthetic_reviews_are_reproducible_in_any_chunking():
+    texts, labels = generate(7, 0, 2500, 2)
+    part, part_labels = generate(7, 1200, 900, 2)
+    assert part == texts[1200:2100] and (part_labels == labels[1200:2100]).all()
+    assert 0.4 < labels.mean() < 0.6 and all(40 <= len(t.split()) <= 170 for t in texts[:50])
+
+
+def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
+    b = bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=32")
+    folder = tmp_path / ".cache"
+    (cache,) = list(folder.iterdir())  # one folder, no temporary leftovers
+    assert cache.name.startswith("text-") and (cache / "meta.json").is_file()
+    assert isinstance(b.train.cache.array("train", "ids"), np.memmap)
+    assert len(pickle.dumps(b.train)) < 20_000  # DataLoader workers get the path and row order, not the arrays
+    assert len(b.train) == 270 and len(b.val) == 30 and b.test is None
+    assert set(b.train.rows) | set(b.val.rows) == set(range(300))  # a disjoint carve of one split
+    stamp = (cache / "meta.json").stat().st_mtime_ns
+    bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=32")
+    assert (cache / "meta.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=64")
+    assert len(list(folder.iterdir())) == 2  # other tokenizer settings, other cache
+
+    inputs, label = b.train[0]
+    assert inputs["input_ids"].dtype == torch.long and inputs["input_ids"][0] == HashTokenizer.CLS
+    batch, target = b.collate_fn([b.train[i] for i in range(4)])
+    width = max(len(b.train[i][0]["input_ids"]) for i in range(4))
+    assert batch["input_ids"].shape == (4, width) == batch["attention_mask"].shape
+    assert batch["attention_mask"].sum().item() == sum(len(b.train[i][0]["input_ids"]) for i in range(4))
+    assert b.meta["input"] == "text" and b.meta["label_names"] == ["negative", "positive"]
+    # Inference encodes a raw text exactly as the cache did.
+    text, _ = generate(1337, int(b.train.rows[0]), 1, 2)  # the default experiment.seed
+    assert torch.equal(encode_texts(b.meta, text)["input_ids"][0], inputs["input_ids"])
+
+
+@pytest.fixture
+def reviews(tmp_path):
+    texts, labels = generate(3, 0, 60, 2)
+    frame = pd.DataFrame({"review": texts, "stars": np.where(labels == 1, "good", "bad")})
+    frame.to_csv(tmp_path / "train.csv", index=False)
+    frame.iloc[:20].to_json(tmp_path / "test.jsonl", orient="records", lines=True)
+    frame.iloc[20:45].to_parquet(tmp_path / "val.parquet")
+    return tmp_path, frame
+
+
+def test_text_files_read_csv_json_parquet_with_string_labels(reviews):
+    folder, frame = reviews
+    b = bundle_for(folder, "data.name=text_files", f"data.train={folder / 'train.csv'}", f"data.val={folder / 'val.parquet'}",
+                   f"data.test={folder / 'test.jsonl'}", "data.text_column=review", "data.label_column=stars",
+                   "data.max_len=16")
+    assert (len(b.train), len(b.val), len(b.test)) == (60, 25, 20) and b.num_classes == 2
+    assert b.meta["label_names"] == ["bad", "good"]
+    labels = [b.test[i][1] for i in range(20)]
+    assert labels == [int(s == "good") for s in frame["stars"][:20]]
+    # A Parquet row is read as the text it holds.
+    assert torch.equal(b.val[0][0]["input_ids"], encode_texts(b.meta, [frame["review"][20]])["input_ids"][0])
+
+
+def test_data_limit_caps_every_split(reviews):
+    folder, _ = reviews
+    b = bundle_for(folder, "data.name=text_files", f"data.train={folder / 'train.csv'}", f"data.test={folder / 'test.jsonl'}",
+                   "data.text_column=review", "data.label_column=stars", "data.limit=10")
+    assert (len(b.train), len(b.val), len(b.test)) == (10, 6, 10)
+
+
+# ---------------------------------------------------------------------------- checks before launch
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.name=hf", "model.pretrained=/no/such/model", "data.name=synthetic_reviews"], ["model.pretrained", "/no/such/model"]),
+    (["model.name=hf", "data.name=synthetic_reviews"], ["model.pretrained"]),
+    (["model.name=hf", "model.pretrained=bert-base-uncased", "data.name=synthetic_reviews", "data.tokenizer=hash"], ["data.tokenizer=hash", "hf"]),
+    (["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=hf"], ["data.tokenizer=hf", "hash"]),
+    (["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=char"], ["data.tokenizer", "hash"]),
+    (["model.name=transformer"], ["data.name", "synthetic_reviews"]),
+    (["model.name=gpt", "data.name=imdb"], ["model.name", "transformer"]),
+    (["model.name=transformer", "data.name=text_files"], ["data.train"]),
+    (["model.name=transformer", "data.name=text_files", "data.train=/no/such.csv"], ["data.train", "/no/such.csv"]),
+    (["model.name=transformer", "data.name=synthetic_reviews", "data.num_classes=1"], ["data.num_classes"]),
+])
+def test_bad_text_configs_name_the_field(overrides, words):
+    with pytest.raises(UserError) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    with pytest.raises(UserError, match="not a Hugging Face model folder"):
+        load_config(None, ["model.name=hf", f"model.pretrained={tmp_path}", "data.name=synthetic_reviews"])
+
+
+@pytest.mark.parametrize("labels, num_classes, words", [
+    ([0, 1, 2, 1], 2, ["label 2", "data.num_classes=2"]),
+    ([0, -1, 1, 1], None, ["label -1"]),
+    (["a", "b", "c", "a"], 2, ["3 distinct labels", "data.num_classes=2"]),
+])
+def test_labels_that_do_not_fit(tmp_path, labels, num_classes, words):
+    path = tmp_path / "d.csv"
+    pd.DataFrame({"text": ["x y", "z", "w", "v"], "label": labels}).to_csv(path, index=False)
+    extra = [f"data.num_classes={num_classes}"] if num_classes else []
+    with pytest.raises(UserError) as err:
+        load_config(None, ["model.name=transformer", "data.name=text_files", f"data.train={path}", *extra])
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_hub_dataset_offline_says_how_to_get_it(tmp_path, monkeypatch):
+    with pytest.raises(UserError) as err:
+        bundle_for(tmp_path, "data.name=imdb", f"data.cache_dir={tmp_path / 'hf'}")
+    message = str(err.value)
+    assert "\n" not in message and "data.download=true" in message and "data.name=text_files" in message
+    assert json.dumps(message)  # plain text
