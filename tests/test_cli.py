@@ -76,3 +76,10 @@ def test_resume_auto_continues_an_unfinished_run(tmp_path, corpus):
     assert "resumed from" in proc.stdout and "step 10" in proc.stdout
     final = json.loads((tmp_path / "experiments/r/metrics.json").read_text())
     assert final["aggregates"]["steps"] == 14
+
+
+def test_overrides_may_follow_options(tmp_path):
+    proc = ddplab("train", "--max-restarts", "0", "training.lr=abc", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "training.lr" in proc.stderr
+    proc = ddplab("train", "--bogus", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "ddplab: error: unrecognized arguments: --bogus (see ddplab --help)"

@@ -11,7 +11,7 @@ from ddplab.errors import UserError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
-        print(f"ddplab: error: {message} (see ddplab {self.prog.split()[-1]} --help)", file=sys.stderr)
+        print(f"ddplab: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -136,7 +136,14 @@ COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    # Overrides may come after options too: `ddplab train --nproc-per-node 2 training.lr=1e-3`.
+    if extra:
+        if hasattr(ns, "args") and not any(e.startswith("-") for e in extra):
+            ns.args += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[ns.command](ns)
     except UserError as err:
