@@ -37,7 +37,7 @@ class ExperimentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = _f("text", "dataset (see `ddplab train --help`)")
+    name: str = _f("text", "dataset: text, synthetic, synthetic_reviews, text_files, imdb, amazon_polarity, digits, mnist, fashion_mnist, cifar10, image_folder")
     path: Optional[str] = _f(None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus")
     root: Optional[str] = _f(None, "dataset folder for torchvision datasets and image_folder")
     train: Optional[str] = _f(None, "train file (CSV/JSON/Parquet) for text_files")
@@ -63,7 +63,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("gpt", "model (see `ddplab train --help`)")
+    name: str = _f("gpt", "model: gpt, transformer, hf, cnn, vit, or a torchvision classifier (resnet18, vgg19, vit_b_16, ...)")
     layers: int = _f(3, "transformer layers", positive=True)
     heads: int = _f(4, "attention heads", positive=True)
     dim: int = _f(128, "embedding width", positive=True)
