@@ -116,6 +116,9 @@ class Trainer:
         self.scheduler = Schedule(self.optimizer, t, total)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
+        from ddplab.metrics.gpu import GpuMonitor
+
+        self.gpu_monitor = GpuMonitor(ctx.device) if ctx.is_main else None
         self.checkpoints = Checkpointer(run.path / "checkpoints", ctx.is_main, cfg.checkpoint.keep_last)
         self._bad_step = torch.full((), -1, dtype=torch.long, device=ctx.device)
         self._interval = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, samples, tokens since last log
@@ -282,6 +285,10 @@ class Trainer:
                "samples_per_s": s.epoch_samples / epoch_time if epoch_time else None,
                "tokens_per_s": tokens / epoch_time if epoch_time and tokens else None,
                "lr": self.scheduler.get_last_lr()[0], "peak_mem_mb": peak}
+        from ddplab.engine.comm import epoch_comm_row
+
+        row.update(epoch_comm_row(self.hooks, self.ctx, epoch_time))
+        row.update(self.gpu_monitor.take_epoch() if self.gpu_monitor else {})
         if partial:
             row["partial"] = True
         s.history.append(row)
@@ -397,7 +404,9 @@ class Trainer:
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
-        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "hooks"):
+        if getattr(self, "gpu_monitor", None):
+            self.gpu_monitor.close()
+        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "hooks", "gpu_monitor"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()
