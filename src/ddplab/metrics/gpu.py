@@ -20,6 +20,7 @@ class GpuMonitor:
         self._thread = None
         self._nvml = None
         self._handle = None
+        self.active = False  # True once NVML answered; stays True after close for the last epoch
         if device.type != "cuda":
             return
         try:
@@ -31,12 +32,9 @@ class GpuMonitor:
         except Exception:  # noqa: BLE001 - any NVML failure means: no monitoring
             self._nvml = None
             return
+        self.active = True
         self._thread = threading.Thread(target=self._run, name="ddplab-gpu-monitor", daemon=True)
         self._thread.start()
-
-    @property
-    def active(self) -> bool:
-        return self._thread is not None
 
     def sample(self) -> None:
         util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu

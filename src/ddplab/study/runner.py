@@ -46,12 +46,13 @@ def in_slurm(env=None) -> bool:
 
 
 def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]]:
-    """One torchrun agent per node; several nodes meet on loopback through c10d rendezvous."""
+    """One torchrun agent per node; several nodes meet on loopback through c10d rendezvous,
+    which assigns node ranks itself (a fixed --node-rank is ignored by c10d)."""
     if setup.nodes == 1:
         return [torchrun_command(setup.per_node, args)]
     endpoint = f"127.0.0.1:{free_port()}"
-    return [torchrun_command(setup.per_node, args, nnodes=setup.nodes, node_rank=rank, rdzv_endpoint=endpoint,
-                             run_id=run_id) for rank in range(setup.nodes)]
+    return [torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=endpoint, run_id=run_id)
+            for _ in range(setup.nodes)]
 
 
 def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=None) -> list[str]:
