@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--nproc", type=int, default=2)
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss difference, relative")
     v.add_argument("--weight-tolerance", type=float, default=1e-4, help="largest allowed weight difference")
+
+    st = sub.add_parser("study", help="sweep process counts and config values, one run folder per point, then report")
+    st.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]", help="key=value apply to every point")
+    st.add_argument("--nproc", default="1", help="process counts, e.g. 1,2,4 (per node), or 1x1,1x4,2x2 (nodes x processes)")
+    st.add_argument("--nnodes", type=int, default=1, help="nodes for plain --nproc counts (several agents on loopback locally)")
+    st.add_argument("--set", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
+                    help="a swept config value; repeat for a grid")
+    st.add_argument("--name", help="study folder name (default: the config file's name, or 'study')")
+    st.add_argument("--output-dir", default="experiments", help="folder that holds the study folder")
+    st.add_argument("--budget", help="time budget for 'epochs @ budget' in the report (2h, 90m, 30s)")
+
+    r = sub.add_parser("report", help="tables and plots (report.md, report.csv, PNGs) from run folders")
+    r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
+    r.add_argument("--output", help="folder for the report (default: the folder given, or ./report for several)")
+    r.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the shortest run's training time")
     return p
 
 
@@ -132,7 +147,37 @@ def cmd_verify(ns) -> int:
     return verify(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict, "verify": cmd_verify}
+def cmd_study(ns) -> int:
+    from ddplab.config import parse_duration
+    from ddplab.report.build import make_report
+    from ddplab.study.grid import expand, parse_setups, parse_sweeps
+    from ddplab.study.runner import run_study
+
+    config, common = split_args(ns.args)
+    _positive("--nnodes", ns.nnodes)
+    budget = parse_duration(ns.budget, "--budget")
+    name = ns.name or (Path(config).stem if config else "study")
+    study_dir = Path(ns.output_dir) / name
+    points = expand(config, common, parse_setups(ns.nproc, ns.nnodes), parse_sweeps(ns.sweeps), str(study_dir))
+    print(f"study {name}: {len(points)} points -> {study_dir}")
+    run_study(study_dir, config, points)
+    report = make_report([study_dir], study_dir, budget)
+    print(f"report: {report}")
+    return 0
+
+
+def cmd_report(ns) -> int:
+    from ddplab.config import parse_duration
+    from ddplab.report.build import make_report
+
+    budget = parse_duration(ns.budget, "--budget")
+    out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
+    print(f"report: {make_report(ns.dirs, out, budget)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict, "verify": cmd_verify,
+            "study": cmd_study, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

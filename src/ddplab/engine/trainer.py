@@ -126,6 +126,9 @@ class Trainer:
         self.scheduler = Schedule(self.optimizer, t, total)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
+        from ddplab.metrics.gpu import GpuMonitor
+
+        self.gpu_monitor = GpuMonitor(ctx.device) if ctx.is_main else None
         self.checkpoints = Checkpointer(run.path / "checkpoints", ctx.is_main, cfg.checkpoint.keep_last)
         self.signals = StopSignals()
         self._resumed = False
@@ -346,6 +349,10 @@ class Trainer:
         utilisation = mfu(self.raw, row["tokens_per_s"], self.ctx.device, self.ctx.world_size)
         if utilisation is not None:
             row["mfu"] = utilisation
+        from ddplab.engine.comm import epoch_comm_row
+
+        row.update(epoch_comm_row(self.hooks, self.ctx, epoch_time))
+        row.update(self.gpu_monitor.take_epoch() if self.gpu_monitor else {})
         if partial:
             row["partial"] = True
         s.history.append(row)
@@ -476,7 +483,9 @@ class Trainer:
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
-        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "hooks"):
+        if getattr(self, "gpu_monitor", None):
+            self.gpu_monitor.close()
+        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "hooks", "gpu_monitor"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()

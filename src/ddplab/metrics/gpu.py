@@ -1,0 +1,85 @@
+"""GPU utilisation and memory of this process's GPU, sampled in the background via NVML.
+
+Without CUDA, or where NVML cannot start (no driver, a container without it), the
+monitor is inactive and reports nothing; training never depends on it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class GpuMonitor:
+    def __init__(self, device: torch.device, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self._samples: list[tuple[float, float]] = []  # (utilisation %, memory used MiB)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        self._nvml = None
+        self._handle = None
+        self.active = False  # True once NVML answered; stays True after close for the last epoch
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device.index or 0))
+            self._nvml = pynvml
+        except Exception:  # noqa: BLE001 - any NVML failure means: no monitoring
+            self._nvml = None
+            return
+        self.active = True
+        self._thread = threading.Thread(target=self._run, name="ddplab-gpu-monitor", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+        used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+        with self._lock:
+            self._samples.append((float(util), float(used)))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a failed read skips one sample
+                pass
+            self._stop.wait(self.interval_s)
+
+    def take_epoch(self) -> dict:
+        """Mean utilisation (%) and peak memory used (MiB) since the last call; {} when inactive."""
+        if not self.active:
+            return {}
+        with self._lock:
+            samples, self._samples = self._samples, []
+        if not samples:
+            return {}
+        return {"gpu_util": sum(u for u, _ in samples) / len(samples), "gpu_mem_mb": max(m for _, m in samples)}
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            self._nvml = None
+
+
+def _physical_index(index: int) -> int:
+    """NVML counts all GPUs; CUDA counts those in CUDA_VISIBLE_DEVICES."""
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(ids) and ids[index].isdigit():
+            return int(ids[index])
+    return index

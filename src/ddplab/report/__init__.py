@@ -1,0 +1,1 @@
+"""`ddplab report`: tables and plots from run folders, and nothing else."""

@@ -1,0 +1,97 @@
+"""Read run folders: metrics.json (and, for study points, study_point.json). Nothing else."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddplab.errors import UserError
+
+POINT_FILE = "study_point.json"
+# Sections that name or present a run but do not change what it computes.
+_NOT_THE_EXPERIMENT = ("experiment", "logging", "checkpoint", "generate")
+
+
+@dataclass
+class Run:
+    path: Path
+    summary: dict
+    point: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.point.get("point") or self.path.name
+
+    @property
+    def ddp(self) -> dict:
+        return self.summary.get("ddp", {})
+
+    @property
+    def processes(self) -> int:
+        return int(self.ddp.get("world_size", 1))
+
+    @property
+    def nodes(self) -> int:
+        return int(self.point.get("nodes", 1))
+
+    @property
+    def setup(self) -> str:
+        return self.point.get("setup") or f"{self.nodes}x{self.processes // self.nodes}"
+
+    @property
+    def swept(self) -> dict:
+        return self.point.get("swept", {})
+
+    @property
+    def epochs(self) -> list[dict]:
+        return self.summary.get("epochs", [])
+
+    @property
+    def full_epochs(self) -> list[dict]:
+        return [r for r in self.epochs if not r.get("partial")]
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.summary.get("steps", [])
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.summary.get("aggregates", {}).get("steps") or (self.epochs[-1]["step"] if self.epochs else 0))
+
+    def experiment_key(self) -> str:
+        """The config without naming and presentation: runs with equal keys differ only in processes."""
+        config = {k: v for k, v in self.summary.get("config", {}).items() if k not in _NOT_THE_EXPERIMENT}
+        return json.dumps(config, sort_keys=True)
+
+
+def find_runs(dirs: list[str | Path]) -> tuple[list[Run], list[Path]]:
+    """Finished runs under the given folders (a run folder itself, or any folder holding some),
+    and the unfinished ones that were passed over."""
+    runs, unfinished, seen = [], [], set()
+    for d in dirs:
+        root = Path(d)
+        if not root.exists():
+            raise UserError(f"report: no such folder: {d}")
+        candidates = [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
+        for metrics in candidates:
+            folder = metrics.parent
+            if folder.resolve() in seen or "checkpoints" in folder.parts:
+                continue
+            seen.add(folder.resolve())
+            try:
+                summary = json.loads(metrics.read_text())
+            except ValueError:
+                unfinished.append(folder)
+                continue
+            if summary.get("status") != "complete":
+                unfinished.append(folder)
+                continue
+            point = {}
+            if (folder / POINT_FILE).is_file():
+                point = json.loads((folder / POINT_FILE).read_text())
+            runs.append(Run(folder, summary, point))
+    if not runs:
+        where = ", ".join(str(d) for d in dirs)
+        raise UserError(f"report: no finished run folders (metrics.json with status complete) under {where}")
+    return runs, unfinished

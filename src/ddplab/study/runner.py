@@ -1,0 +1,164 @@
+"""Run a study's points one after another, each as its own `ddplab train` job.
+
+Locally a point runs through torch's launcher: one agent for one node, or one agent per
+node on loopback with c10d rendezvous (the code path of a real multi-node job). Inside a
+SLURM allocation it runs through `srun`, one agent per node. A point whose run folder is
+complete is skipped, so running the same study again resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from ddplab.distributed import expand_nodelist
+from ddplab.errors import UserError
+from ddplab.launch import torchrun_command
+from ddplab.run import finished
+from ddplab.study.grid import Point, Setup
+
+POINT_FILE = "study_point.json"  # the point's place in the grid, beside its run files
+LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
+
+
+class PointFailed(UserError):
+    """A point's job ended badly: the study stops; finished points are kept."""
+
+    exit_code = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_slurm(env=None) -> bool:
+    return "SLURM_JOB_ID" in (os.environ if env is None else env)
+
+
+def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]]:
+    """One torchrun agent per node; several nodes meet on loopback through c10d rendezvous,
+    which assigns node ranks itself (a fixed --node-rank is ignored by c10d)."""
+    if setup.nodes == 1:
+        return [torchrun_command(setup.per_node, args)]
+    endpoint = f"127.0.0.1:{free_port()}"
+    return [torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=endpoint, run_id=run_id)
+            for _ in range(setup.nodes)]
+
+
+def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=None) -> list[str]:
+    """`srun` starts one agent per node of the allocation; they meet at the first node."""
+    env = os.environ if env is None else env
+    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", "localhost"))
+    job = int(env.get("SLURM_JOB_ID", "0"))
+    port = 20000 + (job * 31 + index) % 30000  # distinct per point and per job sharing a node
+    agent = torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=f"{hosts[0]}:{port}",
+                             run_id=run_id)
+    return ["srun", f"--nodes={setup.nodes}", f"--ntasks={setup.nodes}", "--ntasks-per-node=1", *agent]
+
+
+def check_allocation(points: list[Point], env=None) -> None:
+    env = os.environ if env is None else env
+    have = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    need = max(p.setup.nodes for p in points)
+    if need > have:
+        raise UserError(f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
+                        f"use sbatch --nodes={need} or fewer nodes per point")
+
+
+def _run_agents(commands: list[list[str]], log_path: Path) -> int:
+    """Start every agent, wait for all; the first failure ends the others. Returns an exit code."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = []
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(commands[0])}{f'   (and {len(commands) - 1} more agents)' if len(commands) > 1 else ''}\n")
+        log.flush()
+        try:
+            for cmd in commands:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed:
+                    _stop(procs)
+                    return failed[0]
+                if all(c == 0 for c in codes):
+                    return 0
+                time.sleep(0.2)
+        except BaseException:
+            _stop(procs)
+            raise
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()  # torchrun forwards it to its workers
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_study(study_dir: Path, config: str | None, points: list[Point], console: Console | None = None) -> list[Path]:
+    """Run every point not yet complete; returns the point folders in grid order."""
+    console = console or Console(highlight=False)
+    slurm = in_slurm()
+    if slurm:
+        check_allocation(points)
+    study_dir.mkdir(parents=True, exist_ok=True)
+    base = [config] if config else []
+    folders = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("study", total=len(points))
+        for index, point in enumerate(points):
+            folder = study_dir / point.name
+            folders.append(folder)
+            label = f"{point.name} ({point.setup.processes} processes)"
+            if finished(folder):
+                console.print(f"[{index + 1}/{len(points)}] {label}: complete, skipped")
+                progress.advance(task)
+                continue
+            progress.update(task, description=f"[{index + 1}/{len(points)}] {label}")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / POINT_FILE).write_text(json.dumps(
+                {"study": study_dir.name, "point": point.name, "nodes": point.setup.nodes,
+                 "per_node": point.setup.per_node, "processes": point.setup.processes,
+                 "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")
+            args = ["train", *base, *point.overrides]
+            run_id = f"{study_dir.name}-{point.name}"
+            commands = [slurm_command(point.setup, args, run_id, index)] if slurm else local_commands(point.setup, args, run_id)
+            start = time.perf_counter()
+            code = _run_agents(commands, folder / LOG_FILE)
+            if code != 0 or not finished(folder):
+                tail = _tail(folder / LOG_FILE)
+                if tail:
+                    print(tail, file=sys.stderr)
+                raise PointFailed(f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
+                                  f"finished points are kept and the same command resumes the study")
+            summary = json.loads((folder / "metrics.json").read_text())
+            rate = summary.get("aggregates", {}).get("mean_samples_per_s")
+            console.print(f"[{index + 1}/{len(points)}] {label}: done in {time.perf_counter() - start:.1f} s"
+                          + (f", {rate:,.0f} samples/s" if rate else ""))
+            progress.advance(task)
+    return folders

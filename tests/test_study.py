@@ -1,0 +1,149 @@
+"""`ddplab study`: the grid, a real sweep with its report, resuming, and two agents on loopback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TINY_GPT, _env, assert_ok, ddplab
+from ddplab.errors import UserError
+from ddplab.study.grid import Setup, expand, parse_setups, parse_sweeps
+from ddplab.study.runner import slurm_command
+
+FAST = [*TINY_GPT, "generate.max_new_tokens=0", "checkpoint.save_best=false"]
+
+
+def test_setups_sweeps_and_point_names(tmp_path):
+    assert parse_setups("1,2,4") == [Setup(1, 1), Setup(1, 2), Setup(1, 4)]
+    assert parse_setups("1x1, 1x4,2x2") == [Setup(1, 1), Setup(1, 4), Setup(2, 2)]
+    assert parse_setups("2", nnodes=2) == [Setup(2, 2)]
+    assert parse_sweeps(["training.batch_size=8,32", "training.lr=1e-3"]) == {
+        "training.batch_size": ["8", "32"], "training.lr": ["1e-3"]}
+    points = expand(None, ["training.max_steps=3"], parse_setups("1,2x2"),
+                    parse_sweeps(["training.batch_size=8,32"]), str(tmp_path / "s"))
+    assert [p.name for p in points] == ["n1-batch_size_8", "n1-batch_size_32", "n2x2-batch_size_8", "n2x2-batch_size_32"]
+    assert points[3].setup.processes == 4
+    assert "training.batch_size=32" in points[3].overrides and "experiment.name=n2x2-batch_size_32" in points[3].overrides
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: parse_setups("1,two"), ["--nproc", "two"]),
+    (lambda: parse_setups("0"), ["--nproc", "0"]),
+    (lambda: parse_sweeps(["training.batch_size"]), ["--set", "key=v1,v2"]),
+    (lambda: parse_sweeps(["training.batch_size=8,"]), ["--set", "training.batch_size"]),
+    (lambda: expand(None, [], [Setup(1, 1)], {"training.batch_size": ["8", "-1"]}, "s"), ["training.batch_size"]),
+    (lambda: expand(None, [], [Setup(1, 1)], {"training.nope": ["1"]}, "s"), ["training.nope"]),
+    (lambda: expand(None, ["experiment.name=x"], [Setup(1, 1)], {}, "s"), ["--name"]),
+])
+def test_bad_grids_are_one_line_errors(call, words):
+    with pytest.raises(UserError) as err:
+        call()
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
+
+
+def test_bad_study_input_exits_2_before_anything_starts(tmp_path):
+    proc = ddplab("study", "--nproc", "1,2", "--set", "training.batch_size=8,zero", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "training.batch_size" in proc.stderr and not (tmp_path / "experiments").exists()
+
+
+def test_slurm_points_run_one_agent_per_node_through_srun():
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_NUM_NODES": "2"}
+    cmd = slurm_command(Setup(2, 4), ["train", "x.yaml"], "s-n2x4", 0, env)
+    assert cmd[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert "--nproc-per-node=4" in cmd and "--nnodes=2" in cmd and "--rdzv-backend=c10d" in cmd
+    assert any(a.startswith("--rdzv-endpoint=gpu03:") for a in cmd)
+    assert cmd[-2:] == ["train", "x.yaml"]
+
+
+def _png_ok(path):
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    return image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
+    args = ["study", f"data.path={corpus}", *FAST, "data.limit=256", "training.epochs=1",
+            "--nproc", "1,2", "--set", "training.batch_size=8,32", "--name", "sweep"]
+    proc = ddplab(*args, cwd=tmp_path)
+    assert_ok(proc)
+    study = tmp_path / "experiments" / "sweep"
+    names = ["n1-batch_size_8", "n1-batch_size_32", "n2-batch_size_8", "n2-batch_size_32"]
+    for name in names:
+        summary = json.loads((study / name / "metrics.json").read_text())
+        assert summary["status"] == "complete"
+        assert summary["ddp"]["world_size"] == int(name[1]) and summary["ddp"]["per_process"] == int(name.split("_")[-1])
+    report = (study / "report.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| point"))
+    for column in ("processes", "batch / process", "global batch", "lr", "steps / epoch", "mean epoch time (s)",
+                   "samples/s", "speedup", "efficiency", "comm ms/step", "epochs @ budget", "best val loss",
+                   "test loss", "test accuracy"):
+        assert f"| {column} |" in header, column
+    import csv
+
+    rows = {r["point"]: r for r in csv.DictReader(open(study / "report.csv"))}
+    assert set(rows) == set(names)
+    for name, row in rows.items():
+        procs = int(row["processes"])
+        assert int(row["global_batch"]) == procs * int(row["batch_per_process"])
+        base = rows[f"n1-batch_size_{row['batch_per_process']}"]
+        speedup = float(row["samples_per_s"]) / float(base["samples_per_s"])
+        assert float(row["speedup"]) == pytest.approx(speedup)
+        assert float(row["efficiency"]) == pytest.approx(speedup / procs)
+        assert float(row["mean_epoch_time_s"]) > 0 and float(row["best_val_loss"]) > 0
+        assert (float(row["comm_ms_per_step"]) > 0) == (procs > 1)
+    assert rows["n1-batch_size_8"]["steps_per_epoch"] == "32" and rows["n2-batch_size_32"]["steps_per_epoch"] == "4"
+    for png in ("epoch_time", "scaling", "loss_epochs", "loss_time", "accuracy_time", "comm"):
+        assert f"({png}.png)" in report and _png_ok(study / f"{png}.png"), png
+
+    # The same command again: every point is complete, nothing is trained twice.
+    before = {n: (study / n / "metrics.json").stat().st_mtime_ns for n in names}
+    again = ddplab(*args, cwd=tmp_path)
+    assert_ok(again)
+    assert again.stdout.count("complete, skipped") == 4
+    assert before == {n: (study / n / "metrics.json").stat().st_mtime_ns for n in names}
+
+
+def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
+    args = [sys.executable, "-m", "ddplab", "study", f"data.path={corpus}", *FAST, "training.max_steps=4",
+            "--nproc", "1", "--set", "training.batch_size=4,8", "--name", "cut"]
+    study = tmp_path / "experiments" / "cut"
+    first, second = study / "n1-batch_size_4", study / "n1-batch_size_8"
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not (second / "study_point.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stdout.read()
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C while the second point runs
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    done = json.loads((first / "metrics.json").read_text())
+    assert done["status"] == "complete"
+    assert not (second / "metrics.json").exists() or json.loads((second / "metrics.json").read_text())["status"] != "complete"
+    stamp = (first / "metrics.json").stat().st_mtime_ns
+
+    again = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(again)
+    assert "[1/2] n1-batch_size_4 (1 processes): complete, skipped" in again.stdout
+    assert "[2/2] n1-batch_size_8 (1 processes): done" in again.stdout
+    assert (first / "metrics.json").stat().st_mtime_ns == stamp
+    assert json.loads((second / "metrics.json").read_text())["status"] == "complete"
+
+
+def test_two_launcher_agents_on_loopback_train_as_two_nodes(tmp_path, corpus):
+    proc = ddplab("study", f"data.path={corpus}", *FAST, "training.max_steps=6", "logging.log_every=2",
+                  "--nproc", "1", "--nnodes", "2", "--name", "nodes", cwd=tmp_path)
+    assert_ok(proc)
+    folder = tmp_path / "experiments" / "nodes" / "n2x1"
+    summary = json.loads((folder / "metrics.json").read_text())
+    assert summary["ddp"]["world_size"] == 2 and summary["ddp"]["launcher"] == "torchrun"
+    assert summary["ddp"]["global"] == 16 and summary["ddp"]["ranks_identical"] is True
+    assert summary["aggregates"]["steps"] == 6 and len(summary["steps"]) == 3
+    assert "--rdzv-backend=c10d" in (folder / "launcher.log").read_text()
+    assert json.loads((folder / "study_point.json").read_text())["nodes"] == 2
