@@ -47,21 +47,10 @@ def _save(fig, path: Path) -> Path:
 
 
 def epoch_time_plot(rows, runs, path: Path) -> Path | None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    drawn = False
-    for label, items in _groups(rows, runs).items():
-        pts = [(r["processes"], r["mean_epoch_time_s"]) for r, _ in items if r["mean_epoch_time_s"]]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set(xlabel="processes", ylabel="mean epoch time (s)", title="Epoch time vs processes")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    series = {label: [(r["processes"], r["mean_epoch_time_s"]) for r, _ in items if r["mean_epoch_time_s"]]
+              for label, items in _groups(rows, runs).items()}
+    return _line_plot(series, path, xlabel="processes", ylabel="mean epoch time (s)",
+                      title="Epoch time vs processes", size=(6.4, 4.2), legend=8)
 
 
 def scaling_plot(rows, runs, path: Path) -> Path | None:
@@ -123,20 +112,24 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
 
 
 def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.4))
-    drawn = False
-    for run in runs:
-        pts = [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=run.name)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
+    series = {run.name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
+              for run in runs}
+    return _line_plot(series, path, xlabel="training time (s)", ylabel="validation accuracy",
+                      title="Accuracy vs training time", size=(7, 4.4), legend=7)
+
+
+def _line_plot(series: dict, path: Path, *, xlabel: str, ylabel: str, title: str, size: tuple, legend: int) -> Path | None:
+    """One marked line per label; no file when no series has a point."""
+    series = {label: pts for label, pts in series.items() if pts}
+    if not series:
         return None
-    ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=size)
+    for label, pts in series.items():
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=legend)
     return _save(fig, path)
 
 
