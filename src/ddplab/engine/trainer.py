@@ -315,6 +315,10 @@ class Trainer:
         if t.max_steps and s.step >= t.max_steps:
             s.stop_reason = "max_steps"  # the same on every rank without asking
             return True
+        if s.step % self.cfg.logging.log_every:
+            # Asking every step would put a collective and a host sync in every step; the
+            # log interval is a schedule all ranks share, and where the loop syncs anyway.
+            return False
         over = self.budget is not None and s.elapsed >= self.budget
         flags = torch.tensor([float(over), float(self.signals.received is not None)], device=self.ctx.device)
         over, signalled = self.ctx.all_reduce(flags, "max").tolist()
