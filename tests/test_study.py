@@ -147,3 +147,18 @@ def test_two_launcher_agents_on_loopback_train_as_two_nodes(tmp_path, corpus):
     assert summary["aggregates"]["steps"] == 6 and len(summary["steps"]) == 3
     assert "--rdzv-backend=c10d" in (folder / "launcher.log").read_text()
     assert json.loads((folder / "study_point.json").read_text())["nodes"] == 2
+
+
+def test_a_failing_point_stops_the_study_and_keeps_the_finished_ones(tmp_path, corpus):
+    empty = tmp_path / "empty"
+    empty.mkdir()  # passes the up-front check (it exists) but holds no text: the run itself fails
+    proc = ddplab("study", *FAST, "training.max_steps=2", "--nproc", "1", "--set", f"data.path={corpus},{empty}",
+                  "--name", "broken", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("ddplab: error: study stopped: point n1-path_") and "launcher.log" in message
+    assert "holds no .txt files" in proc.stderr  # the failing run's own words, from its log
+    study = tmp_path / "experiments" / "broken"
+    good = [json.loads(p.read_text()) for p in study.glob("*/metrics.json")]
+    assert len(good) == 1 and good[0]["status"] == "complete" and good[0]["config"]["data"]["path"] == str(corpus)
+    assert not (study / "report.md").exists()

@@ -112,11 +112,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def _failure_lines(path: Path, lines: int = 12) -> str:
+    """The workers' own error lines, then the end of the log (the launcher's summary)."""
     try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        text = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
+    errors = [line for line in dict.fromkeys(text) if line.startswith("ddplab: error") or "Error: " in line]
+    return "\n".join(errors[:5] + ["..."] + text[-lines:])
 
 
 def run_study(study_dir: Path, config: str | None, points: list[Point], console: Console | None = None) -> list[Path]:
@@ -151,7 +154,7 @@ def run_study(study_dir: Path, config: str | None, points: list[Point], console:
             start = time.perf_counter()
             code = _run_agents(commands, folder / LOG_FILE)
             if code != 0 or not finished(folder):
-                tail = _tail(folder / LOG_FILE)
+                tail = _failure_lines(folder / LOG_FILE)
                 if tail:
                     print(tail, file=sys.stderr)
                 raise PointFailed(f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
