@@ -6,6 +6,8 @@ seed, per-process batch and process count; only the training loop differs.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import platform
@@ -21,6 +23,9 @@ WORKLOADS: dict[str, list[str]] = {
                     "data.num_samples=3000", "data.max_len=128", "model.layers=2", "model.dim=128", "model.heads=4",
                     "training.batch_size=32", "data.limit=1536"],
     "cnn": ["model.name=cnn", "data.name=digits", "training.batch_size=32"],
+    # nanoGPT's Shakespeare-character size (10.7 M parameters): a GPU workload.
+    "gpt_medium": ["model.name=gpt", "data.name=text", "model.layers=6", "model.dim=384", "model.heads=6",
+                   "model.context=256", "training.batch_size=64"],
 }
 
 # What every contender does the same way: no clipping, constant lr, no extras.
@@ -29,11 +34,32 @@ COMMON = ["training.clip_grad_norm=null", "training.schedule=constant", "trainin
           "checkpoint.save_best=false", "generate.max_new_tokens=0", "logging.log_every=50"]
 
 
-def overrides(workload: str, epochs: int) -> list[str]:
-    return WORKLOADS[workload] + COMMON + [f"training.epochs={epochs}"]
+def contender_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """What every contender script takes: WORKLOAD EPOCHS OUT [--device] [--amp] [--compile]."""
+    p = argparse.ArgumentParser()
+    p.add_argument("workload", choices=list(WORKLOADS))
+    p.add_argument("epochs", type=int)
+    p.add_argument("out")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--amp", choices=("none", "bf16"), default="none")
+    p.add_argument("--compile", action="store_true")
+    return p.parse_args(argv)
 
 
-def setup(workload: str, epochs: int):
+def overrides(args: argparse.Namespace) -> list[str]:
+    extra = [f"training.epochs={args.epochs}", f"training.compile={args.compile}"]
+    if args.amp != "none":
+        extra.append(f"training.amp={args.amp}")
+    return WORKLOADS[args.workload] + COMMON + extra
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    if args.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def setup(args: argparse.Namespace):
     """(cfg, ctx, bundle, model) exactly as ddplab builds them; the caller owns the process group."""
     from ddplab.config import load_config
     from ddplab.data import build_data
@@ -41,15 +67,34 @@ def setup(workload: str, epochs: int):
     from ddplab.engine.trainer import seed_everything
     from ddplab.models import build_model
 
-    cfg = load_config(None, overrides(workload, epochs))
+    cfg = load_config(None, overrides(args))
     launch = detect_launch()
-    backend = "gloo" if torch.distributed.is_initialized() else None
-    ctx = DistContext(launch=launch, backend=backend, device=torch.device("cpu"))
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    ctx = DistContext(launch=launch, backend=backend, device=device_of(args))
     seed_everything(cfg.experiment.seed)
     bundle = build_data(cfg, ctx)
     model = build_model(cfg, bundle)
     seed_everything(cfg.experiment.seed + launch.rank)
     return cfg, ctx, bundle, model
+
+
+def move(obj, device: torch.device):
+    """Plain `.to(device)` of a batch's tensors, as a hand-written loop does."""
+    if isinstance(obj, dict):
+        return {k: v.to(device) for k, v in obj.items()}
+    return obj.to(device)
+
+
+def autocast(args: argparse.Namespace, device: torch.device):
+    if args.amp == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so an epoch's time holds all of its steps."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def call(model, inputs):
@@ -70,6 +115,7 @@ def report(out_path: str | None, epoch_times: list[float], extra: dict | None = 
 
 
 def machine() -> str:
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
@@ -78,5 +124,5 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, python {platform.python_version()}, "
+    return (f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, python {platform.python_version()}, "
             f"{time.strftime('%Y-%m-%d')}")

@@ -12,6 +12,7 @@ the epoch time.
 
     python benchmarks/overhead.py                      # all workloads, 1 and 2 processes, 5 runs each
     python benchmarks/overhead.py --workloads gpt --nproc 2 --runs 3
+    python benchmarks/overhead.py --device cuda --nproc 1 --workloads gpt_medium --amp bf16
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ CONTENDERS = {
 }
 
 
-def run_once(contender: str, workload: str, nproc: int, epochs: int) -> dict:
+def run_once(contender: str, workload: str, nproc: int, epochs: int, options: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(HERE / "contenders" / CONTENDERS[contender]), workload, str(epochs), str(out)]
+               str(HERE / "contenders" / CONTENDERS[contender]), workload, str(epochs), str(out), *options]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0 or not out.is_file():
@@ -56,21 +57,32 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is a warm-up")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--amp", choices=("none", "bf16"), default="none", help="autocast precision for every contender")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model in every contender")
     args = p.parse_args()
     contenders = args.contenders.split(",")
+    options = ["--device", args.device, "--amp", args.amp] + (["--compile"] if args.compile else [])
     print(f"machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
+    print(f"device {args.device}, amp {args.amp}, compile {args.compile}")
     print(f"runs: {args.runs} per contender, alternating; {args.epochs} epochs per run, first one not counted")
     for workload in args.workloads.split(","):
         for nproc in (int(n) for n in args.nproc.split(",")):
             times: dict[str, list[float]] = {c: [] for c in contenders}
             waits: list[float] = []
+            rates: list[float] = []
+            mfus: list[float] = []
             for i in range(args.runs):
                 order = contenders[i % len(contenders):] + contenders[: i % len(contenders)]
                 for contender in order:
-                    result = run_once(contender, workload, nproc, args.epochs)
+                    result = run_once(contender, workload, nproc, args.epochs, options)
                     times[contender].append(statistics.mean(result["epoch_times"][1:]))
+                    print(f"  run {i + 1} {contender} {workload} nproc={nproc}: {times[contender][-1]:.3f} s/epoch",
+                          flush=True)
                     if contender == "ddplab":
                         waits += [w / t for w, t in zip(result["data_wait_s"][1:], result["epoch_times"][1:]) if w is not None]
+                        rates += [r for r in result.get("tokens_per_s", [])[1:] if r]
+                        mfus += [m for m in result.get("mfu", [])[1:] if m]
             medians = {c: statistics.median(v) for c, v in times.items()}
             print(f"\n{workload}, {nproc} process(es): median seconds per epoch")
             for c in contenders:
@@ -81,6 +93,10 @@ def main() -> int:
                     print(f"ratio ddplab/{c} {workload} nproc={nproc} {medians['ddplab'] / medians[c]:.3f}")
             if waits:
                 print(f"data wait ddplab {workload} nproc={nproc} {100 * statistics.median(waits):.2f}% of epoch time")
+            if rates:
+                print(f"tokens/s ddplab {workload} nproc={nproc} {statistics.median(rates):,.0f}")
+            if mfus:
+                print(f"mfu ddplab {workload} nproc={nproc} {100 * statistics.median(mfus):.2f}%")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The same loop written for HF Accelerate.
 
-    torchrun --standalone --nproc-per-node=N benchmarks/contenders/accelerate_loop.py gpt 3 out.json
+    torchrun --standalone --nproc-per-node=N benchmarks/contenders/accelerate_loop.py gpt 3 out.json [--device cuda]
 """
 
 import sys
@@ -12,31 +12,35 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import call, loss_fn, report, setup  # noqa: E402
+from common import call, contender_args, loss_fn, report, setup, sync  # noqa: E402
 
 
-def main(workload: str, epochs: int, out: str) -> None:
-    accelerator = Accelerator(cpu=True)
-    cfg, ctx, bundle, model = setup(workload, epochs)
+def main() -> None:
+    args = contender_args()
+    accelerator = Accelerator(cpu=args.device == "cpu", mixed_precision="bf16" if args.amp == "bf16" else "no",
+                              dynamo_backend="inductor" if args.compile else "no")
+    cfg, ctx, bundle, model = setup(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.training.weight_decay)
     loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True,
                         collate_fn=bundle.collate_fn, generator=torch.Generator().manual_seed(cfg.experiment.seed))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []
-    for epoch in range(epochs):
+    for epoch in range(args.epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
         start = time.perf_counter()
         for inputs, target in loader:
-            loss = loss_fn(call(model, inputs), target)
+            with accelerator.autocast():
+                loss = loss_fn(call(model, inputs), target)
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             optimizer.step()
+        sync(accelerator.device)
         times.append(time.perf_counter() - start)
-    report(out, times, {"distributed_type": str(accelerator.distributed_type)})
+    report(args.out, times, {"distributed_type": str(accelerator.distributed_type)})
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main()

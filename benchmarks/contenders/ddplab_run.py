@@ -1,28 +1,31 @@
 """ddplab itself, through its public entry (the same as `ddplab train`).
 
-    torchrun --standalone --nproc-per-node=N benchmarks/contenders/ddplab_run.py gpt 3 out.json
+    torchrun --standalone --nproc-per-node=N benchmarks/contenders/ddplab_run.py gpt 3 out.json [--device cuda]
+
+ddplab picks the device itself (CUDA when present), as `ddplab train` does.
 """
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import overrides, report  # noqa: E402
+from common import contender_args, overrides, report  # noqa: E402
 
 from ddplab.config import load_config  # noqa: E402
 from ddplab.run import train  # noqa: E402
 
 
-def main(workload: str, epochs: int, out: str) -> None:
+def main() -> None:
+    args = contender_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, overrides(workload, epochs) + [f"experiment.output_dir={tmp}", "experiment.name=b"])
+        cfg = load_config(None, overrides(args) + [f"experiment.output_dir={tmp}", "experiment.name=b"])
         summary = train(cfg)
         rows = summary["epochs"] if summary else []
-    report(out, [r["epoch_time_s"] for r in rows],
-           {"data_wait_s": [r.get("data_wait_s") for r in rows]})
+    report(args.out, [r["epoch_time_s"] for r in rows],
+           {"data_wait_s": [r.get("data_wait_s") for r in rows],
+            "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows]})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main()

@@ -1,6 +1,6 @@
 """The same loop written for Lightning Fabric.
 
-    torchrun --standalone --nproc-per-node=N benchmarks/contenders/fabric_loop.py gpt 3 out.json
+    torchrun --standalone --nproc-per-node=N benchmarks/contenders/fabric_loop.py gpt 3 out.json [--device cuda]
 """
 
 import os
@@ -13,21 +13,25 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import call, loss_fn, report, setup  # noqa: E402
+from common import call, contender_args, loss_fn, report, setup, sync  # noqa: E402
 
 
-def main(workload: str, epochs: int, out: str) -> None:
+def main() -> None:
+    args = contender_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    fabric = Fabric(accelerator=args.device, devices=world, strategy="ddp" if world > 1 else "auto",
+                    precision="bf16-mixed" if args.amp == "bf16" else "32-true")
     fabric.launch()
-    cfg, ctx, bundle, model = setup(workload, epochs)
+    cfg, ctx, bundle, model = setup(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.training.weight_decay)
+    if args.compile:
+        model = torch.compile(model)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True,
                                                  collate_fn=bundle.collate_fn))
     times = []
-    for epoch in range(epochs):
+    for epoch in range(args.epochs):
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         start = time.perf_counter()
@@ -36,9 +40,10 @@ def main(workload: str, epochs: int, out: str) -> None:
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)
             optimizer.step()
+        sync(fabric.device)
         times.append(time.perf_counter() - start)
-    report(out, times)
+    report(args.out, times)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main()
