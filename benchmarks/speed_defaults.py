@@ -8,7 +8,8 @@ alternating variants round by round, and prints the median step time of each pai
     python benchmarks/speed_defaults.py            # one process
 
 CUDA-only defaults (pinned memory with non-blocking copies, fused AdamW, TF32 matmul) are
-measured only where CUDA is present; elsewhere they are reported as not measured.
+measured only where CUDA is present, and gradient buckets as views only with 2+ processes
+(one process has no DDP); elsewhere they are reported as not measured.
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def run(variant: dict, device, steps: int, batches) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-        x = batches[i % len(batches)]
+        x, images = batches[i % len(batches)]
+        if variant["pinned"] and device.type == "cuda":  # what DataLoader(pin_memory=True) does to every batch
+            x, images = x.pin_memory(), images.pin_memory() if images is not None else None
         x = x.to(device, non_blocking=variant["non_blocking"])
         logits = model(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        if images is not None:
+            loss = loss + 0.0 * images.to(device, non_blocking=variant["non_blocking"]).mean()
         opt.zero_grad(set_to_none=variant["set_to_none"])
         loss.backward()
         opt.step()
@@ -75,12 +80,14 @@ PAIRS = {  # name -> the alternative to ddplab's default; CUDA-only pairs last
     "TF32 matmul": {"tf32": False},
 }
 CUDA_ONLY = {"pinned memory + non_blocking copies", "fused AdamW", "TF32 matmul"}
+COPY_PAIR = "pinned memory + non_blocking copies"
+DDP_ONLY = {"gradient_as_bucket_view"}  # one process has no DDP, so nothing to compare
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=32)
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -89,14 +96,16 @@ def main() -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     main_rank = not dist.is_initialized() or dist.get_rank() == 0
     g = torch.Generator().manual_seed(0)
-    host = [torch.randint(0, 96, (args.batch, 65), generator=g) for _ in range(4)]
+    tokens = [torch.randint(0, 96, (args.batch, 65), generator=g) for _ in range(4)]
+    # Copies matter for image batches, not token ids: the pinned-memory pair also moves a 224x224 RGB batch.
+    with_images = [(t, torch.randn(args.batch, 3, 224, 224, generator=g)) for t in tokens] if cuda else []
     times: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for name, change in PAIRS.items():
-            if name in CUDA_ONLY and not cuda:
+            if (name in CUDA_ONLY and not cuda) or (name in DDP_ONLY and not dist.is_initialized()):
                 continue
             for label, variant in (("default", DEFAULT), ("alternative", {**DEFAULT, **change})):
-                batches = [b.pin_memory() for b in host] if cuda and variant["pinned"] else host
+                batches = with_images if name == COPY_PAIR else [(t, None) for t in tokens]
                 times.setdefault(name, {}).setdefault(label, []).append(run(variant, device, args.steps, batches))
     if main_rank:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -104,7 +113,7 @@ def main() -> int:
               f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
         for name in PAIRS:
             if name not in times:
-                print(f"{name}: not measured (needs CUDA)")
+                print(f"{name}: not measured (needs {'CUDA' if name in CUDA_ONLY else '2+ processes'})")
                 continue
             d, a = statistics.median(times[name]["default"]), statistics.median(times[name]["alternative"])
             print(f"{name}: default {1000 * d:.2f} ms/step, without {1000 * a:.2f} ms/step")
