@@ -1,3 +1,5 @@
+import pytest
+
 from ddplab.distributed import detect_launch, expand_nodelist, pick_backend
 
 
@@ -37,3 +39,12 @@ def test_nodelist_expansion():
 def test_backend_choice():
     assert pick_backend("auto", cuda=False) == "gloo" and pick_backend("auto", cuda=True) == "nccl"
     assert pick_backend("gloo", cuda=True) == "gloo"
+
+
+def test_nccl_with_more_processes_than_gpus_is_refused_in_one_line():
+    from ddplab.distributed import check_one_gpu_per_process
+    from ddplab.errors import UserError
+
+    check_one_gpu_per_process(4, 4)
+    with pytest.raises(UserError, match="2 processes on this node but 1 GPU.*distributed.backend=gloo"):
+        check_one_gpu_per_process(2, 1)

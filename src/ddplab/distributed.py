@@ -18,6 +18,8 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from ddplab.errors import UserError
+
 
 @dataclass(frozen=True)
 class LaunchInfo:
@@ -150,6 +152,13 @@ def pick_backend(requested: str, cuda: bool) -> str:
     return requested
 
 
+def check_one_gpu_per_process(processes_per_node: int, gpus: int) -> None:
+    """NCCL refuses two ranks on one GPU, with an opaque 'invalid usage' at the first collective."""
+    if processes_per_node > gpus:
+        raise UserError(f"{processes_per_node} processes on this node but {gpus} GPU(s) visible: NCCL needs one GPU "
+                        f"per process; start at most {gpus} per node, or set distributed.backend=gloo")
+
+
 @contextlib.contextmanager
 def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistContext]:
     """Start the process group (if launched as several processes) and always tear it down.
@@ -160,6 +169,8 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
     """
     launch = detect_launch()
     cuda = torch.cuda.is_available()
+    if launch.world_size > 1 and pick_backend(backend, cuda) == "nccl":
+        check_one_gpu_per_process(launch.local_world_size, torch.cuda.device_count())
     if cuda:
         device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
