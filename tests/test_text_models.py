@@ -34,3 +34,17 @@ def test_positions_and_words_matter_and_gradients_flow():
     loss = torch.nn.functional.cross_entropy(m(input_ids=torch.randint(2, 100, (4, 10))), torch.tensor([0, 1, 2, 0]))
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
+
+
+def test_flops_per_token_agrees_with_torch_flop_counter():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = TransformerClassifier(TransformerConfig(vocab_size=100, num_classes=3, max_len=32, layers=2, heads=2, dim=64,
+                                                dropout=0.0)).train()
+    ids = torch.randint(2, 100, (4, 32))  # full length: no padding
+    # The math backend runs attention as plain matmuls, which the counter sees (fused kernels it may not).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        m(input_ids=ids).sum().backward()
+    measured = counter.get_total_flops() / ids.numel()
+    assert abs(m.flops_per_token() - measured) / measured < 0.05

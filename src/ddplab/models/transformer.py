@@ -61,6 +61,13 @@ class TransformerClassifier(nn.Module):
             pooled = x[:, 0]
         return self.head(pooled)  # (B, num_classes)
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward): 6 x the encoder's weights, plus attention
+        over max_len positions (an upper bound where batches are padded only to their longest text).
+        Embedding look-ups are no matmuls, and the head runs once per text, not per token."""
+        c = self.config
+        return 6 * sum(p.numel() for p in self.encoder.parameters()) + 12 * c.layers * c.dim * c.max_len
+
 
 def build(cfg, bundle) -> TransformerClassifier:
     m, meta = cfg.model, bundle.meta
