@@ -57,7 +57,7 @@ class DataConfig:
     augment: bool = _f(False, "random crop + horizontal flip for training images")
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
     cache_dir: Optional[str] = _f(None, "cache folder for HF datasets and token caches")
-    num_workers: int = _f(0, "DataLoader worker processes per rank", min=0)
+    num_workers: Optional[int] = _f(None, "DataLoader worker processes per rank; default: 0 on CPU, up to 4 on CUDA", min=0)
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
 
 

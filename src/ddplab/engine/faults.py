@@ -12,7 +12,7 @@ Unset (always, outside tests) every hook below is a no-op. The value is comma-se
   nan_rank=R,step=S       rank R's loss of step S becomes NaN
   crash_before_marker=S   rank 0 dies after writing snapshot S's data, before its COMPLETE marker
   trace=DIR               each rank appends "epoch index" for every sample it trains on to
-                          DIR/rank<R>.txt (exact with data.num_workers=0, the default)
+                          DIR/rank<R>.txt (exact with data.num_workers=0, the default on CPU)
 
 Faults fire only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so
 a job restarted by `--max-restarts` runs clean; `trace` records in every attempt.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import random
 import resource
 import time
@@ -90,6 +91,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
+    """data.num_workers, or by default none on CPU (the ranks already use every core) and up to
+    4 per process on CUDA, where loading batches in the training process leaves the GPU waiting."""
+    if requested is not None:
+        return requested
+    if device.type != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(4, cores // processes_per_node - 1))
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -120,6 +132,8 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(bundle.train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.experiment.seed)
         self.faults = faults.current()  # test-only hooks; no-ops unless DDPLAB_FAULT is set
+        self.data_workers = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
+        self._eval_loaders: dict[int, DataLoader] = {}
         self.train_loader = self._loader(bundle.train, self.faults.traced(self.sampler))
         self.steps_per_epoch = math.ceil(len(self.train_loader) / t.grad_accum_steps)
         total = t.max_steps or self.steps_per_epoch * t.epochs
@@ -138,21 +152,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _loader(self, dataset, sampler) -> DataLoader:
-        d = self.cfg.data
+        workers = self.data_workers
         return DataLoader(
             dataset, batch_size=self.cfg.training.batch_size, sampler=sampler, collate_fn=self.bundle.collate_fn,
-            num_workers=d.num_workers, persistent_workers=d.num_workers > 0,
-            pin_memory=d.pin_memory and self.ctx.device.type == "cuda",
+            num_workers=workers, persistent_workers=workers > 0,
+            pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
             # Its own generator: creating an iterator must not consume the global RNG, or a
             # run resumed mid-epoch would draw different dropout masks than an unbroken one.
             generator=torch.Generator().manual_seed(self.cfg.experiment.seed),
         )
 
     def _eval_loader(self, dataset) -> DataLoader:
-        sampler = ShardSampler(len(dataset), self.ctx.rank, self.ctx.world_size)
-        return DataLoader(dataset, batch_size=self.cfg.training.batch_size, sampler=sampler,
-                          collate_fn=self.bundle.collate_fn, num_workers=self.cfg.data.num_workers,
-                          pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda")
+        """One loader per split, kept: its workers persist instead of starting at every evaluation."""
+        if id(dataset) not in self._eval_loaders:
+            sampler = ShardSampler(len(dataset), self.ctx.rank, self.ctx.world_size)
+            workers = self.data_workers
+            self._eval_loaders[id(dataset)] = DataLoader(
+                dataset, batch_size=self.cfg.training.batch_size, sampler=sampler, collate_fn=self.bundle.collate_fn,
+                num_workers=workers, persistent_workers=workers > 0,
+                pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda")
+        return self._eval_loaders[id(dataset)]
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -235,6 +254,11 @@ class Trainer:
             start = time.perf_counter()
             if self._should_stop():
                 break
+        if self.ctx.device.type == "cuda":
+            # Kernels are queued ahead of the host: the epoch's time must include its last steps.
+            waited = time.perf_counter()
+            torch.cuda.synchronize(self.ctx.device)
+            s.epoch_time += time.perf_counter() - waited
         if progress:
             progress.stop()
         if left > 0 and s.stop_reason is not None:
@@ -489,7 +513,8 @@ class Trainer:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
         if getattr(self, "gpu_monitor", None):
             self.gpu_monitor.close()
-        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "hooks", "gpu_monitor"):
+        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "_eval_loaders", "hooks",
+                     "gpu_monitor"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()
