@@ -29,6 +29,7 @@ from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
 from ddplab.distributed import DistContext, unwrap, wrap_model
 from ddplab.engine import faults
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.ledger import LossLedger
 from ddplab.engine.optim import Schedule, build_optimizer, scaled_lr
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.tasks import call_model, make_task, to_device
@@ -147,8 +148,7 @@ class Trainer:
         self.signals = StopSignals()
         self._resumed = False
         self._mark = time.perf_counter()
-        self._bad_step = torch.full((), -1, dtype=torch.long, device=ctx.device)
-        self._interval = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, samples, tokens since last log
+        self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
 
     # ------------------------------------------------------------------ setup helpers
     def _loader(self, dataset, sampler) -> DataLoader:
@@ -270,41 +270,34 @@ class Trainer:
         """One optimizer step over `micro` batches, syncing gradients only on the last."""
         s = self.state
         n = len(micro)
-        # loss sum, samples, tokens: summed on the device, reduced once per log interval.
-        counts = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        step = s.step + 1
         for i, (inputs, target) in enumerate(micro):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
             last = i == n - 1
             sync = contextlib.nullcontext() if last or not self.ctx.is_distributed else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    loss = self.faults.loss(self.task.loss(call_model(self.model, inputs), target), s.step + 1)
-                self.scaler.scale(loss / n).backward()
-            counts[0] += loss.detach().double() * len(target)
-            counts[1] += len(target)
-            counts[2] += self.task.tokens(inputs, target)
-        loss_sum = counts[0]
+                    loss = self.faults.loss(self.task.loss(call_model(self.model, inputs), target), step)
+                self.scaler.scale(loss / n if n > 1 else loss).backward()
+            self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
         if self.cfg.training.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.training.clip_grad_norm)
-        if self.cfg.training.nonfinite == "skip" and not self._all_finite(loss_sum):
+        if self.cfg.training.nonfinite == "skip" and not self._all_finite(self.ledger.step_loss(step)):
             # Every rank agrees (reduced flag), so all skip the same step and stay identical.
-            self.run.log(f"step {s.step + 1}: non-finite loss on some rank; step skipped (training.nonfinite=skip)")
+            self.run.log(f"step {step}: non-finite loss on some rank; step skipped (training.nonfinite=skip)")
             if self.scaler.is_enabled():  # the scaler skips non-finite gradients itself and lowers its scale
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            counts.zero_()  # keep the skipped loss out of the logged mean
+            self.ledger.drop_step(step)
         else:
-            self._bad_step = torch.where((self._bad_step < 0) & ~torch.isfinite(loss_sum),
-                                         torch.full_like(self._bad_step, s.step + 1), self._bad_step)
+            # A non-finite loss (training.nonfinite=stop) is found by the ledger at the next log interval.
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        s.step += 1
+        s.step = step
         s.consumed += sum(len(b[1]) for b in micro) * self.ctx.world_size
-        self._interval += counts
 
     def _all_finite(self, loss_sum: torch.Tensor) -> bool:
         flag = (~torch.isfinite(loss_sum)).float().reshape(1)
@@ -313,12 +306,12 @@ class Trainer:
     def log_interval(self, progress=None) -> None:
         """Reduce the train loss since the last log: the only host sync of the loop."""
         s = self.state
-        bad = self.ctx.all_reduce(self._bad_step.clone().float().reshape(1), "max").item()
-        if bad >= 0:
+        sums, first_bad = self.ledger.totals()
+        bad = self.ctx.all_reduce(first_bad, "min").item()
+        if math.isfinite(bad):
             raise NonFiniteLoss(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
                                 f"lower training.lr or enable training.clip_grad_norm")
-        loss_sum, samples, tokens = self.ctx.all_reduce(self._interval.clone()).tolist()
-        self._interval.zero_()
+        loss_sum, samples, tokens = self.ctx.all_reduce(sums).tolist()
         if samples == 0:
             return
         s.epoch_loss_sum += loss_sum
