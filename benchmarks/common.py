@@ -78,6 +78,14 @@ def setup(args: argparse.Namespace):
     return cfg, ctx, bundle, model
 
 
+def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """The maths ddplab uses (AdamW, the same parameter groups), with torch's default kernels:
+    what a user writing the loop by hand gets; ddplab's own speed defaults are its own."""
+    from ddplab.engine.optim import adamw_groups
+
+    return torch.optim.AdamW(adamw_groups(model, cfg.training.weight_decay), lr=cfg.training.lr, betas=(0.9, 0.95))
+
+
 def move(obj, device: torch.device):
     """Plain `.to(device)` of a batch's tensors, as a hand-written loop does."""
     if isinstance(obj, dict):

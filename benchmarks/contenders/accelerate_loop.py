@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import call, contender_args, loss_fn, report, setup, sync  # noqa: E402
+from common import call, contender_args, loss_fn, make_optimizer, report, setup, sync  # noqa: E402
 
 
 def main() -> None:
@@ -20,8 +20,7 @@ def main() -> None:
     accelerator = Accelerator(cpu=args.device == "cpu", mixed_precision="bf16" if args.amp == "bf16" else "no",
                               dynamo_backend="inductor" if args.compile else "no")
     cfg, ctx, bundle, model = setup(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.training.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True,
                         collate_fn=bundle.collate_fn, generator=torch.Generator().manual_seed(cfg.experiment.seed))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

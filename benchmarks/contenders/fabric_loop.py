@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import call, contender_args, loss_fn, report, setup, sync  # noqa: E402
+from common import call, contender_args, loss_fn, make_optimizer, report, setup, sync  # noqa: E402
 
 
 def main() -> None:
@@ -23,8 +23,7 @@ def main() -> None:
                     precision="bf16-mixed" if args.amp == "bf16" else "32-true")
     fabric.launch()
     cfg, ctx, bundle, model = setup(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.training.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     if args.compile:
         model = torch.compile(model)
     model, optimizer = fabric.setup(model, optimizer)

@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import autocast, call, contender_args, loss_fn, move, report, setup, sync  # noqa: E402
+from common import (autocast, call, contender_args, loss_fn, make_optimizer, move, report, setup,  # noqa: E402
+                    sync)
 
 
 def main() -> None:
@@ -30,8 +31,7 @@ def main() -> None:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
     if args.compile:
         ddp = torch.compile(ddp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.training.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     sampler = DistributedSampler(bundle.train, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.experiment.seed)
     loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, sampler=sampler,
                         collate_fn=bundle.collate_fn)

@@ -12,15 +12,19 @@ def scaled_lr(lr: float, rule: str, world_size: int) -> float:
     return lr * {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[rule]
 
 
-def build_optimizer(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def adamw_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices, not biases, norms or other vectors (the usual transformer recipe)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
     if t.optimizer == "sgd":
+        params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
-    # Decay matrices, not biases, norms or other vectors (the usual transformer recipe).
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, betas=(0.9, 0.95),
+                             fused=device.type == "cuda")
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
