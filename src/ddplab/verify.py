@@ -26,7 +26,8 @@ def _run(cmd: list[str], label: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"the {label} run failed (exit {proc.returncode}):\n{tail}")
+        print(tail, file=sys.stderr)
+        raise UserError(f"verify: the {label} run failed (exit {proc.returncode}); its last lines are above")
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
