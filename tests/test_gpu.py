@@ -54,7 +54,8 @@ def test_bf16_compile_records_throughput_mfu_and_gpu_columns(tmp_path, corpus):
     assert summary["model"]["flops_per_token"] > 0
 
 
-def test_same_seed_same_numbers_on_gpu(tmp_path, corpus):
+def test_same_seed_same_losses_on_gpu_up_to_atomic_adds(tmp_path, corpus):
+    """Embedding backward accumulates with atomic adds on CUDA, so bits may differ; values may not."""
     _, one = _run(tmp_path, corpus, "training.max_steps=10", "experiment.name=one", "logging.log_every=1")
     _, two = _run(tmp_path, corpus, "training.max_steps=10", "experiment.name=two", "logging.log_every=1")
     a, b = [s["loss"] for s in one["steps"]], [s["loss"] for s in two["steps"]]
