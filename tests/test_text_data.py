@@ -164,3 +164,16 @@ def test_hub_dataset_offline_says_how_to_get_it(tmp_path, monkeypatch):
     message = str(err.value)
     assert "\n" not in message and "data.download=true" in message and "data.name=text_files" in message
     assert json.dumps(message)  # plain text
+
+
+def test_a_rank_that_cannot_see_the_built_cache_says_so(tmp_path):
+    """Rank 1 of a node whose output folder differs from rank 0's: one line, not a missing-file traceback."""
+    import types
+
+    from ddplab.data.text_cache import ensure
+    from ddplab.errors import UserError
+
+    rank1 = types.SimpleNamespace(rank=1, local_rank=1, is_main=False,
+                                  gather_objects=lambda obj: [None, obj])  # rank 0 built and sees its copy
+    with pytest.raises(UserError, match=r"rank\(s\) \[1\] cannot see it.*experiment.output_dir"):
+        ensure(rank1, tmp_path / "not-here", build=lambda: None)

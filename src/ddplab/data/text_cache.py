@@ -122,6 +122,10 @@ def ensure(ctx, folder: Path, build: Callable[[], None]) -> None:
             raise failure  # a bug keeps its traceback where it happened
         if errors:
             raise UserError(errors[0])
+    blind = [r for r in ctx.gather_objects(None if is_complete(folder) else ctx.rank) if r is not None]
+    if blind:
+        raise UserError(f"token cache {folder} was built but rank(s) {blind} cannot see it: the processes of a "
+                        f"node must share one experiment.output_dir (or data.cache_dir)")
 
 
 class TokenCache:
