@@ -6,7 +6,6 @@ ddplab picks the device itself (CUDA when present), as `ddplab train` does.
 """
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,10 +17,11 @@ from ddplab.run import train  # noqa: E402
 
 def main() -> None:
     args = contender_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, overrides(args) + [f"experiment.output_dir={tmp}", "experiment.name=b"])
-        summary = train(cfg)
-        rows = summary["epochs"] if summary else []
+    # Beside the result file: one folder for every rank (they share the run folder and token cache).
+    runs = Path(args.out).resolve().parent / "ddplab-runs"
+    cfg = load_config(None, overrides(args) + [f"experiment.output_dir={runs}", "experiment.name=b"])
+    summary = train(cfg)
+    rows = summary["epochs"] if summary else []
     report(args.out, [r["epoch_time_s"] for r in rows],
            {"data_wait_s": [r.get("data_wait_s") for r in rows],
             "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows]})
