@@ -23,8 +23,10 @@ def build_optimizer(model: torch.nn.Module, t, lr: float, device: torch.device) 
     if t.optimizer == "sgd":
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    # The fused kernel: one pass over all parameters instead of a loop of small ops per tensor
+    # (about 10x faster on CPU as well; benchmarks/speed_defaults.py).
     return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, betas=(0.9, 0.95),
-                             fused=device.type == "cuda")
+                             fused=device.type in ("cpu", "cuda"))
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
