@@ -150,3 +150,21 @@ def test_bad_data_is_one_line_exit_2(case, field, tmp_path, capsys, monkeypatch)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddplab: error: ") and field in lines[0], lines
     assert not (tmp_path / "experiments").exists()
+
+
+
+def test_batched_fetch_and_collate_give_what_item_by_item_loading_gives():
+    import torch
+    from torch.utils.data import DataLoader, Subset
+    from torch.utils.data._utils.collate import default_collate
+
+    from ddplab.data.vision import ImageTensors, stack_images
+
+    images, labels = torch.randint(0, 255, (40, 1, 8, 8), dtype=torch.uint8), torch.arange(40) % 10
+    data = Subset(ImageTensors(images, labels), list(range(3, 40, 2)))
+    batches = list(DataLoader(data, batch_size=8, collate_fn=stack_images))  # through __getitems__
+    items = [data[i] for i in range(len(data))]  # one __getitem__ each
+    expected = [default_collate(items[s:s + 8]) for s in range(0, len(items), 8)]
+    assert len(batches) == len(expected) == 3
+    for (x, y), (xe, ye) in zip(batches, expected):
+        assert torch.equal(x, xe) and torch.equal(y, ye) and y.dtype == torch.int64
