@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node=N benchmarks/contenders/fabric_loop.py gpt 3 out.json [--device cuda]
 """
 
+import gc
 import os
 import sys
 import time
@@ -42,6 +43,10 @@ def main() -> None:
         sync(fabric.device)
         times.append(time.perf_counter() - start)
     report(args.out, times)
+    del model, optimizer, loader  # before the process group goes (gloo aborts otherwise)
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
