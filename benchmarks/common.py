@@ -64,7 +64,7 @@ def setup(args: argparse.Namespace):
     from ddplab.config import load_config
     from ddplab.data import build_data
     from ddplab.distributed import DistContext, detect_launch
-    from ddplab.engine.trainer import seed_everything
+    from ddplab.engine.rng import seed_everything
     from ddplab.models import build_model
 
     cfg = load_config(None, overrides(args))

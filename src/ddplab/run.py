@@ -14,7 +14,8 @@ from ddplab import distributed
 from ddplab.config import Config, dump_yaml
 from ddplab.data import build_data
 from ddplab.engine.checkpoint import BEST, load_file
-from ddplab.engine.trainer import Trainer, batch_arithmetic, seed_everything
+from ddplab.engine.rng import seed_everything
+from ddplab.engine.trainer import Trainer, batch_arithmetic
 from ddplab.errors import UserError
 from ddplab.metrics import env as env_info
 from ddplab.metrics.run_folder import RunFolder

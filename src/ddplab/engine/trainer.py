@@ -14,24 +14,23 @@ import contextlib
 import gc
 import math
 import os
-import random
 import resource
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from ddplab.config import Config, parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
-from ddplab.distributed import DistContext, unwrap, wrap_model
+from ddplab.distributed import DistContext, wrap_model
 from ddplab.engine import faults
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.optim import Schedule, build_optimizer, scaled_lr
 from ddplab.engine.preemption import StopSignals
+from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.tasks import call_model, make_task, to_device
 from ddplab.errors import UserError
 from ddplab.metrics.run_folder import RunFolder
@@ -64,32 +63,6 @@ def batch_arithmetic(cfg: Config, world_size: int) -> dict:
     t = cfg.training
     return {"per_process": t.batch_size, "grad_accum_steps": t.grad_accum_steps, "world_size": world_size,
             "global": t.batch_size * t.grad_accum_steps * world_size}
-
-
-def rng_state() -> dict:
-    """This process's random streams as plain lists (gatherable, and safe to load)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state().tolist(),
-             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
