@@ -34,7 +34,7 @@ class _Ctx:
         return tensor
 
 
-@pytest.mark.parametrize("hook", ["none", "fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize("hook", ["none", "fp16", "bf16"])
 def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -49,9 +49,7 @@ def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
     row = epoch_comm_row(monitor, _Ctx(), epoch_time=10.0)
     assert row["comm_calls"] >= 1 and row["simulated_delay_s"] == pytest.approx(0.015 * row["comm_calls"])
     assert row["comm_time_s"] >= row["simulated_delay_s"] * 0.99 and row["compute_time_s"] == pytest.approx(10 - row["comm_time_s"])
-    # One rank: the all-reduced gradient is the gradient, up to compression. PowerSGD starts with
-    # plain all-reduces (start_powerSGD_iter), so its first step is exact too.
-    tol = 1e-6 if hook in ("none", "powersgd") else 1e-2
+    tol = 1e-6 if hook == "none" else 1e-2  # one rank: the all-reduced gradient is the gradient, up to compression
     for a, b in zip(plain.parameters(), model.module.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol)
 
