@@ -2,7 +2,9 @@
 measured communication time that rises by the delay it adds."""
 
 import csv
+import gc
 import json
+import time
 
 import pytest
 import torch
@@ -23,8 +25,17 @@ def test_link_delay_is_latency_plus_ring_transfer_time():
 @pytest.fixture
 def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    group = dist.group.WORLD
     yield
+    # Hook callbacks run on the group's worker threads and may hold the test's DDP state (which
+    # holds the group). Were a worker thread to drop the group's last reference, the group's
+    # destructor would join that very thread and abort the whole pytest process. So: let the
+    # callbacks finish, collect the test's objects here, and drop the group here, last.
+    time.sleep(0.2)
+    gc.collect()
     dist.destroy_process_group()
+    del group
+    gc.collect()
 
 
 class _Ctx:
