@@ -21,8 +21,18 @@ def test_overrides_convert_types():
     assert cfg.logging.tensorboard is False and cfg.training.max_steps is None and cfg.experiment.name == "x"
 
 
+def test_none_is_a_choice_for_choice_fields_and_null_for_optional_ones():
+    cfg = load_config(None, ["training.amp=none", "distributed.comm_hook=none", "training.lr_scaling=none",
+                             "training.max_steps=none", "training.clip_grad_norm=None"])
+    assert (cfg.training.amp, cfg.distributed.comm_hook, cfg.training.lr_scaling) == ("none", "none", "none")
+    assert cfg.training.max_steps is None and cfg.training.clip_grad_norm is None
+
+
 @pytest.mark.parametrize("override, words", [
     ("training.lr=abc", ["training.lr", "number"]),
+    ("training.lr=null", ["training.lr", "null"]),
+    ("training.batch_size=none", ["training.batch_size", "null"]),
+    ("training.lr_scaling=null", ["training.lr_scaling", "sqrt"]),
     ("training.batch_size=-1", ["training.batch_size", "> 0"]),
     ("training.batch_size=2.5", ["training.batch_size", "integer"]),
     ("model.name=nope", ["model.name", "gpt"]),

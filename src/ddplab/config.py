@@ -227,12 +227,13 @@ def apply_override(cfg: Config, item: str) -> None:
             node = getattr(node, part)
 
 
+NULL_WORDS = ("null", "none", "~")
+
+
 def parse_scalar(raw: str) -> Any:
-    """Command-line text to a Python value; the field's type decides the rest in coerce."""
-    text = raw.strip()
-    if text.lower() in ("null", "none", "~"):
-        return None
-    return text
+    """Command-line text; the field's type decides in coerce (`none` is null for an optional
+    field, and a word like any other for a choice such as `training.amp=none`)."""
+    return raw.strip()
 
 
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -245,10 +246,10 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
-        if isinstance(value, str) and value.strip().lower() in ("null", "none"):
+        if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
             return None
         hint = args[0]
-    if value is None:
+    if value is None or (hint is not str and isinstance(value, str) and value.strip().lower() in NULL_WORDS):
         raise UserError(f"'{dotted}' may not be null; expected {_type_name(hint)}")
     if hint is bool:
         if isinstance(value, bool):
