@@ -92,3 +92,21 @@ def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):
     shown = float(rows["n2-simulated_latency_ms_20"]["comm_ms_per_step"]) - float(rows["n2-simulated_latency_ms_0"]["comm_ms_per_step"])
     assert shown == pytest.approx(1000 * (slow - base), rel=1e-6)
     assert "comm ms/step" in (study / "report.md").read_text()
+
+
+def test_powersgd_trains_two_processes_in_step_and_changes_the_gradients(tmp_path, corpus):
+    """PowerSGD end to end in real processes: after its two plain warm-up steps it compresses,
+    so the weights leave those of uncompressed all-reduce while the two replicas stay equal."""
+    proc = ddplab("study", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.max_steps=8",
+                  "checkpoint.save_best=false", "--nproc", "2", "--set", "distributed.comm_hook=none,powersgd",
+                  "--name", "psgd", cwd=tmp_path)
+    assert_ok(proc)
+    summaries = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "experiments/psgd").glob("*/metrics.json")}
+    assert len(summaries) == 2, list(summaries)
+    plain, = (s for name, s in summaries.items() if name.endswith("none"))
+    compressed, = (s for name, s in summaries.items() if name.endswith("powersgd"))
+    for s in (plain, compressed):
+        assert s["status"] == "complete" and s["ddp"]["ranks_identical"] and s["aggregates"]["steps"] == 8
+        assert all(r["train_loss"] == r["train_loss"] for r in s["epochs"])  # finite, not NaN
+    assert compressed["config"]["distributed"]["comm_hook"] == "powersgd"
+    assert compressed["ddp"]["parameter_digests"][0] != plain["ddp"]["parameter_digests"][0]
