@@ -160,7 +160,7 @@ def test_batched_fetch_and_collate_give_what_item_by_item_loading_gives():
 
     from ddplab.data.vision import ImageTensors, stack_images
 
-    images, labels = torch.randint(0, 255, (40, 1, 8, 8), dtype=torch.uint8), torch.arange(40) % 10
+    images, labels = torch.randint(0, 255, (40, 1, 8, 8), dtype=torch.uint8), (torch.arange(40) % 10).int()
     data = Subset(ImageTensors(images, labels), list(range(3, 40, 2)))
     batches = list(DataLoader(data, batch_size=8, collate_fn=stack_images))  # through __getitems__
     items = [data[i] for i in range(len(data))]  # one __getitem__ each
