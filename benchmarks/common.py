@@ -43,6 +43,8 @@ def contender_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--amp", choices=("none", "bf16"), default="none")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra ddplab override (ddplab's own contender only)")
     return p.parse_args(argv)
 
 
@@ -50,7 +52,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     extra = [f"training.epochs={args.epochs}", f"training.compile={args.compile}"]
     if args.amp != "none":
         extra.append(f"training.amp={args.amp}")
-    return WORKLOADS[args.workload] + COMMON + extra
+    return WORKLOADS[args.workload] + COMMON + extra + args.set
 
 
 def device_of(args: argparse.Namespace) -> torch.device:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,10 +45,13 @@ def run_once(contender: str, workload: str, nproc: int, epochs: int, options: li
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(HERE / "contenders" / CONTENDERS[contender]), workload, str(epochs), str(out), *options]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+        faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0 or not out.is_file():
             raise RuntimeError(f"{contender} {workload} nproc={nproc} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        # Minor page faults of the launcher and all its workers, start-up included.
+        return {**json.loads(out.read_text()),
+                "page_faults": resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults}
 
 
 def main() -> int:

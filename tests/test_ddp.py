@@ -1,6 +1,7 @@
 """Real 2-process DDP on CPU (gloo on loopback), launched the ways users launch it."""
 
 import json
+import platform
 import subprocess
 import sys
 
@@ -18,6 +19,8 @@ def test_torchrun_two_processes_keep_identical_replicas(tmp_path, corpus):
     assert len(digests) == 2 and digests[0] == digests[1] and summary["ddp"]["ranks_identical"]
     env = json.loads((tmp_path / "experiments/t/env.json").read_text())
     assert env["world_size"] == 2 and env["backend"] == "gloo" and len(env["ranks"]) == 2
+    if platform.libc_ver()[0] == "glibc":  # training.keep_host_memory, on by default
+        assert env["host_memory_kept_below_bytes"] >= 32 << 20
 
 
 def test_nproc_per_node_launches_workers(tmp_path, corpus):

@@ -14,6 +14,7 @@ from ddplab import distributed
 from ddplab.config import Config, dump_yaml
 from ddplab.data import build_data
 from ddplab.engine.checkpoint import BEST, load_file
+from ddplab.engine.hostmem import keep_freed_memory
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.trainer import Trainer, batch_arithmetic
 from ddplab.errors import UserError
@@ -45,6 +46,7 @@ def resolve_run_dir(cfg: Config) -> tuple[Path, str | None]:
 
 def train(cfg: Config) -> dict:
     """Train under whatever launcher started this process; returns the metrics.json summary."""
+    kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx:
         decision = resolve_run_dir(cfg) if ctx.is_main else None
         run_dir, note = ctx.broadcast_object(decision)
@@ -55,6 +57,7 @@ def train(cfg: Config) -> dict:
                 run.log(note)
             run.write_text("config.yaml", dump_yaml(cfg))
             environment = env_info.collect(ctx)
+            environment["host_memory_kept_below_bytes"] = kept  # 0: glibc's defaults
             run.write_json("env.json", environment)
             seed_everything(cfg.experiment.seed)  # identical init everywhere (DDP also broadcasts rank 0's)
             bundle = build_data(cfg, ctx)
