@@ -101,7 +101,8 @@ def test_powersgd_trains_two_processes_in_step_and_changes_the_gradients(tmp_pat
                   "checkpoint.save_best=false", "--nproc", "2", "--set", "distributed.comm_hook=none,powersgd",
                   "--name", "psgd", cwd=tmp_path)
     assert_ok(proc)
-    summaries = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "experiments/psgd").glob("*/metrics.json")}
+    points = (tmp_path / "experiments/psgd").glob("*/metrics.json")
+    summaries = {p.parent.name: json.loads(p.read_text()) for p in points}
     assert len(summaries) == 2, list(summaries)
     plain, = (s for name, s in summaries.items() if name.endswith("none"))
     compressed, = (s for name, s in summaries.items() if name.endswith("powersgd"))

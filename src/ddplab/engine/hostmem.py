@@ -21,12 +21,12 @@ import sys
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 KEEP = 1 << 30  # bytes: blocks up to this come from the heap, and up to this much free heap is kept
-OLD_GLIBC_MAX = 32 << 20  # the largest mmap threshold glibc before 2.35 accepts on 64-bit hosts
+CAPPED = 32 << 20  # mallopt(3)'s documented cap on 64-bit hosts; the glibc tested here (2.36) takes more
 
 
 def keep_freed_memory() -> int:
     """Set glibc's thresholds so freed memory stays in the process. Returns the size below which
-    blocks now come from (and go back to) the heap: 1 GiB, or 32 MiB on glibc before 2.35; 0
+    blocks now come from (and go back to) the heap: 1 GiB, or 32 MiB on a glibc that caps it; 0
     where there is no glibc to ask (macOS, Windows; musl's mallopt does nothing and says so)."""
     if not sys.platform.startswith("linux"):
         return 0
@@ -37,7 +37,7 @@ def keep_freed_memory() -> int:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not mallopt(M_TRIM_THRESHOLD, KEEP):
         return 0
-    for threshold in (KEEP, OLD_GLIBC_MAX):
+    for threshold in (KEEP, CAPPED):
         if mallopt(M_MMAP_THRESHOLD, threshold):
             return threshold
     return 0
