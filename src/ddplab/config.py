@@ -224,18 +224,13 @@ def apply_override(cfg: Config, item: str) -> None:
             hint = typing.get_type_hints(type(node))[part]
             if dataclasses.is_dataclass(hint):
                 raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
-            setattr(node, part, coerce(parse_scalar(raw), hint, dotted))
+            setattr(node, part, coerce(raw.strip(), hint, dotted))
         else:
             node = getattr(node, part)
 
 
+# Null on the command line, for optional fields only: `training.amp=none` stays the choice "none".
 NULL_WORDS = ("null", "none", "~")
-
-
-def parse_scalar(raw: str) -> Any:
-    """Command-line text; the field's type decides in coerce (`none` is null for an optional
-    field, and a word like any other for a choice such as `training.amp=none`)."""
-    return raw.strip()
 
 
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
