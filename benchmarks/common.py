@@ -63,7 +63,7 @@ def device_of(args: argparse.Namespace) -> torch.device:
 
 def setup(args: argparse.Namespace):
     """(cfg, ctx, bundle, model) exactly as ddplab builds them; the caller owns the process group."""
-    from ddplab.config import load_config
+    from ddplab.registry import load_config
     from ddplab.data import build_data
     from ddplab.distributed import DistContext, detect_launch
     from ddplab.engine.rng import seed_everything

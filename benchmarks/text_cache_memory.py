@@ -35,7 +35,7 @@ def worker(a) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from ddplab import distributed
-    from ddplab.config import load_config
+    from ddplab.registry import load_config
     from ddplab.data import build_data
 
     cfg = load_config(None, ["model.name=transformer", "data.name=synthetic_reviews", f"data.num_samples={a.rows}",

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from ddplab.config import Config, load_config, parse_duration
+from ddplab.config import Config, parse_duration
+from ddplab.registry import load_config
 from ddplab.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

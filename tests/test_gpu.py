@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.engine.checkpoint import load_file
 from ddplab.run import train
 

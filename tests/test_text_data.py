@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.data import build_data
 from ddplab.data.text_cls import encode_texts
 from ddplab.data.text_synthetic import generate

@@ -13,8 +13,8 @@ from conftest import assert_ok, ddplab, torchrun
 from ddplab.config import from_dict
 from ddplab.data import build_data
 from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.engine.tasks import call_model
-from ddplab.generate import load_model
+from ddplab.tasks import call_model
+from ddplab.inference import load_model
 
 QUIET = ["logging.tensorboard=false", "logging.progress=false"]
 # 3 classes; 1211 samples leave a validation split of 121, which 2 ranks cannot split evenly.
@@ -42,7 +42,7 @@ def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_p
     assert rows[-1]["tokens_per_s"] > 0
 
     # The same predictions in one process: the best model over the same validation split.
-    model, ckpt = load_model(run)
+    model, ckpt, _ = load_model(run)
     cfg = from_dict(ckpt["config"])
     cfg.experiment.output_dir = str(tmp_path / "experiments")
     bundle = build_data(cfg, DistContext(LaunchInfo("none"), None, torch.device("cpu")))

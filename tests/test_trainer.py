@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.engine.optim import lr_lambda, scaled_lr
 from ddplab.run import train
 
@@ -93,7 +93,7 @@ def test_data_workers_default_to_none_on_cpu_and_some_on_cuda():
 
     import torch
 
-    from ddplab.engine.trainer import data_workers
+    from ddplab.engine.loaders import data_workers
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert data_workers(None, cpu, 1) == 0

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from conftest import assert_ok, torchrun
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.data import build_data
 from ddplab.data.vision import encode_images
 from ddplab.errors import UserError

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from conftest import assert_ok, ddplab, torchrun
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.data.bundle import DataBundle
 from ddplab.errors import UserError
 from ddplab.models import build_model

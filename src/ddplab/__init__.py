@@ -1,1 +1,31 @@
-"""ddplab."""
+"""ddplab: DDP training with numbers you can trust.
+
+The public interface for your own workloads (nothing heavy is imported until used):
+
+    ddplab.Data, ddplab.Task, ddplab.Classification, ddplab.Regression, ddplab.LanguageModeling,
+    ddplab.Callback, ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
+"""
+
+from __future__ import annotations
+
+_PUBLIC = {
+    "Data": "ddplab.workload",
+    "BuildConfig": "ddplab.workload",
+    "Task": "ddplab.tasks",
+    "Classification": "ddplab.tasks",
+    "Regression": "ddplab.tasks",
+    "LanguageModeling": "ddplab.tasks",
+    "Callback": "ddplab.engine.callbacks",
+    "train": "ddplab.api",
+    "UserError": "ddplab.errors",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'ddplab' has no attribute '{name}'")
+    import importlib
+
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -30,8 +30,12 @@ def split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 def _config_help() -> str:
     from ddplab.config import describe_fields
+    from ddplab.registry import builtin_names
 
-    lines = ["config fields (key=value):"]
+    models, data = builtin_names()
+    lines = ["built-in workloads (or your own file.py:function, see README 'Your own model and data'):",
+             f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "",
+             "config fields (key=value):"]
     lines += [f"  {name} = {default}  {help}" for name, default, help in describe_fields()]
     return "\n".join(lines)
 
@@ -53,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
 
     pr = sub.add_parser("predict", help="label and probability for texts or images with a trained classifier")
     pr.add_argument("run", help="run folder or checkpoint file")
     pr.add_argument("inputs", nargs="*", help="texts, or image files")
     pr.add_argument("--file", help="read one input per line from this file")
     pr.add_argument("--batch-size", type=int, default=32)
+    pr.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
 
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
@@ -89,7 +95,7 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def cmd_train(ns) -> int:
-    from ddplab.config import check_files, load_config
+    from ddplab.registry import check_files, load_config
 
     config, overrides = split_args(ns.args)
     cfg = load_config(config, overrides)
@@ -100,6 +106,12 @@ def cmd_train(ns) -> int:
     if ns.nproc_per_node or ns.max_restarts:
         from ddplab.launch import run_workers
 
+        if ":" in cfg.model.name or ":" in cfg.data.name:
+            # User code: build its data and model here once, so that bad code fails in one line
+            # before any worker starts.
+            from ddplab.engine.setup import preflight
+
+            preflight(cfg)
         return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -113,10 +125,10 @@ def cmd_train(ns) -> int:
 
 
 def cmd_generate(ns) -> int:
-    from ddplab.generate import load_model, sample
+    from ddplab.inference import load_model, sample
 
     _positive("--max-new-tokens", ns.max_new_tokens)
-    model, ckpt = load_model(ns.run)
+    model, ckpt, _ = load_model(ns.run, ns.trust_code)
     print(sample(model, ckpt.get("meta", {}), ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed))
     return 0
 
@@ -134,8 +146,13 @@ def cmd_predict(ns) -> int:
     if not items:
         raise UserError("predict: give inputs on the command line or --file")
     _positive("--batch-size", ns.batch_size)
-    for item, label, prob in predict(ns.run, items, ns.batch_size):
-        print(f"{label}\t{prob:.4f}\t{item}")
+    for row in predict(ns.run, items, ns.batch_size, ns.trust_code):
+        if len(row) == 3:
+            item, label, prob = row
+            print(f"{label}\t{prob:.4f}\t{item}")
+        else:
+            item, values = row
+            print("\t".join(f"{v:.6g}" for v in values) + f"\t{item}")
     return 0
 
 

@@ -37,7 +37,8 @@ class ExperimentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = _f("text", "dataset: text, synthetic, synthetic_reviews, text_files, imdb, amazon_polarity, digits, mnist, fashion_mnist, cifar10, image_folder")
+    name: str = _f("text", "dataset: a built-in name (listed below) or your own file.py:function / package.module:function")
+    options: dict = _f({}, "free-form values for your own data function (data.options.KEY=VALUE)")
     path: Optional[str] = _f(None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus")
     root: Optional[str] = _f(None, "dataset folder for torchvision datasets and image_folder")
     train: Optional[str] = _f(None, "train file (CSV/JSON/Parquet) for text_files")
@@ -63,7 +64,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("gpt", "model: gpt, transformer, hf, cnn, vit, or a torchvision classifier (resnet18, vgg19, vit_b_16, ...)")
+    name: str = _f("gpt", "model: a built-in name (listed below) or your own file.py:function / package.module:function")
+    options: dict = _f({}, "free-form values for your own model function (model.options.KEY=VALUE)")
     layers: int = _f(3, "transformer layers", positive=True)
     heads: int = _f(4, "attention heads", positive=True)
     dim: int = _f(128, "embedding width", positive=True)
@@ -151,7 +153,15 @@ class Config:
         return dataclasses.asdict(self)
 
     def run_name(self) -> str:
-        return self.experiment.name or f"{self.model.name}-{self.data.name}"
+        return self.experiment.name or f"{_short(self.model.name)}-{_short(self.data.name)}"
+
+
+def _short(name: str) -> str:
+    """A folder-safe name: `path/to/my_file.py:model` -> `my_file.model`."""
+    if ":" not in name:
+        return name
+    where, _, function = name.rpartition(":")
+    return f"{Path(where).stem if where.endswith('.py') else where}.{function}"
 
 
 # ---------------------------------------------------------------------------- loading
@@ -214,6 +224,13 @@ def apply_override(cfg: Config, item: str) -> None:
     parts = dotted.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):
+        if isinstance(node, dict):  # data.options / model.options: free-form, values read as YAML
+            for key in parts[i:-1]:
+                node = node.setdefault(key, {})
+                if not isinstance(node, dict):
+                    raise UserError(f"'{dotted}': {key} already holds a value, not a mapping")
+            node[parts[-1]] = _yaml_value(raw.strip(), dotted)
+            return
         if not dataclasses.is_dataclass(node):
             raise UserError(f"unknown config key '{dotted}'")
         names = [f.name for f in dataclasses.fields(node)]
@@ -227,6 +244,14 @@ def apply_override(cfg: Config, item: str) -> None:
             setattr(node, part, coerce(raw.strip(), hint, dotted))
         else:
             node = getattr(node, part)
+
+
+def _yaml_value(raw: str, dotted: str) -> Any:
+    """A free-form option's value as YAML reads it: 64 -> int, [1, 2] -> list, {a: 1} -> dict."""
+    try:
+        return yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        raise UserError(f"'{dotted}': {raw!r} is not a YAML value") from None
 
 
 # Null on the command line, for optional fields only: `training.amp=none` stays the choice "none".
@@ -278,6 +303,10 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
+    if hint is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise UserError(f"'{dotted}' must be a mapping of free-form options, got {value!r}")
     raise UserError(f"'{dotted}' has an unsupported type {hint}")
 
 
@@ -301,22 +330,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
     if not 0 <= cfg.data.test_fraction < 1:
         raise UserError(f"data.test_fraction must be in [0, 1), got {cfg.data.test_fraction}")
-    # Name checks live beside their registries; imported here, not at module import.
-    from ddplab.data import check_data_config
-    from ddplab.models import check_model_config
-
-    check_model_config(cfg)
-    check_data_config(cfg)
-
-
-def check_files(cfg: Config) -> None:
-    """The files a config names (dataset folders, weights) exist and fit. Run before launching a
-    job, not by load_config: shipped configs name data that only users' machines hold."""
-    from ddplab.data import check_data_files
-    from ddplab.models import check_model_files
-
-    check_model_files(cfg)
-    check_data_files(cfg)
+    # Names (built-in or code references) and which model fits which data are the registry's
+    # checks: ddplab.registry.check_config, called by load_workload_config and the commands.
 
 
 def _check_fields(node: Any, prefix: str) -> None:
@@ -330,7 +345,7 @@ def _check_fields(node: Any, prefix: str) -> None:
         if meta.get("choices") is not None and value not in meta["choices"]:
             allowed = ", ".join(str(c) for c in meta["choices"] if c is not None)
             raise UserError(f"'{dotted}' must be one of {allowed}; got {value!r}")
-        if value is None or isinstance(value, (bool, str)):
+        if value is None or isinstance(value, (bool, str, dict)):
             continue
         if meta.get("positive") and value <= 0:
             raise UserError(f"'{dotted}' must be > 0, got {value}")

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.errors import UserError
 from ddplab.launch import torchrun_command
+from ddplab.metrics.run_folder import RunFolder
 
 
 def _run(cmd: list[str], label: str) -> None:
@@ -31,12 +32,12 @@ def _run(cmd: list[str], label: str) -> None:
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    summary = json.loads((run_dir / "metrics.json").read_text())
+    summary = json.loads((run_dir / RunFolder.METRICS_JSON).read_text())
     return {row["step"]: row["loss"] for row in summary["steps"]}
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpts = Checkpointer(run_dir / "checkpoints", is_main=False)
+    ckpts = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False)
     return ckpts.load_snapshot(ckpts.latest())["model"]
 
 

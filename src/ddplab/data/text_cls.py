@@ -36,13 +36,13 @@ def tokenizer_kind(cfg) -> str:
 def check_config(cfg) -> None:
     """Cheap checks before any process starts."""
     d, m = cfg.data, cfg.model
-    if m.name not in DEFAULT_TOKENIZER:
+    if m.name not in DEFAULT_TOKENIZER and ":" not in m.name:  # a user's model reads whatever it is given
         raise UserError(f"data.name={d.name} is text classification: use model.name=transformer (from scratch) "
                         f"or model.name=hf model.pretrained=<hub name or folder>; got model.name={m.name}")
     kind = tokenizer_kind(cfg)
     if kind not in ("hash", "hf"):
         raise UserError(f"data.tokenizer={kind} does not fit data.name={d.name}; use hash or hf")
-    if kind != DEFAULT_TOKENIZER[m.name]:
+    if m.name in DEFAULT_TOKENIZER and kind != DEFAULT_TOKENIZER[m.name]:
         wanted = DEFAULT_TOKENIZER[m.name]
         raise UserError(f"data.tokenizer={kind} does not fit model.name={m.name}, which reads "
                         f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "

@@ -52,23 +52,19 @@ def expected_files(name: str, root: str) -> list[Path]:
 
 def image_spec(cfg) -> tuple[int, int, int]:
     """(channels as stored, channels the model gets, image side) for this config."""
-    from ddplab.models.vision import input_needs
+    from ddplab.registry import image_needs
 
     native_channels, native_side = NATIVE[cfg.data.name]
-    channels, model_side = input_needs(cfg.model.name)
+    channels, model_side = image_needs(cfg.model.name)
     side = cfg.data.image_size or model_side or native_side or FOLDER_SIDE
     return native_channels, channels or native_channels, side
 
 
 def check_config(cfg) -> None:
-    """From the config alone: the images fit the model (a meta-device forward pass)."""
-    from ddplab.models.vision import check_input
-
+    """From the config alone (whether the images fit the model is the registry's check)."""
     if cfg.data.name == "image_folder" and cfg.data.root is None:
         raise UserError("data.root: image_folder needs data.root=<folder with one sub-folder per class, "
                         "or train/ and val/ holding them>")
-    _, channels, side = image_spec(cfg)
-    check_input(cfg, channels, side)
 
 
 def check_files(cfg) -> None:

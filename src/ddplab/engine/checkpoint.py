@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ddplab.engine import faults
 from ddplab.errors import UserError
+from ddplab.metrics.run_folder import RunFolder
 
 MARKER = "COMPLETE"
 STATE = "state.pt"
@@ -68,6 +68,25 @@ def _why(message: str) -> str:
     return "not a torch checkpoint"
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, or a run folder's best model, else its newest complete snapshot."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if not p.is_dir():
+        raise UserError(f"no such run folder or checkpoint: {path}")
+    for candidate in (p / RunFolder.CHECKPOINTS / BEST, p / BEST):
+        if candidate.is_file():
+            return candidate
+    for root in (p / RunFolder.CHECKPOINTS, p):
+        latest = Checkpointer(root, is_main=False).latest()
+        if latest is not None:
+            return latest / STATE
+    if (p / MARKER).is_file() and (p / STATE).is_file():  # a snapshot folder itself
+        return p / STATE
+    raise UserError(f"no checkpoint in {path} (expected {RunFolder.CHECKPOINTS}/{BEST} or a complete snapshot)")
+
+
 class Checkpointer:
     def __init__(self, root: Path, is_main: bool, keep_last: int = 2) -> None:
         self.root = Path(root)
@@ -96,8 +115,9 @@ class Checkpointer:
                 removed.append(p.name)
         return removed
 
-    def save_snapshot(self, state: dict, step: int, info: dict) -> Path | None:
-        """Rank 0 only writes; the caller holds the other ranks at a barrier."""
+    def save_snapshot(self, state: dict, step: int, info: dict, before_marker=None) -> Path | None:
+        """Rank 0 only writes; the caller holds the other ranks at a barrier. `before_marker(step)`
+        runs when the data is on disk and the marker not yet (the fault tests kill there)."""
         if not self.is_main:
             return None
         self.root.mkdir(parents=True, exist_ok=True)
@@ -109,7 +129,8 @@ class Checkpointer:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        faults.current().before_marker(step)
+        if before_marker is not None:
+            before_marker(step)
         marker_fd = os.open(tmp / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(marker_fd, json.dumps(info).encode())

@@ -16,11 +16,12 @@ Unset (always, outside tests) every hook below is a no-op. The value is comma-se
 
 Faults fire only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so
 a job restarted by `--max-restarts` runs clean; `trace` records in every attempt.
+
+It is a callback like any other: the loop and the checkpointer do not know it exists.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
@@ -29,10 +30,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import Sampler
 
+from ddplab.engine.callbacks import Callback
+
 ENV = "DDPLAB_FAULT"
 
 
-class Faults:
+class Faults(Callback):
     def __init__(self, spec: str, rank: int, first_attempt: bool) -> None:
         self.items = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
         self.rank = rank
@@ -42,6 +45,24 @@ class Faults:
         return (self.armed and f"{kind}_rank" in self.items and int(self.items[f"{kind}_rank"]) == self.rank
                 and int(self.items.get("step", -1)) == step)
 
+    # -- hooks ------------------------------------------------------------------------
+    def on_train_start(self, trainer) -> None:
+        if "trace" in self.items:
+            trainer.loader_sampler = self.traced(trainer.sampler)
+        if "nan_rank" in self.items:
+            task_loss = trainer.task.loss
+
+            def loss(output, target):  # the loss of the step being taken (state.step + 1)
+                return self.loss(task_loss(output, target), trainer.state.step + 1)
+            trainer.loss_fn = loss
+
+    def on_step_end(self, trainer) -> None:
+        self.after_step(trainer.state.step)
+
+    def on_snapshot_saving(self, trainer, step: int) -> None:
+        self.before_marker(step)
+
+    # -- faults -------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
         if self._fires("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -85,8 +106,9 @@ class _TracedSampler(Sampler[int]):
         return len(self.sampler)
 
 
-@functools.lru_cache(maxsize=1)
-def current() -> Faults:
-    """This process's hooks (parsed once)."""
-    return Faults(os.environ.get(ENV, ""), int(os.environ.get("RANK", "0")),
-                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+def from_environment() -> list[Faults]:
+    """The fault callback when DDPLAB_FAULT is set (tests only); nothing otherwise."""
+    spec = os.environ.get(ENV, "")
+    if not spec:
+        return []
+    return [Faults(spec, int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")]

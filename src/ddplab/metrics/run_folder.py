@@ -14,11 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 EPOCH_COLUMNS = [
     "epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_top5_accuracy", "val_precision", "val_recall",
-    "val_f1", "val_perplexity", "epoch_time_s", "eval_time_s", "elapsed_s", "samples_per_s", "tokens_per_s", "lr",
+    "val_f1", "val_perplexity", "val_mae", "val_rmse", "val_r2", "epoch_time_s", "eval_time_s", "elapsed_s", "samples_per_s", "tokens_per_s", "lr",
     "peak_mem_mb", "mfu", "gpu_util", "gpu_mem_mb", "comm_time_s", "compute_time_s", "data_wait_s",
 ]
 
@@ -41,7 +39,20 @@ def _clean(value):
 
 
 class RunFolder:
+    """Owns the layout: every file name of a run folder is spelt here and nowhere else."""
+
+    CONFIG = "config.yaml"
+    ENV = "env.json"
+    METRICS_CSV = "metrics.csv"
+    METRICS_JSON = "metrics.json"
+    LOG = "train.log"
+    TENSORBOARD = "tensorboard"
+    CHECKPOINTS = "checkpoints"
+    SAMPLE = "sample.txt"
+
     def __init__(self, path: Path, is_main: bool, tensorboard: bool = True, purge_step: int | None = None) -> None:
+        from rich.console import Console
+
         self.path = Path(path)
         self.is_main = is_main
         self.console = Console(stderr=False, highlight=False, soft_wrap=True)
@@ -52,7 +63,7 @@ class RunFolder:
         self.purge_step = purge_step
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.path / "train.log", "a", buffering=1)
+            self._log = open(self.path / self.LOG, "a", buffering=1)
 
     # -- what rank 0 prints -------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -75,13 +86,13 @@ class RunFolder:
             return
         extra = sorted({k for r in rows for k in r} - set(EPOCH_COLUMNS))
         columns = [c for c in EPOCH_COLUMNS if any(c in r for r in rows)] + extra
-        tmp = self.path / ".metrics.csv.tmp"
+        tmp = self.path / f".{self.METRICS_CSV}.tmp"
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             for r in rows:
                 writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
-        os.replace(tmp, self.path / "metrics.csv")
+        os.replace(tmp, self.path / self.METRICS_CSV)
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         if not self._tensorboard:
@@ -89,7 +100,7 @@ class RunFolder:
         if self.tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.path / "tensorboard"), purge_step=self.purge_step)
+            self.tb = SummaryWriter(log_dir=str(self.path / self.TENSORBOARD), purge_step=self.purge_step)
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self.tb.add_scalar(f"{prefix}/{k}", v, step)

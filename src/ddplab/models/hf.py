@@ -31,6 +31,10 @@ def check_pretrained(pretrained: str | None) -> None:
         raise UserError(f"model.pretrained: {pretrained}/config.json names no model_type; not a transformers model")
 
 
+def check_config(cfg) -> None:
+    check_pretrained(cfg.model.pretrained)
+
+
 def build(cfg, bundle) -> nn.Module:
     from transformers import AutoModelForSequenceClassification
 

@@ -56,14 +56,6 @@ def is_torchvision(name: str) -> bool:
     return name not in ("cnn", "vit") and name in torchvision_names()
 
 
-def input_needs(name: str) -> tuple[int | None, int | None]:
-    """(channels, default image side) a model wants; None: whatever the data has."""
-    if name == "cnn":
-        return None, None
-    if name == "vit":
-        return 3, None
-    return 3, 224  # torchvision classifiers: RGB at the side their ImageNet weights were made for
-
 
 def compact(names: list[str]) -> str:
     """'resnet{18,34,50}, vgg{11,11_bn}, alexnet': every name, grouped by family."""

@@ -6,7 +6,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.errors import UserError
 
 

@@ -1,0 +1,94 @@
+"""Building a workload's data and model, and checking what user code hands back, before any
+byte is written to a run folder."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from ddplab.errors import UserError
+from ddplab.registry import Workload, build_config
+from ddplab.tasks import Task, call_model
+from ddplab.workload import Data
+
+
+def _call(fn, user: bool, where: str, *args):
+    """A user's function raising is the user's error: one line naming it, not a traceback."""
+    if not user:
+        return fn(*args)
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"{where} raised {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}") from None
+
+
+def build_data(cfg, ctx, work: Workload) -> Data:
+    where = f"data.name={cfg.data.name}"
+    data = _call(work.data, "data" in work.references, where, build_config(cfg, "data", ctx))
+    if not isinstance(data, Data):
+        raise UserError(f"{where} returned {type(data).__name__}, not ddplab.Data(train=..., val=..., task=...)")
+    for split in ("train", "val", "test"):
+        value = getattr(data, split)
+        if value is not None and not isinstance(value, Dataset):
+            raise UserError(f"{where}: Data.{split} is a {type(value).__name__}, not a torch.utils.data.Dataset")
+    if not isinstance(data.task, Task):
+        raise UserError(f"{where}: Data.task is {data.task!r}; give ddplab.Classification(n), ddplab.Regression(), "
+                        f"ddplab.LanguageModeling() or a ddplab.Task subclass")
+    if len(data.train) == 0:
+        raise UserError(f"{where}: the training set is empty")
+    if cfg.data.limit is not None and cfg.data.limit < len(data.train):
+        data.train = Subset(data.train, range(cfg.data.limit))
+    return data
+
+
+def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
+    model = _call(work.model, "model" in work.references, f"model.name={cfg.model.name}",
+                  build_config(cfg, "model", ctx), data)
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
+    if work.references:
+        check_output(model, data)
+    return model
+
+
+def check_output(model: torch.nn.Module, data: Data) -> None:
+    """One forward pass on two training samples: an output the task cannot score fails here."""
+    items = [data.train[i] for i in range(min(2, len(data.train)))]
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise UserError(f"data: a dataset item must be (inputs, target), got {type(item).__name__}"
+                            f"{' of length ' + str(len(item)) if isinstance(item, (tuple, list)) else ''}")
+    collate = data.collate_fn or torch.utils.data.default_collate
+    try:
+        inputs, target = collate(items)
+    except Exception as exc:  # noqa: BLE001 - the user's data: say what broke, in one line
+        raise UserError(f"data: two items do not collate into a batch ({type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0][:160]}); give Data(collate_fn=...)") from None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = call_model(model, inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"model: a forward pass on a batch of {len(target)} failed ({type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0][:160]})") from None
+    finally:
+        model.train(was_training)
+    if not isinstance(output, torch.Tensor):
+        raise UserError(f"model: the forward pass returned {type(output).__name__}, not a tensor (or .logits)")
+    data.task.check_output(output, target)
+
+
+def preflight(cfg) -> None:
+    """In the launcher, before workers start: build the user's data and model once, on the CPU."""
+    from ddplab.distributed import DistContext, LaunchInfo
+    from ddplab.engine.rng import seed_everything
+    from ddplab.registry import workload
+
+    seed_everything(cfg.experiment.seed)
+    ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
+    work = workload(cfg)
+    data = build_data(cfg, ctx, work)
+    build_model(cfg, ctx, work, data)
