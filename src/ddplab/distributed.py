@@ -121,9 +121,6 @@ class DistContext:
             dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return tensor
 
-    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(tensor.clone(), "sum") / self.world_size
-
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.is_distributed:
             return obj
@@ -243,14 +240,3 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float
         gradient_as_bucket_view=True,
         find_unused_parameters=find_unused_parameters,
     )
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module under DDP and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif hasattr(model, "module") and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model

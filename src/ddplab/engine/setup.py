@@ -3,6 +3,8 @@ byte is written to a run folder."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils.data import Dataset, Subset
 
@@ -10,6 +12,29 @@ from ddplab.errors import UserError
 from ddplab.registry import Workload, build_config
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data
+
+
+def distribute(model: torch.nn.Module, cfg, ctx):
+    """(the model to train, the gradient all-reduce monitor or None): DDP-wrapped, with the comm
+    hook when distributed, compiled when asked."""
+    from ddplab.distributed import wrap_model
+
+    ddp = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+                     find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
+    comm = None
+    if ctx.is_distributed:
+        from ddplab.engine.comm import install_comm_hook
+
+        comm = install_comm_hook(ddp, cfg.distributed, ctx)
+    return (torch.compile(ddp) if cfg.training.compile else ddp), comm
+
+
+def autocast(amp: str, device: torch.device):
+    """A factory of autocast contexts for training.amp (a null context for none)."""
+    dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 def _call(fn, user: bool, where: str, *args):

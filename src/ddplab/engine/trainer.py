@@ -22,12 +22,13 @@ import torch
 
 from ddplab.config import Config, parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler
-from ddplab.distributed import DistContext, wrap_model
+from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList
 from ddplab.engine import snapshots
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
+from ddplab.engine.setup import autocast, distribute
 from ddplab.engine.optim import Schedule, build_optimizer, scaled_lr
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.state import TrainState, batch_arithmetic
@@ -45,18 +46,11 @@ class Trainer:
         self.loss_fn = self.task.loss  # a callback may wrap it (the NaN fault does)
         self.batch = batch_arithmetic(cfg, ctx.world_size)
         self.raw = model
-        self.model = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-                                find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
-        self.comm = None  # the gradient all-reduce monitor (and comm hook), distributed runs only
-        if ctx.is_distributed:
-            from ddplab.engine.comm import install_comm_hook
-
-            self.comm = install_comm_hook(self.model, cfg.distributed, ctx)
-        if t.compile:
-            self.model = torch.compile(self.model)
+        # DDP (with the gradient all-reduce monitor, `comm`, when distributed) and torch.compile
+        self.model, self.comm = distribute(model, cfg, ctx)
         self.lr = scaled_lr(t.lr, t.lr_scaling, ctx.world_size)
         self.optimizer = build_optimizer(self.raw, t, self.lr, ctx.device)
-        self.autocast_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[t.amp]
+        self.autocast = autocast(t.amp, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
         self.sampler = ResumableDistributedSampler(data.train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.experiment.seed)
@@ -76,20 +70,11 @@ class Trainer:
         self._resumed = False
         self._mark = time.perf_counter()
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
-
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
         if not self._resumed:
             self.resume()
-        t, s, b = self.cfg.training, self.state, self.batch
-        self.run.log(f"world size {self.ctx.world_size} ({self.ctx.launch.launcher}, backend {self.ctx.backend or 'none'}, "
-                     f"device {self.ctx.device}); global batch = {b['per_process']} per process x "
-                     f"{b['grad_accum_steps']} accumulation x {b['world_size']} processes = {b['global']}; "
-                     f"lr {self.lr:g}; {self.steps_per_epoch} steps per epoch")
+        t, s = self.cfg.training, self.state
         self.callbacks.on_train_start(self)
         self.train_loader = self.loaders.train(self.data.train, self.loader_sampler)
         self.signals.install()
@@ -158,7 +143,7 @@ class Trainer:
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
             sync = contextlib.nullcontext() if i == n - 1 or not self.ctx.is_distributed else self.model.no_sync()
             with sync:
-                with self._autocast():
+                with self.autocast():
                     loss = self.loss_fn(call_model(self.model, inputs), target)
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
@@ -290,7 +275,7 @@ class Trainer:
         evaluator = self.task.evaluator(self.ctx.device)
         for inputs, target in self.loaders.evaluation(dataset):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
-            with self._autocast():
+            with self.autocast():
                 output = call_model(model, inputs)
             evaluator.update(output, target)
         model.train(was_training)

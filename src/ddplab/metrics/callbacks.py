@@ -73,6 +73,13 @@ class RunRecorder(Callback):
     ROW_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_f1", "val_perplexity", "val_r2", "val_rmse",
                 "epoch_time_s", "samples_per_s")
 
+    def on_train_start(self, trainer):
+        b = trainer.batch
+        trainer.run.log(f"world size {trainer.ctx.world_size} ({trainer.ctx.launch.launcher}, backend "
+                        f"{trainer.ctx.backend or 'none'}, device {trainer.ctx.device}); global batch = "
+                        f"{b['per_process']} per process x {b['grad_accum_steps']} accumulation x {b['world_size']} "
+                        f"processes = {b['global']}; lr {trainer.lr:g}; {trainer.steps_per_epoch} steps per epoch")
+
     def on_log(self, trainer, values):
         s, every = trainer.state, trainer.cfg.logging.log_every
         trainer.run.scalars("train", values, s.step)
