@@ -50,11 +50,11 @@ def data(cfg):
 
 
 def model(cfg, data):
-    width = cfg.options.get("width", 16)
+    width, side = cfg.options.get("width", 16), data.train[0][0].shape[-1]
     return torch.nn.Sequential(
         torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(width, 2 * width, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(), torch.nn.Linear(2 * width, data.task.num_classes))
+        torch.nn.Conv2d(width, 2 * width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(2 * width * (side // 4) ** 2, data.task.num_classes))
 
 
 def write_digits_tree(root, per_class=None):
