@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--name", help="study folder name (default: the config file's name, or 'study')")
     st.add_argument("--output-dir", default="experiments", help="folder that holds the study folder")
     st.add_argument("--budget", help="time budget for 'epochs @ budget' in the report (2h, 90m, 30s)")
+    st.add_argument("--repeat", type=int, help="run each point N times (same seed) and report medians with "
+                    "min-max; default: experiment.repeats of the config (1)")
 
     r = sub.add_parser("report", help="tables and plots (report.md, report.csv, PNGs) from run folders")
     r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
@@ -172,11 +174,16 @@ def cmd_study(ns) -> int:
 
     config, common = split_args(ns.args)
     _positive("--nnodes", ns.nnodes)
+    from ddplab.config import load_config
+
     budget = parse_duration(ns.budget, "--budget")
+    _positive("--repeat", ns.repeat)
+    repeat = ns.repeat or load_config(config, common).experiment.repeats
     name = ns.name or (Path(config).stem if config else "study")
     study_dir = Path(ns.output_dir) / name
-    points = expand(config, common, parse_setups(ns.nproc, ns.nnodes), parse_sweeps(ns.sweeps), str(study_dir))
-    print(f"study {name}: {len(points)} points -> {study_dir}")
+    points = expand(config, common, parse_setups(ns.nproc, ns.nnodes), parse_sweeps(ns.sweeps), str(study_dir), repeat)
+    grid = len({p.point for p in points})
+    print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
     run_study(study_dir, config, points)
     report = make_report([study_dir], study_dir, budget)
     print(f"report: {report}")

@@ -33,6 +33,7 @@ class ExperimentConfig:
     name: Optional[str] = _f(None, "run folder name under output_dir; default <model>-<data>")
     output_dir: str = _f("experiments", "folder that holds run folders")
     seed: int = _f(1337, "seed for weights, data order, dropout", min=0)
+    repeats: int = _f(1, "runs of each point in `ddplab study` (same seed); --repeat overrides", positive=True)
 
 
 @dataclass

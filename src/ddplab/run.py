@@ -51,6 +51,8 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
     """
     from ddplab.engine import faults
     from ddplab.metrics.callbacks import RunRecorder, column_callbacks
+    from ddplab.engine.optim import BudgetSchedule
+    from ddplab.metrics.class_report import ClassReports
 
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
     work = workload(cfg, data_fn, model_fn)
@@ -73,7 +75,8 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             run.write_json(RunFolder.ENV, environment)
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), *callbacks, RunRecorder(), *faults.from_environment()])
+                              callbacks=[*column_callbacks(), BudgetSchedule(), ClassReports(), *callbacks, RunRecorder(),
+                                         *faults.from_environment()])
             trainer.resume()
             run.write_json(RunFolder.METRICS_JSON, summary(trainer, "running", code))
             start = time.time()
@@ -92,7 +95,10 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             result["ddp"]["ranks_identical"] = len(set(digests)) == 1
             result["wall_time_s"] = time.time() - start
             run.write_json(RunFolder.METRICS_JSON, result)
-            run.log(f"done: {state.stop_reason}; {state.epoch} epochs, {state.step} steps; "
+            partial = bool(state.history and state.history[-1].get("partial"))
+            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / trainer.steps_per_epoch:.2f} epochs of "
+                                                f"data)" if partial else "")
+            run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             if ctx.is_main and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
                 from ddplab.inference import sample

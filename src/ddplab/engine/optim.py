@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ddplab.engine.callbacks import Callback
+
 
 def scaled_lr(lr: float, rule: str, world_size: int) -> float:
     """`linear`: lr x world size (Goyal et al.); `sqrt`: lr x sqrt(world size) (Krizhevsky)."""
@@ -43,19 +45,65 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True."""
+    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True.
+
+    `total` is the step at which the schedule reaches its floor. It starts as the step count
+    of the configured epochs (or max_steps); with a time budget, `replan` moves it to the step
+    at which the budget is expected to run out. It is part of the state, so a resumed run
+    continues the same plan.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, t, total_steps: int) -> None:
         self.warmup, self.total, self.kind, self.min_ratio = t.warmup_steps, total_steps, t.schedule, t.min_lr_ratio
+        self.planned = total_steps  # from epochs / max_steps: a budget can shorten the plan, never lengthen it
         super().__init__(optimizer, self._multiplier)
 
     def _multiplier(self, step: int) -> float:
         return lr_lambda(step, self.warmup, self.total, self.kind, self.min_ratio)
 
+    def replan(self, total_steps: int) -> None:
+        """Reach the floor at `total_steps` instead (at most the configured plan, and at least
+        one step beyond the current one); the current learning rate follows at once."""
+        self.total = max(min(int(total_steps), self.planned), self.last_epoch + 1)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * self._multiplier(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "base_lrs": self.base_lrs, "_last_lr": self._last_lr}
+        return {"last_epoch": self.last_epoch, "base_lrs": self.base_lrs, "_last_lr": self._last_lr,
+                "total": self.total, "planned": self.planned}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch = state["last_epoch"]
         self.base_lrs = state["base_lrs"]
         self._last_lr = state["_last_lr"]  # the optimizer's own state restores each group's lr
+        self.total = state.get("total", self.total)  # snapshots from before budget planning lack it
+        self.planned = state.get("planned", self.planned)
+
+
+def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
+    """The step at which `budget_s` runs out, at the mean pace so far (evaluation and snapshots
+    included, as the budget counts them)."""
+    if step <= 0 or elapsed_s <= 0:
+        raise ValueError("no step measured yet")
+    per_step = elapsed_s / step
+    return step + max(0, math.ceil((budget_s - elapsed_s) / per_step))
+
+
+def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:
+    """At a log interval: re-estimate the steps the budget allows and plan the schedule over
+    them. Every rank takes the slowest rank's elapsed time (one all-reduce), so all ranks hold
+    the same plan and the same learning rate."""
+    if budget_s is None or step <= 0 or scheduler.kind == "constant":
+        return
+    slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()
+    if slowest > 0:
+        scheduler.replan(budget_total_steps(step, slowest, budget_s))
+
+
+class BudgetSchedule(Callback):
+    """With training.time_budget: re-plan the schedule at every log (all ranks log together)."""
+
+    def on_log(self, trainer, values) -> None:
+        s = trainer.state
+        plan_for_budget(trainer.scheduler, trainer.ctx, s.step, s.elapsed, trainer.budget)

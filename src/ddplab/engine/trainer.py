@@ -280,6 +280,7 @@ class Trainer:
             evaluator.update(output, target)
         model.train(was_training)
         metrics = evaluator.compute(self.ctx)
+        self.evaluator = evaluator  # the last one, for callbacks: its global confusion matrix (class_report.py)
         self.callbacks.on_eval_end(self, split, metrics)
         return metrics
 

@@ -96,9 +96,10 @@ class RunRecorder(Callback):
         run.write_epochs(trainer.state.history)
         run.scalars("val", {k[4:]: v for k, v in row.items() if k.startswith("val_")}, step)
         run.scalars("epoch", {k: row[k] for k in ("epoch_time_s", "samples_per_s", "peak_mem_mb") if row.get(k)}, step)
-        if not row.get("partial"):
-            run.log(f"epoch {row['epoch']}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS
-                                                          if row.get(k) is not None))
+        head = f"epoch {row['epoch']}"
+        if row.get("partial"):  # a run stopped mid-epoch (max_steps, time budget): say how far it got
+            head += f" (partial, {row['step'] - (row['epoch'] - 1) * trainer.steps_per_epoch}/{trainer.steps_per_epoch} steps)"
+        run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None))
 
 
 def format_metrics(m: dict) -> str:

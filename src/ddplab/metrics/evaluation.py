@@ -41,6 +41,7 @@ class ClassificationEvaluator:
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, count, top5 correct
         self.predictions: list[torch.Tensor] = []
+        self.global_confusion: torch.Tensor | None = None  # rows: true class, columns: predicted; set by compute()
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         logits = logits.float()
@@ -54,6 +55,7 @@ class ClassificationEvaluator:
 
     def compute(self, ctx) -> dict[str, float]:
         confusion = ctx.all_reduce(self.confusion.clone())
+        self.global_confusion = confusion.cpu()  # the same on every rank: reduced once, kept for the run folder
         loss_sum, count, top5 = ctx.all_reduce(self.sums.clone()).tolist()
         if count == 0:
             return {}
@@ -62,6 +64,20 @@ class ClassificationEvaluator:
         if self.num_classes > 5:
             out["top5_accuracy"] = top5 / count
         return out
+
+
+def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
+    """Precision, recall and F1 of each class and its support, as scikit-learn's
+    precision_recall_fscore_support(average=None, zero_division=0) gives them."""
+    confusion = confusion.double()
+    tp = confusion.diag()
+    predicted, actual = confusion.sum(0), confusion.sum(1)
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    denom = precision + recall
+    f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
+    return {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
+            "support": [int(x) for x in actual.tolist()]}
 
 
 def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:

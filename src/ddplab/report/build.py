@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from ddplab.report import plots
+from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
-from ddplab.report.table import build_rows, default_budget, markdown_table, write_csv
+from ddplab.report.scaling_table import scaling_tables
+from ddplab.report.table import QUALITY, build_rows, markdown, markdown_table, quality_columns_for, study_budget, write_csv
 
 
 def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | None = None) -> Path:
@@ -15,37 +18,65 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     runs, unfinished = find_runs(dirs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    budget_from = "given" if budget_s is not None else "the shortest training time among these runs"
-    budget = budget_s if budget_s is not None else default_budget(runs)
+    budget, budget_from = study_budget(runs, budget_s)
     rows = build_rows(runs, budget)
     write_csv(rows, out / "report.csv")
 
-    images = [plots.epoch_time_plot(rows, runs, out / "epoch_time.png"),
-              plots.scaling_plot(rows, runs, out / "scaling.png"),
+    images = [*plots.setups_plots(rows, out), *plots.sweep_plots(rows, out),
+              plots.val_epoch_plot(runs, out / "val_epochs.png"),
               *plots.loss_plots(runs, out),
               plots.accuracy_plot(runs, out / "accuracy_time.png"),
               plots.comm_plot(rows, out / "comm.png")]
     images = [p for p in images if p is not None]
 
+    repeats = sorted({r["repeats"] for r in rows})
+    load = _load_average()
     lines = [f"# Scaling report: {', '.join(str(d) for d in dirs)}", "",
-             f"{len(runs)} finished runs; written {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
-             markdown_table(rows), "",
-             "- **speedup** = training samples/s of the run ÷ samples/s of the 1-process run of the same "
-             "experiment (same config apart from the process count, hence the same per-process batch); "
+             f"{len(runs)} finished runs, {len(rows)} points"
+             + (f", {'/'.join(map(str, repeats))} repeats each" if repeats != [1] else ", one run each")
+             + f"; written {time.strftime('%Y-%m-%d %H:%M:%S')}" + (f"; load average now {load}" if load else "") + ".",
+             "", "## Timing", "", markdown_table(rows), "",
+             "- Cells read **median (min–max)** over a point's repeats (same config and seed); one value when they agree "
+             "or the point ran once.",
+             "- **speedup** = training samples/s of the run ÷ median samples/s of the 1-process point of the same "
+             "experiment (same config apart from the setup, hence the same per-process batch); "
              "**efficiency** = speedup ÷ processes (1.00 is linear scaling). Measured from throughput, not epoch time.",
              "- **mean epoch time** is training time per full epoch, evaluation excluded; **samples/s** is its mean over epochs.",
              "- **comm ms/step**: wall time per optimizer step during which at least one gradient all-reduce "
              "(with any simulated network delay) was in flight, mean over ranks; **compute ms/step**: the rest of the step.",
-             f"- **epochs @ budget**: epochs trained (fractional, from the step log) within {budget:.1f} s of "
-             f"training time ({budget_from}).",
+             ("- **epochs @ budget**: epochs trained (fractional, from the step log) within "
+              f"{budget:.1f} s of training time ({budget_from}); ≈ marks a run that trained less than that, "
+              "projected as budget ÷ mean epoch time." if budget else f"- **epochs @ budget**: — ({budget_from})."),
              "- lr is the learning rate actually used, after `training.lr_scaling`."]
     baselines = {r["baseline"] for r in rows if r["baseline"]}
     if any(r["speedup"] is None for r in rows):
-        lines.append("- speedup is blank where no 1-process run of the same experiment is among these runs.")
+        lines.append("- speedup is blank where no 1-process point of the same experiment is among these runs.")
     if baselines:
         lines.append(f"- baselines: {', '.join(sorted(baselines))}.")
     if unfinished:
         lines.append(f"- left out (not finished): {', '.join(str(p) for p in unfinished)}.")
+    quality = quality_columns_for(rows)
+    if any(k in QUALITY for k, _ in quality):
+        lines += ["", "## Quality", "", markdown(rows, quality), "",
+                  "- val scores are the last epoch's, on the whole validation split (macro precision / recall / F1); "
+                  "test scores are the best model's on the test split."]
+    compared = comparisons(rows)
+    notes = efficiency_notes(rows)
+    if compared or notes:
+        lines += ["", "## Differences and noise", "",
+                  "Throughput (samples/s) of points that differ in one thing only; where their ranges over repeats "
+                  "overlap the difference is within noise and no order is claimed.", ""]
+        lines += [f"- {line}" for line in compared + notes]
+    table = scaling_tables(rows, budget, budget_from)
+    if table:
+        lines += ["", "## Scaling (one column per setup)", "", *table]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
+
+
+def _load_average() -> str | None:
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return None

@@ -1,7 +1,12 @@
-"""PNG plots of a set of runs (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of a set of runs (matplotlib, Agg backend: no display needed).
+
+Setups (nodes x processes) are categories, never a numeric process axis: 1x2 and 2x1 are two
+points, side by side. Points with repeats are drawn at their median with min-max error bars.
+"""
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,28 +22,6 @@ def _pyplot():
     return plt
 
 
-def _series_label(run: Run) -> str:
-    """What distinguishes this run's experiment, without the process count."""
-    parts = [f"{k.split('.')[-1]}={v}" for k, v in run.swept.items()]
-    return ", ".join(parts) or f"batch/proc {run.ddp.get('per_process')}"
-
-
-def _groups(rows: list[dict], runs: list[Run]) -> dict[str, list[tuple[dict, Run]]]:
-    """Rows of the same experiment (same config apart from processes), ordered by processes."""
-    by_path = {str(r.path): r for r in runs}
-    groups: dict[str, list] = defaultdict(list)
-    for row in rows:
-        run = by_path[row["path"]]
-        groups[run.experiment_key()].append((row, run))
-    out = {}
-    for items in groups.values():
-        label = _series_label(items[0][1])
-        while label in out:  # runs outside a study may share a batch size but not a config
-            label += "'"
-        out[label] = sorted(items, key=lambda x: x[0]["processes"])
-    return out
-
-
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -46,65 +29,219 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def epoch_time_plot(rows, runs, path: Path) -> Path | None:
-    series = {label: [(r["processes"], r["mean_epoch_time_s"]) for r, _ in items if r["mean_epoch_time_s"]]
-              for label, items in _groups(rows, runs).items()}
-    return _line_plot(series, path, xlabel="processes", ylabel="mean epoch time (s)",
-                      title="Epoch time vs processes", size=(6.4, 4.2), legend=8)
+def _integer_ticks(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
-def scaling_plot(rows, runs, path: Path) -> Path | None:
+def setup_order(rows: list[dict]) -> list[str]:
+    """Setups by process count, then by nodes: 1x1, 1x2, 2x1, 1x4, 2x2."""
+    seen = {r["setup"]: (r["processes"], r["nodes"]) for r in rows}
+    return sorted(seen, key=lambda s: seen[s])
+
+
+def _swept_label(row: dict, skip: str | None = None) -> str:
+    parts = [f"{k.split('.')[-1]}={v}" for k, v in row.items() if k.startswith("swept:") and k != skip]
+    return ", ".join(parts) or f"batch/proc {row.get('batch_per_process')}"
+
+
+def _errorbar(ax, xs, rows, key, scale=1.0, **kw):
+    """Median with min-max whiskers; returns the line."""
+    med = [r[key] * scale for r in rows]
+    lo = [(r[key] - (r.get(f"{key}_min") if r.get(f"{key}_min") is not None else r[key])) * scale for r in rows]
+    hi = [((r.get(f"{key}_max") if r.get(f"{key}_max") is not None else r[key]) - r[key]) * scale for r in rows]
+    container = ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, **kw)
+    return container.lines[0]
+
+
+def _by_series(rows: list[dict], skip: str | None = None) -> dict[str, list[dict]]:
+    series: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        series[_swept_label(row, skip)].append(row)
+    return series
+
+
+def setups_plots(rows: list[dict], out: Path) -> list[Path]:
+    """epoch_time.png (epoch time per setup) and scaling.png (throughput with the ideal line,
+    efficiency), x = setups as categories, one line per combination of swept values."""
+    order = setup_order(rows)
+    where = {s: i for i, s in enumerate(order)}
     plt = _pyplot()
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    drawn = False
+    for label, items in _by_series(rows).items():
+        items = sorted((r for r in items if r.get("mean_epoch_time_s")), key=lambda r: where[r["setup"]])
+        if items:
+            _errorbar(ax, [where[r["setup"]] for r in items], items, "mean_epoch_time_s", label=label)
+            drawn = True
+    if drawn:
+        _categories(ax, order)
+        ax.set(ylabel="mean epoch time (s)", title="Epoch time per setup")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out / "epoch_time.png"))
+    else:
+        plt.close(fig)
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     drawn = False
-    for label, items in _groups(rows, runs).items():
-        pts = [(r["processes"], r["samples_per_s"], r["efficiency"]) for r, _ in items if r["samples_per_s"]]
-        if not pts:
+    for label, items in _by_series(rows).items():
+        items = sorted((r for r in items if r.get("samples_per_s")), key=lambda r: where[r["setup"]])
+        if not items:
             continue
-        procs = [p for p, _, _ in pts]
-        line, = left.plot(procs, [s for _, s, _ in pts], marker="o", label=label)
-        base = next((r["samples_per_s"] for r, _ in items if r["processes"] == 1 and r["samples_per_s"]), None)
+        xs = [where[r["setup"]] for r in items]
+        line = _errorbar(left, xs, items, "samples_per_s", label=label)
+        base = next((r for r in items if r["processes"] == 1), None)
         if base:
-            left.plot(procs, [base * p for p in procs], linestyle="--", color=line.get_color(), alpha=0.6)
-        eff = [(p, e) for p, _, e in pts if e is not None]
+            left.plot(xs, [base["samples_per_s"] * r["processes"] for r in items], linestyle="--",
+                      color=line.get_color(), alpha=0.6)
+        eff = [r for r in items if r.get("efficiency") is not None]
         if eff:
-            right.plot(*zip(*eff), marker="o", color=line.get_color(), label=label)
+            _errorbar(right, [where[r["setup"]] for r in eff], eff, "efficiency", color=line.get_color(), label=label)
         drawn = True
     if not drawn:
         plt.close(fig)
-        return None
+        return paths
     right.axhline(1.0, linestyle="--", color="grey", label="ideal")
-    left.plot([], [], linestyle="--", color="grey", label="ideal (linear)")
-    left.set(xlabel="processes", ylabel="training samples/s", title="Throughput vs processes")
-    right.set(xlabel="processes", ylabel="scaling efficiency (speedup / processes)", title="Efficiency vs processes",
+    left.plot([], [], linestyle="--", color="grey", label="ideal (linear in processes)")
+    left.set(ylabel="training samples/s", title="Throughput per setup")
+    right.set(ylabel="scaling efficiency (speedup / processes)", title="Efficiency per setup",
               ylim=(0, max(1.1, right.get_ylim()[1])))
     for ax in (left, right):
-        ax.grid(alpha=0.3)
+        _categories(ax, order)
         ax.legend(fontsize=8)
+    paths.append(_save(fig, out / "scaling.png"))
+    return paths
+
+
+def _categories(ax, order: list[str]) -> None:
+    ax.set_xticks(range(len(order)), order)
+    ax.set_xlim(-0.5, len(order) - 0.5)
+    ax.set_xlabel("setup (nodes x processes per node)")
+    ax.grid(alpha=0.3)
+
+
+def _numeric(values: list[str]) -> list[float] | None:
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        return None
+
+
+def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
+    """For each swept key with several values: epoch time, samples/s and (when gradients were
+    communicated) the communication share of a step against the swept value, one line per
+    setup and combination of the other swept values."""
+    plt = _pyplot()
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
+            if len({r.get(k) for r in rows}) > 1]
+    paths = []
+    for key in keys:
+        leaf = key.split(":", 1)[1]
+        values = list(dict.fromkeys(r[key] for r in rows if r.get(key) is not None))
+        numbers = _numeric(values)
+        if numbers:
+            values = [v for _, v in sorted(zip(numbers, values))]
+            numbers = sorted(numbers)
+        where = dict(zip(values, numbers or range(len(values))))
+        share = [r for r in rows if r.get("comm_ms_per_step") is not None and r.get("compute_ms_per_step") is not None]
+        for r in share:
+            total = r["comm_ms_per_step"] + r["compute_ms_per_step"]
+            r["comm_share"] = r["comm_ms_per_step"] / total if total else None
+            # the share's range over repeats is not kept per run; show the median only
+            r["comm_share_min"] = r["comm_share_max"] = r["comm_share"]
+        panels = [("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "training samples/s")]
+        if any(r.get("comm_ms_per_step") for r in rows):
+            panels.append(("comm_share", "communication share of a step"))
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
+        for ax, (metric, ylabel) in zip(axes, panels):
+            series: dict[str, list[dict]] = defaultdict(list)
+            for r in rows:
+                if r.get(metric) is not None and r.get(key) in where:
+                    rest = _swept_label(r, skip=key)
+                    series[r["setup"] + ("" if rest.startswith("batch/proc") else f", {rest}")].append(r)
+            for label in sorted(series):
+                items = sorted(series[label], key=lambda r: where[r[key]])
+                _errorbar(ax, [where[r[key]] for r in items], items, metric, label=label)
+            if numbers and min(numbers) > 0 and max(numbers) / min(numbers) >= 8:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(list(where.values()), list(where))
+            ax.minorticks_off()
+            ax.set(xlabel=leaf, ylabel=ylabel, title=f"{ylabel.split(' (')[0]} vs {leaf.split('.')[-1]}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, title="setup")
+        paths.append(_save(fig, out / f"vs_{leaf.split('.')[-1]}.png"))
+    return paths
+
+
+def _median_curve(runs: list[Run], key: str) -> list[tuple[int, float, float, float]]:
+    """(epoch, median, min, max) of a per-epoch value over a point's repeats."""
+    per_epoch: dict[int, list[float]] = defaultdict(list)
+    for run in runs:
+        for r in run.epochs:
+            if r.get(key) is not None and not r.get("partial"):
+                per_epoch[int(r["epoch"])].append(r[key])
+    return [(e, statistics.median(v), min(v), max(v)) for e, v in sorted(per_epoch.items())]
+
+
+def _points(runs: list[Run]) -> dict[str, list[Run]]:
+    points: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        points[run.label if run.point else run.name].append(run)
+    return points
+
+
+def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
+    """Validation accuracy and F1 over epochs, one line per point (setup and swept values: one
+    per learning rate and setup in an lr sweep), median over repeats with min-max bars."""
+    metrics = [k for k in ("val_accuracy", "val_f1") if any(r.get(k) is not None for run in runs for r in run.epochs)]
+    if not metrics:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.2 * len(metrics), 4.4), squeeze=False)
+    for ax, key in zip(axes[0], metrics):
+        for label, group in _points(runs).items():
+            curve = _median_curve(group, key)
+            if curve:
+                e, m, lo, hi = zip(*curve)
+                ax.errorbar(e, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
+                            marker="o", capsize=3, label=label)
+        _integer_ticks(ax.xaxis)
+        name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
+        ax.set(xlabel="epoch", ylabel=name, title=f"{name.capitalize()} per epoch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     return _save(fig, path)
 
 
 def loss_plots(runs: list[Run], out: Path) -> list[Path]:
-    """Train (solid) and validation (dashed) loss per run, over epochs and over training time."""
+    """Train (solid) and validation (dashed) loss of each point's first repeat, over epochs and
+    over training time."""
     plt = _pyplot()
+    firsts = [min(group, key=lambda r: r.repeat) for group in _points(runs).values()]
     paths = []
     for axis, xlabel, fname in (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png")):
         fig, ax = plt.subplots(figsize=(7, 4.4))
-        for run in runs:
+        for run in firsts:
+            name = run.label if run.point else run.name
             color = None
             if axis == "elapsed_s" and run.steps:
                 # Per log interval: finer than per epoch.
-                line, = ax.plot([s["elapsed_s"] for s in run.steps], [s["loss"] for s in run.steps], label=f"{run.name} train")
+                line, = ax.plot([s["elapsed_s"] for s in run.steps], [s["loss"] for s in run.steps], label=f"{name} train")
                 color = line.get_color()
             else:
                 pts = [(r[axis], r["train_loss"]) for r in run.epochs if r.get("train_loss") is not None]
                 if pts:
-                    line, = ax.plot(*zip(*pts), marker=".", label=f"{run.name} train")
+                    line, = ax.plot(*zip(*pts), marker=".", label=f"{name} train")
                     color = line.get_color()
             val = [(r[axis], r["val_loss"]) for r in run.epochs if r.get("val_loss") is not None]
             if val:
-                ax.plot(*zip(*val), marker="o", linestyle="--", color=color, label=f"{run.name} val")
-        ax.set(xlabel=xlabel, ylabel="loss", title=f"Loss vs {xlabel}")
+                ax.plot(*zip(*val), marker="o", linestyle="--", color=color, label=f"{name} val")
+        if axis == "epoch":
+            _integer_ticks(ax.xaxis)
+        ax.set(xlabel=xlabel, ylabel="loss", title=f"Loss vs {xlabel} (first repeat of each point)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         paths.append(_save(fig, out / fname))
@@ -112,40 +249,35 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
 
 
 def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
-    series = {run.name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
-              for run in runs}
-    return _line_plot(series, path, xlabel="training time (s)", ylabel="validation accuracy",
-                      title="Accuracy vs training time", size=(7, 4.4), legend=7)
-
-
-def _line_plot(series: dict, path: Path, *, xlabel: str, ylabel: str, title: str, size: tuple, legend: int) -> Path | None:
-    """One marked line per label; no file when no series has a point."""
+    firsts = [min(group, key=lambda r: r.repeat) for group in _points(runs).values()]
+    series = {(run.label if run.point else run.name): [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs
+                                                        if r.get("val_accuracy") is not None] for run in firsts}
     series = {label: pts for label, pts in series.items() if pts}
     if not series:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=size)
+    fig, ax = plt.subplots(figsize=(7, 4.4))
     for label, pts in series.items():
         ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time (first repeat)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend)
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 
 def comm_plot(rows: list[dict], path: Path) -> Path | None:
-    """Per step: time with a gradient all-reduce in flight vs the rest of the step."""
+    """Per step: time with a gradient all-reduce in flight vs the rest of the step (medians)."""
     rows = [r for r in rows if r.get("comm_ms_per_step") is not None]
     if not rows:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.4))
-    names = [r["point"] for r in rows]
+    names = [r["label"] for r in rows]
     comm = [r["comm_ms_per_step"] for r in rows]
     compute = [r["compute_ms_per_step"] or 0.0 for r in rows]
     ax.bar(names, compute, label="compute (rest of the step)")
     ax.bar(names, comm, bottom=compute, label="communication (all-reduce in flight)")
-    ax.set(ylabel="ms per optimizer step", title="Communication vs computation")
+    ax.set(ylabel="ms per optimizer step (median over repeats)", title="Communication vs computation per point")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     ax.legend(fontsize=8)
     return _save(fig, path)

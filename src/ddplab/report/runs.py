@@ -21,7 +21,16 @@ class Run:
 
     @property
     def name(self) -> str:
+        """The grid point (shared by its repeats), or the folder of a run outside a study."""
         return self.point.get("point") or self.path.name
+
+    @property
+    def run_name(self) -> str:
+        return self.point.get("run") or self.path.name
+
+    @property
+    def repeat(self) -> int:
+        return int(self.point.get("repeat", 1))
 
     @property
     def ddp(self) -> dict:
@@ -58,6 +67,15 @@ class Run:
     @property
     def total_steps(self) -> int:
         return int(self.summary.get("aggregates", {}).get("steps") or (self.epochs[-1]["step"] if self.epochs else 0))
+
+    @property
+    def label(self) -> str:
+        """Setup and swept values: what a reader tells points apart by."""
+        return " ".join([self.setup, *(f"{k.split('.')[-1]}={v}" for k, v in self.swept.items())])
+
+    def group_key(self) -> tuple[str, str]:
+        """Repeats of one point share it: same setup, same experiment."""
+        return self.setup, self.experiment_key()
 
     def experiment_key(self) -> str:
         """The config without naming and presentation: runs with equal keys differ only in processes."""

@@ -1,29 +1,44 @@
-"""One row per run: batch arithmetic, timing, speedup and scaling efficiency, quality.
+"""Rows of the report: one per run, then one per point (its repeats folded into medians with
+their min and max).
 
-Speedup is measured from throughput: training samples/s of a run divided by that of the
-1-process run of the same experiment (equal config apart from naming, so the same
-per-process batch and learning-rate rule). Efficiency = speedup / processes.
+Speedup is measured from throughput: training samples/s of a run divided by the median
+samples/s of the 1-process point of the same experiment (equal config apart from naming, so
+the same per-process batch and learning-rate rule). Efficiency = speedup / processes.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
 from ddplab.report.runs import Run
 
+# Measured values that vary run to run: a point with repeats gets their median, min and max.
+TIMING = ["mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
+          "compute_ms_per_step", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
+QUALITY = ["best_val_loss", "val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1",
+           "test_loss", "test_accuracy", "test_precision", "test_recall", "test_f1"]
+SPREAD = TIMING + QUALITY
+
 # (key, markdown header); the CSV uses the keys.
-COLUMNS = [
-    ("point", "point"), ("setup", "setup (nodes x procs)"), ("processes", "processes"),
-    ("batch_per_process", "batch / process"), ("global_batch", "global batch"), ("lr", "lr"),
-    ("steps_per_epoch", "steps / epoch"), ("epochs", "epochs"), ("mean_epoch_time_s", "mean epoch time (s)"),
-    ("samples_per_s", "samples/s"), ("speedup", "speedup"), ("efficiency", "efficiency"),
-    ("comm_ms_per_step", "comm ms/step"), ("compute_ms_per_step", "compute ms/step"),
-    ("epochs_at_budget", "epochs @ budget"), ("best_val_loss", "best val loss"), ("test_loss", "test loss"),
-    ("test_accuracy", "test accuracy"),
+HEAD = [("point", "point"), ("setup", "setup (nodes x procs)")]
+TIMING_COLUMNS = [
+    ("processes", "processes"), ("batch_per_process", "batch / process"), ("global_batch", "global batch"),
+    ("lr", "lr"), ("steps_per_epoch", "steps / epoch"), ("epochs", "epochs"), ("repeats", "repeats"),
+    ("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "samples/s"), ("speedup", "speedup"),
+    ("efficiency", "efficiency"), ("comm_ms_per_step", "comm ms/step"), ("compute_ms_per_step", "compute ms/step"),
+    ("epochs_at_budget", "epochs @ budget"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
+QUALITY_COLUMNS = [
+    ("best_val_loss", "best val loss"), ("val_accuracy", "val accuracy"), ("val_precision", "val precision"),
+    ("val_recall", "val recall"), ("val_f1", "val F1"), ("test_loss", "test loss"), ("test_accuracy", "test accuracy"),
+    ("test_precision", "test precision"), ("test_recall", "test recall"), ("test_f1", "test F1"),
+]
+PERCENT = {"val_accuracy", "test_accuracy"}
 
 
 def _mean(values) -> float | None:
@@ -41,93 +56,179 @@ def epochs_within(run: Run, budget_s: float) -> float | None:
     return max(reached, default=0) / spe
 
 
-def default_budget(runs: list[Run]) -> float:
-    """The training time of the run that trained least: every run had at least that long."""
-    times = [r.summary.get("aggregates", {}).get("train_time_s") for r in runs]
-    return min(t for t in times if t) if any(times) else 0.0
+def study_budget(runs: list[Run], budget_s: float | None) -> tuple[float | None, str]:
+    """The budget for 'epochs @ budget' and where it came from, or None and why there is none.
+    Never the shortest run's time: a run that finished early would read as fewer epochs."""
+    if budget_s is not None:
+        return budget_s, "given with --budget"
+    budgets = {r.summary.get("aggregates", {}).get("time_budget_s") for r in runs}
+    if len(budgets) == 1 and None not in budgets:
+        return budgets.pop(), "the runs' training.time_budget"
+    why = ("the runs have different training.time_budget values" if len(budgets - {None}) > 1
+           else "no budget: pass --budget (e.g. --budget 2h) or train with training.time_budget")
+    return None, why
 
 
-def baselines(runs: list[Run]) -> dict[str, Run]:
-    """The first 1-process run of each experiment."""
-    base: dict[str, Run] = {}
-    for run in runs:
-        if run.processes == 1:
-            base.setdefault(run.experiment_key(), run)
-    return base
+def epochs_at_budget(run: Run, budget_s: float) -> tuple[float | None, bool]:
+    """(epochs, projected). Measured from the step log when the run trained that long (or was
+    stopped by this very budget); otherwise projected as budget / mean epoch time."""
+    spe = run.ddp.get("steps_per_epoch")
+    if not spe:
+        return None, False
+    agg = run.summary.get("aggregates", {})
+    own = agg.get("time_budget_s")
+    if run.summary.get("stop_reason") == "time_budget" and own and abs(own - budget_s) <= 0.01 * budget_s:
+        return run.total_steps / spe, False
+    if (agg.get("train_time_s") or 0) >= budget_s:
+        return epochs_within(run, budget_s), False
+    epoch_time = _mean(r.get("epoch_time_s") for r in run.full_epochs)
+    return (budget_s / epoch_time, True) if epoch_time else (None, False)
 
 
-def build_rows(runs: list[Run], budget_s: float) -> list[dict]:
-    base = baselines(runs)
+def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
+    """One row per run (every repeat), before speedup."""
     rows = []
     for run in runs:
         epochs = run.full_epochs or run.epochs
-        rate = _mean(r.get("samples_per_s") for r in epochs)
-        ref = base.get(run.experiment_key())
-        ref_epochs = ref.full_epochs or ref.epochs if ref else []
-        ref_rate = _mean(r.get("samples_per_s") for r in ref_epochs)
-        speedup = rate / ref_rate if rate and ref_rate else None
         steps = run.total_steps
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)
         compute = sum(r.get("compute_time_s") or 0.0 for r in run.epochs)
         has_comm = any(r.get("comm_time_s") is not None for r in run.epochs)
-        test = run.summary.get("test", {})
-        row = {
-            "point": run.name, "path": str(run.path), "setup": run.setup, "processes": run.processes,
-            "nodes": run.nodes, **{f"swept:{k}": v for k, v in run.swept.items()},
+        test = run.summary.get("test", {}) or {}
+        last = run.epochs[-1] if run.epochs else {}
+        at_budget, projected = epochs_at_budget(run, budget_s) if budget_s else (None, False)
+        rows.append({
+            "point": run.name, "run": run.run_name, "repeat": run.repeat, "path": str(run.path), "label": run.label,
+            "setup": run.setup, "processes": run.processes, "nodes": run.nodes,
+            **{f"swept:{k}": v for k, v in run.swept.items()},
             "batch_per_process": run.ddp.get("per_process"), "grad_accum_steps": run.ddp.get("grad_accum_steps"),
             "global_batch": run.ddp.get("global"), "lr": run.ddp.get("lr"), "lr_scaling": run.ddp.get("lr_scaling"),
             "steps_per_epoch": run.ddp.get("steps_per_epoch"), "epochs": len(run.full_epochs), "steps": steps,
             "mean_epoch_time_s": _mean(r.get("epoch_time_s") for r in run.full_epochs),
-            "samples_per_s": rate, "speedup": speedup,
-            "efficiency": speedup / run.processes if speedup else None,
-            "baseline": ref.name if ref else None,
+            "samples_per_s": _mean(r.get("samples_per_s") for r in epochs),
             "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
             "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
-            "epochs_at_budget": epochs_within(run, budget_s),
+            "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
             "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
             "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
-            "test_loss": test.get("loss"), "test_accuracy": test.get("accuracy"),
+            **{k: last.get(k) for k in ("val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1")},
+            **{f"test_{k}": test.get(k) for k in ("loss", "accuracy", "precision", "recall", "f1")},
             "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
             "gpu_mem_mb": max((r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None),
-        }
-        rows.append(row)
-    rows.sort(key=lambda r: (r["batch_per_process"] or 0, r["processes"], r["point"]))
+            "_group": run.group_key(), "_experiment": run.experiment_key(),
+        })
     return rows
 
 
-def _fmt(key: str, value) -> str:
+def _spread(values: list) -> tuple:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not values:
+        return None, None, None
+    return statistics.median(values), min(values), max(values)
+
+
+def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
+    """One row per point: medians over its repeats, with `<key>_min` / `<key>_max`."""
+    per_run = run_rows(runs, budget_s)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in per_run:
+        groups[row["_group"]].append(row)
+    # The baseline of an experiment: its 1-process point (median throughput over repeats).
+    base: dict[str, tuple[str, float]] = {}
+    for rows in groups.values():
+        first = rows[0]
+        rate = _spread([r["samples_per_s"] for r in rows])[0]
+        if first["processes"] == 1 and rate and first["_experiment"] not in base:
+            base[first["_experiment"]] = (first["point"], rate)
+    out = []
+    for rows in groups.values():
+        ref = base.get(rows[0]["_experiment"])
+        for r in rows:
+            r["speedup"] = r["samples_per_s"] / ref[1] if ref and r["samples_per_s"] else None
+            r["efficiency"] = r["speedup"] / r["processes"] if r["speedup"] else None
+        row = {k: v for k, v in rows[0].items() if k not in ("run", "repeat", "path")}
+        row["repeats"] = len(rows)
+        row["runs"] = " ".join(sorted((r["run"] for r in rows), key=lambda n: (len(n), n)))
+        row["baseline"] = ref[0] if ref else None
+        for key in SPREAD:
+            row[key], row[f"{key}_min"], row[f"{key}_max"] = _spread([r.get(key) for r in rows])
+        row["epochs_at_budget_projected"] = any(r["epochs_at_budget_projected"] for r in rows)
+        out.append(row)
+    out.sort(key=sort_key)
+    return out
+
+
+def sort_key(row: dict) -> tuple:
+    swept = tuple(_number_or_text(v) for k, v in row.items() if k.startswith("swept:"))
+    return (row["batch_per_process"] or 0, swept, row["processes"], row["nodes"], row["point"])
+
+
+def _number_or_text(value) -> tuple:
+    try:
+        return (0, float(value), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(value))
+
+
+def fmt(key: str, value) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "—"
+    if isinstance(value, bool):
+        return str(value)
     if isinstance(value, float):
         if key == "lr":
             return f"{value:.3g}"
         if key in ("speedup", "efficiency", "epochs_at_budget"):
             return f"{value:.2f}"
-        if key == "test_accuracy":
+        if key in PERCENT:
             return f"{100 * value:.2f}%"
-        if key in ("best_val_loss", "test_loss"):
+        if key in QUALITY:
             return f"{value:.4f}"
         return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
     return str(value)
 
 
-def columns_for(rows: list[dict]) -> list[tuple[str, str]]:
+def cell(row: dict, key: str) -> str:
+    """The median, then its range over repeats when they differ."""
+    text = fmt(key, row.get(key))
+    if key == "epochs_at_budget" and row.get("epochs_at_budget_projected") and row.get(key) is not None:
+        text = "≈" + text
+    lo, hi = row.get(f"{key}_min"), row.get(f"{key}_max")
+    if row.get("repeats", 1) > 1 and lo is not None and hi is not None and fmt(key, lo) != fmt(key, hi):
+        text += f" ({fmt(key, lo)}–{fmt(key, hi)})"
+    return text
+
+
+def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
     swept = list(dict.fromkeys(k for r in rows for k in r if k.startswith("swept:")))
-    cols = COLUMNS[:2] + [(k, k.split(".")[-1]) for k in swept] + COLUMNS[2:]
+    return [(k, k.split(".")[-1]) for k in swept]
+
+
+def columns_for(rows: list[dict]) -> list[tuple[str, str]]:
+    cols = HEAD + _swept_columns(rows) + TIMING_COLUMNS
     if any(r.get("gpu_util") is not None for r in rows):
         cols += GPU_COLUMNS
     return cols
 
 
-def markdown_table(rows: list[dict]) -> str:
-    cols = columns_for(rows)
+def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
+    present = [(k, h) for k, h in QUALITY_COLUMNS if any(r.get(k) is not None for r in rows)]
+    return HEAD + _swept_columns(rows) + present
+
+
+def markdown(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(k, row.get(k)) for k, _ in cols) + " |")
+        lines.append("| " + " | ".join(cell(row, k) for k, _ in cols) + " |")
     return "\n".join(lines)
 
 
+def markdown_table(rows: list[dict]) -> str:
+    return markdown(rows, columns_for(rows))
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)

@@ -28,10 +28,21 @@ class Setup:
 
 @dataclass
 class Point:
-    name: str
+    name: str  # the run folder: the grid point's name, then -r2, -r3... for further repeats
     setup: Setup
     swept: dict[str, str] = field(default_factory=dict)  # dotted key -> value, as typed
     overrides: list[str] = field(default_factory=list)  # everything passed to `ddplab train`
+    repeat: int = 1
+    point: str = ""  # the grid point's name, shared by its repeats
+
+    def __post_init__(self) -> None:
+        self.point = self.point or self.name
+
+
+def repeat_name(point: str, repeat: int) -> str:
+    """The first repeat keeps the point's own folder, so a study first run once and then with
+    --repeat 3 keeps that run and adds two."""
+    return point if repeat == 1 else f"{point}-r{repeat}"
 
 
 _SETUP = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
@@ -82,8 +93,11 @@ def point_name(setup: Setup, swept: dict[str, str]) -> str:
 
 
 def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: dict[str, list[str]],
-           study_dir: str) -> list[Point]:
-    """Every point of the grid, each validated as `ddplab train` would before anything starts."""
+           study_dir: str, repeat: int = 1) -> list[Point]:
+    """Every run of the grid (each point `repeat` times, same seed), each point validated as
+    `ddplab train` would before anything starts. Repeats follow each other point by point."""
+    if repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {repeat}")
     if not setups:
         raise UserError("--nproc: give at least one process count")
     for item in common:
@@ -95,8 +109,9 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
         for values in itertools.product(*(sweeps[k] for k in keys)):
             swept = dict(zip(keys, values))
             name = point_name(setup, swept)
-            overrides = [*common, *(f"{k}={v}" for k, v in swept.items()),
-                         f"experiment.output_dir={study_dir}", f"experiment.name={name}"]
-            load_config(config, overrides)  # one line naming the field, before any process starts
-            points.append(Point(name, setup, swept, overrides))
+            overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
+            load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
+            for r in range(1, repeat + 1):
+                run = repeat_name(name, r)
+                points.append(Point(run, setup, swept, [*overrides, f"experiment.name={run}"], r, name))
     return points

@@ -145,7 +145,8 @@ def run_study(study_dir: Path, config: str | None, points: list[Point], console:
             progress.update(task, description=f"[{index + 1}/{len(points)}] {label}")
             folder.mkdir(parents=True, exist_ok=True)
             (folder / POINT_FILE).write_text(json.dumps(
-                {"study": study_dir.name, "point": point.name, "nodes": point.setup.nodes,
+                {"study": study_dir.name, "point": point.point, "run": point.name, "repeat": point.repeat,
+                 "nodes": point.setup.nodes,
                  "per_node": point.setup.per_node, "processes": point.setup.processes,
                  "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")
             args = ["train", *base, *point.overrides]

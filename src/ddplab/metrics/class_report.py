@@ -1,0 +1,94 @@
+"""Per-class scores and the global confusion matrix of a classification run, written to the
+run folder: confusion_matrix_<split>.csv and .png, and a dict for metrics.json.
+
+The matrix is the evaluator's own, all-reduced once across ranks (every sample counted once);
+nothing is recomputed here.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from ddplab.engine.callbacks import Callback
+from ddplab.metrics.evaluation import per_class_scores
+
+
+def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool) -> dict:
+    """{split: {"classes", "per_class", "confusion_matrix"}} for each split whose evaluator kept a
+    global confusion matrix; files only where `write` (rank 0)."""
+    out = {}
+    for split, evaluator in evaluators.items():
+        confusion = getattr(evaluator, "global_confusion", None)
+        if confusion is None:
+            continue
+        n = confusion.shape[0]
+        classes = list(names) if names and len(names) == n else [str(i) for i in range(n)]
+        matrix = [[int(x) for x in row] for row in confusion.tolist()]
+        scores = per_class_scores(confusion)
+        out[split] = {"classes": classes,
+                      "per_class": {c: {k: scores[k][i] for k in ("precision", "recall", "f1", "support")}
+                                    for i, c in enumerate(classes)},
+                      "confusion_matrix": matrix}
+        if write:
+            write_confusion_csv(folder / f"confusion_matrix_{split}.csv", classes, matrix)
+            confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)
+    return out
+
+
+def write_confusion_csv(path: Path, classes: list[str], matrix: list[list[int]]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["true \\ predicted", *classes])
+        for name, row in zip(classes, matrix):
+            writer.writerow([name, *row])
+
+
+def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    counts = np.asarray(matrix, dtype=float)
+    rows = counts.sum(1, keepdims=True)
+    share = np.divide(counts, rows, out=np.zeros_like(counts), where=rows > 0)  # recall per true class
+    n = len(classes)
+    side = min(12.0, 3.0 + 0.45 * n)
+    fig, ax = plt.subplots(figsize=(side + 1, side))
+    image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    if n <= 30:  # counts stay readable up to about 30 classes
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=7,
+                        color="white" if share[i, j] > 0.5 else "black")
+    ax.set_xticks(range(n), classes, rotation=90 if n > 10 else 0, fontsize=7)
+    ax.set_yticks(range(n), classes, fontsize=7)
+    ax.set(xlabel="predicted", ylabel="true", title=f"Confusion matrix, {split} ({int(counts.sum())} samples)")
+    fig.colorbar(image, ax=ax, label="share of the true class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class ClassReports(Callback):
+    """Keeps each split's last global confusion matrix; at the end, writes the files and adds
+    `classes` to metrics.json (val: the final model; test: the best one)."""
+
+    def __init__(self) -> None:
+        self.evaluators: dict = {}
+
+    def on_eval_end(self, trainer, split, metrics) -> None:
+        evaluator = getattr(trainer, "evaluator", None)
+        if getattr(evaluator, "global_confusion", None) is not None:
+            self.evaluators[split] = evaluator
+
+    def on_train_end(self, trainer, summary) -> None:
+        if not self.evaluators:
+            return
+        run = trainer.run
+        summary["classes"] = class_reports(self.evaluators, run.path, trainer.data.meta.get("label_names"),
+                                           trainer.ctx.is_main)
+        run.write_json(run.METRICS_JSON, summary)

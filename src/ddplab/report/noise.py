@@ -1,0 +1,74 @@
+"""Comparisons a reader can trust: points that differ in one thing only (the setup, or one swept
+value) are compared on throughput, and where their ranges over repeats overlap the difference
+is called what it is, within noise, instead of a ranking."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ddplab.report.table import fmt
+
+
+def overlap(a: dict, b: dict, key: str) -> bool | None:
+    """Whether the min-max ranges of two points overlap; None when either lacks the value."""
+    lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
+    if None in (lo_a, hi_a, lo_b, hi_b):
+        return None
+    return lo_a <= hi_b and lo_b <= hi_a
+
+
+def _factors(rows: list[dict]) -> list[str]:
+    """What the points vary in: the setup, then each swept key."""
+    factors = ["setup"] if len({r["setup"] for r in rows}) > 1 else []
+    swept = dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
+    return factors + [k for k in swept if len({r.get(k) for r in rows}) > 1]
+
+
+def _range(row: dict, key: str) -> str:
+    text = fmt(key, row.get(key))
+    if row.get("repeats", 1) > 1:
+        text += f" ({fmt(key, row.get(f'{key}_min'))}–{fmt(key, row.get(f'{key}_max'))})"
+    return text
+
+
+def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
+    """One sentence on two points' medians: a ratio only when their ranges are apart."""
+    va, vb = a.get(key), b.get(key)
+    head = f"{a['label']} {_range(a, key)} vs {b['label']} {_range(b, key)}"
+    if not va or not vb:
+        return f"{head}: not measured"
+    if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
+        return f"{head}: one run each, noise not measured (use --repeat 3)"
+    if overlap(a, b, key):
+        return f"{head}: **within noise** (ranges overlap)"
+    faster, slower = (a, b) if va > vb else (b, a)
+    return f"{head}: {faster['label']} is {max(va, vb) / min(va, vb):.2f}x {slower['label']} (ranges apart)"
+
+
+def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
+    """Neighbouring points along each factor, the other factors held equal."""
+    lines = []
+    factors = _factors(rows)
+    for factor in factors:
+        others = [f for f in factors if f != factor]
+        held: dict[tuple, list[dict]] = defaultdict(list)
+        for row in rows:
+            held[tuple(row.get(f) for f in others)].append(row)
+        for group in held.values():
+            for a, b in zip(group, group[1:]):
+                lines.append(compare(a, b, key))
+    return lines
+
+
+def efficiency_notes(rows: list[dict]) -> list[str]:
+    """An efficiency above 1 is almost always noise on a shared machine: say when it is."""
+    notes = []
+    for row in rows:
+        eff, lo = row.get("efficiency"), row.get("efficiency_min")
+        if eff is not None and eff > 1.0 and row.get("processes", 1) > 1:
+            if row.get("repeats", 1) > 1 and lo is not None and lo <= 1.0:
+                notes.append(f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 is within noise")
+            else:
+                notes.append(f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 (superlinear, or the "
+                             f"1-process baseline ran slow; repeat to tell)")
+    return notes

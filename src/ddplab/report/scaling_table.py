@@ -1,0 +1,68 @@
+"""The scaling table in the layout of the VGG19 1/2/4/8-node reference (seed 004): one column
+per setup, one row per quantity, efficiency against the smallest setup of the same experiment.
+Written when the points span more than one setup."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ddplab.report.plots import setup_order
+from ddplab.report.table import cell, fmt
+
+ROWS = [("lr", "Learning rate"), ("global_batch", "Global batch size"), ("steps_per_epoch", "Steps per epoch"),
+        ("mean_epoch_time_s", "Avg epoch time (s)"), ("epochs_at_budget", "Epochs @ budget"),
+        ("scaling_efficiency", "Scaling efficiency"), ("best_val_loss", "Best validation loss"),
+        ("test_loss", "Test loss"), ("test_accuracy", "Top-1 test accuracy")]
+
+
+def _experiments(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[row["_experiment"]].append(row)
+    return groups
+
+
+def _with_efficiency(items: list[dict]) -> list[dict]:
+    """Efficiency against the smallest setup: (rate / its rate) / (processes / its processes)."""
+    order = setup_order(items)
+    items = sorted(items, key=lambda r: order.index(r["setup"]))
+    small = items[0]
+    out = []
+    for row in items:
+        row = dict(row)
+        if row.get("samples_per_s") and small.get("samples_per_s"):
+            ratio = row["processes"] / small["processes"]
+            for suffix in ("", "_min", "_max"):
+                value = row.get(f"samples_per_s{suffix}")
+                row[f"scaling_efficiency{suffix}"] = value / small["samples_per_s"] / ratio if value else None
+        out.append(row)
+    return out
+
+
+def scaling_tables(rows: list[dict], budget_s: float | None, budget_why: str) -> list[str]:
+    """Markdown lines: a titled table per experiment that was run on two setups or more."""
+    lines: list[str] = []
+    for items in _experiments(rows).values():
+        if len({r["setup"] for r in items}) < 2:
+            continue
+        items = _with_efficiency(items)
+        others = [f"{k.split('.')[-1]}={v}" for k, v in items[0].items() if k.startswith("swept:")]
+        title = "Scaling table" + (f" ({', '.join(others)})" if others else "")
+        budget = (f"epochs @ budget: within {fmt('budget', budget_s)} s of training time" if budget_s
+                  else f"epochs @ budget: — ({budget_why})")
+        lines += [f"### {title}", "", "| | " + " | ".join(f"{r['setup']}" for r in items) + " |",
+                  "|---|" + "|".join("---" for _ in items) + "|"]
+        for key, name in ROWS:
+            values = [_efficiency_cell(r) if key == "scaling_efficiency" else cell(r, key) for r in items]
+            lines.append(f"| **{name}** | " + " | ".join(values) + " |")
+        lines += ["", f"Columns are setups (nodes x processes per node); efficiency is throughput against "
+                      f"{items[0]['setup']} per process; {budget}" + ("; ≈ marks a projection (budget ÷ avg epoch "
+                      "time) for a run that trained less than the budget" if any(
+                          r.get("epochs_at_budget_projected") for r in items) else "") + ".", ""]
+    return lines
+
+
+def _efficiency_cell(row: dict) -> str:
+    shown = {"efficiency": row.get("scaling_efficiency"), "efficiency_min": row.get("scaling_efficiency_min"),
+             "efficiency_max": row.get("scaling_efficiency_max"), "repeats": row.get("repeats", 1)}
+    return cell(shown, "efficiency")
