@@ -1,3 +1,5 @@
+import csv
+
 import numpy as np
 import pytest
 import torch
@@ -31,3 +33,49 @@ def test_scores_equal_scikit_learn(seed):
 def test_confusion_scores_perfect():
     scores = scores_from_confusion(torch.eye(3, dtype=torch.float64) * 4)
     assert scores == {"accuracy": 1.0, "precision": 1.0, "recall": 1.0, "f1": 1.0}
+
+
+class TwoRanks:
+    """Rank 0's view of a sum all-reduce over two ranks: adds rank 1's matching local tensor."""
+
+    def __init__(self, other: ClassificationEvaluator):
+        self.other = other
+
+    def all_reduce(self, t, op="sum"):
+        return t + (self.other.confusion if t.shape == self.other.confusion.shape else self.other.sums)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, tmp_path):
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    from ddplab.metrics.class_report import class_reports
+    from ddplab.metrics.evaluation import per_class_scores
+
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 6, 150)
+    p = np.where(rng.random(150) < 0.5, y, rng.integers(0, 6, 150))
+    p[p == 5] = 0  # class 5 is never predicted
+    shards = [(torch.tensor(p[:70]), torch.tensor(y[:70])), (torch.tensor(p[70:]), torch.tensor(y[70:]))]
+    evs = []
+    for pred, target in shards:  # each rank sees its own shard only
+        ev = ClassificationEvaluator(6, torch.device("cpu"))
+        ev.update(torch.nn.functional.one_hot(pred, 6).float(), target)
+        evs.append(ev)
+    ev = evs[0]
+    ev.compute(TwoRanks(evs[1]))
+    expected = confusion_matrix(y, p, labels=range(6))
+    assert (ev.global_confusion.numpy() == expected).all() and ev.global_confusion.sum() == 150
+
+    precision, recall, f1, support = precision_recall_fscore_support(y, p, labels=range(6), average=None, zero_division=0)
+    got = per_class_scores(ev.global_confusion)
+    assert got["precision"] == pytest.approx(list(precision)) and got["recall"] == pytest.approx(list(recall))
+    assert got["f1"] == pytest.approx(list(f1)) and got["support"] == list(support)
+
+    names = ["zero", "one", "two", "three", "four", "five"]
+    report = class_reports({"val": ev}, tmp_path, names, write=True)
+    assert report["val"]["confusion_matrix"] == expected.tolist()
+    assert report["val"]["per_class"]["five"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": int(support[5])}
+    rows = list(csv.reader(open(tmp_path / "confusion_matrix_val.csv")))
+    assert rows[0][1:] == names and [[int(x) for x in r[1:]] for r in rows[1:]] == expected.tolist()
+    assert (tmp_path / "confusion_matrix_val.png").read_bytes()[:4] == b"\x89PNG"

@@ -75,3 +75,108 @@ def test_no_finished_runs_is_a_user_error(tmp_path):
     assert proc.returncode == 2 and "missing" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = ddplab("report", str(tmp_path), "--budget", "soon", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "--budget" in proc.stderr
+
+
+def _point(root, name, setup, rate, *, repeat=1, batch=8, epoch_time=None, test=None, budget=None):
+    """A study point's run folder: metrics.json and its study_point.json."""
+    nodes, per_node = (int(x) for x in setup.split("x"))
+    run = name if repeat == 1 else f"{name}-r{repeat}"
+    world = nodes * per_node
+    folder = _run_folder(root, run, world, rate, batch=batch, epoch_time=epoch_time or 1000.0 * batch / rate, test=test)
+    if budget:
+        summary = json.loads((folder / "metrics.json").read_text())
+        summary["aggregates"]["time_budget_s"] = budget
+        (folder / "metrics.json").write_text(json.dumps(summary))
+    (folder / "study_point.json").write_text(json.dumps(
+        {"study": "s", "point": name, "run": run, "repeat": repeat, "nodes": nodes, "per_node": per_node,
+         "processes": world, "setup": setup, "swept": {"training.batch_size": str(batch)}}))
+    return folder
+
+
+def test_repeats_fold_into_median_and_range_and_overlap_is_called_noise(tmp_path):
+    for r, rate in enumerate([100.0, 120.0, 110.0], 1):
+        _point(tmp_path, "n1", "1x1", rate, repeat=r)
+    for r, rate in enumerate([200.0, 230.0, 180.0], 1):
+        _point(tmp_path, "n2", "1x2", rate, repeat=r)
+    for r, rate in enumerate([190.0, 240.0, 215.0], 1):
+        _point(tmp_path, "n2x1", "2x1", rate, repeat=r)
+    runs, _ = find_runs([tmp_path])
+    rows = {r["setup"]: r for r in build_rows(runs, None)}
+    assert set(rows) == {"1x1", "1x2", "2x1"} and all(r["repeats"] == 3 for r in rows.values())
+    one = rows["1x1"]
+    assert (one["samples_per_s"], one["samples_per_s_min"], one["samples_per_s_max"]) == (110.0, 100.0, 120.0)
+    # each repeat's speedup is against the baseline's median, then folded the same way
+    two = rows["1x2"]
+    assert (two["speedup"], two["speedup_min"], two["speedup_max"]) == pytest.approx((200 / 110, 180 / 110, 230 / 110))
+    assert two["efficiency"] == pytest.approx(200 / 110 / 2)
+    assert one["mean_epoch_time_s"] == pytest.approx(1000 * 8 / 110) and one["epochs_at_budget"] is None
+
+    md = make_report([tmp_path], tmp_path / "out").read_text()
+    assert "| 1x2 | 8 | 2 |" in md and "| 200.0 (180.0–230.0) |" in md and "| 110.0 (100.0–120.0) |" in md
+    assert "1x1 batch_size=8 110.0 (100.0–120.0) vs 1x2 batch_size=8 200.0 (180.0–230.0): 1x2 batch_size=8 is 1.82x" in md
+    assert "1x2 batch_size=8 200.0 (180.0–230.0) vs 2x1 batch_size=8 215.0 (190.0–240.0): **within noise**" in md
+    assert "epochs @ budget**: — (no budget: pass --budget" in md
+    rows_csv = {r["setup"]: r for r in csv.DictReader(open(tmp_path / "out" / "report.csv"))}
+    assert rows_csv["2x1"]["repeats"] == "3" and float(rows_csv["2x1"]["samples_per_s_max"]) == 240.0
+
+
+def test_setups_are_categories_in_the_plots(tmp_path, monkeypatch):
+    """1x2 and 2x1 have the same process count: two x positions, labelled by setup, never merged."""
+    from ddplab.report import plots
+
+    _point(tmp_path, "n1", "1x1", 100.0)
+    _point(tmp_path, "n2", "1x2", 190.0)
+    _point(tmp_path, "n2x1", "2x1", 150.0)
+    _point(tmp_path, "n1-32", "1x1", 300.0, batch=32)
+    _point(tmp_path, "n2-32", "1x2", 500.0, batch=32)
+    _point(tmp_path, "n2x1-32", "2x1", 450.0, batch=32)
+    runs, _ = find_runs([tmp_path])
+    rows = build_rows(runs, None)
+    seen = {}
+
+    def keep(fig, path):
+        ax = fig.axes[0]
+        seen[path.name] = ([t.get_text() for t in ax.get_xticklabels()],
+                           {c.get_label(): [float(x) for x in c.lines[0].get_xdata()] for c in ax.containers},
+                           ax.get_xlabel())
+        plots._pyplot().close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", keep)
+    plots.setups_plots(rows, tmp_path)
+    plots.sweep_plots(rows, tmp_path)
+    ticks, lines, xlabel = seen["epoch_time.png"]
+    assert ticks == ["1x1", "1x2", "2x1"] and xlabel.startswith("setup")
+    assert lines == {"batch_size=8": [0, 1, 2], "batch_size=32": [0, 1, 2]}
+    ticks, lines, xlabel = seen["vs_batch_size.png"]  # one line per setup against the swept value
+    assert ticks == ["8", "32"] and xlabel == "training.batch_size"
+    assert lines == {"1x1": [8.0, 32.0], "1x2": [8.0, 32.0], "2x1": [8.0, 32.0]}
+
+
+def test_scaling_table_has_the_reference_layout(tmp_path):
+    """Seed 004's table: a column per setup; rows lr, global batch, steps/epoch, epoch time,
+    epochs at the budget, efficiency against the smallest setup, best val loss, test loss, top-1."""
+    _point(tmp_path, "n1", "1x1", 100.0, test={"loss": 0.45, "accuracy": 0.869}, budget=400.0)
+    _point(tmp_path, "n2", "1x2", 160.0, test={"loss": 0.43, "accuracy": 0.873}, budget=400.0)
+    _point(tmp_path, "n4", "2x2", 260.0, test={"loss": 0.42, "accuracy": 0.875}, budget=400.0)
+    text = make_report([tmp_path], tmp_path / "out").read_text()
+    table = text[text.index("### Scaling table"):].splitlines()
+    assert table[2] == "| | 1x1 | 1x2 | 2x2 |"
+    names = [line.split("|")[1].strip(" *") for line in table[4:13]]
+    assert names == ["Learning rate", "Global batch size", "Steps per epoch", "Avg epoch time (s)", "Epochs @ budget",
+                     "Scaling efficiency", "Best validation loss", "Test loss", "Top-1 test accuracy"]
+    cells = {n: [c.strip() for c in line.split("|")[2:-1]] for n, line in zip(names, table[4:13])}
+    assert cells["Global batch size"] == ["8", "16", "32"]
+    assert cells["Scaling efficiency"] == ["1.00", f"{160 / 100 / 2:.2f}", f"{260 / 100 / 4:.2f}"]
+    assert cells["Top-1 test accuracy"] == ["86.90%", "87.30%", "87.50%"]
+    # 400 s, the runs' own training.time_budget, is longer than any of them trained (3 epochs): projected
+    assert cells["Epochs @ budget"] == [f"≈{400 / (1000 * 8 / r):.2f}" for r in (100.0, 160.0, 260.0)]
+    assert "the runs' training.time_budget" in text
+
+
+def test_epochs_at_budget_is_measured_within_the_budget_or_says_why_not(tmp_path):
+    _point(tmp_path, "n1", "1x1", 100.0)  # 80 s epochs, 240 s in all
+    runs, _ = find_runs([tmp_path])
+    assert build_rows(runs, 100.0)[0]["epochs_at_budget"] == pytest.approx(1.0)  # step 10 logged at 80 s
+    text = make_report([tmp_path], tmp_path / "o").read_text()
+    assert "— (no budget: pass --budget" in text and "shortest" not in text

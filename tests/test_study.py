@@ -28,6 +28,10 @@ def test_setups_sweeps_and_point_names(tmp_path):
     assert [p.name for p in points] == ["n1-batch_size_8", "n1-batch_size_32", "n2x2-batch_size_8", "n2x2-batch_size_32"]
     assert points[3].setup.processes == 4
     assert "training.batch_size=32" in points[3].overrides and "experiment.name=n2x2-batch_size_32" in points[3].overrides
+    twice = expand(None, [], parse_setups("1x2,2x1"), {}, str(tmp_path / "s"), repeat=2)
+    assert [(p.name, p.point, p.repeat) for p in twice] == [("n2", "n2", 1), ("n2x1", "n2x1", 1),
+                                                            ("n2-r2", "n2", 2), ("n2x1-r2", "n2x1", 2)]
+    assert "experiment.name=n2x1-r2" in twice[3].overrides and twice[3].setup == Setup(2, 1)
 
 
 @pytest.mark.parametrize("call, words", [
@@ -38,6 +42,7 @@ def test_setups_sweeps_and_point_names(tmp_path):
     (lambda: expand(None, [], [Setup(1, 1)], {"training.batch_size": ["8", "-1"]}, "s"), ["training.batch_size"]),
     (lambda: expand(None, [], [Setup(1, 1)], {"training.nope": ["1"]}, "s"), ["training.nope"]),
     (lambda: expand(None, ["experiment.name=x"], [Setup(1, 1)], {}, "s"), ["--name"]),
+    (lambda: expand(None, [], [Setup(1, 1)], {}, "s", repeat=0), ["--repeat", "0"]),
 ])
 def test_bad_grids_are_one_line_errors(call, words):
     with pytest.raises(UserError) as err:
@@ -79,11 +84,12 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
         assert summary["status"] == "complete"
         assert summary["ddp"]["world_size"] == int(name[1]) and summary["ddp"]["per_process"] == int(name.split("_")[-1])
     report = (study / "report.md").read_text()
-    header = next(line for line in report.splitlines() if line.startswith("| point"))
+    timing, quality = [line for line in report.splitlines() if line.startswith("| point")]
     for column in ("processes", "batch / process", "global batch", "lr", "steps / epoch", "mean epoch time (s)",
-                   "samples/s", "speedup", "efficiency", "comm ms/step", "epochs @ budget", "best val loss",
-                   "test loss", "test accuracy"):
-        assert f"| {column} |" in header, column
+                   "samples/s", "speedup", "efficiency", "comm ms/step", "epochs @ budget", "repeats"):
+        assert f"| {column} |" in timing, column
+    for column in ("best val loss", "val accuracy"):  # a text corpus has no test split
+        assert f"| {column} |" in quality, column
     import csv
 
     rows = {r["point"]: r for r in csv.DictReader(open(study / "report.csv"))}
@@ -98,7 +104,8 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
         assert float(row["mean_epoch_time_s"]) > 0 and float(row["best_val_loss"]) > 0
         assert (float(row["comm_ms_per_step"]) > 0) == (procs > 1)
     assert rows["n1-batch_size_8"]["steps_per_epoch"] == "32" and rows["n2-batch_size_32"]["steps_per_epoch"] == "4"
-    for png in ("epoch_time", "scaling", "loss_epochs", "loss_time", "accuracy_time", "comm"):
+    for png in ("epoch_time", "scaling", "vs_batch_size", "val_epochs", "loss_epochs", "loss_time", "accuracy_time",
+                "comm"):
         assert f"({png}.png)" in report and _png_ok(study / f"{png}.png"), png
 
     # The same command again: every point is complete, nothing is trained twice.
@@ -163,3 +170,25 @@ def test_a_failing_point_stops_the_study_and_keeps_the_finished_ones(tmp_path, c
     assert [m["status"] for m in finished] == ["complete"]  # the good point is kept
     assert finished[0]["config"]["data"]["path"] == str(corpus)
     assert not (study / "report.md").exists()
+
+
+def test_repeats_run_as_their_own_folders_and_a_larger_repeat_keeps_the_done_ones(tmp_path, corpus):
+    args = ["study", f"data.path={corpus}", *FAST, "training.max_steps=2", "--nproc", "1", "--name", "rep"]
+    first = ddplab(*args, "--repeat", "2", cwd=tmp_path)
+    assert_ok(first)
+    assert "1 points x 2 repeats" in first.stdout
+    study = tmp_path / "experiments" / "rep"
+    stamps = {n: (study / n / "metrics.json").stat().st_mtime_ns for n in ("n1", "n1-r2")}
+    assert json.loads((study / "n1-r2" / "study_point.json").read_text())["repeat"] == 2
+    again = ddplab(*args, "experiment.repeats=3", cwd=tmp_path)  # the config default, as a user sets it
+    assert_ok(again)
+    assert again.stdout.count("complete, skipped") == 2 and "[3/3] n1-r3 (1 processes): done" in again.stdout
+    assert stamps == {n: (study / n / "metrics.json").stat().st_mtime_ns for n in ("n1", "n1-r2")}
+    import csv
+
+    rows = list(csv.DictReader(open(study / "report.csv")))
+    assert len(rows) == 1 and rows[0]["repeats"] == "3" and rows[0]["runs"] == "n1 n1-r2 n1-r3"
+    rates = [json.loads((study / n / "metrics.json").read_text())["aggregates"]["mean_samples_per_s"]
+             for n in ("n1", "n1-r2", "n1-r3")]
+    assert float(rows[0]["samples_per_s_min"]) == pytest.approx(min(rates))
+    assert float(rows[0]["samples_per_s_max"]) == pytest.approx(max(rates))

@@ -6,6 +6,7 @@ points, side by side. Points with repeats are drawn at their median with min-max
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -200,17 +201,26 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
     if not metrics:
         return None
     plt = _pyplot()
+    points = _points(runs)
+    # Colour by swept values, line style by setup: setups that train identically (1x2 and 2x1
+    # with the same seed) draw on top of each other and stay visible.
+    swept = list(dict.fromkeys(json.dumps(g[0].swept, sort_keys=True) for g in points.values()))
+    setups = sorted({g[0].setup for g in points.values()}, key=lambda s: [int(x) for x in s.split("x")])
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.2 * len(metrics), 4.4), squeeze=False)
     for ax, key in zip(axes[0], metrics):
-        for label, group in _points(runs).items():
+        for label, group in points.items():
             curve = _median_curve(group, key)
             if curve:
                 e, m, lo, hi = zip(*curve)
+                line, marker = styles[setups.index(group[0].setup) % len(styles)]
+                color = colors[swept.index(json.dumps(group[0].swept, sort_keys=True)) % len(colors)]
                 ax.errorbar(e, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
-                            marker="o", capsize=3, label=label)
+                            marker=marker, linestyle=line, color=color, capsize=3, label=label)
         _integer_ticks(ax.xaxis)
         name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
-        ax.set(xlabel="epoch", ylabel=name, title=f"{name.capitalize()} per epoch")
+        ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, path)

@@ -95,7 +95,7 @@ def point_name(setup: Setup, swept: dict[str, str]) -> str:
 def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: dict[str, list[str]],
            study_dir: str, repeat: int = 1) -> list[Point]:
     """Every run of the grid (each point `repeat` times, same seed), each point validated as
-    `ddplab train` would before anything starts. Repeats follow each other point by point."""
+    `ddplab train` would before anything starts."""
     if repeat < 1:
         raise UserError(f"--repeat must be >= 1, got {repeat}")
     if not setups:
@@ -111,7 +111,8 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
             load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
-            for r in range(1, repeat + 1):
-                run = repeat_name(name, r)
-                points.append(Point(run, setup, swept, [*overrides, f"experiment.name={run}"], r, name))
-    return points
+            points.append(Point(name, setup, swept, overrides))
+    # Repeats alternate (every point once, then every point again): a slow spell of a shared
+    # machine then spreads over all points instead of landing on the repeats of one.
+    return [Point(repeat_name(p.name, r), p.setup, p.swept, [*p.overrides, f"experiment.name={repeat_name(p.name, r)}"],
+                  r, p.name) for r in range(1, repeat + 1) for p in points]
