@@ -43,6 +43,10 @@ def test_replan_moves_the_floor_and_is_kept_in_the_state():
     _, again = _schedule()
     again.load_state_dict(sched.state_dict())
     assert (again.total, again.last_epoch) == (61, 60)
+    _, unplanned = _schedule(total=1000)
+    _, other = _schedule(total=500)  # resumed on another world size: its own configured plan
+    other.load_state_dict(unplanned.state_dict())
+    assert other.total == 500
 
 
 def test_budget_estimate_from_the_pace_so_far():

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="tables and plots (report.md, report.csv, PNGs) from run folders")
     r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     r.add_argument("--output", help="folder for the report (default: the folder given, or ./report for several)")
-    r.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the shortest run's training time")
+    r.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget")
     return p
 
 

@@ -77,8 +77,10 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         self.last_epoch = state["last_epoch"]
         self.base_lrs = state["base_lrs"]
         self._last_lr = state["_last_lr"]  # the optimizer's own state restores each group's lr
-        self.total = state.get("total", self.total)  # snapshots from before budget planning lack it
-        self.planned = state.get("planned", self.planned)
+        # A budget's plan carries over; the configured plan is this run's own (a resume on another
+        # world size has other steps per epoch). Snapshots from before budget planning lack both.
+        if state.get("total", self.total) != state.get("planned", self.total):
+            self.total = min(state["total"], self.planned)
 
 
 def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
-TIMING = ["mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
+TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
           "compute_ms_per_step", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
 QUALITY = ["best_val_loss", "val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1",
            "test_loss", "test_accuracy", "test_precision", "test_recall", "test_f1"]
