@@ -38,7 +38,7 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
     if not va or not vb:
         return f"{head}: not measured"
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
-        return f"{head}: one run each, noise not measured (use --repeat 3)"
+        return f"{head}: a single run on a side, noise not measured (use --repeat 3)"
     if overlap(a, b, key):
         return f"{head}: **within noise** (ranges overlap)"
     faster, slower = (a, b) if va > vb else (b, a)
