@@ -50,8 +50,8 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
     `callbacks` run after ddplab's own column makers and before the recorder.
     """
     from ddplab.engine import faults
-    from ddplab.metrics.callbacks import RunRecorder, column_callbacks
     from ddplab.engine.optim import BudgetSchedule
+    from ddplab.metrics.callbacks import RunRecorder, column_callbacks
     from ddplab.metrics.class_report import ClassReports
 
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
