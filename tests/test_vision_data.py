@@ -113,14 +113,14 @@ def test_fashion_mnist_trains_under_ddp_with_workers(tmp_path):
 def test_image_folder_layouts(tmp_path):
     image_tree(tmp_path / "split")
     cfg = load_config(None, ["model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'split'}",
-                             "data.image_size=16", "data.test_fraction=0"])
+                             "data.image_size=16", "data.test_fraction=0", f"data.cache_dir={tmp_path / 'cache'}"])
     bundle = build_data(cfg, None)
     assert (len(bundle.train), len(bundle.val), bundle.test) == (18, 6, None)
     assert bundle.meta["label_names"] == ["class_0", "class_1", "class_2"] and bundle.val[0][0].shape == (3, 16, 16)
 
     image_tree(tmp_path / "one", per_class=10, split=False)
     cfg = load_config(None, ["model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'one'}",
-                             "data.val_fraction=0.2", "data.test_fraction=0.1"])
+                             "data.val_fraction=0.2", "data.test_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}"])
     bundle = build_data(cfg, None)
     assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (21, 6, 3)
     assert bundle.meta["image_size"] == 64  # no native side: the CNN's folder default

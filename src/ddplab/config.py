@@ -58,7 +58,8 @@ class DataConfig:
     image_size: Optional[int] = _f(None, "resize images to this side; default per model")
     augment: bool = _f(False, "random crop + horizontal flip for training images")
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
-    cache_dir: Optional[str] = _f(None, "cache folder for HF datasets and token caches")
+    cache_dir: Optional[str] = _f(None, "cache folder for HF datasets, token caches and image caches")
+    cache: bool = _f(True, "decode image_folder trees once into a memory-mapped cache (false: decode every epoch)")
     num_workers: Optional[int] = _f(None, "DataLoader worker processes per rank; default: 0 on CPU, up to 4 on CUDA", min=0)
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
 

@@ -295,10 +295,16 @@ def build_image_folder(cfg, ctx) -> DataBundle:
     test_fraction = 0.0 if "test" in fixed else cfg.data.test_fraction
     train, val, test = split_indices(len(full), val_fraction, test_fraction, cfg.experiment.seed)
     meta = _meta(cfg, list(full.classes), *STATS["image_folder"])
-    tf = transform(meta)
-    full.transform = tf
-    for ds in fixed.values():
-        ds.transform = tf
+    if cfg.data.cache:  # decoded once into a memory-mapped uint8 array shared by the node's ranks
+        from ddplab.data import image_cache
+
+        full = image_cache.cached_folder(cfg, ctx, full, meta)
+        fixed = {s: image_cache.cached_folder(cfg, ctx, ds, meta) for s, ds in fixed.items()}
+    else:
+        tf = transform(meta)
+        full.transform = tf
+        for ds in fixed.values():
+            ds.transform = tf
     val_set = fixed.get("val", Subset(full, val))
     test_set = fixed.get("test", Subset(full, test))
     return _bundle(cfg, meta, Subset(full, train), val_set, test_set)

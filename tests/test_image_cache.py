@@ -1,0 +1,80 @@
+"""The image cache: decoded once, the same batches as decoding every epoch, reused, re-keyed
+when a file changes, and bypassed by data.cache=false."""
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ddplab.config import load_config
+from ddplab.data import build_data
+from ddplab.data.image_cache import CachedImages
+from test_vision_data import image_tree
+
+
+def config(tmp_path, *extra):
+    return load_config(None, ["model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
+                              "data.image_size=24", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+
+
+def caches(tmp_path):
+    return sorted(p.name for p in (tmp_path / "cache").glob("images-*")) if (tmp_path / "cache").is_dir() else []
+
+
+
+def all_items(bundle, split):
+    ds = getattr(bundle, split)
+    loader = DataLoader(ds, batch_size=5, shuffle=False, collate_fn=bundle.collate_fn)
+    xs, ys = zip(*loader)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def test_cached_batches_equal_decoded_ones_and_cache_is_reused(tmp_path, capsys):
+    image_tree(tmp_path / "tree", side=37)  # not the cache's side: resize + crop happen before caching
+    plain = build_data(config(tmp_path, "data.cache=false"), None)
+    assert caches(tmp_path) == []  # data.cache=false writes nothing and decodes per item
+    assert not isinstance(plain.train.dataset, CachedImages)
+    cached = build_data(config(tmp_path), None)
+    assert isinstance(cached.train.dataset, CachedImages)
+    assert "about" in capsys.readouterr().out  # the size estimate, printed before building
+    first = caches(tmp_path)
+    assert len(first) == 2  # train/ and val/
+    for split in ("train", "val"):
+        x0, y0 = all_items(plain, split)
+        x1, y1 = all_items(cached, split)
+        assert x1.shape == x0.shape == (len(y0), 3, 24, 24) and type(x1) is torch.Tensor
+        torch.testing.assert_close(x1, x0)
+        assert torch.equal(y1, y0)
+    mtimes = [(tmp_path / "cache" / f / "images.npy").stat().st_mtime_ns for f in first]
+    again = build_data(config(tmp_path), None)
+    assert "about" not in capsys.readouterr().out
+    assert caches(tmp_path) == first
+    assert [(tmp_path / "cache" / f / "images.npy").stat().st_mtime_ns for f in first] == mtimes
+    torch.testing.assert_close(all_items(again, "val")[0], all_items(cached, "val")[0])
+
+
+def test_key_changes_when_a_file_or_the_size_changes(tmp_path):
+    image_tree(tmp_path / "tree", side=16)
+    build_data(config(tmp_path), None)
+    before = set(caches(tmp_path))
+    png = next((tmp_path / "tree" / "val" / "class_0").glob("*.png"))
+    st = png.stat()
+    os.utime(png, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    build_data(config(tmp_path), None)
+    after = set(caches(tmp_path))
+    assert len(after - before) == 1 and before <= after  # val/ re-keyed, train/ reused
+    build_data(config(tmp_path, "data.image_size=20"), None)
+    assert len(set(caches(tmp_path)) - after) == 2
+
+
+def test_augmentation_still_random_per_epoch_on_cached_images(tmp_path):
+    image_tree(tmp_path / "tree", side=16)
+    bundle = build_data(config(tmp_path, "data.augment=true", "data.image_size=16"), None)
+    torch.manual_seed(0)
+    a = torch.stack([bundle.train[i][0] for i in range(len(bundle.train))])
+    b = torch.stack([bundle.train[i][0] for i in range(len(bundle.train))])
+    assert a.shape == (len(bundle.train), 3, 16, 16)
+    assert not torch.equal(a, b)
+    x, _ = bundle.collate_fn(bundle.train.dataset.__getitems__([0, 1, 2]))
+    assert x.shape == (3, 3, 16, 16)
