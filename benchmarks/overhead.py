@@ -3,7 +3,10 @@
 Same model, data, seed, per-process batch and process count for every contender; runs
 alternate between contenders so drifting machine load hits all of them alike. For each
 workload and process count it prints the median training time per epoch (the first epoch
-of every run is a warm-up and is not counted) and one line per pair:
+of every run is a warm-up and is not counted; each run trains enough epochs that its timed
+epochs hold at least --steps optimizer steps per process, default 600, so one run of the
+digits CNN, at 3-7 ms a step, is timed over several seconds, not one 0.15 s epoch), the
+spread of the runs, the per-pair ratios' range, and one line per pair:
 
     ratio ddplab/<contender> <workload> nproc=<N> <value>
 
@@ -11,6 +14,7 @@ plus ddplab's data-wait share: the time the slowest rank waited for its next bat
 the epoch time.
 
     python benchmarks/overhead.py                      # all workloads, 1 and 2 processes, 5 runs each
+    python benchmarks/overhead.py --contenders ddplab,handwritten --workloads cnn --steps 1000
     python benchmarks/overhead.py --workloads gpt --nproc 2 --runs 3
     python benchmarks/overhead.py --device cuda --nproc 1 --workloads gpt_medium --amp bf16
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -59,7 +64,9 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is a warm-up")
+    p.add_argument("--steps", type=int, default=600,
+                   help="optimizer steps per process timed in each run (after a warm-up epoch); sets the epochs")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per run instead of --steps; the first is a warm-up")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--amp", choices=("none", "bf16"), default="none", help="autocast precision for every contender")
@@ -69,9 +76,16 @@ def main() -> int:
     options = ["--device", args.device, "--amp", args.amp] + (["--compile"] if args.compile else [])
     print(f"machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
     print(f"device {args.device}, amp {args.amp}, compile {args.compile}")
-    print(f"runs: {args.runs} per contender, alternating; {args.epochs} epochs per run, first one not counted")
+    print(f"runs: {args.runs} per contender, alternating; first epoch of each run not counted; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for workload in args.workloads.split(","):
         for nproc in (int(n) for n in args.nproc.split(",")):
+            epochs = args.epochs
+            if epochs is None:  # a one-epoch probe tells the steps an epoch has at this process count
+                steps = run_once("handwritten", workload, nproc, 1, options)["steps_per_epoch"]
+                epochs = 1 + math.ceil(args.steps / steps)
+                print(f"{workload} nproc={nproc}: {steps} steps per epoch; {epochs} epochs per run, "
+                      f"{(epochs - 1) * steps} timed steps per process", flush=True)
             times: dict[str, list[float]] = {c: [] for c in contenders}
             waits: list[float] = []
             rates: list[float] = []
@@ -79,7 +93,7 @@ def main() -> int:
             for i in range(args.runs):
                 order = contenders[i % len(contenders):] + contenders[: i % len(contenders)]
                 for contender in order:
-                    result = run_once(contender, workload, nproc, args.epochs, options)
+                    result = run_once(contender, workload, nproc, epochs, options)
                     times[contender].append(statistics.mean(result["epoch_times"][1:]))
                     print(f"  run {i + 1} {contender} {workload} nproc={nproc}: {times[contender][-1]:.3f} s/epoch",
                           flush=True)
@@ -90,17 +104,21 @@ def main() -> int:
             medians = {c: statistics.median(v) for c, v in times.items()}
             print(f"\n{workload}, {nproc} process(es): median seconds per epoch")
             for c in contenders:
-                spread = f"(min {min(times[c]):.3f}, max {max(times[c]):.3f})"
+                spread = f"(min {min(times[c]):.3f}, max {max(times[c]):.3f}; " \
+                         f"spread {100 * (max(times[c]) - min(times[c])) / medians[c]:.1f} % of the median)"
                 print(f"  {c:12s} {medians[c]:.3f} {spread}")
             for c in contenders:
                 if c != "ddplab" and "ddplab" in medians:
+                    pairs = [a / b for a, b in zip(times["ddplab"], times[c])]  # runs next to each other
                     print(f"ratio ddplab/{c} {workload} nproc={nproc} {medians['ddplab'] / medians[c]:.3f}")
+                    print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
             if waits:
                 print(f"data wait ddplab {workload} nproc={nproc} {100 * statistics.median(waits):.2f}% of epoch time")
             if rates:
                 print(f"tokens/s ddplab {workload} nproc={nproc} {statistics.median(rates):,.0f}")
             if mfus:
                 print(f"mfu ddplab {workload} nproc={nproc} {100 * statistics.median(mfus):.2f}%")
+            print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     return 0
 
 

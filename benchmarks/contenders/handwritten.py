@@ -35,11 +35,14 @@ def main() -> None:
     sampler = DistributedSampler(bundle.train, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.experiment.seed)
     loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, sampler=sampler,
                         collate_fn=bundle.collate_fn)
-    times = []
+    times, steps = [], 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         start = time.perf_counter()
         for inputs, target in loader:
+            if steps == args.max_steps:
+                break
+            steps += 1
             inputs, target = move(inputs, device), move(target, device)
             with autocast(args, device):
                 loss = loss_fn(call(ddp, inputs), target)
@@ -48,7 +51,7 @@ def main() -> None:
             optimizer.step()
         sync(device)
         times.append(time.perf_counter() - start)
-    report(args.out, times)
+    report(args.out, times, {"steps_per_epoch": len(loader)})
     del ddp, optimizer
     if distributed:
         dist.destroy_process_group()

@@ -106,7 +106,8 @@ def cmd_train(ns) -> int:
     if ns.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if ns.nproc_per_node or ns.max_restarts:
-        from ddplab.launch import run_workers
+        from ddplab.launch import run_workers_here
+        from ddplab.metrics.phases import note_launch
 
         if ":" in cfg.model.name or ":" in cfg.data.name:
             # User code: build its data and model here once, so that bad code fails in one line
@@ -114,7 +115,8 @@ def cmd_train(ns) -> int:
             from ddplab.engine.setup import preflight
 
             preflight(cfg)
-        return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
+        note_launch()  # the workers' start-up breakdown begins at this process's start
+        return run_workers_here(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from ddplab.engine.preemption import EXIT_PREEMPTED

@@ -28,3 +28,20 @@ def run_workers(nproc: int, args: list[str], **kwargs) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(torchrun_command(nproc, args, **kwargs), env=env)
+
+
+def run_workers_here(nproc: int, args: list[str], **kwargs) -> int:
+    """`run_workers` with torch's launcher in this process, not a child: `ddplab train` has
+    already paid for an interpreter and the torch import (its config checks need torch), so a
+    second launcher process would pay for both again, before any worker starts."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cmd = torchrun_command(nproc, args, **kwargs)
+    try:
+        torchrun(cmd[cmd.index("torch.distributed.run") + 1:])
+    except ChildFailedError as exc:  # the workers printed their errors; this is torch's summary of them
+        print(exc.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    return 0

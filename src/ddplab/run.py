@@ -16,6 +16,7 @@ from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.trainer import Trainer
 from ddplab.errors import UserError
 from ddplab.metrics import env as env_info
+from ddplab.metrics.phases import Phases
 from ddplab.metrics.run_folder import RunFolder
 from ddplab.metrics.summary import parameter_digest, summary
 from ddplab.registry import workload
@@ -54,9 +55,11 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
     from ddplab.metrics.callbacks import RunRecorder, column_callbacks
     from ddplab.metrics.class_report import ClassReports
 
+    phases = Phases()
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
     work = workload(cfg, data_fn, model_fn)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx:
+        phases.mark("rendezvous")
         decision = resolve_run_dir(cfg) if ctx.is_main else None
         run_dir, note = ctx.broadcast_object(decision)
         trainer = run = None
@@ -64,8 +67,10 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             # Data and model first: a start that fails here writes nothing to the run folder.
             seed_everything(cfg.experiment.seed)  # identical init everywhere (DDP also broadcasts rank 0's)
             data = build_data(cfg, ctx, work)
+            phases.mark("data")
             model = build_model(cfg, ctx, work, data)
             seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
+            phases.mark("model")
             run = RunFolder(run_dir, ctx.is_main, tensorboard=cfg.logging.tensorboard)
             if note:
                 run.log(note)
@@ -73,14 +78,18 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             environment = env_info.collect(ctx)
             environment["host_memory_kept_below_bytes"] = kept  # 0: glibc's defaults
             run.write_json(RunFolder.ENV, environment)
+            phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,
                               callbacks=[*column_callbacks(), BudgetSchedule(), ClassReports(), *callbacks, RunRecorder(),
                                          *faults.from_environment()])
             trainer.resume()
+            phases.mark("trainer")
+            phases.watch_first_step(trainer.optimizer)
             run.write_json(RunFolder.METRICS_JSON, summary(trainer, "running", code))
             start = time.time()
             state = trainer.fit()
+            phases.mark("training")
             if state.stop_reason == "preempted":
                 result = summary(trainer, "preempted", code)
                 run.write_json(RunFolder.METRICS_JSON, result)
@@ -94,6 +103,8 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             result["ddp"]["parameter_digests"] = digests
             result["ddp"]["ranks_identical"] = len(set(digests)) == 1
             result["wall_time_s"] = time.time() - start
+            phases.mark("end_of_run")
+            result["phases"] = phases.as_dict()
             run.write_json(RunFolder.METRICS_JSON, result)
             partial = bool(state.history and state.history[-1].get("partial"))
             epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / trainer.steps_per_epoch:.2f} epochs of "
@@ -108,7 +119,6 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
                 run.write_text(RunFolder.SAMPLE, text)
                 run.log("sample:\n" + text)
             trainer.callbacks.on_train_end(trainer, result)
-            return result
         except Exception as exc:
             if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
                 print(f"ddplab: rank {ctx.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -119,6 +129,9 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             del trainer
             if run is not None:
                 run.close()
+    if ctx.is_main:  # after the process group is gone: teardown is counted too
+        phases.add_teardown(run_dir)
+    return result
 
 
 def _test_best(trainer: Trainer, run_dir: Path) -> dict:

@@ -47,7 +47,12 @@ def local_info(device: torch.device) -> dict:
 
 
 def collect(ctx) -> dict:
-    """Call on every rank (it gathers); use the result on rank 0."""
+    """Call on every rank (it gathers); use the result on rank 0, the only one that asks git:
+    in a thread, so its two subprocesses overlap the gather instead of following it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1) if ctx.is_main else None
+    commit = pool.submit(git_commit) if pool is not None else None
     per_rank = ctx.gather_objects(local_info(ctx.device))
     nccl = None
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
@@ -55,9 +60,9 @@ def collect(ctx) -> dict:
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001 - a build without NCCL
             nccl = None
-    return {
+    out = {
         "ddplab": _version("ddplab"),
-        "git_commit": git_commit(),
+        "git_commit": commit.result() if commit is not None else None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torchvision": _version("torchvision"),
@@ -75,3 +80,6 @@ def collect(ctx) -> dict:
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID",
                                            "MASTER_ADDR", "MASTER_PORT") if k in os.environ},
     }
+    if pool is not None:
+        pool.shutdown(wait=False)
+    return out

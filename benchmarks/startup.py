@@ -1,0 +1,95 @@
+"""What a short run costs end to end: `ddplab train training.max_steps=1` against the same model,
+data and one step in a hand-written DDP loop under plain torchrun.
+
+Both are started as a user would start them, through a launcher: `python -m ddplab train
+--nproc-per-node N` and `python -m torch.distributed.run --standalone --nproc-per-node N
+benchmarks/contenders/handwritten.py cnn 1 OUT --max-steps 1`. ddplab keeps its defaults
+(validation, snapshot, test evaluation, TensorBoard), so this is the price of one real command.
+Runs alternate, and the wall time of each whole command is taken here. It prints the median
+and range per side, the run-by-run ratios' range, ddplab's per-phase breakdown (the median of
+each phase in metrics.json), the load average, and
+
+    ratio ddplab/torchrun-hand startup nproc=<N> <value>
+
+    python benchmarks/startup.py                      # 1 and 2 processes, 5 runs each
+    python benchmarks/startup.py --nproc 2 --runs 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import WORKLOADS  # noqa: E402
+
+
+def run_once(side: str, nproc: int, workload: str, folder: Path) -> tuple[float, dict]:
+    out = folder / "result.json"
+    if side == "ddplab":
+        cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *WORKLOADS[workload],
+               "training.max_steps=1", "logging.progress=false", f"experiment.output_dir={folder}", "experiment.name=s"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(HERE / "contenders" / "handwritten.py"), workload, "1", str(out), "--max-steps", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} nproc={nproc} failed:\n{proc.stderr[-3000:]}")
+    phases = {}
+    if side == "ddplab":
+        phases = json.loads((folder / "s" / "metrics.json").read_text()).get("phases", {})
+    return wall, phases
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", default="1,2")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--workload", default="cnn", choices=("cnn", "gpt", "transformer"))
+    args = p.parse_args()
+    sides = ["ddplab", "torchrun-hand"]
+    print(f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
+          f"load average {load()}")
+    for nproc in (int(n) for n in args.nproc.split(",")):
+        walls: dict[str, list[float]] = {s: [] for s in sides}
+        phases: list[dict] = []
+        for i in range(args.runs):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                with tempfile.TemporaryDirectory() as tmp:
+                    wall, ph = run_once(side, nproc, args.workload, Path(tmp))
+                walls[side].append(wall)
+                if ph:
+                    phases.append(ph)
+                print(f"  run {i + 1} {side} nproc={nproc}: {wall:.2f} s (load {os.getloadavg()[0]:.2f})", flush=True)
+        print(f"\nnproc={nproc}: median wall seconds per command ({args.runs} runs each); load average {load()}")
+        for side in sides:
+            v = walls[side]
+            print(f"  {side:14s} {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f})")
+        pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"])]
+        if phases:
+            keys = [k for k in phases[0] if all(k in ph for ph in phases)]
+            print("  ddplab phases (rank 0, median s): "
+                  + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.2f}" for k in keys))
+        print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
+        ratio = statistics.median(walls["ddplab"]) / statistics.median(walls["torchrun-hand"])
+        print(f"ratio ddplab/torchrun-hand startup nproc={nproc} {ratio:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

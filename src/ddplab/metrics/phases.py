@@ -1,0 +1,100 @@
+"""Where a run's wall time goes before, around and after training: one mark per phase.
+
+`Phases()` is made when `run.train` starts; its first phase, `imports_s`, reaches back to the
+moment the process was created (from /proc), so Python's start and the imports of torch and
+ddplab are counted. Under `ddplab train --nproc-per-node`, the launcher leaves its own start
+time in DDPLAB_LAUNCHED_AT and `launcher_s` is the time from there to this worker's creation
+(the launcher's checks, torch's agent, the worker spawn). Each `mark(name)` closes the phase
+that ran since the previous mark. `watch_first_step(optimizer)` splits the first optimizer
+step (DDP's first iteration builds its buckets) off the rest of training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+LAUNCHED_AT = "DDPLAB_LAUNCHED_AT"
+
+
+def process_started_at() -> float | None:
+    """Wall-clock time this process was created, to the kernel's clock tick (10 ms); None off Linux."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22, counted after the command name
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - (since_boot - started_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def note_launch() -> None:
+    """In the launcher, before it starts workers: they inherit the launcher's start time."""
+    started = process_started_at()
+    if started is not None:
+        os.environ[LAUNCHED_AT] = repr(started)
+
+
+class Phases:
+    def __init__(self) -> None:
+        now = time.time()
+        self.seconds: dict[str, float] = {}
+        started = process_started_at()
+        launched = os.environ.get(LAUNCHED_AT)
+        if started is not None and launched:
+            try:
+                self.seconds["launcher_s"] = max(started - float(launched), 0.0)
+            except ValueError:
+                pass
+        if started is not None:
+            self.seconds["imports_s"] = max(now - started, 0.0)
+        self._last = now
+        self._first_step_at: float | None = None
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        if name == "training" and self._first_step_at is not None:
+            self.seconds["first_step_s"] = self._first_step_at - self._last
+            self._last = self._first_step_at
+        self.seconds[f"{name}_s"] = self.seconds.get(f"{name}_s", 0.0) + now - self._last
+        self._last = now
+
+    def watch_first_step(self, optimizer) -> None:
+        """Time the end of the first optimizer step, through a hook that removes itself."""
+        if not hasattr(optimizer, "register_step_post_hook"):
+            return
+        handle = None
+
+        def hook(*_):
+            if self._first_step_at is None:
+                self._first_step_at = time.time()
+            handle.remove()
+
+        handle = optimizer.register_step_post_hook(hook)
+
+    def as_dict(self) -> dict:
+        out = {k: round(v, 3) for k, v in self.seconds.items()}
+        out["total_s"] = round(sum(self.seconds.values()), 3)
+        return out
+
+    def line(self) -> str:
+        parts = [f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in self.seconds.items()]
+        return "phases (rank 0, wall time): " + ", ".join(parts) + f"; total {sum(self.seconds.values()):.2f} s"
+
+    def add_teardown(self, run_dir: Path) -> None:
+        """After the process group is gone: the teardown phase, appended to train.log and metrics.json."""
+        self.mark("teardown")
+        log = Path(run_dir) / "train.log"
+        metrics = Path(run_dir) / "metrics.json"
+        try:
+            with open(log, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.line()}\n")
+            summary = json.loads(metrics.read_text())
+            summary["phases"] = self.as_dict()
+            tmp = metrics.with_name(f".{metrics.name}.tmp")
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            os.replace(tmp, metrics)
+        except (OSError, ValueError):
+            pass  # the run itself is recorded; only the breakdown is missing

@@ -1,0 +1,57 @@
+"""The start-up breakdown: each phase's wall time, from the process's creation to its teardown."""
+
+import json
+import os
+import time
+
+from conftest import assert_ok, ddplab
+from ddplab.metrics import phases as phases_mod
+from ddplab.metrics.phases import Phases
+
+
+def test_process_start_is_in_the_past_and_phases_add_up(monkeypatch):
+    started = phases_mod.process_started_at()
+    assert started is not None and time.time() - 3600 < started <= time.time()
+    monkeypatch.setenv(phases_mod.LAUNCHED_AT, repr(started - 2.0))
+    p = Phases()
+    assert 1.9 < p.seconds["launcher_s"] < 2.1 and p.seconds["imports_s"] >= 0
+    time.sleep(0.05)
+    p.mark("data")
+    p.mark("model")
+    assert 0.05 <= p.seconds["data_s"] < 1 and p.seconds["model_s"] < 0.05
+    d = p.as_dict()
+    assert abs(d["total_s"] - sum(v for k, v in d.items() if k != "total_s")) < 0.01
+    assert "data 0.0" in p.line() or "data 0.1" in p.line()
+
+
+def test_first_step_split_off_training_by_an_optimizer_hook():
+    import torch
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    p = Phases()
+    p.mark("model")
+    p.watch_first_step(opt)
+    time.sleep(0.05)  # before the first step: counted in first_step_s
+    for _ in range(3):
+        w.grad = torch.ones(2)
+        opt.step()
+        time.sleep(0.04)  # after it: counted in training_s
+    p.mark("training")
+    assert p.seconds["first_step_s"] >= 0.05 and p.seconds["training_s"] >= 0.12
+    assert not opt._optimizer_step_post_hooks  # the hook removed itself after one step
+
+
+def test_a_run_records_its_phases(tmp_path):
+    proc = ddplab("train", "model.name=cnn", "data.name=digits", "training.max_steps=1", "logging.tensorboard=false",
+                  "logging.progress=false", "experiment.name=p", cwd=tmp_path)
+    assert_ok(proc)
+    run = tmp_path / "experiments" / "p"
+    got = json.loads((run / "metrics.json").read_text())["phases"]
+    for key in ("imports_s", "rendezvous_s", "data_s", "model_s", "run_folder_s", "trainer_s", "first_step_s", "training_s", "end_of_run_s",
+                "teardown_s"):
+        assert got[key] >= 0, key
+    assert "launcher_s" not in got  # started without the ddplab launcher
+    assert got["imports_s"] > 0.1  # torch alone takes longer than that to import
+    assert "phases (rank 0, wall time): imports" in (run / "train.log").read_text()
+    assert os.environ.get(phases_mod.LAUNCHED_AT) is None
