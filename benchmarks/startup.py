@@ -13,6 +13,7 @@ each phase in metrics.json), the load average, and
 
     python benchmarks/startup.py                      # 1 and 2 processes, 5 runs each
     python benchmarks/startup.py --nproc 2 --runs 7
+    git archive <commit> src | tar -x -C /tmp/old && python benchmarks/startup.py --before /tmp/old/src
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ sys.path.insert(0, str(HERE))
 from common import WORKLOADS  # noqa: E402
 
 
-def run_once(side: str, nproc: int, workload: str, folder: Path) -> tuple[float, dict]:
+def run_once(side: str, nproc: int, workload: str, folder: Path, before: str | None = None) -> tuple[float, dict]:
     out = folder / "result.json"
-    if side == "ddplab":
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    if side == "ddplab-before":  # the same command on another checkout's ddplab
+        env["PYTHONPATH"] = os.pathsep.join([before, env.get("PYTHONPATH", "")])
+    if side.startswith("ddplab"):
         cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *WORKLOADS[workload],
                "training.max_steps=1", "logging.progress=false", f"experiment.output_dir={folder}", "experiment.name=s"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(HERE / "contenders" / "handwritten.py"), workload, "1", str(out), "--max-steps", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder)
     wall = time.perf_counter() - start
@@ -61,8 +64,10 @@ def main() -> int:
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--workload", default="cnn", choices=("cnn", "gpt", "transformer"))
+    p.add_argument("--before", metavar="SRC", help="also time ddplab from this src folder (e.g. an older checkout's "
+                                                  "src/), as side 'ddplab-before', in the same alternation")
     args = p.parse_args()
-    sides = ["ddplab", "torchrun-hand"]
+    sides = ["ddplab", "torchrun-hand"] + (["ddplab-before"] if args.before else [])
     print(f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
           f"load average {load()}")
     for nproc in (int(n) for n in args.nproc.split(",")):
@@ -71,9 +76,9 @@ def main() -> int:
         for i in range(args.runs):
             for side in (sides if i % 2 == 0 else sides[::-1]):
                 with tempfile.TemporaryDirectory() as tmp:
-                    wall, ph = run_once(side, nproc, args.workload, Path(tmp))
+                    wall, ph = run_once(side, nproc, args.workload, Path(tmp), args.before)
                 walls[side].append(wall)
-                if ph:
+                if ph and side == "ddplab":
                     phases.append(ph)
                 print(f"  run {i + 1} {side} nproc={nproc}: {wall:.2f} s (load {os.getloadavg()[0]:.2f})", flush=True)
         print(f"\nnproc={nproc}: median wall seconds per command ({args.runs} runs each); load average {load()}")
@@ -87,6 +92,9 @@ def main() -> int:
                   + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.2f}" for k in keys))
         print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
         ratio = statistics.median(walls["ddplab"]) / statistics.median(walls["torchrun-hand"])
+        if args.before:
+            old = statistics.median(walls["ddplab-before"]) / statistics.median(walls["torchrun-hand"])
+            print(f"ratio ddplab-before/torchrun-hand startup nproc={nproc} {old:.3f}")
         print(f"ratio ddplab/torchrun-hand startup nproc={nproc} {ratio:.3f}", flush=True)
     return 0
 

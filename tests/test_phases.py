@@ -42,16 +42,18 @@ def test_first_step_split_off_training_by_an_optimizer_hook():
     assert not opt._optimizer_step_post_hooks  # the hook removed itself after one step
 
 
-def test_a_run_records_its_phases(tmp_path):
-    proc = ddplab("train", "model.name=cnn", "data.name=digits", "training.max_steps=1", "logging.tensorboard=false",
-                  "logging.progress=false", "experiment.name=p", cwd=tmp_path)
+def test_a_launched_run_records_its_phases(tmp_path):
+    # Through the launcher (torch's agent in the launcher's own process), so launcher_s is there too.
+    proc = ddplab("train", "--nproc-per-node", "1", "model.name=cnn", "data.name=digits", "training.max_steps=1",
+                  "logging.tensorboard=false", "logging.progress=false", "experiment.name=p", cwd=tmp_path)
     assert_ok(proc)
     run = tmp_path / "experiments" / "p"
     got = json.loads((run / "metrics.json").read_text())["phases"]
-    for key in ("imports_s", "rendezvous_s", "data_s", "model_s", "run_folder_s", "trainer_s", "first_step_s", "training_s", "end_of_run_s",
+    for key in ("launcher_s", "imports_s", "rendezvous_s", "data_s", "model_s", "run_folder_s", "trainer_s",
+                "first_step_s", "training_s", "end_of_run_s",
                 "teardown_s"):
         assert got[key] >= 0, key
-    assert "launcher_s" not in got  # started without the ddplab launcher
     assert got["imports_s"] > 0.1  # torch alone takes longer than that to import
-    assert "phases (rank 0, wall time): imports" in (run / "train.log").read_text()
+    assert "phases (rank 0, wall time): launcher" in (run / "train.log").read_text().splitlines()[-1]
+    assert json.loads((run / "metrics.json").read_text())["ddp"]["launcher"] == "torchrun"
     assert os.environ.get(phases_mod.LAUNCHED_AT) is None
