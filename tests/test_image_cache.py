@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ddplab.config import load_config
+from ddplab.registry import load_config
 from ddplab.data import build_data
 from ddplab.data.image_cache import CachedImages
 from test_vision_data import image_tree
