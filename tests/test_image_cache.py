@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from ddplab.registry import load_config
 from ddplab.data import build_data
 from ddplab.data.image_cache import CachedImages
+from ddplab.errors import UserError
 from test_vision_data import image_tree
 
 
@@ -20,7 +21,6 @@ def config(tmp_path, *extra):
 
 def caches(tmp_path):
     return sorted(p.name for p in (tmp_path / "cache").glob("images-*")) if (tmp_path / "cache").is_dir() else []
-
 
 
 def all_items(bundle, split):
@@ -78,3 +78,12 @@ def test_augmentation_still_random_per_epoch_on_cached_images(tmp_path):
     assert not torch.equal(a, b)
     x, _ = bundle.collate_fn(bundle.train.dataset.__getitems__([0, 1, 2]))
     assert x.shape == (3, 3, 16, 16)
+
+
+def test_an_unreadable_image_is_one_error_and_leaves_no_cache(tmp_path):
+    image_tree(tmp_path / "tree", side=16)
+    (tmp_path / "tree" / "train" / "class_1" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(UserError, match="broken.png"):
+        build_data(config(tmp_path), None)
+    assert [p.name for p in (tmp_path / "cache").iterdir() if "broken" in p.name or p.name.startswith(".")] == []
+    assert all((tmp_path / "cache" / name / "meta.json").is_file() for name in caches(tmp_path))
