@@ -85,9 +85,11 @@ class Phases:
 
     def add_teardown(self, run_dir: Path) -> None:
         """After the process group is gone: the teardown phase, appended to train.log and metrics.json."""
+        from ddplab.metrics.run_folder import RunFolder
+
         self.mark("teardown")
-        log = Path(run_dir) / "train.log"
-        metrics = Path(run_dir) / "metrics.json"
+        log = Path(run_dir) / RunFolder.LOG
+        metrics = Path(run_dir) / RunFolder.METRICS_JSON
         try:
             with open(log, "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.line()}\n")
