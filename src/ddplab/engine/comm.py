@@ -6,7 +6,8 @@ Every distributed run gets the timing hook, wrapped around the configured compre
     timed( delayed( fp16 | bf16 | powersgd | plain all-reduce ) )
 
 so communication time is recorded for every run, and a simulated delay composes with any
-compression.
+compression. The hook also records the reducer's bucket layout, and a StepTimer (hooks on the
+model itself) records forward and backward time per step: what `ddplab forecast` needs.
 """
 
 import threading
@@ -19,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
 _WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "powersgd": None}
+POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
 def link_delay_s(nbytes: int, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
@@ -53,6 +55,10 @@ class CommMonitor:
         self.inner = inner or default_hooks.allreduce_hook
         self.inner_state = inner_state if inner_state is not None else dist.group.WORLD
         self._lock = threading.Lock()  # futures complete on the backend's threads
+        self.layout: list[dict] = []  # the buckets of the last recorded step, in the order DDP hands them over
+        self._recording: list[dict] = []
+        self._recorded_steps = 0
+        self.last_done = 0.0  # perf_counter when the latest all-reduce completed
         self.reset()
 
     def reset(self) -> None:
@@ -79,13 +85,31 @@ class CommMonitor:
     def _end(self, delay: float) -> None:
         with self._lock:
             self._in_flight -= 1
+            now = time.perf_counter()
             if self._in_flight == 0:
-                self.comm_s += time.perf_counter() - self._since
+                self.comm_s += now - self._since
+            self.last_done = now
             self.delay_s += delay
             self.buckets += 1
 
+    def _record(self, bucket: dist.GradBucket) -> None:
+        """Keep the bucket layout of the first few steps: DDP rebuilds its buckets in gradient
+        order after the first step, so the last recorded step holds the layout it settles on."""
+        if self._recorded_steps >= 3:
+            return
+        buffer = bucket.buffer()
+        # PowerSGD views each gradient as (rows, rest) and compresses it when it is a matrix.
+        matrices = [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in bucket.parameters() if p.dim() > 1]
+        self._recording.append({"index": bucket.index(), "numel": buffer.numel(), "bytes": buffer.numel() * buffer.element_size(),
+                                "dtype": str(buffer.dtype).replace("torch.", ""), "params": len(bucket.parameters()),
+                                "matrices": matrices})
+        if bucket.is_last():
+            self.layout, self._recording = self._recording, []
+            self._recorded_steps += 1
+
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         self._begin()
+        self._record(bucket)
         delay = 0.0
         if self.latency_ms or self.bandwidth_mbps:
             buffer = bucket.buffer()
@@ -118,24 +142,129 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
         inner = default_hooks.bf16_compress_hook
     elif dcfg.comm_hook == "powersgd":
         inner = powerSGD_hook.powerSGD_hook
-        inner_state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+        inner_state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
                                                   start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
     monitor = CommMonitor(dcfg, ctx.world_size, inner, inner_state)
     model.register_comm_hook(monitor, _monitor_hook)
     return monitor
 
 
-def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float) -> dict:
+class StepTimer:
+    """Forward and backward time of every training micro-step, from hooks on the model.
+
+    Forward: from the model's forward pre-hook to its forward hook (grad enabled only, so
+    evaluation is left out). Backward: from the moment the output's gradient is computed to
+    the last parameter gradient accumulated; with DDP, the all-reduce still in flight after
+    that is `exposed`, the part of communication that the backward pass did not hide. Times are
+    host-side: exact on CPU, the launch times of the kernels on CUDA.
+    """
+
+    def __init__(self, model: torch.nn.Module, monitor: CommMonitor | None = None) -> None:
+        self.monitor = monitor
+        self._fwd_start = self._bwd_start = self._last_grad = None
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._grad) for p in model.parameters() if p.requires_grad]
+        self.take_epoch()
+
+    def _close_backward(self) -> None:
+        if self._bwd_start is not None and self._last_grad is not None:
+            self.backward_s += self._last_grad - self._bwd_start
+            if self.monitor is not None and self.monitor.last_done > self._last_grad:
+                self.exposed_s += self.monitor.last_done - self._last_grad
+            self.micro_steps += 1
+        self._bwd_start = self._last_grad = None
+
+    def _pre(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self._close_backward()
+            self._fwd_start = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        if self._fwd_start is None or not torch.is_grad_enabled():
+            return
+        self.forward_s += time.perf_counter() - self._fwd_start
+        self._fwd_start = None
+        out = getattr(output, "logits", output)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._begin_backward)
+
+    def _begin_backward(self, grad):
+        self._bwd_start = time.perf_counter()
+        return None
+
+    def _grad(self, param) -> None:
+        self._last_grad = time.perf_counter()
+
+    def take_epoch(self) -> dict:
+        self._close_backward()
+        out = {"forward_time_s": getattr(self, "forward_s", 0.0), "backward_time_s": getattr(self, "backward_s", 0.0),
+               "comm_exposed_s": getattr(self, "exposed_s", 0.0), "timed_micro_steps": getattr(self, "micro_steps", 0)}
+        self.forward_s = self.backward_s = self.exposed_s = 0.0
+        self.micro_steps = 0
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def attach_step_timer(model: torch.nn.Module, monitor: CommMonitor | None, cfg) -> StepTimer | None:
+    """A StepTimer on the unwrapped model; none under torch.compile, whose graphs hooks would break."""
+    if cfg.training.compile:
+        return None
+    return StepTimer(model, monitor)
+
+
+def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: StepTimer | None = None) -> dict:
     """Communication vs computation for the epoch row, averaged over ranks (a collective).
 
     compute_time_s is the epoch's training time not spent in all-reduces; with one process
-    there is nothing to communicate and all of it is compute.
+    there is nothing to communicate and all of it is compute. With a StepTimer, the row also
+    holds forward and backward time, and the all-reduce time left after the backward pass.
     """
+    timed = timer.take_epoch() if timer is not None else {}
     if monitor is None:
-        return {"comm_time_s": 0.0, "compute_time_s": epoch_time}
+        return {"comm_time_s": 0.0, "compute_time_s": epoch_time, **timed}
     mine = monitor.take_epoch()
-    totals = torch.tensor([mine["comm_time_s"], mine["simulated_delay_s"], mine["comm_buckets"]],
+    keys = ["comm_time_s", "simulated_delay_s", "comm_buckets", *timed]
+    totals = torch.tensor([mine["comm_time_s"], mine["simulated_delay_s"], mine["comm_buckets"], *timed.values()],
                           dtype=torch.float64, device=ctx.device)
-    comm, delay, calls = (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist()
-    return {"comm_time_s": comm, "compute_time_s": max(epoch_time - comm, 0.0), "simulated_delay_s": delay,
-            "comm_calls": round(calls)}
+    mean = dict(zip(keys, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist()))
+    row = {"comm_time_s": mean["comm_time_s"], "compute_time_s": max(epoch_time - mean["comm_time_s"], 0.0),
+           "simulated_delay_s": mean["simulated_delay_s"], "comm_calls": round(mean["comm_buckets"])}
+    row.update({k: mean[k] for k in timed})
+    if "timed_micro_steps" in row:
+        row["timed_micro_steps"] = round(row["timed_micro_steps"])
+    return row
+
+
+def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]:
+    """The buckets DDP would make for this model on one process (no reducer there): parameters
+    in reverse registration order, which is close to the order gradients become ready, the
+    first bucket capped at DDP's first-bucket size and the rest at bucket_cap_mb."""
+    params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+    if not params:
+        return []
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
+    groups, _ = dist._compute_bucket_assignment_by_size(params, limits)
+    layout = []
+    for i, group in enumerate(groups):
+        members = [params[j] for j in group]
+        numel = sum(p.numel() for p in members)
+        layout.append({"index": i, "numel": numel, "bytes": sum(p.numel() * p.element_size() for p in members),
+                       "dtype": str(members[0].dtype).replace("torch.", ""), "params": len(members),
+                       "matrices": [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in members if p.dim() > 1]})
+    return layout
+
+
+def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:
+    """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP
+    handed them to the hook), else the buckets DDP would make."""
+    layout = monitor.layout if monitor is not None and monitor.layout else _computed_layout(model, dcfg.bucket_cap_mb)
+    return {"bucket_source": "reducer" if monitor is not None and monitor.layout else "computed",
+            "grad_dtype": layout[0]["dtype"] if layout else None,
+            "grad_bytes": sum(b["bytes"] for b in layout), "buckets": layout,
+            "comm_hook": dcfg.comm_hook, "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
+            "simulated_latency_ms": dcfg.simulated_latency_ms, "simulated_bandwidth_mbps": dcfg.simulated_bandwidth_mbps}

@@ -39,10 +39,17 @@ class ModelFlops(Callback):
 class CommColumns(Callback):
     """comm_time_s / compute_time_s from the gradient all-reduce monitor (distributed runs)."""
 
+    timer = None
+
+    def on_train_start(self, trainer):
+        from ddplab.engine.comm import attach_step_timer
+
+        self.timer = attach_step_timer(trainer.raw, trainer.comm, trainer.cfg)  # forward/backward time for `ddplab forecast`
+
     def on_epoch_end(self, trainer, row):
         from ddplab.engine.comm import epoch_comm_row
 
-        row.update(epoch_comm_row(trainer.comm, trainer.ctx, row["epoch_time_s"]))
+        row.update(epoch_comm_row(trainer.comm, trainer.ctx, row["epoch_time_s"], self.timer))
 
 
 class GpuColumns(Callback):

@@ -17,6 +17,7 @@ def parameter_digest(model: torch.nn.Module) -> str:
 
 
 def summary(trainer, status: str, workload: dict | None = None, test: dict | None = None) -> dict:
+    from ddplab.engine.comm import comm_summary
     from ddplab.engine.state import batch_arithmetic
 
     cfg, ctx, data, s = trainer.cfg, trainer.ctx, trainer.data, trainer.state
@@ -47,5 +48,6 @@ def summary(trainer, status: str, workload: dict | None = None, test: dict | Non
         "ddp": {**batch_arithmetic(cfg, ctx.world_size), "backend": ctx.backend, "launcher": ctx.launch.launcher,
                 "steps_per_epoch": trainer.steps_per_epoch, "lr": trainer.lr, "lr_scaling": cfg.training.lr_scaling,
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook},
+        "comm": comm_summary(trainer.raw, trainer.comm, cfg.distributed),
         "epochs": s.history, "steps": s.steps, "aggregates": aggregates, "test": test or {},
     }
