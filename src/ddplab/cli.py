@@ -88,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     r.add_argument("--output", help="folder for the report (default: the folder given, or ./report for several)")
     r.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget")
+
+    f = sub.add_parser("forecast", help="predict step/epoch time, speedup and comm share of setups from run folders")
+    f.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
+    f.add_argument("--setups", default="1x1,2x1,4x1,8x1", help="nodes x processes per node, e.g. 1x1,2x1,4x1,8x1,2x8")
+    f.add_argument("--bandwidth", help="inter-node bandwidth, e.g. 25Gbit or 3GB/s (default: fitted from the runs)")
+    f.add_argument("--latency", help="inter-node latency per message, e.g. 50us (default: fitted from the runs)")
+    f.add_argument("--intra-bandwidth", help="bandwidth between the processes of a node, e.g. 200GB/s (default: fitted)")
+    f.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s)")
+    f.add_argument("--batch-size", type=int, help="batch per process (default: the 1-process run's)")
+    f.add_argument("--comm-hook", help="none, fp16, bf16, powersgd or powersgd:RANK (default: the runs')")
+    f.add_argument("--output", help="folder for forecast.md/.csv/.png (default: the folder given, or ./forecast)")
     return p
 
 
@@ -202,8 +213,20 @@ def cmd_report(ns) -> int:
     return 0
 
 
+def cmd_forecast(ns) -> int:
+    from ddplab.forecast import Options, make_forecast
+
+    opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)
+    out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
+    path = make_forecast(ns.dirs, out, opts)
+    print(path.read_text(), end="")
+    print(f"forecast: {path}")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict, "verify": cmd_verify,
-            "study": cmd_study, "report": cmd_report}
+            "study": cmd_study, "report": cmd_report,
+            "forecast": cmd_forecast}
 
 
 def main(argv: list[str] | None = None) -> int:

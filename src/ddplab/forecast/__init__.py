@@ -1,0 +1,147 @@
+"""`ddplab forecast`: predicted step and epoch time of DDP setups that were never run, from run
+folders that were. See README, "Forecasting scaling", for the model and its assumptions."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddplab.errors import UserError
+
+
+@dataclass
+class Options:
+    setups: str = "1x1,2x1,4x1,8x1"
+    bandwidth: str | None = None
+    latency: str | None = None
+    intra_bandwidth: str | None = None
+    budget: str | None = None
+    batch_size: int | None = None
+    comm_hook: str | None = None
+
+
+@dataclass
+class Forecast:
+    workload: str
+    rows: list[dict]
+    notes: list[str] = field(default_factory=list)
+    fit: object | None = None
+    compute: object | None = None
+    budget_s: float | None = None
+
+
+def _workload(run) -> str:
+    cfg = run.summary.get("config", {})
+    return json.dumps({"model": cfg.get("model"), "data": cfg.get("data")}, sort_keys=True)
+
+
+def _label(run) -> str:
+    cfg = run.summary.get("config", {})
+    return f"{cfg.get('model', {}).get('name', '?')} on {cfg.get('data', {}).get('name', '?')}"
+
+
+def load(dirs: list[str]):
+    """The runs under `dirs` as Measured points, all of one workload (model and data)."""
+    from ddplab.forecast.model import measure
+    from ddplab.report.runs import find_runs
+
+    try:
+        runs, _ = find_runs(dirs)
+    except UserError as err:
+        raise UserError(str(err).replace("report:", "forecast:")) from None
+    kinds = {_workload(r) for r in runs}
+    if len(kinds) > 1:
+        raise UserError(f"forecast: the runs given train {len(kinds)} different workloads "
+                        f"({', '.join(sorted({_label(r) for r in runs}))}); forecast one model and data set at a time")
+    measured = [m for m in (measure(r) for r in runs) if m is not None]
+    if not measured:
+        raise UserError(f"forecast: no run under {', '.join(dirs)} finished a full epoch")
+    return _label(runs[0]), measured
+
+
+def forecast(dirs: list[str], opts: Options) -> Forecast:
+    from ddplab.config import parse_duration
+    from ddplab.forecast.fit import comm_of, fit_link
+    from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
+    from ddplab.forecast.model import fit_compute, predict_step, steps_per_epoch
+    from ddplab.study.grid import parse_setups
+
+    # Check every option before reading anything.
+    try:
+        setups = parse_setups(opts.setups)
+    except UserError as err:
+        raise UserError(str(err).replace("--nproc", "--setups")) from None
+    bandwidth = parse_bandwidth(opts.bandwidth) if opts.bandwidth is not None else None
+    latency = parse_latency(opts.latency) if opts.latency is not None else None
+    intra_bw = parse_bandwidth(opts.intra_bandwidth, "--intra-bandwidth") if opts.intra_bandwidth is not None else None
+    budget = parse_duration(opts.budget, "--budget")
+    hook, rank = parse_hook(opts.comm_hook)
+    if opts.batch_size is not None and opts.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {opts.batch_size}")
+
+    label, measured = load(dirs)
+    singles = [m for m in measured if m.processes == 1]
+    multi = [m for m in measured if m.processes > 1 and m.buckets]
+    compute = fit_compute(singles)
+    notes = [f"compute from {len(singles)} 1-process run(s) "
+             + ("(forward and backward timed by the runs)" if compute.timed else
+                "(forward/backward not timed by these runs: backward taken as 2/3 of the model time)")]
+    fit = None
+    if bandwidth is None or latency is None:
+        if not multi:
+            raise UserError("forecast: no multi-process run with recorded gradient buckets to fit the link from; "
+                            "give --bandwidth and --latency, or add runs with 2 or more processes")
+        fit = fit_link(compute, multi)
+        notes.append(f"link FITTED from {len(multi)} multi-process run(s) ({', '.join(fit.free)} free): "
+                     f"{fit.link.describe()}, compute scale {fit.compute_scale:.2f}; relative residual "
+                     f"rms {fit.rms_rel:.1%}, worst {fit.max_rel:.1%}")
+    fitted = fit.link if fit else Link(0.0, math.inf)
+    inter = Link(latency if latency is not None else fitted.alpha, bandwidth or fitted.bandwidth)
+    intra = Link(fitted.alpha if fit else (latency or 0.0), intra_bw or (fitted.bandwidth if fit else inter.bandwidth))
+    scale = fit.compute_scale if fit else 1.0
+    notes.append(f"inter-node link: {inter.describe()} ({'given' if bandwidth and latency is not None else 'fitted' if bandwidth is None and latency is None else 'given and fitted'})")
+    notes.append(f"intra-node link: {intra.describe()} ({'given' if intra_bw else 'as fitted' if fit else 'as the inter-node link'})")
+    if scale != 1.0:
+        notes.append(f"each of several processes computes at {scale:.2f}x the 1-process time (fitted; "
+                     f"processes sharing this machine's cores); separate devices would be nearer 1.0")
+
+    ref = max(measured, key=lambda m: (m.processes == 1, len(m.buckets), -m.processes))
+    buckets = next((m.buckets for m in multi), None) or ref.buckets
+    if not buckets:
+        raise UserError("forecast: the runs do not record their gradient buckets (metrics.json 'comm'); "
+                        "re-run them with this version of ddplab")
+    comm = comm_of(ref, hook or ref.hook, rank)
+    comm.buckets = buckets
+    batch = opts.batch_size or ref.batch
+    accum = ref.accum
+    n_train = ref.train_samples
+    rows = []
+    for s in setups:
+        step = predict_step(compute, comm, s.nodes, s.per_node, batch, inter, intra, accum, scale)
+        steps = steps_per_epoch(n_train, s.processes, batch, accum)
+        epoch = steps * step.step_s
+        rows.append({"setup": s.label, "nodes": s.nodes, "per_node": s.per_node, "processes": s.processes,
+                     "global_batch": batch * accum * s.processes, "steps_per_epoch": steps,
+                     "step_ms": step.step_s * 1e3, "compute_ms": step.compute_s * 1e3, "comm_ms": step.comm_s * 1e3,
+                     "exposed_comm_ms": step.exposed_s * 1e3, "epoch_s": epoch,
+                     "comm_share": step.exposed_s / step.step_s if step.step_s else 0.0,
+                     "epochs_in_budget": budget / epoch if budget and epoch else None})
+    one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)
+    epoch_one = steps_per_epoch(n_train, 1, batch, accum) * one.step_s
+    for row in rows:
+        row["speedup"] = epoch_one / row["epoch_s"] if row["epoch_s"] else None
+        row["efficiency"] = row["speedup"] / row["processes"] if row["speedup"] else None
+    notes.append(f"{n_train} training samples, {batch} per process, gradient {sum(b['bytes'] for b in buckets):,} bytes "
+                 f"in {len(buckets)} bucket(s), hook {comm.hook}" + (f" (rank {rank})" if comm.hook == "powersgd" else ""))
+    return Forecast(label, rows, notes, fit, compute, budget)
+
+
+def make_forecast(dirs: list[str], output: str | Path, opts: Options) -> Path:
+    from ddplab.forecast.write import write_all
+
+    result = forecast(dirs, opts)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_all(result, out)

@@ -1,0 +1,78 @@
+"""Fit the measured link (and how much slower each process computes beside others) from the
+multi-process runs, by least squares on the relative error of their step times."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from ddplab.forecast.links import Link
+from ddplab.forecast.model import Comm, Compute, Measured, predict_step
+
+# Free parameters, in the order they are freed as points allow: per-message latency (s),
+# compute scale (a process's compute time beside others / alone), seconds per byte.
+_NAMES = ("alpha", "compute_scale", "seconds_per_byte")
+_DEFAULT = np.array([0.0, 1.0, 0.0])
+_LOWER = np.array([0.0, 0.2, 0.0])
+_UPPER = np.array([1.0, 20.0, 1e-3])
+_SCALE = np.array([1e-4, 0.1, 1e-9])
+
+
+@dataclass
+class Fit:
+    link: Link
+    compute_scale: float
+    free: tuple[str, ...]
+    points: list[tuple[Measured, float]]  # (run, predicted step s)
+    rms_rel: float  # root mean square of the relative residuals
+    max_rel: float
+
+
+def comm_of(m: Measured, hook: str | None = None, rank: int = 1) -> Comm:
+    return Comm(m.buckets, hook or m.hook, rank)
+
+
+def _link(x: np.ndarray) -> Link:
+    return Link(alpha=float(x[0]), bandwidth=1.0 / x[2] if x[2] > 0 else math.inf)
+
+
+def predict_measured(compute: Compute, m: Measured, link: Link, scale: float) -> float:
+    """A measured run's step as the model sees it: its own setup, batch, hook and simulated link;
+    the measured link joins both the processes of a node and the nodes (one machine here)."""
+    return predict_step(compute, comm_of(m), m.nodes, m.per_node, m.batch, link, link, m.accum, scale,
+                        m.latency_ms, m.bandwidth_mbps).step_s
+
+
+def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
+    """Least squares over the multi-process runs. With n runs, min(n, 3) parameters are free:
+    latency first, then the compute scale, then the bandwidth; the others stay at no latency,
+    scale 1, unlimited bandwidth."""
+    free = min(len(multi), 3)
+
+    def full(x_free):
+        x = _DEFAULT.copy()
+        x[:free] = x_free
+        return x
+
+    def residuals(x_free):
+        x = full(x_free)
+        link = _link(x)
+        return np.array([predict_measured(compute, m, link, x[1]) / m.step_s - 1 for m in multi])
+
+    best = None
+    # The model has kinks (max of compute and communication), so start from a few places.
+    for alpha0 in (0.0, 1e-4, 1e-3, 1e-2):
+        for bw0 in (0.0, 1e-8):
+            start = np.array([alpha0, 1.0, bw0])[:free]
+            result = least_squares(residuals, start, bounds=(_LOWER[:free], _UPPER[:free]), x_scale=_SCALE[:free],
+                                   diff_step=1e-3, method="trf")
+            if best is None or result.cost < best.cost:
+                best = result
+    x = full(best.x)
+    link = _link(x)
+    res = residuals(best.x)
+    points = [(m, predict_measured(compute, m, link, x[1])) for m in multi]
+    return Fit(link, float(x[1]), _NAMES[:free], points, float(np.sqrt(np.mean(res**2))), float(np.max(np.abs(res))))

@@ -1,0 +1,215 @@
+"""The step-time model: compute from the 1-process runs, gradient buckets from the run's DDP
+model, and each bucket's all-reduce overlapped with the backward pass as DDP does it."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddplab.errors import UserError
+from ddplab.forecast.links import Link, allreduce_s, wire_messages
+from ddplab.report.runs import Run
+
+# Share of a step's model compute that is backward when a run did not time it (older runs):
+# backward costs about twice the forward.
+_BACKWARD_SHARE = 2 / 3
+
+
+@dataclass
+class Measured:
+    """One run reduced to what the model needs; times per optimizer step, in seconds."""
+
+    name: str
+    nodes: int
+    per_node: int
+    batch: int  # per process
+    accum: int
+    train_samples: int
+    steps_per_epoch: int
+    epoch_times: list[float]
+    forward: float | None  # per micro-step
+    backward: float | None
+    data_wait: float
+    comm_exposed: float | None
+    latency_ms: float
+    bandwidth_mbps: float | None
+    hook: str
+    buckets: list[dict] = field(default_factory=list)
+
+    @property
+    def processes(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def epoch_s(self) -> float:
+        return statistics.median(self.epoch_times)
+
+    @property
+    def step_s(self) -> float:
+        return self.epoch_s / self.steps_per_epoch
+
+
+def measure(run: Run) -> Measured | None:
+    """None for a run without a full epoch."""
+    rows = [r for r in run.full_epochs if r.get("epoch_time_s")]
+    if not rows:
+        return None
+    cfg = run.summary.get("config", {})
+    dist_cfg = cfg.get("distributed", {})
+    steps = int(run.ddp.get("steps_per_epoch") or 0)
+    if steps < 1:
+        return None
+    total_steps = steps * len(rows)
+    micro = sum(r.get("timed_micro_steps") or 0 for r in rows)
+
+    def per_micro(key):
+        return sum(r[key] for r in rows) / micro if micro and all(key in r for r in rows) else None
+
+    comm = run.summary.get("comm", {})
+    return Measured(
+        name=run.name, nodes=run.nodes, per_node=max(1, run.processes // run.nodes),
+        batch=int(run.ddp.get("per_process", 1)), accum=int(run.ddp.get("grad_accum_steps", 1)),
+        train_samples=int(run.summary.get("dataset", {}).get("train", 0)), steps_per_epoch=steps,
+        epoch_times=[r["epoch_time_s"] for r in rows], forward=per_micro("forward_time_s"),
+        backward=per_micro("backward_time_s"),
+        data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / total_steps,
+        comm_exposed=per_micro("comm_exposed_s") if run.processes > 1 else 0.0,
+        latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
+        bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),
+        hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none", buckets=comm.get("buckets", []))
+
+
+def steps_per_epoch(train_samples: int, processes: int, batch: int, accum: int = 1) -> int:
+    """The distributed sampler pads every rank to ceil(N / p) samples; the loader keeps the last
+    short batch; accumulation groups micro-batches into optimizer steps."""
+    per_rank = math.ceil(train_samples / processes)
+    return math.ceil(math.ceil(per_rank / batch) / accum)
+
+
+def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:
+    """(a, c) of y = a + c * x: least squares over distinct x; from one x, all proportional to x
+    (per-sample work) or all constant (per-step work)."""
+    if len(set(xs)) >= 2:
+        c, a = np.polyfit(xs, ys, 1)
+        return float(a), float(c)
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    return (0.0, mean_y / mean_x) if proportional else (mean_y, 0.0)
+
+
+@dataclass
+class Compute:
+    """Per optimizer step on one process, as a + c * batch for each part: forward and backward
+    per micro-batch, data wait, and the rest (loss, clipping, optimizer, bookkeeping)."""
+
+    forward: tuple[float, float]
+    backward: tuple[float, float]
+    data_wait: tuple[float, float]
+    rest: tuple[float, float]
+    timed: bool  # forward/backward were measured (else split by _BACKWARD_SHARE)
+
+    def part(self, name: str, batch: int) -> float:
+        a, c = getattr(self, name)
+        return max(a + c * batch, 0.0)
+
+    def step_s(self, batch: int, accum: int = 1, scale: float = 1.0) -> float:
+        """A step with nothing to communicate."""
+        micro = self.part("forward", batch) + self.part("backward", batch)
+        return scale * (accum * micro + self.part("rest", batch)) + self.part("data_wait", batch)
+
+
+def fit_compute(singles: list[Measured]) -> Compute:
+    if not singles:
+        raise UserError("forecast: no 1-process run among the runs given; the compute model needs one "
+                        "(e.g. ddplab study ... --nproc 1,2)")
+    xs = [m.batch for m in singles]
+    timed = all(m.forward is not None and m.backward is not None for m in singles)
+    fwd, bwd, rest = [], [], []
+    for m in singles:
+        model_s = m.step_s - m.data_wait
+        if timed:
+            f, b = m.forward, m.backward
+        else:
+            f, b = (1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum
+        fwd.append(f)
+        bwd.append(b)
+        rest.append(max(model_s - m.accum * (f + b), 0.0))
+    return Compute(forward=_linear(xs, fwd, True), backward=_linear(xs, bwd, True),
+                   data_wait=_linear(xs, [m.data_wait for m in singles], True), rest=_linear(xs, rest, False),
+                   timed=timed)
+
+
+@dataclass
+class Comm:
+    """What one step communicates: each bucket's all-reduce messages (bytes) under a hook."""
+
+    buckets: list[dict]
+    hook: str = "none"
+    rank: int = 1
+
+    def messages(self) -> list[list[float]]:
+        return [wire_messages(b, self.hook, self.rank) for b in self.buckets]
+
+
+def simulated_delay_s(nbytes: float, processes: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
+    """The delay ddplab's simulated link adds before a bucket's all-reduce (engine/comm.py)."""
+    delay = latency_ms / 1000.0
+    if bandwidth_mbps:
+        delay += 2 * (processes - 1) / processes * nbytes * 8 / (bandwidth_mbps * 1e6)
+    return delay
+
+
+def overlapped_backward(backward_s: float, buckets: list[dict], messages: list[list[float]], cost,
+                        delays: list[float] | None = None) -> tuple[float, float, float]:
+    """(backward end incl. communication, total all-reduce time, exposed all-reduce time).
+
+    DDP hands a bucket to the all-reduce as soon as its last gradient is ready; gradients become
+    ready in the order of the buckets, here at a pace proportional to their bytes over the
+    backward pass. Buckets' all-reduces run one after another on the process group, each from
+    max(its ready time, the previous one's end); backward ends when the last finishes. A delay
+    (the simulated link) sleeps on the backward thread itself, so it holds back every later
+    gradient as well as its own bucket.
+    """
+    delays = delays or [0.0] * len(buckets)
+    total = sum(b["bytes"] for b in buckets) or 1
+    done = shift = free = comm = 0.0
+    for bucket, msgs, delay in zip(buckets, messages, delays):
+        done += bucket["bytes"]
+        ready = backward_s * done / total + shift + delay
+        shift += delay
+        cost_s = sum(cost(m) for m in msgs)
+        comm += cost_s
+        free = max(ready, free) + cost_s
+    compute_end = backward_s + shift
+    end = max(compute_end, free)
+    return end, comm, end - compute_end
+
+
+@dataclass
+class StepForecast:
+    step_s: float
+    compute_s: float  # the step without any communication
+    comm_s: float  # all-reduce time, hidden or not
+    exposed_s: float  # all-reduce time not hidden behind backward (incl. simulated delays)
+
+
+def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch: int, inter: Link, intra: Link,
+                 accum: int = 1, scale: float = 1.0, latency_ms: float = 0.0,
+                 bandwidth_mbps: float | None = None) -> StepForecast:
+    """One optimizer step of nodes x per_node processes with `batch` samples per process."""
+    p = nodes * per_node
+    base = compute.step_s(batch, accum, 1.0 if p == 1 else scale)
+    if p == 1:
+        return StepForecast(base, base, 0.0, 0.0)
+    backward = scale * compute.part("backward", batch)
+    messages = comm.messages()
+    # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
+    sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages)]
+    delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) if (latency_ms or bandwidth_mbps) else 0.0
+              for n in sizes]
+    end, comm_s, exposed = overlapped_backward(backward, comm.buckets, messages,
+                                               lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays)
+    step = base - backward + end
+    return StepForecast(step, base, comm_s + sum(delays), exposed)
