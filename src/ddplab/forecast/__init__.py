@@ -101,8 +101,11 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     inter = Link(latency if latency is not None else fitted.alpha, bandwidth or fitted.bandwidth)
     intra = Link(fitted.alpha if fit else (latency or 0.0), intra_bw or (fitted.bandwidth if fit else inter.bandwidth))
     scale = fit.compute_scale if fit else 1.0
-    notes.append(f"inter-node link: {inter.describe()} ({'given' if bandwidth and latency is not None else 'fitted' if bandwidth is None and latency is None else 'given and fitted'})")
-    notes.append(f"intra-node link: {intra.describe()} ({'given' if intra_bw else 'as fitted' if fit else 'as the inter-node link'})")
+    given = [name for name, value in (("bandwidth", bandwidth), ("latency", latency)) if value is not None]
+    source = "given" if len(given) == 2 else "fitted" if not given else f"{given[0]} given, the rest fitted"
+    notes.append(f"inter-node link: {inter.describe()} ({source})")
+    intra_source = "bandwidth given" if intra_bw else "as fitted" if fit else "as the inter-node link"
+    notes.append(f"intra-node link: {intra.describe()} ({intra_source})")
     if scale != 1.0:
         notes.append(f"each of several processes computes at {scale:.2f}x the 1-process time (fitted; "
                      f"processes sharing this machine's cores); separate devices would be nearer 1.0")
@@ -133,8 +136,9 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     for row in rows:
         row["speedup"] = epoch_one / row["epoch_s"] if row["epoch_s"] else None
         row["efficiency"] = row["speedup"] / row["processes"] if row["speedup"] else None
-    notes.append(f"{n_train} training samples, {batch} per process, gradient {sum(b['bytes'] for b in buckets):,} bytes "
-                 f"in {len(buckets)} bucket(s), hook {comm.hook}" + (f" (rank {rank})" if comm.hook == "powersgd" else ""))
+    grad = sum(b["bytes"] for b in buckets)
+    notes.append(f"{n_train} training samples, {batch} per process, gradient {grad:,} bytes in {len(buckets)} "
+                 f"bucket(s), hook {comm.hook}" + (f" (rank {rank})" if comm.hook == "powersgd" else ""))
     return Forecast(label, rows, notes, fit, compute, budget)
 
 
