@@ -145,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds before the agents are stopped")
     ns = p.parse_args(ours)
     if not ddplab_args:
-        p.error("give the ddplab arguments after --, e.g. -- train training.epochs=1")
+        print("twohost.py: error: give the ddplab arguments after --, e.g. -- train training.epochs=1", file=sys.stderr)
+        return 2
+    if ns.nproc_per_host < 1:
+        print(f"twohost.py: error: --nproc-per-host must be >= 1, got {ns.nproc_per_host}", file=sys.stderr)
+        return 2
     if ddplab_args[0] not in ("train", "verify"):
         ddplab_args = ["train", *ddplab_args]
     why = available()
