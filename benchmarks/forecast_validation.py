@@ -106,6 +106,7 @@ def main() -> int:
     grid = settings(ns.workload, netns=why is None)
     load_before = os.getloadavg()
     start = time.time()
+    ran = False
     with open(out / "runs.log", "a") as log:
         for rep in range(ns.repeats):  # alternate: every setting once per round
             for s in grid:
@@ -113,7 +114,13 @@ def main() -> int:
                 if not (folder / "metrics.json").is_file() or json.loads((folder / "metrics.json").read_text()).get("status") != "complete":
                     print(f"round {rep + 1}/{ns.repeats}: {s['name']}", file=sys.stderr, flush=True)
                     run_one(ns.workload, s, folder, log)
-    load_after = os.getloadavg()
+                    ran = True
+    # A second call only re-reads the runs: keep the load and time of the call that made them.
+    record = out / "load.json"
+    if ran or not record.is_file():
+        record.write_text(json.dumps({"before": load_before, "after": os.getloadavg(), "seconds": time.time() - start}))
+    loads = json.loads(record.read_text())
+    load_before, load_after, seconds = loads["before"], loads["after"], loads["seconds"]
     points = {s["name"]: [measured(out / f"{s['name']}-r{rep}") for rep in range(ns.repeats)] for s in grid}
 
     # The fit: compute from the 1-process runs, link and compute scale from the 2-process ones.
@@ -128,7 +135,7 @@ def main() -> int:
              f"{fit.compute_scale:.2f}; fit residual rms {fit.rms_rel:.1%} (worst {fit.max_rel:.1%})",
              f"{ns.repeats} alternating repeats per setting; load average before {load_before[0]:.2f} "
              f"{load_before[1]:.2f} {load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
-             f"{load_after[2]:.2f}; {time.time() - start:.0f} s of runs"
+             f"{load_after[2]:.2f}; {seconds:.0f} s of runs"
              + ("" if why is None else f"; netns rows left out: {why}"),
              "", "| setting | fitted on | predicted epoch (s) | measured median (s) | measured range (s) | error |",
              "|---|---|---|---|---|---|"]

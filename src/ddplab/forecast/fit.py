@@ -12,13 +12,13 @@ from scipy.optimize import least_squares
 from ddplab.forecast.links import Link
 from ddplab.forecast.model import Comm, Compute, Measured, predict_step
 
-# Free parameters, in the order they are freed as points allow: per-message latency (s),
-# compute scale (a process's compute time beside others / alone), seconds per byte.
-_NAMES = ("alpha", "compute_scale", "seconds_per_byte")
+# Free parameters, in the order they are freed as points allow: per-message latency (ms),
+# compute scale (a process's compute time beside others / alone), nanoseconds per byte. Units
+# that make all three of order 1, so that the solver's finite differences suit each.
+_NAMES = ("latency", "compute_scale", "bandwidth")
 _DEFAULT = np.array([0.0, 1.0, 0.0])
 _LOWER = np.array([0.0, 0.2, 0.0])
-_UPPER = np.array([1.0, 20.0, 1e-3])
-_SCALE = np.array([1e-4, 0.1, 1e-9])
+_UPPER = np.array([1000.0, 20.0, 1e6])
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Fit:
     compute_scale: float
     free: tuple[str, ...]
     points: list[tuple[Measured, float]]  # (run, predicted step s)
-    rms_rel: float  # root mean square of the relative residuals
+    rms_rel: float  # root mean square of the relative errors (predicted / measured - 1) at the fit
     max_rel: float
 
 
@@ -36,7 +36,7 @@ def comm_of(m: Measured, hook: str | None = None, rank: int = 1) -> Comm:
 
 
 def _link(x: np.ndarray) -> Link:
-    return Link(alpha=float(x[0]), bandwidth=1.0 / x[2] if x[2] > 0 else math.inf)
+    return Link(alpha=float(x[0]) / 1e3, bandwidth=1e9 / float(x[2]) if x[2] > 0 else math.inf)
 
 
 def predict_measured(compute: Compute, m: Measured, link: Link, scale: float) -> float:
@@ -47,7 +47,7 @@ def predict_measured(compute: Compute, m: Measured, link: Link, scale: float) ->
 
 
 def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
-    """Least squares over the multi-process runs. With n runs, min(n, 3) parameters are free:
+    """Least squares (on log step-time ratios) over the multi-process runs. With n runs, min(n, 3) parameters are free:
     latency first, then the compute scale, then the bandwidth; the others stay at no latency,
     scale 1, unlimited bandwidth."""
     free = min(len(multi), 3)
@@ -60,19 +60,21 @@ def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
     def residuals(x_free):
         x = full(x_free)
         link = _link(x)
-        return np.array([predict_measured(compute, m, link, x[1]) / m.step_s - 1 for m in multi])
+        # log(predicted / measured): symmetric, so a repeat slowed 2x by other jobs weighs as much
+        # as one sped up 2x, and the fit lands near the geometric mean of repeats.
+        return np.array([math.log(predict_measured(compute, m, link, x[1]) / m.step_s) for m in multi])
 
     best = None
     # The model has kinks (max of compute and communication), so start from a few places.
-    for alpha0 in (0.0, 1e-4, 1e-3, 1e-2):
-        for bw0 in (0.0, 1e-8):
-            start = np.array([alpha0, 1.0, bw0])[:free]
-            result = least_squares(residuals, start, bounds=(_LOWER[:free], _UPPER[:free]), x_scale=_SCALE[:free],
-                                   diff_step=1e-3, method="trf")
-            if best is None or result.cost < best.cost:
-                best = result
+    for alpha0 in (0.0, 0.1, 1.0, 10.0):
+        for scale0 in (1.0, 1.5):
+            for ns_per_byte0 in (0.0, 10.0):  # unlimited, 800 Mbit/s
+                start = np.array([alpha0, scale0, ns_per_byte0])[:free]
+                result = least_squares(residuals, start, bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
+                if best is None or result.cost < best.cost:
+                    best = result
     x = full(best.x)
     link = _link(x)
-    res = residuals(best.x)
     points = [(m, predict_measured(compute, m, link, x[1])) for m in multi]
-    return Fit(link, float(x[1]), _NAMES[:free], points, float(np.sqrt(np.mean(res**2))), float(np.max(np.abs(res))))
+    rel = np.array([predicted / m.step_s - 1 for m, predicted in points])
+    return Fit(link, float(x[1]), _NAMES[:free], points, float(np.sqrt(np.mean(rel**2))), float(np.max(np.abs(rel))))

@@ -90,13 +90,15 @@ def steps_per_epoch(train_samples: int, processes: int, batch: int, accum: int =
 
 
 def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:
-    """(a, c) of y = a + c * x: least squares over distinct x; from one x, all proportional to x
-    (per-sample work) or all constant (per-step work)."""
-    if len(set(xs)) >= 2:
-        c, a = np.polyfit(xs, ys, 1)
+    """(a, c) of y = a + c * x: least squares over distinct x (through each x's median, so a
+    repeat slowed by other jobs does not pull the line); from one x, the median of its repeats,
+    all proportional to x (per-sample work) or all constant (per-step work)."""
+    by_x = {x: statistics.median(y for xi, y in zip(xs, ys) if xi == x) for x in set(xs)}
+    if len(by_x) >= 2:
+        c, a = np.polyfit(list(by_x), list(by_x.values()), 1)
         return float(a), float(c)
-    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-    return (0.0, mean_y / mean_x) if proportional else (mean_y, 0.0)
+    ((x, y),) = by_x.items()
+    return (0.0, y / x) if proportional else (y, 0.0)
 
 
 @dataclass
