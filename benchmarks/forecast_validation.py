@@ -143,7 +143,11 @@ def main() -> int:
     for s in grid:
         ms = points[s["name"]]
         nodes = s.get("nodes", 1)
-        inter = Link(fit.link.alpha, parse_bandwidth(s["rate"].replace("mbit", "Mbit"))) if s.get("rate") else fit.link
+        inter = fit.link
+        if s.get("rate"):
+            # The veth pair carries what the fitted link carried (gloo's copies and sums on these
+            # CPUs) and then the tbf wire: their per-byte costs add.
+            inter = Link(fit.link.alpha, 1 / (1 / fit.link.bandwidth + 1 / parse_bandwidth(s["rate"])))
         step = predict_step(compute, comm, nodes, s["procs"] // nodes, s["b"], inter, fit.link, ms[0].accum,
                             fit.compute_scale, s.get("lat", 0.0), s.get("bw"))
         predicted = step.step_s * steps_per_epoch(ms[0].train_samples, s["procs"], s["b"], ms[0].accum)

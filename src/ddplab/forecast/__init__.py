@@ -106,7 +106,7 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     notes.append(f"inter-node link: {inter.describe()} ({source})")
     intra_source = "bandwidth given" if intra_bw else "as fitted" if fit else "as the inter-node link"
     notes.append(f"intra-node link: {intra.describe()} ({intra_source})")
-    if scale != 1.0:
+    if abs(scale - 1.0) > 0.02:
         notes.append(f"each of several processes computes at {scale:.2f}x the 1-process time (fitted; "
                      f"processes sharing this machine's cores); separate devices would be nearer 1.0")
 
