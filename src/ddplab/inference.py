@@ -29,7 +29,7 @@ def load_model(path: str | Path, trust_code: bool = False):
     shape = meta.get("input_shape")
     data = Data(train=None, task=task, meta=meta, input_shape=tuple(shape) if shape else None)
     check_trusted(cfg.model.name, trust_code, "model.name")
-    model = model_builder(cfg.model.name)(build_config(cfg, "model"), data)
+    model = _rebuild(cfg, data, trust_code)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
@@ -37,6 +37,29 @@ def load_model(path: str | Path, trust_code: bool = False):
         raise UserError(f"{path}: the checkpoint's weights do not fit the model its config builds ({first})") from None
     model.eval()
     return model, ckpt, task
+
+
+def _rebuild(cfg, data: Data, trust_code: bool):
+    """The model from the task and meta alone; a user model that reads its datasets (e.g. an
+    input's shape) gets them from the run's own data function."""
+    build = model_builder(cfg.model.name)
+    try:
+        return build(build_config(cfg, "model"), data)
+    except Exception as first:  # noqa: BLE001 - retried with the real data, or reported in one line
+        if ":" not in cfg.data.name:
+            raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
+                            f"({type(first).__name__}: {first})") from None
+    from ddplab.engine.setup import build_data
+    from ddplab.registry import workload
+
+    check_trusted(cfg.data.name, trust_code, "data.name")
+    full = build_data(cfg, None, workload(cfg))
+    full.meta, full.task = data.meta, data.task
+    try:
+        return build(build_config(cfg, "model"), full)
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
+                        f"({type(exc).__name__}: {exc})") from None
 
 
 def sample(model, meta: dict, prompt: str, max_new_tokens: int, temperature: float = 0.8,

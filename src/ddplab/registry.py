@@ -119,8 +119,12 @@ def check_config(cfg) -> None:
 
 def _mismatch(cfg, model: Spec, data: Spec) -> str:
     fitting = sorted(n for n, s in DATA.items() if s.inputs in ("any", model.inputs) and s.task in ("any", model.task))
+    models = [n for n, s in MODELS.items() if s.inputs == data.inputs and s.task == data.task]
+    if data.inputs == "image":
+        models.append("any torchvision classifier")
     return (f"model.name={cfg.model.name} reads {model.inputs} for a {model.task} task but data.name={cfg.data.name} "
-            f"gives {data.inputs} ({data.task}): set data.name to one of {', '.join(fitting)}")
+            f"gives {data.inputs} ({data.task}): use model.name={' or '.join(models)}, or data.name one of "
+            f"{', '.join(fitting)}")
 
 
 def check_files(cfg) -> None:
