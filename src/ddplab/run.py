@@ -10,7 +10,9 @@ from pathlib import Path
 from ddplab import distributed
 from ddplab.config import Config, dump_yaml
 from ddplab.engine.checkpoint import BEST, load_file
+from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.hostmem import keep_freed_memory
+from ddplab.engine.lock import own_run_folder
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.trainer import Trainer
@@ -58,10 +60,9 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
     phases = Phases()
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
     work = workload(cfg, data_fn, model_fn)
-    with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx:
+    with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
+            own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
         phases.mark("rendezvous")
-        decision = resolve_run_dir(cfg) if ctx.is_main else None
-        run_dir, note = ctx.broadcast_object(decision)
         trainer = run = None
         try:
             # Data and model first: a start that fails here writes nothing to the run folder.
@@ -69,6 +70,7 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
             data = build_data(cfg, ctx, work)
             phases.mark("data")
             model = build_model(cfg, ctx, work, data)
+            check_resume_path(cfg, model)
             seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
             phases.mark("model")
             run = RunFolder(run_dir, ctx.is_main, tensorboard=cfg.logging.tensorboard)

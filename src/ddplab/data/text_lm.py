@@ -29,9 +29,23 @@ def read_corpus(path: str | None) -> str:
             raise UserError(f"data.path: folder {path} holds no .txt files")
     else:
         raise UserError(f"data.path: no such file or folder: {path}")
-    text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    text = "\n".join(_read_utf8(f) for f in files)
     if len(text) < 16:
         raise UserError(f"data.path: {path} holds too little text ({len(text)} characters)")
+    return text
+
+
+def _read_utf8(path: Path) -> str:
+    """A character corpus is UTF-8 text; anything else (a binary file) would silently train
+    on a vocabulary of junk (hundreds of symbols), so it is refused."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"data.path: {path} is not UTF-8 text (byte {err.start}: {data[err.start]:#04x}); "
+                        "give a text file, or convert it to UTF-8") from None
+    if "\x00" in text:
+        raise UserError(f"data.path: {path} holds NUL bytes: a binary file, not text") from None
     return text
 
 

@@ -1,0 +1,96 @@
+"""Which config changes an unfinished run may be continued under.
+
+`checkpoint.resume=auto` continues the run in its folder only when the resolved config
+equals the one in the folder's config.yaml apart from SAFE_TO_CHANGE: fields that change
+how long, where, how loudly or how fast a run goes, never what it computes per step.
+(World size is not a config field: another process count is always allowed, see README.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddplab.errors import UserError
+
+# Dotted fields, or whole sections ending in ".". Kept in one place; README lists the same.
+SAFE_TO_CHANGE = (
+    "training.epochs",  # extend (or shorten) the run; the schedule's length follows it
+    "training.max_steps",
+    "training.time_budget",
+    "training.keep_host_memory",
+    "logging.",
+    "generate.",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.cache_dir",
+    "distributed.timeout",
+    "distributed.backend",
+    "checkpoint.every",
+    "checkpoint.keep_last",
+    "checkpoint.resume",
+    "experiment.output_dir",
+)
+
+
+def safe(dotted: str) -> bool:
+    return any(dotted == s or (s.endswith(".") and dotted.startswith(s)) for s in SAFE_TO_CHANGE)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differences(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(field, old, new) for every field that differs and is not safe to change, in config order."""
+    a, b = flatten(old), flatten(new)
+    keys = list(b) + [k for k in a if k not in b]
+    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and not safe(k)]
+
+
+def check_resume(run_dir: Path, new: dict) -> None:
+    """Refuse (UserError) to continue the unfinished run in `run_dir` under a config that changes what it computes."""
+    stored = Path(run_dir) / "config.yaml"
+    if not stored.is_file():
+        return  # a folder without a recorded config holds no run to protect
+    import yaml
+
+    try:
+        old = yaml.safe_load(stored.read_text())
+    except (OSError, yaml.YAMLError):
+        old = None
+    if not isinstance(old, dict):
+        raise UserError(f"{stored} is unreadable, so the unfinished run there cannot be checked; "
+                        "start a new run with experiment.name=... or checkpoint.resume=never")
+    diff = differences(old, new)
+    if diff:
+        shown = ", ".join(f"{k}: {v!r} -> {w!r}" for k, v, w in diff[:3]) + (f" (+{len(diff) - 3} more)" if len(diff) > 3 else "")
+        raise UserError(f"{run_dir} holds an unfinished run with another config ({shown}); rerun with its config to "
+                        "continue it, or start a new run with experiment.name=... or checkpoint.resume=never")
+
+
+def check_resume_path(cfg, model) -> None:
+    """An explicit checkpoint.resume=PATH must be a loadable snapshot of this model's shape."""
+    path = cfg.checkpoint.resume
+    if path in ("auto", "never"):
+        return
+    from ddplab.engine.checkpoint import Checkpointer
+
+    snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path))
+    mine = model.state_dict()
+    theirs = snap["model"]
+    missing = [k for k in mine if k not in theirs]
+    extra = [k for k in theirs if k not in mine]
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise UserError(f"checkpoint.resume: {path} holds another model ({'no' if missing else 'an unknown'} "
+                        f"parameter {name}); resume with the config it was trained with")
+    for k, v in mine.items():
+        if tuple(v.shape) != tuple(theirs[k].shape):
+            raise UserError(f"checkpoint.resume: {path} holds another model ({k} is {tuple(theirs[k].shape)}, "
+                            f"this config builds {tuple(v.shape)}); resume with the config it was trained with")

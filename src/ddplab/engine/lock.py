@@ -1,0 +1,134 @@
+"""One owner per run folder: an OS lock held for the whole job.
+
+The lock is `flock` on the run folder itself (a directory file descriptor), so taking it
+writes nothing: a start that then fails leaves an existing folder byte-identical. The
+kernel drops it when its holder dies, so a SIGKILL never leaves a stale lock. The holder
+writes who it is (host, PID) to `<run>/.lock` and removes it at release; a second start
+finds the folder locked and names that holder in its one-line error.
+
+Under `ddplab train --nproc-per-node` the launcher holds the lock (so `--max-restarts`
+restarts keep it) and tells the workers through DDPLAB_LOCKED_RUN; under plain torchrun
+or srun, rank 0 holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from ddplab.errors import UserError
+
+HOLDER_FILE = ".lock"
+LOCKED_ENV = "DDPLAB_LOCKED_RUN"  # the run folder a ddplab launcher already holds
+
+
+class RunLock:
+    """`flock(LOCK_EX | LOCK_NB)` on a folder; `UserError` naming the holder when taken."""
+
+    def __init__(self, path: str | Path, what: str = "run folder") -> None:
+        self.path = Path(path)
+        self.what = what
+        self.fd: int | None = None
+        self._created: Path | None = None  # the outermost folder this lock created (removed if left empty)
+
+    def acquire(self) -> "RunLock":
+        """Create the folder if needed (a new folder only) and lock it; raise if another job holds it."""
+        missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._created = missing[-1] if missing else None
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self._remove_if_empty()
+            raise UserError(f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
+                            "or give this run another experiment.name") from None
+        self.fd = fd
+        # Who holds it, for the error of a second start; removed again at release, so a
+        # start that fails leaves the folder as it found it.
+        tmp = self.path / f"{HOLDER_FILE}.tmp"
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+        os.replace(tmp, self.path / HOLDER_FILE)
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        (self.path / HOLDER_FILE).unlink(missing_ok=True)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+        self._remove_if_empty()
+
+    def _remove_if_empty(self) -> None:
+        """A start that failed leaves no empty folder behind (only the ones it created)."""
+        if self._created is None:
+            return
+        for p in (self.path, *self.path.parents):
+            try:
+                p.rmdir()
+            except OSError:
+                return
+            if p == self._created:
+                return
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def holder(path: Path) -> str:
+    """'host H, PID P' from the holder's file, or a vaguer phrase while it is still starting."""
+    try:
+        info = json.loads((Path(path) / HOLDER_FILE).read_text())
+        return f"another ddplab job (host {info['host']}, PID {info['pid']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another ddplab job that is still starting"
+
+
+def held_by_launcher(path: Path) -> bool:
+    """True when the ddplab launcher that started this worker already holds `path`."""
+    held = os.environ.get(LOCKED_ENV)
+    return bool(held) and Path(held).resolve() == Path(path).resolve()
+
+
+def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple]:
+    """Rank 0: lock the resolved run folder (unless the launcher holds it) and check that an
+    unfinished run there may be continued under `cfg`. Returns the lock and, for every rank,
+    (run_dir, note, error message or None)."""
+    from ddplab.engine.fingerprint import check_resume
+
+    run_dir, note = resolved
+    lock = None
+    try:
+        if not held_by_launcher(run_dir):
+            lock = RunLock(run_dir).acquire()
+        if cfg.checkpoint.resume == "auto":
+            check_resume(run_dir, cfg.to_dict())
+    except UserError as err:
+        if lock is not None:
+            lock.release()
+        return None, (run_dir, note, str(err))
+    return lock, (run_dir, note, None)
+
+
+@contextlib.contextmanager
+def own_run_folder(cfg, ctx, resolve):
+    """Every rank: yields (run_dir, note) once rank 0 owns the folder `resolve(cfg)` picks;
+    raises the same UserError on every rank when it cannot. Released when the job ends."""
+    lock, decision = claim(cfg, resolve(cfg)) if ctx.is_main else (None, None)
+    try:
+        run_dir, note, error = ctx.broadcast_object(decision)
+        if error:
+            raise UserError(error)
+        yield run_dir, note
+    finally:
+        if lock is not None:
+            lock.release()
