@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--repeat", type=int, help="run each point N times (same seed) and report medians with "
                     "min-max; default: experiment.repeats of the config (1)")
 
+    ss = sub.add_parser("status", help="a run folder's status; exit 0 complete, 75 pre-empted (requeue), 1 otherwise")
+    ss.add_argument("run", help="run folder")
+
     r = sub.add_parser("report", help="tables and plots (report.md, report.csv, PNGs) from run folders")
     r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     r.add_argument("--output", help="folder for the report (default: the folder given, or ./report for several)")
@@ -117,8 +120,10 @@ def cmd_train(ns) -> int:
     if ns.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if ns.nproc_per_node or ns.max_restarts:
-        from ddplab.launch import run_workers_here
+        from ddplab.engine.lock import claim
+        from ddplab.launch import run_workers
         from ddplab.metrics.phases import note_launch
+        from ddplab.run import resolve_run_dir
 
         if ":" in cfg.model.name or ":" in cfg.data.name:
             # User code: build its data and model here once, so that bad code fails in one line
@@ -126,8 +131,22 @@ def cmd_train(ns) -> int:
             from ddplab.engine.setup import preflight
 
             preflight(cfg)
-        note_launch()  # the workers' start-up breakdown begins at this process's start
-        return run_workers_here(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
+        # The launcher owns the run folder for the whole job, restarts included.
+        lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
+        if error:
+            raise UserError(error)
+        try:
+            if note:
+                print(note, flush=True)
+            note_launch()  # the workers' start-up breakdown begins at this process's start
+            return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
+                               locked_run=str(run_dir))
+        finally:
+            lock.release()
+    from ddplab.launch import die_with_parent, report_preempted, under_agent
+
+    if under_agent():
+        die_with_parent()  # a worker never outlives its torchrun agent
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from ddplab.engine.preemption import EXIT_PREEMPTED
@@ -136,13 +155,25 @@ def cmd_train(ns) -> int:
     # record(): under torchrun, the failing rank's exception is written where the launcher
     # prints it in its failure summary.
     summary = record(train)(cfg)
-    return EXIT_PREEMPTED if summary["status"] == "preempted" else 0
+    if summary["status"] == "preempted":
+        report_preempted()
+        return EXIT_PREEMPTED
+    return 0
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """temperature 0 is greedy decoding and top-k 0 means no top-k; negative values are refused."""
+    _positive("--max-new-tokens", max_new_tokens)
+    if not temperature >= 0:  # NaN too
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = no top-k), got {top_k}")
 
 
 def cmd_generate(ns) -> int:
     from ddplab.inference import load_model, sample
 
-    _positive("--max-new-tokens", ns.max_new_tokens)
+    _check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
     model, ckpt, _ = load_model(ns.run, ns.trust_code)
     print(sample(model, ckpt.get("meta", {}), ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed))
     return 0
@@ -213,6 +244,21 @@ def cmd_report(ns) -> int:
     return 0
 
 
+def cmd_status(ns) -> int:
+    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'."""
+    import json
+
+    path = Path(ns.run) / "metrics.json"
+    if not path.is_file():
+        raise UserError(f"no run folder at {ns.run} (no metrics.json)")
+    try:
+        status = json.loads(path.read_text()).get("status", "unknown")
+    except (OSError, ValueError, AttributeError):
+        raise UserError(f"{path} is not a ddplab metrics.json") from None
+    print(status)
+    return {"complete": 0, "preempted": 75}.get(status, 1)
+
+
 def cmd_forecast(ns) -> int:
     from ddplab.forecast import Options, make_forecast
 
@@ -226,7 +272,7 @@ def cmd_forecast(ns) -> int:
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict, "verify": cmd_verify,
             "study": cmd_study, "report": cmd_report,
-            "forecast": cmd_forecast}
+            "forecast": cmd_forecast, "status": cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[ns.command](ns)
     except UserError as err:
-        print(f"ddplab: error: {err}", file=sys.stderr)
+        from ddplab.launch import report_error
+
+        if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
+            print(f"ddplab: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("ddplab: interrupted", file=sys.stderr)

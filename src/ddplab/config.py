@@ -136,8 +136,8 @@ class LoggingConfig:
 class GenerateConfig:
     prompt: str = _f("\n", "prompt for the sample printed after training a language model")
     max_new_tokens: int = _f(300, "tokens to sample (0 disables the sample)", min=0)
-    temperature: float = _f(0.8, "sampling temperature", positive=True)
-    top_k: Optional[int] = _f(40, "sample among the k most likely tokens", positive=True)
+    temperature: float = _f(0.8, "sampling temperature; 0 = greedy (the most likely token)", min=0.0)
+    top_k: Optional[int] = _f(40, "sample among the k most likely tokens; 0 or null = all", min=0)
 
 
 @dataclass

@@ -274,6 +274,17 @@ def build_torchvision(cfg, ctx) -> DataBundle:
     return _bundle(cfg, meta, Subset(data, train), Subset(data, val), image_tensors(*tensors[1], meta))
 
 
+def read_image(path: str):
+    """torchvision's loader, with a corrupt or unreadable file named in one line (found mid-training)."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f, Image.open(f) as img:
+            return img.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise UserError(f"cannot read image {path}: {err}") from None
+
+
 def build_image_folder(cfg, ctx) -> DataBundle:
     from torchvision.datasets import ImageFolder
 
@@ -281,7 +292,7 @@ def build_image_folder(cfg, ctx) -> DataBundle:
 
     def read(path: Path) -> ImageFolder:
         try:
-            return ImageFolder(str(path))
+            return ImageFolder(str(path), loader=read_image)
         except FileNotFoundError as exc:  # a class folder without images
             raise UserError(f"data.root: {str(exc).splitlines()[0]}") from None
 

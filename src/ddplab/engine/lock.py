@@ -38,7 +38,11 @@ class RunLock:
     def acquire(self) -> "RunLock":
         """Create the folder if needed (a new folder only) and lock it; raise if another job holds it."""
         missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # a file where a folder should be, a read-only place, ...
+            raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check experiment.output_dir "
+                            "and experiment.name)") from None
         self._created = missing[-1] if missing else None
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -123,7 +127,11 @@ def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple
 def own_run_folder(cfg, ctx, resolve):
     """Every rank: yields (run_dir, note) once rank 0 owns the folder `resolve(cfg)` picks;
     raises the same UserError on every rank when it cannot. Released when the job ends."""
-    lock, decision = claim(cfg, resolve(cfg)) if ctx.is_main else (None, None)
+    if ctx.is_main:
+        launcher_held = os.environ.get(LOCKED_ENV)  # the launcher picked (and holds) the folder
+        lock, decision = claim(cfg, (Path(launcher_held), None) if launcher_held else resolve(cfg))
+    else:
+        lock, decision = None, None
     try:
         run_dir, note, error = ctx.broadcast_object(decision)
         if error:
