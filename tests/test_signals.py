@@ -1,0 +1,149 @@
+"""Signals to real 2-process jobs: SIGTERM to `ddplab train --nproc-per-node 2` snapshots and
+exits 75, and the same command then ends as if never stopped; SIGKILL of the launcher or of
+the torchrun agent leaves no worker behind; plain torchrun's requeue check (`ddplab status`)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_GPT, _env, assert_ok, ddplab
+from ddplab.engine.checkpoint import Checkpointer
+
+TAG = "DDPLAB_TEST_TAG"  # marks every process of one job, found again through /proc/PID/environ
+
+
+def _args(corpus: Path, name: str, *extra: str) -> list[str]:
+    # 2 ranks x batch 8, 320 samples: 20 steps, so a signal after step 2 meets a running job.
+    return ["train", f"data.path={corpus}", *TINY_GPT, "data.limit=320", "training.epochs=1", "logging.log_every=1",
+            "generate.max_new_tokens=0", "distributed.timeout=60", f"experiment.name={name}", *extra]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from ddplab.data.text_lm import embedded_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(embedded_corpus()[:40_000])
+    return path
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes (zombies have no environment) carrying this job's tag."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"{TAG}={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def start(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen, str, Path]:
+    tag = uuid.uuid4().hex
+    out = cwd / f"{tag}.out"
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env() | {TAG: tag}, stdout=open(out, "w"), stderr=subprocess.PIPE,
+                            text=True)
+    return proc, tag, out
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int = 2, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while f"step {step}:" not in out.read_text():
+        assert proc.poll() is None, f"exit {proc.returncode}: {proc.stderr.read()[-2000:]}"
+        assert time.time() < deadline, "the job never reached its first steps"
+        time.sleep(0.1)
+
+
+def wait_until_gone(tag: str, seconds: float) -> float:
+    """Seconds until no process of the job is left; fails after `seconds`."""
+    t0 = time.time()
+    while tagged(tag):
+        assert time.time() - t0 < seconds, f"processes left after {seconds} s: {tagged(tag)}"
+        time.sleep(0.1)
+    return time.time() - t0
+
+
+def launcher(corpus: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", *_args(corpus, name, *extra)[1:]]
+
+
+def _weights(run: Path) -> dict:
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    return ck.load_snapshot(ck.latest())["model"]
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def test_sigterm_to_the_launcher_snapshots_exits_75_and_the_rerun_ends_as_if_never_stopped(tmp_path, corpus):
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    assert_ok(ddplab(*launcher(corpus, "r")[3:], cwd=reference))
+
+    proc, tag, out = start(launcher(corpus, "r"), tmp_path)
+    wait_for_step(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert wait_until_gone(tag, 10) < 10  # agent and both workers ended with it
+    run = tmp_path / "experiments" / "r"
+    summary = _summary(run)
+    stopped = summary["aggregates"]["steps"]
+    assert summary["status"] == "preempted" and 2 <= stopped < 20
+    assert Checkpointer(run / "checkpoints", is_main=False).latest().name == f"step-{stopped:09d}"
+    assert "Traceback" not in err and "SignalException" not in err
+
+    again = ddplab(*launcher(corpus, "r")[3:], cwd=tmp_path)  # the same command continues
+    assert_ok(again)
+    done, ref = _summary(run), _summary(reference / "experiments" / "r")
+    assert done["status"] == "complete" and done["aggregates"]["resumes"] == 1
+    assert [(r["step"], r["loss"]) for r in done["steps"]] == [(r["step"], r["loss"]) for r in ref["steps"]]
+    mine, theirs = _weights(run), _weights(reference / "experiments" / "r")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize("victim", ["launcher", "agent"])
+def test_sigkill_of_the_launcher_or_the_agent_leaves_no_worker(tmp_path, corpus, victim):
+    proc, tag, out = start(launcher(corpus, victim, "training.epochs=100"), tmp_path)
+    try:
+        wait_for_step(proc, out)
+        assert len(tagged(tag)) >= 4  # launcher, agent, 2 workers
+        agents = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        os.kill(proc.pid if victim == "launcher" else agents[0], signal.SIGKILL)
+        assert wait_until_gone(tag, 10) < 10  # (a dead launcher is a zombie until reaped: no environment)
+        proc.wait(timeout=30)
+        if victim == "agent":
+            assert proc.returncode == 128 + signal.SIGKILL  # the launcher says how its job ended
+    finally:
+        for pid in tagged(tag):  # never leave a job running on the test machine
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_plain_torchrun_requeue_recipe_reads_the_run_status(tmp_path, corpus):
+    """torchrun's agent exits 1 on SIGTERM whatever its workers did; `ddplab status` says 75."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
+           *_args(corpus, "t", "training.epochs=100")]
+    proc, tag, out = start(cmd, tmp_path)
+    wait_for_step(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 75  # why the recipe cannot use torchrun's exit code
+    assert wait_until_gone(tag, 10) < 10
+    status = ddplab("status", "experiments/t", cwd=tmp_path)
+    assert (status.returncode, status.stdout.strip()) == (75, "preempted")
+    # The README's recipe, as a shell runs it.
+    recipe = subprocess.run(["bash", "-c", f"{sys.executable} -m ddplab status experiments/t; "
+                             "[ $? -eq 75 ] && echo requeue"], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert recipe.stdout.split() == ["preempted", "requeue"]
