@@ -227,9 +227,12 @@ def cmd_study(ns) -> int:
     study_dir = Path(ns.output_dir) / name
     points = expand(config, common, parse_setups(ns.nproc, ns.nnodes), parse_sweeps(ns.sweeps), str(study_dir), repeat)
     grid = len({p.point for p in points})
-    print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
-    run_study(study_dir, config, points)
-    report = make_report([study_dir], study_dir, budget)
+    from ddplab.engine.lock import RunLock
+
+    with RunLock(study_dir, what="study folder"):  # one study per folder; each point also locks its own
+        print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
+        run_study(study_dir, config, points)
+        report = make_report([study_dir], study_dir, budget)
     print(f"report: {report}")
     return 0
 

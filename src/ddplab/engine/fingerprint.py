@@ -28,7 +28,8 @@ SAFE_TO_CHANGE = (
     "checkpoint.every",
     "checkpoint.keep_last",
     "checkpoint.resume",
-    "experiment.output_dir",
+    "experiment.output_dir",  # the folder was found by these two: a moved or renamed folder is the same run
+    "experiment.name",
 )
 
 
