@@ -196,7 +196,8 @@ def test_a_held_run_folder_is_refused_naming_the_holder(place, monkeypatch, capf
 
 @pytest.mark.parametrize("argv, phrase", [
     (["train", "--nproc-per-node", "2", *TRAIN, "data.path=empty.txt", "experiment.name=new"], "too little text"),
-    (["train", "--nproc-per-node", "2", *TRAIN, "training.batch_size=4", "experiment.name=open"], "training.batch_size"),
+    (["train", "--nproc-per-node", "2", *TRAIN, "training.batch_size=4", "experiment.name=open"],
+     "training.batch_size"),
 ], ids=["workers-find-an-empty-corpus", "launcher-finds-a-changed-config"])
 def test_real_processes_print_one_line(place, argv, phrase):
     """Under the launcher, a user error that only the workers can see reaches the console once."""

@@ -229,7 +229,8 @@ def cmd_study(ns) -> int:
     grid = len({p.point for p in points})
     from ddplab.engine.lock import RunLock
 
-    with RunLock(study_dir, what="study folder"):  # one study per folder; each point also locks its own
+    # One study per folder; each point also locks its own run folder.
+    with RunLock(study_dir, what="study folder", names="--output-dir or --name"):
         print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
         run_study(study_dir, config, points)
         report = make_report([study_dir], study_dir, budget)

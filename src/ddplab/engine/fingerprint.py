@@ -70,7 +70,9 @@ def check_resume(run_dir: Path, new: dict) -> None:
                         "start a new run with experiment.name=... or checkpoint.resume=never")
     diff = differences(old, new)
     if diff:
-        shown = ", ".join(f"{k}: {v!r} -> {w!r}" for k, v, w in diff[:3]) + (f" (+{len(diff) - 3} more)" if len(diff) > 3 else "")
+        shown = ", ".join(f"{k}: {v!r} -> {w!r}" for k, v, w in diff[:3])
+        if len(diff) > 3:
+            shown += f" (+{len(diff) - 3} more)"
         raise UserError(f"{run_dir} holds an unfinished run with another config ({shown}); rerun with its config to "
                         "continue it, or start a new run with experiment.name=... or checkpoint.resume=never")
 

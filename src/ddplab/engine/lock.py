@@ -29,9 +29,11 @@ LOCKED_ENV = "DDPLAB_LOCKED_RUN"  # the run folder a ddplab launcher already hol
 class RunLock:
     """`flock(LOCK_EX | LOCK_NB)` on a folder; `UserError` naming the holder when taken."""
 
-    def __init__(self, path: str | Path, what: str = "run folder") -> None:
+    def __init__(self, path: str | Path, what: str = "run folder",
+                 names: str = "experiment.output_dir and experiment.name") -> None:
         self.path = Path(path)
         self.what = what
+        self.names = names  # the settings that chose the folder, for the error messages
         self.fd: int | None = None
         self._created: Path | None = None  # the outermost folder this lock created (removed if left empty)
 
@@ -41,8 +43,7 @@ class RunLock:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:  # a file where a folder should be, a read-only place, ...
-            raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check experiment.output_dir "
-                            "and experiment.name)") from None
+            raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check {self.names})") from None
         self._created = missing[-1] if missing else None
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -51,7 +52,7 @@ class RunLock:
             os.close(fd)
             self._remove_if_empty()
             raise UserError(f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
-                            "or give this run another experiment.name") from None
+                            f"or change {self.names}") from None
         self.fd = fd
         # Who holds it, for the error of a second start; removed again at release, so a
         # start that fails leaves the folder as it found it.
