@@ -207,3 +207,19 @@ def test_real_processes_print_one_line(place, argv, phrase):
     assert proc.returncode == 2 and len(lines) == 1 and phrase in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert tree_digest(place / "experiments") == before
+
+
+def test_temperature_0_is_greedy_and_top_k_0_is_no_top_k(place, monkeypatch, capfd):
+    """Formerly tracebacks: both are meaningful values, not bad input."""
+    monkeypatch.chdir(place)
+    texts = []
+    for seed in ("1", "2"):
+        assert main(["generate", DONE, "--temperature", "0", "--max-new-tokens", "30", "--seed", seed]) == 0
+        texts.append(capfd.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0].strip()) > 0  # greedy: the seed does not matter
+    sampled = []
+    for seed in ("1", "2"):
+        assert main(["generate", DONE, "--top-k", "0", "--temperature", "2", "--max-new-tokens", "30",
+                     "--seed", seed]) == 0
+        sampled.append(capfd.readouterr().out)
+    assert sampled[0] != sampled[1]  # still sampling, over the whole vocabulary
