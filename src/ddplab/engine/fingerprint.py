@@ -23,6 +23,8 @@ SAFE_TO_CHANGE = (
     "data.num_workers",
     "data.pin_memory",
     "data.cache_dir",
+    "data.cache",  # the image cache holds the same decoded pixels
+    "experiment.repeats",  # read by `ddplab study` only
     "distributed.timeout",
     "distributed.backend",
     "checkpoint.every",
