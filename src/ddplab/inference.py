@@ -29,7 +29,7 @@ def load_model(path: str | Path, trust_code: bool = False):
     shape = meta.get("input_shape")
     data = Data(train=None, task=task, meta=meta, input_shape=tuple(shape) if shape else None)
     check_trusted(cfg.model.name, trust_code, "model.name")
-    model = _rebuild(cfg, data, trust_code)
+    model, task = _rebuild(cfg, data, trust_code)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
@@ -44,7 +44,7 @@ def _rebuild(cfg, data: Data, trust_code: bool):
     input's shape) gets them from the run's own data function."""
     build = model_builder(cfg.model.name)
     try:
-        return build(build_config(cfg, "model"), data)
+        return build(build_config(cfg, "model"), data), data.task
     except Exception as first:  # noqa: BLE001 - retried with the real data, or reported in one line
         if ":" not in cfg.data.name:
             raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
@@ -54,9 +54,9 @@ def _rebuild(cfg, data: Data, trust_code: bool):
 
     check_trusted(cfg.data.name, trust_code, "data.name")
     full = build_data(cfg, None, workload(cfg))
-    full.meta, full.task = data.meta, data.task
+    full.meta = data.meta
     try:
-        return build(build_config(cfg, "model"), full)
+        return build(build_config(cfg, "model"), full), full.task  # the run's own task, not a plain one
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
                         f"({type(exc).__name__}: {exc})") from None

@@ -74,7 +74,7 @@ def predict(run: str, items: list[str], batch_size: int = 32, trust_code: bool =
             except RuntimeError as exc:
                 first = (str(exc).strip().splitlines() or [""])[0][:120]
                 raise UserError(f"the inputs do not fit the model ({first})") from None
-            if task.kind == "classification":
+            if getattr(task, "num_classes", None):  # built-in or user classifiers: label and probability
                 p, idx = torch.softmax(output, dim=-1).max(-1)
                 out += [(item, names[int(j)], float(q)) for item, j, q in zip(chunk, idx, p)]
             else:
