@@ -171,25 +171,6 @@ def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, *
     return code
 
 
-def run_workers_here(nproc: int, args: list[str], **kwargs) -> int:
-    """`run_workers` with torch's launcher in this process, not a child: `ddplab train` has
-    already paid for an interpreter and the torch import (its config checks need torch), so a
-    second launcher process would pay for both again, before any worker starts.
-    (Not used by `ddplab train --nproc-per-node`, whose agent is a child so that the launcher can
-    forward signals, exit 75 and print workers' user errors once; see run_workers.)"""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cmd = torchrun_command(nproc, args, **kwargs)
-    try:
-        torchrun(cmd[cmd.index("torch.distributed.run") + 1:])
-    except ChildFailedError as exc:  # the workers printed their errors; this is torch's summary of them
-        print(exc.format_msg(), file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":  # the agent: torchrun that dies with the launcher
     import runpy
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ddplab.data import text_cache
 from ddplab.errors import UserError
 
 META = "meta.json"
@@ -136,34 +137,6 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def ensure(ctx, folder: Path, build: Callable[[], None]) -> None:
-    """Rank 0 builds the cache if it is missing while the others wait; then each other node's
-    first rank, if its filesystem does not show rank 0's copy. Errors reach every rank."""
-    if ctx is None or not ctx.is_distributed:
-        if not is_complete(folder):
-            build()
-        return
-    for builder in (ctx.is_main, not ctx.is_main and ctx.local_rank == 0):
-        error, failure = None, None
-        if builder and not is_complete(folder):
-            try:
-                build()
-            except UserError as exc:
-                error = str(exc)
-            except Exception as exc:  # noqa: BLE001 - the others must not wait forever for a crashed builder
-                error = f"building the image cache failed on rank {ctx.rank}: {type(exc).__name__}: {exc}"
-                failure = exc
-        errors = [e for e in ctx.gather_objects(error) if e]  # also the barrier the others wait at
-        if failure is not None:
-            raise failure
-        if errors:
-            raise UserError(errors[0])
-    blind = [r for r in ctx.gather_objects(None if is_complete(folder) else ctx.rank) if r is not None]
-    if blind:
-        raise UserError(f"image cache {folder} was built but rank(s) {blind} cannot see it: the processes of a "
-                        f"node must share one experiment.output_dir (or data.cache_dir)")
-
-
 class CachedImages(Dataset):
     """Read-only view of a complete cache: items are (normalised float (C, S, S), label).
 
@@ -211,5 +184,5 @@ def cached_folder(cfg, ctx, dataset, meta: dict) -> CachedImages:
     def build() -> None:
         write(folder, dataset.samples, meta, log=lambda line: print(line, flush=True))
 
-    ensure(ctx, folder, build)
+    text_cache.ensure(ctx, folder, build, what="image cache")
     return CachedImages(folder, meta)

@@ -102,11 +102,14 @@ def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
     return n
 
 
-def ensure(ctx, folder: Path, build: Callable[[], None]) -> None:
-    """Rank 0 builds the cache if it is missing while the others wait; errors reach every rank.
-
-    Without a filesystem shared across nodes, each other node's first rank then builds its own copy.
-    """
+def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cache") -> None:
+    """Rank 0 builds a cache folder (complete once its meta.json exists) if it is missing while
+    the others wait; errors reach every rank. Without a filesystem shared across nodes, each
+    other node's first rank then builds its own copy. The image cache uses it too."""
+    if ctx is None or not ctx.is_distributed:
+        if not is_complete(folder):
+            build()
+        return
     for builder in (ctx.is_main, not ctx.is_main and ctx.local_rank == 0):
         error, failure = None, None
         if builder and not is_complete(folder):
@@ -115,7 +118,7 @@ def ensure(ctx, folder: Path, build: Callable[[], None]) -> None:
             except UserError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - the others must not wait forever for a crashed rank 0
-                error = f"building the token cache failed on rank {ctx.rank}: {type(exc).__name__}: {exc}"
+                error = f"building the {what} failed on rank {ctx.rank}: {type(exc).__name__}: {exc}"
                 failure = exc
         errors = [e for e in ctx.gather_objects(error) if e]  # also the barrier the others wait at
         if failure is not None:
@@ -124,7 +127,7 @@ def ensure(ctx, folder: Path, build: Callable[[], None]) -> None:
             raise UserError(errors[0])
     blind = [r for r in ctx.gather_objects(None if is_complete(folder) else ctx.rank) if r is not None]
     if blind:
-        raise UserError(f"token cache {folder} was built but rank(s) {blind} cannot see it: the processes of a "
+        raise UserError(f"{what} {folder} was built but rank(s) {blind} cannot see it: the processes of a "
                         f"node must share one experiment.output_dir (or data.cache_dir)")
 
 
