@@ -106,7 +106,7 @@ def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cach
     """Rank 0 builds a cache folder (complete once its meta.json exists) if it is missing while
     the others wait; errors reach every rank. Without a filesystem shared across nodes, each
     other node's first rank then builds its own copy. The image cache uses it too."""
-    if ctx is None or not ctx.is_distributed:
+    if ctx is None:  # built outside a job (tests, predict): no one to wait for
         if not is_complete(folder):
             build()
         return
