@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,34 @@ def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_text(embedded_corpus()[:60_000])
     return path
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group, for DDP and comm-hook tests inside the pytest process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    group = dist.group.WORLD
+    yield
+    # Hook callbacks run on the group's worker threads and may hold the test's DDP state (which
+    # holds the group). Were a worker thread to drop the group's last reference, the group's
+    # destructor would join that very thread and abort the whole pytest process. So: let the
+    # callbacks finish, collect the test's objects here, and drop the group here, last.
+    time.sleep(0.2)
+    gc.collect()
+    dist.destroy_process_group()
+    del group
+    gc.collect()
+
+
+class OneRankCtx:
+    """The DistContext surface the comm code uses, for one rank."""
+
+    def __init__(self):
+        import torch
+
+        self.world_size, self.device = 1, torch.device("cpu")
+
+    def all_reduce(self, tensor, op="sum"):
+        return tensor

@@ -6,14 +6,12 @@ they cost milliseconds, and a few run as real processes where only workers can f
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab
+from conftest import TINY_GPT, assert_ok, ddplab
 from ddplab.cli import main
 from ddplab.engine.lock import RunLock
 

@@ -2,15 +2,12 @@
 measured communication time that rises by the delay it adds."""
 
 import csv
-import gc
 import json
-import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from conftest import TINY_GPT, assert_ok, ddplab
+from conftest import TINY_GPT, OneRankCtx, assert_ok, ddplab
 from ddplab.config import DistributedConfig
 from ddplab.engine.comm import epoch_comm_row, install_comm_hook, link_delay_s
 
@@ -22,29 +19,6 @@ def test_link_delay_is_latency_plus_ring_transfer_time():
     assert link_delay_s(10**6, 4, 5.0, 100.0) == pytest.approx(0.125)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    group = dist.group.WORLD
-    yield
-    # Hook callbacks run on the group's worker threads and may hold the test's DDP state (which
-    # holds the group). Were a worker thread to drop the group's last reference, the group's
-    # destructor would join that very thread and abort the whole pytest process. So: let the
-    # callbacks finish, collect the test's objects here, and drop the group here, last.
-    time.sleep(0.2)
-    gc.collect()
-    dist.destroy_process_group()
-    del group
-    gc.collect()
-
-
-class _Ctx:
-    world_size, device = 1, torch.device("cpu")
-
-    def all_reduce(self, tensor, op="sum"):
-        return tensor
-
-
 @pytest.mark.parametrize("hook", ["none", "fp16", "bf16"])
 def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -53,11 +27,11 @@ def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
     plain = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)), bucket_cap_mb=0.01)
     model.module.load_state_dict(plain.state_dict())
-    monitor = install_comm_hook(model, DistributedConfig(comm_hook=hook, simulated_latency_ms=15.0), _Ctx())
+    monitor = install_comm_hook(model, DistributedConfig(comm_hook=hook, simulated_latency_ms=15.0), OneRankCtx())
     x = torch.randn(16, 64)
     plain(x).square().mean().backward()
     model(x).square().mean().backward()
-    row = epoch_comm_row(monitor, _Ctx(), epoch_time=10.0)
+    row = epoch_comm_row(monitor, OneRankCtx(), epoch_time=10.0)
     assert row["comm_calls"] >= 1 and row["simulated_delay_s"] == pytest.approx(0.015 * row["comm_calls"])
     assert row["comm_time_s"] >= row["simulated_delay_s"] * 0.99 and row["compute_time_s"] == pytest.approx(10 - row["comm_time_s"])
     tol = 1e-6 if hook == "none" else 1e-2  # one rank: the all-reduced gradient is the gradient, up to compression
@@ -66,7 +40,7 @@ def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
 
 
 def test_one_process_spends_no_time_communicating():
-    assert epoch_comm_row(None, _Ctx(), 3.0) == {"comm_time_s": 0.0, "compute_time_s": 3.0}
+    assert epoch_comm_row(None, OneRankCtx(), 3.0) == {"comm_time_s": 0.0, "compute_time_s": 3.0}
 
 
 def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):

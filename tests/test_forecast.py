@@ -2,16 +2,14 @@
 folder (metrics.json files written by real tiny runs), what runs record, and bad inputs."""
 
 import csv
-import gc
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from conftest import OneRankCtx
 from ddplab.cli import main
 from ddplab.forecast.links import Link, allreduce_s, parse_bandwidth, parse_latency, ring_allreduce_s, wire_messages
 from ddplab.forecast.model import overlapped_backward, steps_per_epoch
@@ -148,26 +146,6 @@ def test_without_multi_process_runs_the_link_must_be_given(tmp_path, capsys):
     assert "(given)" in (tmp_path / "b" / "forecast.md").read_text()
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    group = dist.group.WORLD
-    yield
-    # As in test_comm: let hook callbacks finish before the group goes (see the note there).
-    time.sleep(0.2)
-    gc.collect()
-    dist.destroy_process_group()
-    del group
-    gc.collect()
-
-
-class _Ctx:
-    world_size, device = 1, torch.device("cpu")
-
-    def all_reduce(self, tensor, op="sum"):
-        return tensor
-
-
 def test_runs_record_buckets_and_forward_backward_time(one_rank_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -178,13 +156,13 @@ def test_runs_record_buckets_and_forward_backward_time(one_rank_group):
     raw = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
     model = DDP(raw, bucket_cap_mb=0.5)
     dcfg = DistributedConfig(bucket_cap_mb=0.5)
-    monitor = install_comm_hook(model, dcfg, _Ctx())
+    monitor = install_comm_hook(model, dcfg, OneRankCtx())
     timer = attach_step_timer(raw, monitor, Config())
     for _ in range(4):
         model(torch.randn(16, 64)).square().mean().backward()
     with torch.no_grad():
         raw(torch.randn(16, 64))  # evaluation: not timed
-    row = epoch_comm_row(monitor, _Ctx(), epoch_time=1.0, timer=timer)
+    row = epoch_comm_row(monitor, OneRankCtx(), epoch_time=1.0, timer=timer)
     assert row["timed_micro_steps"] == 4
     assert row["forward_time_s"] > 0 and row["backward_time_s"] > 0 and row["comm_exposed_s"] >= 0
     summary = comm_summary(raw, monitor, dcfg)

@@ -4,7 +4,6 @@ import csv
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
