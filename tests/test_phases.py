@@ -43,7 +43,7 @@ def test_first_step_split_off_training_by_an_optimizer_hook():
 
 
 def test_a_launched_run_records_its_phases(tmp_path):
-    # Through the launcher (torch's agent in the launcher's own process), so launcher_s is there too.
+    # Through the launcher (which starts torch's agent as a child), so launcher_s is there too.
     proc = ddplab("train", "--nproc-per-node", "1", "model.name=cnn", "data.name=digits", "training.max_steps=1",
                   "logging.tensorboard=false", "logging.progress=false", "experiment.name=p", cwd=tmp_path)
     assert_ok(proc)
@@ -57,3 +57,39 @@ def test_a_launched_run_records_its_phases(tmp_path):
     assert "phases (rank 0, wall time): launcher" in (run / "train.log").read_text().splitlines()[-1]
     assert json.loads((run / "metrics.json").read_text())["ddp"]["launcher"] == "torchrun"
     assert os.environ.get(phases_mod.LAUNCHED_AT) is None
+
+
+def test_the_launcher_checks_built_in_workloads_without_importing_torch(tmp_path):
+    """The launcher validates the config before any worker starts; for ddplab's own models and
+    data that needs no torch (each worker imports it once, in parallel)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from ddplab.registry import check_files, load_config\n"
+            "from ddplab.engine.lock import claim, resolve_run_dir\n"
+            "from ddplab.launch import run_workers\n"
+            "for overrides in (['model.name=cnn', 'data.name=digits'], ['model.name=gpt', 'data.name=text'],\n"
+            "                  ['model.name=transformer', 'data.name=synthetic_reviews'],\n"
+            "                  ['model.name=vit', 'data.name=digits', 'data.image_size=32']):\n"
+            "    cfg = load_config(None, overrides)\n"
+            "    check_files(cfg)\n"
+            "    resolve_run_dir(cfg)\n"
+            "print(sorted(m for m in ('torch', 'torchvision', 'sklearn', 'matplotlib') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_image_size_checks_still_refuse_what_the_model_cannot_take(tmp_path):
+    from ddplab.errors import UserError
+    from ddplab.registry import load_config
+
+    for overrides, words in ((["model.name=cnn", "data.image_size=5"], "at least 6x6"),
+                             (["model.name=vit", "data.image_size=30"], "patch_size=4 does not divide")):
+        try:
+            load_config(None, ["data.name=digits", *overrides])
+        except UserError as err:
+            assert words in str(err) and "data.image_size" in str(err)
+        else:
+            raise AssertionError(f"{overrides} accepted")

@@ -120,10 +120,9 @@ def cmd_train(ns) -> int:
     if ns.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if ns.nproc_per_node or ns.max_restarts:
-        from ddplab.engine.lock import claim
+        from ddplab.engine.lock import claim, resolve_run_dir
         from ddplab.launch import run_workers
         from ddplab.metrics.phases import note_launch
-        from ddplab.run import resolve_run_dir
 
         if ":" in cfg.model.name or ":" in cfg.data.name:
             # User code: build its data and model here once, so that bad code fails in one line

@@ -34,7 +34,7 @@ class Spec:
 MODELS: dict[str, Spec] = {
     "gpt": Spec("ddplab.models.gpt:build", "lm", "tokens"),
     "transformer": Spec("ddplab.models.transformer:build", "classification", "text"),
-    "hf": Spec("ddplab.models.hf:build", "classification", "text", check="ddplab.models.hf:check_config"),
+    "hf": Spec("ddplab.models.hf:build", "classification", "text", check="ddplab.models.checks:check_hf"),
     "cnn": Spec("ddplab.models.vision:build_cnn", "classification", "image", image=(None, None)),
     "vit": Spec("ddplab.models.vision:build_vit", "classification", "image", image=(3, None)),
 }
@@ -42,11 +42,11 @@ MODELS: dict[str, Spec] = {
 TORCHVISION = Spec("ddplab.models.vision:build_torchvision", "classification", "image", image=(3, 224),
                    check_files="ddplab.models.vision:check_files")
 
-_IMAGES = dict(task="classification", inputs="image", check="ddplab.data.vision:check_config",
-               check_files="ddplab.data.vision:check_files")
-_TEXTS = dict(task="classification", inputs="text", check="ddplab.data.text_cls:check_config")
+_IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
+               check_files="ddplab.data.checks:check_image_files")
+_TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes")
 DATA: dict[str, Spec] = {
-    "text": Spec("ddplab.data.text_lm:build", "lm", "tokens", check="ddplab.data.text_lm:check_config"),
+    "text": Spec("ddplab.data.text_lm:build", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Spec("ddplab.data.synthetic:build", "any", "any"),
     "digits": Spec("ddplab.data.vision:build_digits", **_IMAGES),
     "mnist": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
@@ -110,11 +110,11 @@ def check_config(cfg) -> None:
         if spec is not None and spec.check:
             spec.load("check")(cfg)
     if model is not None and model.inputs == "image" and data is not None and data.inputs == "image":
-        from ddplab.data.vision import image_spec
-        from ddplab.models.vision import check_input
+        from ddplab.data.checks import image_spec
+        from ddplab.models.checks import check_image_input
 
         _, channels, side = image_spec(cfg)
-        check_input(cfg, channels, side)  # images too small for the architecture fail here, not in a worker
+        check_image_input(cfg, channels, side)
 
 
 def _mismatch(cfg, model: Spec, data: Spec) -> str:

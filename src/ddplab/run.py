@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from ddplab.config import Config, dump_yaml
 from ddplab.engine.checkpoint import BEST, load_file
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.hostmem import keep_freed_memory
-from ddplab.engine.lock import own_run_folder
+from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.trainer import Trainer
@@ -23,27 +22,6 @@ from ddplab.metrics.run_folder import RunFolder
 from ddplab.metrics.summary import parameter_digest, summary
 from ddplab.registry import workload
 from ddplab.workload import reference_file
-
-
-def finished(run_dir: Path) -> bool:
-    """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
-    try:
-        return json.loads((run_dir / RunFolder.METRICS_JSON).read_text()).get("status") == "complete"
-    except (OSError, ValueError):
-        return False
-
-
-def resolve_run_dir(cfg: Config) -> tuple[Path, str | None]:
-    """experiments/<name>; a folder holding a finished run is kept, and the new run gets <name>-2, -3, ..."""
-    base = Path(cfg.experiment.output_dir) / cfg.run_name()
-    if cfg.checkpoint.resume != "never" and not finished(base):
-        return base, None
-    if not base.exists():
-        return base, None
-    i = 2
-    while Path(f"{base}-{i}").exists() and (finished(Path(f"{base}-{i}")) or cfg.checkpoint.resume == "never"):
-        i += 1
-    return Path(f"{base}-{i}"), f"{base} holds a finished run; this run writes {base}-{i}"
 
 
 def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:

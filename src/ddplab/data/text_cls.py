@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from ddplab.data import text_cache, text_sources, text_synthetic
 from ddplab.data.bundle import DataBundle
+from ddplab.data.checks import tokenizer_kind
 from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
 from ddplab.errors import UserError
 
@@ -25,36 +26,6 @@ SOURCES = {
     "text_files": (text_sources.files_source, text_sources.files_describe),
     "synthetic_reviews": (text_synthetic.source, text_synthetic.describe),
 }
-# model.name -> the tokenizer it reads, when data.tokenizer is not set
-DEFAULT_TOKENIZER = {"transformer": "hash", "hf": "hf"}
-
-
-def tokenizer_kind(cfg) -> str:
-    return cfg.data.tokenizer or DEFAULT_TOKENIZER.get(cfg.model.name, "hash")
-
-
-def check_config(cfg) -> None:
-    """Cheap checks before any process starts."""
-    d, m = cfg.data, cfg.model
-    if m.name not in DEFAULT_TOKENIZER and ":" not in m.name:  # a user's model reads whatever it is given
-        raise UserError(f"data.name={d.name} is text classification: use model.name=transformer (from scratch) "
-                        f"or model.name=hf model.pretrained=<hub name or folder>; got model.name={m.name}")
-    kind = tokenizer_kind(cfg)
-    if kind not in ("hash", "hf"):
-        raise UserError(f"data.tokenizer={kind} does not fit data.name={d.name}; use hash or hf")
-    if m.name in DEFAULT_TOKENIZER and kind != DEFAULT_TOKENIZER[m.name]:
-        wanted = DEFAULT_TOKENIZER[m.name]
-        raise UserError(f"data.tokenizer={kind} does not fit model.name={m.name}, which reads "
-                        f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
-                        f"use data.tokenizer={wanted} (or leave it unset)")
-    if d.name == "synthetic_reviews":
-        k = d.num_classes or 2
-        if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
-            raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
-    if d.name == "text_files":
-        text_sources.check_files(cfg)
-
-
 def make_tokenizer(cfg):
     if tokenizer_kind(cfg) == "hf":
         return HFTokenizer(cfg.model.pretrained, cfg.data.max_len)

@@ -101,11 +101,6 @@ class TokenChunks(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def check_config(cfg) -> None:
-    if cfg.data.path is not None and not Path(cfg.data.path).exists():
-        raise UserError(f"data.path: no such file or folder: {cfg.data.path}")
-
-
 def build(cfg, ctx) -> DataBundle:
     kind = cfg.data.tokenizer or "char"
     if kind not in ("char", "byte"):

@@ -18,11 +18,9 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ddplab.data.bundle import DataBundle
+from ddplab.data.checks import TORCHVISION, default_root, expected_files, folder_layout, image_spec
 from ddplab.errors import UserError
 
-# data.name -> (channels, side) of the images as stored; image_folder trees have no fixed side.
-NATIVE = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32), "image_folder": (3, None)}
-TORCHVISION = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}
 # Per-channel mean / std of the training images in [0, 1]; ImageNet's for folder trees,
 # because that is what pretrained torchvision weights expect. Digits are measured at build.
 STATS = {
@@ -31,74 +29,7 @@ STATS = {
     "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
     "image_folder": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
 }
-FOLDER_SIDE = 64  # default side for folder trees when the model has no preferred one
 PRECOMPUTE_BYTES = 512 * 2**20  # transformed tensor sets up to this size are built once, not per item
-
-
-# ---------------------------------------------------------------------------- checks
-
-def default_root(cfg) -> str:
-    return cfg.data.root or "data"
-
-
-def expected_files(name: str, root: str) -> list[Path]:
-    """The files torchvision's loader reads, where it looks for them."""
-    if name == "cifar10":
-        folder = Path(root) / "cifar-10-batches-py"
-        return [folder / f for f in ("batches.meta", *(f"data_batch_{i}" for i in range(1, 6)), "test_batch")]
-    raw = Path(root) / TORCHVISION[name] / "raw"
-    return [raw / f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
-
-
-def image_spec(cfg) -> tuple[int, int, int]:
-    """(channels as stored, channels the model gets, image side) for this config."""
-    from ddplab.registry import image_needs
-
-    native_channels, native_side = NATIVE[cfg.data.name]
-    channels, model_side = image_needs(cfg.model.name)
-    side = cfg.data.image_size or model_side or native_side or FOLDER_SIDE
-    return native_channels, channels or native_channels, side
-
-
-def check_config(cfg) -> None:
-    """From the config alone (whether the images fit the model is the registry's check)."""
-    if cfg.data.name == "image_folder" and cfg.data.root is None:
-        raise UserError("data.root: image_folder needs data.root=<folder with one sub-folder per class, "
-                        "or train/ and val/ holding them>")
-
-
-def check_files(cfg) -> None:
-    """Before launch: the files torchvision reads are where it looks; folder trees have 2+ classes."""
-    name = cfg.data.name
-    if name in TORCHVISION:
-        root = default_root(cfg)
-        missing = [p for p in expected_files(name, root) if not p.is_file()]
-        if missing and not cfg.data.download:
-            where = "no such folder" if not Path(root).is_dir() else f"{missing[0].name} missing"
-            names = ", ".join(p.name for p in expected_files(name, root))
-            raise UserError(f"data.root: {TORCHVISION[name]} not found under {root} ({where}): put {names} "
-                            f"in {missing[0].parent} (uncompressed), or set data.download=true")
-    elif name == "image_folder":
-        root = Path(cfg.data.root)
-        if not root.is_dir():
-            raise UserError(f"data.root: no such folder: {root}")
-        for split in folder_layout(root).values():
-            if split is not None:
-                classes = class_folders(split)
-                if len(classes) < 2:
-                    raise UserError(f"data.root: {split} holds {len(classes)} class folder(s) "
-                                    f"({', '.join(classes) or 'none'}); image_folder needs at least 2, one per class")
-
-
-def folder_layout(root: Path) -> dict[str, Path | None]:
-    """`train/` (+ optional `val/`, `test/`), or one tree whose sub-folders are the classes."""
-    if (root / "train").is_dir():
-        return {s: (root / s if (root / s).is_dir() else None) for s in ("train", "val", "test")}
-    return {"train": root, "val": None, "test": None}
-
-
-def class_folders(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 # ---------------------------------------------------------------------------- transforms
@@ -234,13 +165,30 @@ def _augmented(dataset, augment):
 
 # ---------------------------------------------------------------------------- builders
 
-def build_digits(cfg, ctx) -> DataBundle:
-    from sklearn.datasets import load_digits
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1,797 digits: (N, 8, 8) ink levels 0..16 and (N,) labels.
 
-    digits = load_digits()
+    Read from the CSV file scikit-learn ships, as its `load_digits` reads it, without importing
+    scikit-learn (about a second of every run's start-up); through `load_digits` where the file
+    is not found."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is not None and path.is_file():
+        table = np.loadtxt(path, delimiter=",")
+        return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    digits = sklearn_digits()
+    return digits.images, digits.target
+
+
+def build_digits(cfg, ctx) -> DataBundle:
+    ink, target = load_digits()
     # 0..16 ink levels as 8-bit grey, the form a PNG of a digit takes at predict time.
-    images = torch.from_numpy(np.rint(digits.images * 255 / 16).astype(np.uint8)).unsqueeze(1)
-    labels = torch.from_numpy(digits.target).long()
+    images = torch.from_numpy(np.rint(ink * 255 / 16).astype(np.uint8)).unsqueeze(1)
+    labels = torch.from_numpy(target).long()
     train, val, test = split_indices(len(labels), cfg.data.val_fraction, cfg.data.test_fraction, cfg.experiment.seed)
     pixels = images[train].float() / 255
     meta = _meta(cfg, [str(i) for i in range(10)], [pixels.mean().item()], [pixels.std().item()])

@@ -21,9 +21,31 @@ import socket
 from pathlib import Path
 
 from ddplab.errors import UserError
+from ddplab.metrics.run_folder import RunFolder
 
 HOLDER_FILE = ".lock"
 LOCKED_ENV = "DDPLAB_LOCKED_RUN"  # the run folder a ddplab launcher already holds
+
+
+def finished(run_dir: Path) -> bool:
+    """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
+    try:
+        return json.loads((run_dir / RunFolder.METRICS_JSON).read_text()).get("status") == "complete"
+    except (OSError, ValueError):
+        return False
+
+
+def resolve_run_dir(cfg) -> tuple[Path, str | None]:
+    """experiments/<name>; a folder holding a finished run is kept, and the new run gets <name>-2, -3, ..."""
+    base = Path(cfg.experiment.output_dir) / cfg.run_name()
+    if cfg.checkpoint.resume != "never" and not finished(base):
+        return base, None
+    if not base.exists():
+        return base, None
+    i = 2
+    while Path(f"{base}-{i}").exists() and (finished(Path(f"{base}-{i}")) or cfg.checkpoint.resume == "never"):
+        i += 1
+    return Path(f"{base}-{i}"), f"{base} holds a finished run; this run writes {base}-{i}"
 
 
 class RunLock:

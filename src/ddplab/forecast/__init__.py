@@ -88,6 +88,13 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     notes = [f"compute from {len(singles)} 1-process run(s) "
              + ("(forward and backward timed by the runs)" if compute.timed else
                 "(forward/backward not timed by these runs: backward taken as 2/3 of the model time)")]
+    batches = sorted({m.batch for m in singles})
+    if len(batches) > 1:
+        notes.append(f"compute per step fitted as a fixed part plus a part per sample, from batch sizes "
+                     f"{', '.join(map(str, batches))}")
+    else:
+        notes.append(f"compute per step taken as proportional to the batch (1-process runs at batch {batches[0]} "
+                     f"only); a 1-process run at a second batch size fits its fixed part too")
     fit = None
     if bandwidth is None or latency is None:
         if not multi:

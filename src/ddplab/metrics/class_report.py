@@ -45,18 +45,16 @@ def write_confusion_csv(path: Path, classes: list[str], matrix: list[list[int]])
 
 
 def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure  # no pyplot: a third of the import time, and no global state
 
     counts = np.asarray(matrix, dtype=float)
     rows = counts.sum(1, keepdims=True)
     share = np.divide(counts, rows, out=np.zeros_like(counts), where=rows > 0)  # recall per true class
     n = len(classes)
     side = min(12.0, 3.0 + 0.45 * n)
-    fig, ax = plt.subplots(figsize=(side + 1, side))
+    fig = Figure(figsize=(side + 1, side))
+    ax = fig.subplots()
     image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     if n <= 30:  # counts stay readable up to about 30 classes
         for i in range(n):
@@ -69,7 +67,6 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
     fig.colorbar(image, ax=ax, label="share of the true class")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

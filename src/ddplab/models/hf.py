@@ -2,37 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch.nn as nn
 
 from ddplab.errors import UserError
-
-
-def looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
-
-
-def check_pretrained(pretrained: str | None) -> None:
-    """Cheap, before launch: a local folder must hold a model's config.json (hub names are checked on load)."""
-    if not pretrained:
-        raise UserError("model.name=hf needs model.pretrained=<hub name, e.g. distilbert-base-uncased, or local folder>")
-    if not looks_like_path(pretrained):
-        return
-    p = Path(pretrained).expanduser()
-    if not p.is_dir():
-        raise UserError(f"model.pretrained: no such model folder: {pretrained}")
-    try:
-        config = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError):
-        raise UserError(f"model.pretrained: {pretrained} is not a Hugging Face model folder (no readable config.json)") from None
-    if "model_type" not in config:
-        raise UserError(f"model.pretrained: {pretrained}/config.json names no model_type; not a transformers model")
-
-
-def check_config(cfg) -> None:
-    check_pretrained(cfg.model.pretrained)
+from ddplab.models.checks import check_pretrained, looks_like_path
 
 
 def build(cfg, bundle) -> nn.Module:

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from ddplab.distributed import expand_nodelist
 from ddplab.errors import UserError
 from ddplab.launch import torchrun_command
-from ddplab.run import finished
+from ddplab.engine.lock import finished
 from ddplab.study.grid import Point, Setup
 
 POINT_FILE = "study_point.json"  # the point's place in the grid, beside its run files

@@ -1,0 +1,56 @@
+"""What the launcher checks of a built-in model before any worker starts, from the config alone.
+No torch here for ddplab's own models; a torchvision classifier's checks import torchvision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddplab.errors import UserError
+
+CNN_MIN_SIDE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one pixel
+
+
+def check_image_input(cfg, channels: int, side: int) -> None:
+    """Images too small for the architecture fail here, not in a worker."""
+    name = cfg.model.name
+    problem = None
+    if name == "cnn":
+        if side < CNN_MIN_SIDE:
+            problem = f"the CNN needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE}"
+    elif name == "vit":
+        if side % cfg.model.patch_size:
+            problem = f"model.patch_size={cfg.model.patch_size} does not divide it"
+    else:
+        from ddplab.models.vision import forward_problem
+
+        problem = forward_problem(name, channels, side)
+    if problem:
+        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
+                        f"set another data.image_size")
+
+
+def looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+
+
+def check_pretrained(pretrained: str | None) -> None:
+    """Cheap, before launch: a local folder must hold a model's config.json (hub names are checked on load)."""
+    if not pretrained:
+        raise UserError("model.name=hf needs model.pretrained=<hub name, e.g. distilbert-base-uncased, or local folder>")
+    if not looks_like_path(pretrained):
+        return
+    p = Path(pretrained).expanduser()
+    if not p.is_dir():
+        raise UserError(f"model.pretrained: no such model folder: {pretrained}")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"model.pretrained: {pretrained} is not a Hugging Face model folder (no readable config.json)") from None
+    if "model_type" not in config:
+        raise UserError(f"model.pretrained: {pretrained}/config.json names no model_type; not a transformers model")
+
+
+def check_hf(cfg) -> None:
+    check_pretrained(cfg.model.pretrained)
