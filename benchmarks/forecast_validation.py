@@ -1,6 +1,6 @@
 """Validate `ddplab forecast` against measured runs it was not fitted on.
 
-Fit on a small study (1 process, and 2 processes at two simulated links), then predict the epoch
+Fit on a small study (1 process at two batch sizes, and 2 processes at two simulated links), then predict the epoch
 time of held-out settings: other simulated latencies and bandwidths, another batch size, and a
 real bandwidth-limited link between two network namespaces (scripts/netlab/twohost.py, root
 only) at two tbf rates. Runs alternate (every setting once per round); prints predicted vs the
@@ -29,15 +29,18 @@ WORKLOADS = {
             "data.limit=3000"],
     "cnn": ["model.name=cnn", "data.name=digits"],
 }
-BATCH = {"gpt": (16, 48), "cnn": (32, 96)}  # fitted batch, held-out batch
+# The batch of the fitted 2-process runs, a second 1-process batch the compute fit also uses (cost
+# per sample falls as the batch grows), and the held-out batch, beyond both.
+BATCH = {"gpt": (16, 32, 48), "cnn": (32, 64, 96)}
 COMMON = ["training.epochs=1", "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
           "generate.max_new_tokens=0", "logging.log_every=50", "training.warmup_steps=0"]
 
 
 def settings(workload: str, netns: bool) -> list[dict]:
     """name, processes, nodes, batch, overrides, tbf rate, whether the fit uses it."""
-    b, b2 = BATCH[workload]
-    rows = [dict(name="n1", procs=1, b=b, fit=True), dict(name="n2-lat0", procs=2, b=b, fit=True),
+    b, b1, b2 = BATCH[workload]
+    rows = [dict(name="n1", procs=1, b=b, fit=True), dict(name=f"n1-batch{b1}", procs=1, b=b1, fit=True),
+            dict(name="n2-lat0", procs=2, b=b, fit=True),
             dict(name="n2-lat5ms", procs=2, b=b, lat=5.0, fit=True),
             dict(name="n2-lat20ms", procs=2, b=b, lat=20.0), dict(name="n2-bw100Mbit", procs=2, b=b, bw=100.0),
             dict(name="n2-lat2ms-bw400Mbit", procs=2, b=b, lat=2.0, bw=400.0),
