@@ -93,3 +93,29 @@ def test_image_size_checks_still_refuse_what_the_model_cannot_take(tmp_path):
             assert words in str(err) and "data.image_size" in str(err)
         else:
             raise AssertionError(f"{overrides} accepted")
+
+
+def test_a_run_keeps_the_start_up_heap_out_of_collections_and_gives_it_back(tmp_path, monkeypatch):
+    """While a run trains, the objects alive at its start are frozen (a full collection skips
+    them); the DDP model and optimizer made later are still collected at teardown. After the
+    run, the collector is as it was."""
+    import gc
+
+    import ddplab
+
+    seen = {}
+
+    class Probe(ddplab.Callback):
+        def on_train_start(self, trainer):
+            seen["frozen"] = gc.get_freeze_count()
+            # gc.get_objects() lists what collections scan, the frozen generation left out
+            seen["model_scanned"] = any(o is trainer.raw for o in gc.get_objects())
+
+    monkeypatch.chdir(tmp_path)
+    summary = ddplab.train(None, ["model.name=cnn", "data.name=digits", "training.max_steps=1",
+                                  "logging.tensorboard=false", "logging.progress=false", "experiment.name=g"],
+                           callbacks=[Probe()])
+    assert summary["status"] == "complete"
+    assert seen["frozen"] > 10_000  # torch's modules alone hold far more objects than that
+    assert seen["model_scanned"]
+    assert gc.get_freeze_count() == 0
