@@ -7,12 +7,13 @@ benchmarks/contenders/handwritten.py cnn 1 OUT --max-steps 1`. ddplab keeps its 
 (validation, snapshot, test evaluation, TensorBoard), so this is the price of one real command.
 Runs alternate, and the wall time of each whole command is taken here. It prints the median
 and range per side, the run-by-run ratios' range, ddplab's per-phase breakdown (the median of
-each phase in metrics.json), the load average, and
+each phase in metrics.json, for each ddplab side), the load average, and
 
     ratio ddplab/torchrun-hand startup nproc=<N> <value>
 
     python benchmarks/startup.py                      # 1 and 2 processes, 5 runs each
     python benchmarks/startup.py --nproc 2 --runs 7
+    python benchmarks/startup.py --nproc 2 --set logging.plots=false
     git archive <commit> src | tar -x -C /tmp/old && python benchmarks/startup.py --before /tmp/old/src
 """
 
@@ -33,14 +34,16 @@ sys.path.insert(0, str(HERE))
 from common import WORKLOADS  # noqa: E402
 
 
-def run_once(side: str, nproc: int, workload: str, folder: Path, before: str | None = None) -> tuple[float, dict]:
+def run_once(side: str, nproc: int, workload: str, folder: Path, before: str | None = None,
+             extra: tuple[str, ...] = ()) -> tuple[float, dict]:
     out = folder / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     if side == "ddplab-before":  # the same command on another checkout's ddplab
         env["PYTHONPATH"] = os.pathsep.join([before, env.get("PYTHONPATH", "")])
     if side.startswith("ddplab"):
         cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *WORKLOADS[workload],
-               "training.max_steps=1", "logging.progress=false", f"experiment.output_dir={folder}", "experiment.name=s"]
+               "training.max_steps=1", "logging.progress=false", f"experiment.output_dir={folder}", "experiment.name=s",
+               *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(HERE / "contenders" / "handwritten.py"), workload, "1", str(out), "--max-steps", "1"]
@@ -50,7 +53,7 @@ def run_once(side: str, nproc: int, workload: str, folder: Path, before: str | N
     if proc.returncode != 0:
         raise RuntimeError(f"{side} nproc={nproc} failed:\n{proc.stderr[-3000:]}")
     phases = {}
-    if side == "ddplab":
+    if side.startswith("ddplab"):
         phases = json.loads((folder / "s" / "metrics.json").read_text()).get("phases", {})
     return wall, phases
 
@@ -66,30 +69,33 @@ def main() -> int:
     p.add_argument("--workload", default="cnn", choices=("cnn", "gpt", "transformer"))
     p.add_argument("--before", metavar="SRC", help="also time ddplab from this src folder (e.g. an older checkout's "
                                                   "src/), as side 'ddplab-before', in the same alternation")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the ddplab sides only, e.g. logging.plots=false (repeatable)")
     args = p.parse_args()
     sides = ["ddplab", "torchrun-hand"] + (["ddplab-before"] if args.before else [])
     print(f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
-          f"load average {load()}")
+          f"load average {load()}" + (f"; ddplab overrides {' '.join(args.extra)}" if args.extra else ""))
     for nproc in (int(n) for n in args.nproc.split(",")):
         walls: dict[str, list[float]] = {s: [] for s in sides}
-        phases: list[dict] = []
+        phases: dict[str, list[dict]] = {s: [] for s in sides}
         for i in range(args.runs):
             for side in (sides if i % 2 == 0 else sides[::-1]):
                 with tempfile.TemporaryDirectory() as tmp:
-                    wall, ph = run_once(side, nproc, args.workload, Path(tmp), args.before)
+                    wall, ph = run_once(side, nproc, args.workload, Path(tmp), args.before, tuple(args.extra))
                 walls[side].append(wall)
-                if ph and side == "ddplab":
-                    phases.append(ph)
+                if ph:
+                    phases[side].append(ph)
                 print(f"  run {i + 1} {side} nproc={nproc}: {wall:.2f} s (load {os.getloadavg()[0]:.2f})", flush=True)
         print(f"\nnproc={nproc}: median wall seconds per command ({args.runs} runs each); load average {load()}")
         for side in sides:
             v = walls[side]
             print(f"  {side:14s} {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f})")
         pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"])]
-        if phases:
-            keys = [k for k in phases[0] if all(k in ph for ph in phases)]
-            print("  ddplab phases (rank 0, median s): "
-                  + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in phases):.2f}" for k in keys))
+        for side, runs in phases.items():
+            if runs:
+                keys = [k for k in runs[0] if all(k in ph for ph in runs)]
+                print(f"  {side} phases (rank 0, median s): "
+                      + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in runs):.2f}" for k in keys))
         print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
         ratio = statistics.median(walls["ddplab"]) / statistics.median(walls["torchrun-hand"])
         if args.before:

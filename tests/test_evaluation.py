@@ -79,3 +79,19 @@ def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, t
     rows = list(csv.reader(open(tmp_path / "confusion_matrix_val.csv")))
     assert rows[0][1:] == names and [[int(x) for x in r[1:]] for r in rows[1:]] == expected.tolist()
     assert (tmp_path / "confusion_matrix_val.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plots_off_keeps_the_csv_and_draws_no_png(tmp_path):
+    from ddplab.metrics.class_report import class_reports
+
+    class Alone:  # one rank: the all-reduce is the tensor itself
+        def all_reduce(self, t, op="sum"):
+            return t
+
+    ev = ClassificationEvaluator(3, torch.device("cpu"))
+    ev.update(torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 2]), 3).float(), torch.tensor([0, 1, 1, 2]))
+    ev.compute(Alone())
+    report = class_reports({"test": ev}, tmp_path, None, write=True, plots=False)
+    assert report["test"]["confusion_matrix"] == [[1, 0, 0], [0, 1, 1], [0, 0, 1]]
+    assert (tmp_path / "confusion_matrix_test.csv").is_file()
+    assert not (tmp_path / "confusion_matrix_test.png").exists()

@@ -61,6 +61,24 @@ def test_bucket_overlap_hides_all_but_the_tail():
     assert (end, exposed) == pytest.approx((0.015, 0.003))
 
 
+def test_compute_from_two_batch_sizes_is_a_fixed_part_plus_a_part_per_sample():
+    from ddplab.forecast.model import Measured, fit_compute
+
+    def single(batch, step_s, forward, backward):
+        return Measured(name=f"b{batch}", nodes=1, per_node=1, batch=batch, accum=1, train_samples=960,
+                        steps_per_epoch=960 // batch, epoch_times=[step_s * (960 // batch)], forward=forward,
+                        backward=backward, data_wait=0.0, comm_exposed=0.0, latency_ms=0.0, bandwidth_mbps=None,
+                        hook="none")
+
+    # Steps of 10 ms at batch 32 and 14 ms at batch 64: 6 ms fixed, 0.125 ms per sample.
+    two = fit_compute([single(32, 0.010, 0.003, 0.006), single(64, 0.014, 0.004, 0.008)])
+    assert two.step_s(96) == pytest.approx(0.018)
+    assert two.forward == pytest.approx((0.002, 1 / 32_000))
+    # From one batch size, every part but the optimizer's is taken as proportional to the batch.
+    one = fit_compute([single(32, 0.010, 0.003, 0.006)])
+    assert one.step_s(64) == pytest.approx(0.001 + 2 * 0.009)
+
+
 def test_units_and_steps_per_epoch():
     assert parse_bandwidth("25Gbit") == pytest.approx(25e9 / 8)
     assert parse_bandwidth("200GB/s") == pytest.approx(200e9)

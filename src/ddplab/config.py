@@ -130,6 +130,8 @@ class LoggingConfig:
     tensorboard: bool = _f(True, "write TensorBoard events")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
     log_every: int = _f(10, "optimizer steps between train-loss logs", positive=True)
+    plots: bool = _f(True, "draw confusion_matrix_<split>.png at the end of a classification run (about a second "
+                           "and a half, matplotlib's import included; the .csv is always written)")
 
 
 @dataclass

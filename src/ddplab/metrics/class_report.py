@@ -14,9 +14,9 @@ from ddplab.engine.callbacks import Callback
 from ddplab.metrics.evaluation import per_class_scores
 
 
-def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool) -> dict:
+def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool, plots: bool = True) -> dict:
     """{split: {"classes", "per_class", "confusion_matrix"}} for each split whose evaluator kept a
-    global confusion matrix; files only where `write` (rank 0)."""
+    global confusion matrix; files only where `write` (rank 0), the PNGs only with `plots`."""
     out = {}
     for split, evaluator in evaluators.items():
         confusion = getattr(evaluator, "global_confusion", None)
@@ -32,7 +32,8 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
                       "confusion_matrix": matrix}
         if write:
             write_confusion_csv(folder / f"confusion_matrix_{split}.csv", classes, matrix)
-            confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)
+            if plots:
+                confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)
     return out
 
 
@@ -87,5 +88,5 @@ class ClassReports(Callback):
             return
         run = trainer.run
         summary["classes"] = class_reports(self.evaluators, run.path, trainer.data.meta.get("label_names"),
-                                           trainer.ctx.is_main)
+                                           trainer.ctx.is_main, trainer.cfg.logging.plots)
         run.write_json(run.METRICS_JSON, summary)
