@@ -142,7 +142,7 @@ def cmd_train(ns) -> int:
                                locked_run=str(run_dir))
         finally:
             lock.release()
-    from ddplab.launch import die_with_parent, report_preempted, under_agent
+    from ddplab.launch import die_with_parent, quick_exit, report_preempted, under_agent
 
     if under_agent():
         die_with_parent()  # a worker never outlives its torchrun agent
@@ -157,6 +157,8 @@ def cmd_train(ns) -> int:
     if summary["status"] == "preempted":
         report_preempted()
         return EXIT_PREEMPTED
+    if under_agent():
+        quick_exit(0)  # the run is recorded and its files closed
     return 0
 
 

@@ -65,6 +65,24 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(128 + int(sig))
 
 
+def quick_exit(code: int = 0) -> None:
+    """End a process that has finished its work without the interpreter's teardown.
+
+    Tearing down torch's modules takes 1.2-1.5 s on this machine (torch, torchvision and
+    TensorBoard loaded; os._exit: 0.08 s), paid by every worker and by the agent, at the end of
+    every command. The exit handlers run and standard streams are flushed first; every file ddplab
+    writes is closed by then. Used only after a run completed, never on an error path."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def under_agent() -> bool:
     """This process is a worker started by a torchrun agent."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
@@ -176,3 +194,4 @@ if __name__ == "__main__":  # the agent: torchrun that dies with the launcher
 
     die_with_parent()
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    quick_exit(0)  # every worker succeeded (a failure raises above, and exits the usual way)
