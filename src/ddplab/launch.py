@@ -71,7 +71,8 @@ def quick_exit(code: int = 0) -> None:
     Tearing down torch's modules takes 1.2-1.5 s on this machine (torch, torchvision and
     TensorBoard loaded; os._exit: 0.08 s), paid by every worker and by the agent, at the end of
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
-    writes is closed by then. Used only after a run completed, never on an error path."""
+    writes is closed by then (a file a user's callback leaves open is not flushed: close it in
+    on_train_end). Used only after a run completed, never on an error path."""
     import atexit
 
     atexit._run_exitfuncs()
