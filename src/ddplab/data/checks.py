@@ -81,6 +81,8 @@ def class_folders(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+# ---------------------------------------------------------------------------- text
+
 def check_corpus(cfg) -> None:
     """data.name=text: a named corpus exists."""
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
