@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -137,3 +139,23 @@ def machine() -> str:
         pass
     return (f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, python {platform.python_version()}, "
             f"{time.strftime('%Y-%m-%d')}")
+
+
+def paired_ratio(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The ratio a/b of two contenders timed in pairs (run i of a next to run i of b), with its
+    confidence interval: the geometric mean of the pair ratios, and a Student-t interval on the
+    mean of their logs, so slow drifts of the machine, which hit both runs of a pair, cancel.
+    Fewer than two pairs give an unbounded interval."""
+    from scipy.stats import t
+
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), 0.0, math.inf
+    half = t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def resolved(ratio: float, lo: float, hi: float, within: float) -> bool:
+    """Whether the interval lies within +-`within` (a fraction) of the ratio."""
+    return hi / ratio - 1 <= within and 1 - lo / ratio <= within

@@ -1,21 +1,34 @@
 """ddplab against a hand-written DDP loop, HF Accelerate and Lightning Fabric.
 
 Same model, data, seed, per-process batch and process count for every contender; runs
-alternate between contenders so drifting machine load hits all of them alike. For each
-workload and process count it prints the median training time per epoch (the first epoch
-of every run is a warm-up and is not counted; each run trains enough epochs that its timed
-epochs hold at least --steps optimizer steps per process, default 600, so one run of the
-digits CNN, at 3-7 ms a step, is timed over several seconds, not one 0.15 s epoch), the
-spread of the runs, the per-pair ratios' range, and one line per pair:
+alternate between contenders (one round runs each once, the order rotating), so drifting
+machine load hits all of them alike. Each run trains a warm-up epoch, which is not counted,
+then enough epochs that its timed epochs hold at least --steps optimizer steps per process;
+the run's figure is the median of its timed epochs.
+
+Single runs of one contender spread by 5-15 % on a shared 2-core machine, between runs more
+than within one, so a ratio is resolved by the number of runs, not by their length. The
+ratio against each contender is the geometric mean of the pair ratios (ddplab's run next to
+the contender's, same round), with a 95 % Student-t interval; rounds go on past --runs, up to
+--max-runs, until every interval lies within --resolve of its ratio. For each workload and
+process count it prints the median seconds per epoch with each contender's spread, and:
 
     ratio ddplab/<contender> <workload> nproc=<N> <value>
+      95 % interval <lo>-<hi> (+-<h> %) from <n> pairs; pairs <min>-<max>; resolved to 5 %: yes|no; <verdict>
 
 plus ddplab's data-wait share: the time the slowest rank waited for its next batch, over
 the epoch time.
 
-    python benchmarks/overhead.py                      # all workloads, 1 and 2 processes, 5 runs each
-    python benchmarks/overhead.py --contenders ddplab,handwritten --workloads cnn --steps 1000
-    python benchmarks/overhead.py --workloads gpt --nproc 2 --runs 3
+With --interleave, each run is one process (pair) that trains ddplab and the hand-written
+loop epoch by epoch (contenders/interleaved.py): ddplab's epoch, then one of the hand loop's.
+What slows a whole run down then slows both, and the ratio is resolved in far fewer runs;
+what ddplab sets for the whole process (kept host memory) helps the hand loop too there, so
+that mode measures the loops themselves, and the default mode the whole process.
+
+    python benchmarks/overhead.py                      # all workloads, 1 and 2 processes
+    python benchmarks/overhead.py --contenders ddplab,handwritten --workloads cnn --runs 8
+    python benchmarks/overhead.py --workloads gpt --nproc 2 --steps 200 --max-runs 10
+    python benchmarks/overhead.py --interleave --workloads cnn,gpt
     python benchmarks/overhead.py --device cuda --nproc 1 --workloads gpt_medium --amp bf16
 """
 
@@ -34,13 +47,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import WORKLOADS, machine  # noqa: E402
+from common import WORKLOADS, machine, paired_ratio, resolved  # noqa: E402
 
 CONTENDERS = {
     "ddplab": "ddplab_run.py",
     "handwritten": "handwritten.py",
     "accelerate": "accelerate_loop.py",
     "fabric": "fabric_loop.py",
+    "interleaved": "interleaved.py",  # --interleave: ddplab and the hand-written loop in one process
 }
 
 
@@ -59,24 +73,65 @@ def run_once(contender: str, workload: str, nproc: int, epochs: int, options: li
                 "page_faults": resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults}
 
 
+def verdict(lo: float, hi: float) -> str:
+    if hi < 1:
+        return "ddplab faster"
+    if lo > 1:
+        return "ddplab slower"
+    return "level: the interval holds 1.0"
+
+
+def ratios(times: dict[str, list[float]], within: float) -> dict[str, tuple[float, float, float, bool]]:
+    """ddplab's paired ratio against each contender: (ratio, lo, hi, resolved within `within`)."""
+    out = {}
+    for c in times:
+        if c != "ddplab":
+            ratio, lo, hi = paired_ratio(times["ddplab"], times[c])
+            out[c] = (ratio, lo, hi, resolved(ratio, lo, hi, within))
+    return out
+
+
+def report(times: dict[str, list[float]], workload: str, nproc: int, within: float) -> None:
+    medians = {c: statistics.median(v) for c, v in times.items()}
+    print(f"\n{workload}, {nproc} process(es): median seconds per epoch over {len(times['ddplab'])} runs")
+    for c, v in times.items():
+        print(f"  {c:12s} {medians[c]:.3f} (min {min(v):.3f}, max {max(v):.3f}; "
+              f"spread {100 * (max(v) - min(v)) / medians[c]:.1f} % of the median)")
+    for c, (ratio, lo, hi, ok) in ratios(times, within).items():
+        pairs = [a / b for a, b in zip(times["ddplab"], times[c])]
+        print(f"ratio ddplab/{c} {workload} nproc={nproc} {ratio:.3f}")
+        print(f"  95 % interval {lo:.3f}-{hi:.3f} (+-{100 * max(hi / ratio - 1, 1 - lo / ratio):.1f} %) from "
+              f"{len(pairs)} pairs; pairs {min(pairs):.3f}-{max(pairs):.3f}; resolved to {100 * within:g} %: "
+              f"{'yes' if ok else 'no'}; {verdict(lo, hi)}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--nproc", default="1,2")
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--steps", type=int, default=600,
+    p.add_argument("--runs", type=int, default=5, help="rounds at least (each contender once per round)")
+    p.add_argument("--max-runs", type=int, default=12,
+                   help="rounds at most: past --runs, rounds go on while a ratio is not resolved to --resolve")
+    p.add_argument("--resolve", type=float, default=0.05,
+                   help="stop once every ratio's 95 %% interval lies within this fraction of it (default 0.05)")
+    p.add_argument("--steps", type=int, default=300,
                    help="optimizer steps per process timed in each run (after a warm-up epoch); sets the epochs")
     p.add_argument("--epochs", type=int, default=None, help="epochs per run instead of --steps; the first is a warm-up")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", default="ddplab,handwritten,accelerate,fabric")
+    p.add_argument("--interleave", action="store_true",
+                   help="ddplab and the hand-written loop epoch by epoch in the same processes")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--amp", choices=("none", "bf16"), default="none", help="autocast precision for every contender")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every contender")
     args = p.parse_args()
-    contenders = args.contenders.split(",")
+    contenders = ["ddplab", "handwritten"] if args.interleave else args.contenders.split(",")
+    if contenders[0] != "ddplab" or len(contenders) < 2 or not set(contenders) <= set(CONTENDERS) - {"interleaved"}:
+        p.error("--contenders: ddplab first, then one or more of handwritten, accelerate, fabric")
     options = ["--device", args.device, "--amp", args.amp] + (["--compile"] if args.compile else [])
     print(f"machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
     print(f"device {args.device}, amp {args.amp}, compile {args.compile}")
-    print(f"runs: {args.runs} per contender, alternating; first epoch of each run not counted; load average "
+    print(f"rounds: {args.runs} to {max(args.runs, args.max_runs)}, until every ratio is resolved to "
+          f"{100 * args.resolve:g} %; first epoch of each run not counted; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for workload in args.workloads.split(","):
         for nproc in (int(n) for n in args.nproc.split(",")):
@@ -90,28 +145,33 @@ def main() -> int:
             waits: list[float] = []
             rates: list[float] = []
             mfus: list[float] = []
-            for i in range(args.runs):
+            rounds = max(args.runs, args.max_runs)
+            for i in range(rounds):
                 order = contenders[i % len(contenders):] + contenders[: i % len(contenders)]
-                for contender in order:
+                for contender in ["interleaved"] if args.interleave else order:
                     result = run_once(contender, workload, nproc, epochs, options)
-                    times[contender].append(statistics.mean(result["epoch_times"][1:]))
-                    print(f"  run {i + 1} {contender} {workload} nproc={nproc}: {times[contender][-1]:.3f} s/epoch",
-                          flush=True)
-                    if contender == "ddplab":
-                        waits += [w / t for w, t in zip(result["data_wait_s"][1:], result["epoch_times"][1:]) if w is not None]
+                    timed = result["epoch_times"][1:]
+                    runs = {contender: timed} if not args.interleave else \
+                        {"ddplab": timed, "handwritten": result["hand_epoch_times"][1:]}
+                    for name, epoch_times in runs.items():
+                        times[name].append(statistics.median(epoch_times))
+                        print(f"  round {i + 1} {name} {workload} nproc={nproc}: {times[name][-1]:.3f} s/epoch "
+                              f"(its epochs {min(epoch_times):.3f}-{max(epoch_times):.3f})", flush=True)
+                    if contender in ("ddplab", "interleaved"):
+                        waits += [w / t for w, t in zip(result["data_wait_s"][1:], timed) if w is not None]
                         rates += [r for r in result.get("tokens_per_s", [])[1:] if r]
                         mfus += [m for m in result.get("mfu", [])[1:] if m]
-            medians = {c: statistics.median(v) for c, v in times.items()}
-            print(f"\n{workload}, {nproc} process(es): median seconds per epoch")
-            for c in contenders:
-                spread = f"(min {min(times[c]):.3f}, max {max(times[c]):.3f}; " \
-                         f"spread {100 * (max(times[c]) - min(times[c])) / medians[c]:.1f} % of the median)"
-                print(f"  {c:12s} {medians[c]:.3f} {spread}")
-            for c in contenders:
-                if c != "ddplab" and "ddplab" in medians:
-                    pairs = [a / b for a, b in zip(times["ddplab"], times[c])]  # runs next to each other
-                    print(f"ratio ddplab/{c} {workload} nproc={nproc} {medians['ddplab'] / medians[c]:.3f}")
-                    print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
+                if i + 1 < args.runs:
+                    continue
+                now = ratios(times, args.resolve)
+                print(f"  after round {i + 1}: " + ", ".join(
+                    f"/{c} {r:.3f} ({lo:.3f}-{hi:.3f})" for c, (r, lo, hi, _) in now.items()), flush=True)
+                if all(ok for *_, ok in now.values()) or i + 1 == rounds:
+                    break
+            report(times, workload, nproc, args.resolve)
+            if not all(ok for *_, ok in now.values()):
+                print(f"  not resolved to {100 * args.resolve:g} % after {len(times['ddplab'])} rounds "
+                      f"(raise --max-runs)")
             if waits:
                 print(f"data wait ddplab {workload} nproc={nproc} {100 * statistics.median(waits):.2f}% of epoch time")
             if rates:

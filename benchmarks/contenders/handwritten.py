@@ -1,6 +1,9 @@
 """A minimal hand-written DDP loop, the pattern of the PyTorch DDP tutorial.
 
     torchrun --standalone --nproc-per-node=N benchmarks/contenders/handwritten.py gpt 3 out.json [--device cuda]
+
+`HandLoop` is the loop itself, one epoch per call; `interleaved.py` runs it inside ddplab's
+own process too.
 """
 
 import os
@@ -18,41 +21,60 @@ from common import (autocast, call, contender_args, loss_fn, make_optimizer, mov
                     sync)
 
 
+class HandLoop:
+    """Model, DDP, AdamW and a DistributedSampler loader, built as the tutorial builds them; the
+    process group, when there is one, must exist already."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        cfg, ctx, bundle, model = setup(args)
+        self.device = ctx.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        model.to(self.device)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None) \
+            if distributed else model
+        if args.compile:
+            self.ddp = torch.compile(self.ddp)
+        self.optimizer = make_optimizer(model, cfg)
+        self.sampler = DistributedSampler(bundle.train, num_replicas=ctx.world_size, rank=ctx.rank,
+                                          seed=cfg.experiment.seed)
+        self.loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, sampler=self.sampler,
+                                 collate_fn=bundle.collate_fn)
+        self.steps = 0
+
+    def epoch(self, epoch: int) -> float:
+        """Train one epoch; its wall time in seconds."""
+        self.sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        for inputs, target in self.loader:
+            if self.steps == self.args.max_steps:
+                break
+            self.steps += 1
+            inputs, target = move(inputs, self.device), move(target, self.device)
+            with autocast(self.args, self.device):
+                loss = loss_fn(call(self.ddp, inputs), target)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+        sync(self.device)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        # With gloo, a DDP model alive at destroy_process_group() aborts about one run in four.
+        del self.ddp, self.optimizer
+
+
 def main() -> None:
     args = contender_args()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    cfg, ctx, bundle, model = setup(args)
-    device = ctx.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model.to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
-    if args.compile:
-        ddp = torch.compile(ddp)
-    optimizer = make_optimizer(model, cfg)
-    sampler = DistributedSampler(bundle.train, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.experiment.seed)
-    loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, sampler=sampler,
-                        collate_fn=bundle.collate_fn)
-    times, steps = [], 0
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        start = time.perf_counter()
-        for inputs, target in loader:
-            if steps == args.max_steps:
-                break
-            steps += 1
-            inputs, target = move(inputs, device), move(target, device)
-            with autocast(args, device):
-                loss = loss_fn(call(ddp, inputs), target)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    report(args.out, times, {"steps_per_epoch": len(loader)})
-    del ddp, optimizer
+    loop = HandLoop(args)
+    times = [loop.epoch(epoch) for epoch in range(args.epochs)]
+    report(args.out, times, {"steps_per_epoch": len(loop.loader)})
+    loop.close()
     if distributed:
         dist.destroy_process_group()
 

@@ -1,0 +1,55 @@
+"""ddplab and the hand-written loop in one process, epoch by epoch.
+
+    torchrun --standalone --nproc-per-node=N benchmarks/contenders/interleaved.py gpt 3 out.json
+
+ddplab trains through its public entry (`ddplab.train`), and a callback runs one epoch of
+`handwritten.HandLoop` after each of ddplab's epochs, on its own model copy, optimizer, DDP
+wrapper and loader. Each pair of epochs runs within seconds of each other in the same
+processes, so what slows a whole run down (the host, where its memory landed) slows both.
+What ddplab sets for the whole process (kept host memory, a frozen start-up heap) applies to
+the hand-written loop too, so this measures the loops, not the process settings.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import contender_args, overrides, report  # noqa: E402
+from handwritten import HandLoop  # noqa: E402
+
+import ddplab  # noqa: E402
+
+
+class HandEpochs(ddplab.Callback):
+    """One hand-written epoch after each of ddplab's (after its validation, outside its timing)."""
+
+    def __init__(self, args) -> None:
+        self.args, self.loop, self.times = args, None, []
+
+    def on_train_start(self, trainer) -> None:
+        self.loop = HandLoop(self.args)  # the process group exists now: its DDP wrapper can sync
+
+    def on_epoch_end(self, trainer, row) -> None:
+        if not row.get("partial"):
+            self.times.append(self.loop.epoch(len(self.times)))
+            row["hand_epoch_time_s"] = self.times[-1]
+
+    def on_train_end(self, trainer, summary) -> None:
+        self.loop.close()
+
+
+def main() -> None:
+    args = contender_args()
+    runs = Path(args.out).resolve().parent / "ddplab-runs"
+    hand = HandEpochs(args)
+    summary = ddplab.train(None, overrides(args) + [f"experiment.output_dir={runs}", "experiment.name=b"],
+                           callbacks=[hand])
+    rows = summary["epochs"] if summary else []
+    report(args.out, [r["epoch_time_s"] for r in rows],
+           {"hand_epoch_times": hand.times, "data_wait_s": [r.get("data_wait_s") for r in rows],
+            "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows]})
+
+
+if __name__ == "__main__":
+    main()
