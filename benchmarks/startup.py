@@ -6,7 +6,8 @@ Both are started as a user would start them, through a launcher: `python -m ddpl
 benchmarks/contenders/handwritten.py cnn 1 OUT --max-steps 1`. ddplab keeps its defaults
 (validation, snapshot, test evaluation, TensorBoard), so this is the price of one real command.
 Runs alternate, and the wall time of each whole command is taken here. It prints the median
-and range per side, the run-by-run ratios' range, ddplab's per-phase breakdown (the median of
+and range per side, the run-by-run ratios' range, their geometric mean with a 95 % interval
+(benchmarks/common.py: paired_ratio), ddplab's per-phase breakdown (the median of
 each phase in metrics.json, for each ddplab side), the load average, and
 
     ratio ddplab/torchrun-hand startup nproc=<N> <value>
@@ -31,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import WORKLOADS  # noqa: E402
+from common import WORKLOADS, paired_ratio  # noqa: E402
 
 
 def run_once(side: str, nproc: int, workload: str, folder: Path, before: str | None = None,
@@ -97,6 +98,8 @@ def main() -> int:
                 print(f"  {side} phases (rank 0, median s): "
                       + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in runs):.2f}" for k in keys))
         print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
+        mean, lo, hi = paired_ratio(walls["ddplab"], walls["torchrun-hand"])
+        print(f"  paired runs: geometric mean {mean:.3f}, 95 % interval {lo:.3f}-{hi:.3f}")
         ratio = statistics.median(walls["ddplab"]) / statistics.median(walls["torchrun-hand"])
         if args.before:
             old = statistics.median(walls["ddplab-before"]) / statistics.median(walls["torchrun-hand"])

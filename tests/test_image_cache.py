@@ -1,6 +1,7 @@
 """The image cache: decoded once, the same batches as decoding every epoch, reused, re-keyed
-when a file changes, and bypassed by data.cache=false."""
+when a file changes, bypassed by data.cache=false, and built once for the ranks of a node."""
 
+import json
 import os
 
 import pytest
@@ -11,7 +12,8 @@ from ddplab.registry import load_config
 from ddplab.data import build_data
 from ddplab.data.image_cache import CachedImages
 from ddplab.errors import UserError
-from test_vision_data import image_tree
+from conftest import assert_ok, torchrun
+from test_vision_data import QUIET, image_tree
 
 
 def config(tmp_path, *extra):
@@ -87,3 +89,17 @@ def test_an_unreadable_image_is_one_error_and_leaves_no_cache(tmp_path):
         build_data(config(tmp_path), None)
     assert [p.name for p in (tmp_path / "cache").iterdir() if "broken" in p.name or p.name.startswith(".")] == []
     assert all((tmp_path / "cache" / name / "meta.json").is_file() for name in caches(tmp_path))
+
+
+def test_two_ranks_share_one_cache_built_once(tmp_path):
+    """Under torchrun, rank 0 decodes each split once while rank 1 waits, and both train on it."""
+    image_tree(tmp_path / "tree")
+    proc = torchrun(2, "train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
+                    "data.image_size=24", f"data.cache_dir={tmp_path / 'cache'}", "training.max_steps=2",
+                    "training.batch_size=4", "experiment.name=ic", *QUIET, cwd=tmp_path, timeout=180)
+    assert_ok(proc)
+    assert (proc.stdout + proc.stderr).count("image cache: decoding") == 2  # train/ and val/, by one rank
+    assert len(caches(tmp_path)) == 2
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
+    summary = json.loads((tmp_path / "experiments/ic/metrics.json").read_text())
+    assert summary["status"] == "complete" and summary["ddp"]["ranks_identical"]
