@@ -46,6 +46,8 @@ def contender_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", choices=("none", "bf16"), default="none")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (hand-written loop only)")
+    p.add_argument("--alternate", action="store_true",
+                   help="interleaved only: the hand-written epoch goes first on odd epochs")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra ddplab override (ddplab's own contender only)")
     return p.parse_args(argv)

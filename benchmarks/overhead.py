@@ -23,7 +23,8 @@ With --interleave, each run is one process (pair) that trains ddplab and the han
 loop epoch by epoch (contenders/interleaved.py): ddplab's epoch, then one of the hand loop's.
 What slows a whole run down then slows both, and the ratio is resolved in far fewer runs;
 what ddplab sets for the whole process (kept host memory) helps the hand loop too there, so
-that mode measures the loops themselves, and the default mode the whole process.
+that mode measures the loops themselves, and the default mode the whole process. ddplab's
+epoch goes first in each pair; --alternate puts the hand loop's first on odd epochs.
 
     python benchmarks/overhead.py                      # all workloads, 1 and 2 processes
     python benchmarks/overhead.py --contenders ddplab,handwritten --workloads cnn --runs 8
@@ -120,6 +121,8 @@ def main() -> int:
     p.add_argument("--contenders", default="ddplab,handwritten,accelerate,fabric")
     p.add_argument("--interleave", action="store_true",
                    help="ddplab and the hand-written loop epoch by epoch in the same processes")
+    p.add_argument("--alternate", action="store_true",
+                   help="with --interleave: the hand-written epoch goes first on odd epochs (default: ddplab first)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--amp", choices=("none", "bf16"), default="none", help="autocast precision for every contender")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every contender")
@@ -127,7 +130,8 @@ def main() -> int:
     contenders = ["ddplab", "handwritten"] if args.interleave else args.contenders.split(",")
     if contenders[0] != "ddplab" or len(contenders) < 2 or not set(contenders) <= set(CONTENDERS) - {"interleaved"}:
         p.error("--contenders: ddplab first, then one or more of handwritten, accelerate, fabric")
-    options = ["--device", args.device, "--amp", args.amp] + (["--compile"] if args.compile else [])
+    options = ["--device", args.device, "--amp", args.amp] + (["--compile"] if args.compile else []) \
+        + (["--alternate"] if args.alternate else [])
     print(f"machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
     print(f"device {args.device}, amp {args.amp}, compile {args.compile}")
     print(f"rounds: {args.runs} to {max(args.runs, args.max_runs)}, until every ratio is resolved to "

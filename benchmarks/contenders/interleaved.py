@@ -3,11 +3,12 @@
     torchrun --standalone --nproc-per-node=N benchmarks/contenders/interleaved.py gpt 3 out.json
 
 ddplab trains through its public entry (`ddplab.train`), and a callback runs one epoch of
-`handwritten.HandLoop` after each of ddplab's epochs, on its own model copy, optimizer, DDP
-wrapper and loader. Each pair of epochs runs within seconds of each other in the same
-processes, so what slows a whole run down (the host, where its memory landed) slows both.
-What ddplab sets for the whole process (kept host memory, a frozen start-up heap) applies to
-the hand-written loop too, so this measures the loops, not the process settings.
+`handwritten.HandLoop` after each of ddplab's epochs (with --alternate: before ddplab's odd
+epochs, after its even ones, so neither loop always goes first), on its own model copy,
+optimizer, DDP wrapper and loader. Each pair of epochs runs within seconds of each other in
+the same processes, so what slows a whole run down (the host, where its memory landed) slows
+both. What ddplab sets for the whole process (kept host memory, a frozen start-up heap)
+applies to the hand-written loop too, so this measures the loops, not the process settings.
 """
 
 import sys
@@ -22,7 +23,8 @@ import ddplab  # noqa: E402
 
 
 class HandEpochs(ddplab.Callback):
-    """One hand-written epoch after each of ddplab's (after its validation, outside its timing)."""
+    """One hand-written epoch beside each of ddplab's, outside its timing: after its validation,
+    or (odd epochs, with --alternate) before its first step."""
 
     def __init__(self, args) -> None:
         self.args, self.loop, self.times = args, None, []
@@ -30,10 +32,16 @@ class HandEpochs(ddplab.Callback):
     def on_train_start(self, trainer) -> None:
         self.loop = HandLoop(self.args)  # the process group exists now: its DDP wrapper can sync
 
-    def on_epoch_end(self, trainer, row) -> None:
-        if not row.get("partial"):
+    def first(self, trainer) -> bool:
+        return self.args.alternate and trainer.state.epoch % 2 == 1
+
+    def on_epoch_start(self, trainer) -> None:
+        if self.first(trainer):
             self.times.append(self.loop.epoch(len(self.times)))
-            row["hand_epoch_time_s"] = self.times[-1]
+
+    def on_epoch_end(self, trainer, row) -> None:
+        if not row.get("partial") and not self.first(trainer):
+            self.times.append(self.loop.epoch(len(self.times)))
 
     def on_train_end(self, trainer, summary) -> None:
         self.loop.close()
