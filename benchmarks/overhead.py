@@ -6,7 +6,7 @@ machine load hits all of them alike. Each run trains a warm-up epoch, which is n
 then enough epochs that its timed epochs hold at least --steps optimizer steps per process;
 the run's figure is the median of its timed epochs.
 
-Single runs of one contender spread by 5-15 % on a shared 2-core machine, between runs more
+Single runs of one contender spread by 4-70 % on a shared 2-core machine, between runs more
 than within one, so a ratio is resolved by the number of runs, not by their length. The
 ratio against each contender is the geometric mean of the pair ratios (ddplab's run next to
 the contender's, same round), with a 95 % Student-t interval; rounds go on past --runs, up to
