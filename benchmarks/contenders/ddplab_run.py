@@ -15,16 +15,20 @@ from ddplab.config import load_config  # noqa: E402
 from ddplab.run import train  # noqa: E402
 
 
-def main() -> None:
-    args = contender_args()
+def train_and_report(args, callbacks=(), extra=dict) -> None:
+    """Train through ddplab's entry and write the result file; `extra()` adds fields to it."""
     # Beside the result file: one folder for every rank (they share the run folder and token cache).
     runs = Path(args.out).resolve().parent / "ddplab-runs"
     cfg = load_config(None, overrides(args) + [f"experiment.output_dir={runs}", "experiment.name=b"])
-    summary = train(cfg)
+    summary = train(cfg, callbacks=callbacks)
     rows = summary["epochs"] if summary else []
     report(args.out, [r["epoch_time_s"] for r in rows],
            {"data_wait_s": [r.get("data_wait_s") for r in rows],
-            "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows]})
+            "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows], **extra()})
+
+
+def main() -> None:
+    train_and_report(contender_args())
 
 
 if __name__ == "__main__":

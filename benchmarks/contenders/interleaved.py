@@ -2,13 +2,14 @@
 
     torchrun --standalone --nproc-per-node=N benchmarks/contenders/interleaved.py gpt 3 out.json
 
-ddplab trains through its public entry (`ddplab.train`), and a callback runs one epoch of
-`handwritten.HandLoop` after each of ddplab's epochs (with --alternate: before ddplab's odd
-epochs, after its even ones, so neither loop always goes first), on its own model copy,
-optimizer, DDP wrapper and loader. Each pair of epochs runs within seconds of each other in
-the same processes, so what slows a whole run down (the host, where its memory landed) slows
-both. What ddplab sets for the whole process (kept host memory, a frozen start-up heap)
-applies to the hand-written loop too, so this measures the loops, not the process settings.
+ddplab trains as in ddplab_run.py (through `ddplab.run.train`, as `ddplab train` does), and a
+callback runs one epoch of `handwritten.HandLoop` after each of ddplab's epochs (with
+--alternate: before ddplab's odd epochs, after its even ones, so neither loop always goes
+first), on its own model copy, optimizer, DDP wrapper and loader. Each pair of epochs runs
+within seconds of each other in the same processes, so what slows a whole run down (the host,
+where its memory landed) slows both. What ddplab sets for the whole process (kept host memory,
+a frozen start-up heap) applies to the hand-written loop too, so this measures the loops, not
+the process settings.
 """
 
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import contender_args, overrides, report  # noqa: E402
+from common import contender_args  # noqa: E402
+from ddplab_run import train_and_report  # noqa: E402
 from handwritten import HandLoop  # noqa: E402
 
 import ddplab  # noqa: E402
@@ -49,14 +51,8 @@ class HandEpochs(ddplab.Callback):
 
 def main() -> None:
     args = contender_args()
-    runs = Path(args.out).resolve().parent / "ddplab-runs"
     hand = HandEpochs(args)
-    summary = ddplab.train(None, overrides(args) + [f"experiment.output_dir={runs}", "experiment.name=b"],
-                           callbacks=[hand])
-    rows = summary["epochs"] if summary else []
-    report(args.out, [r["epoch_time_s"] for r in rows],
-           {"hand_epoch_times": hand.times, "data_wait_s": [r.get("data_wait_s") for r in rows],
-            "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows]})
+    train_and_report(args, callbacks=[hand], extra=lambda: {"hand_epoch_times": hand.times})
 
 
 if __name__ == "__main__":
