@@ -67,22 +67,22 @@ def device_of(args: argparse.Namespace) -> torch.device:
 
 
 def setup(args: argparse.Namespace):
-    """(cfg, ctx, bundle, model) exactly as ddplab builds them; the caller owns the process group."""
-    from ddplab.registry import load_config
-    from ddplab.data import build_data
+    """(cfg, ctx, data, model) exactly as ddplab builds them; the caller owns the process group."""
     from ddplab.distributed import DistContext, detect_launch
     from ddplab.engine.rng import seed_everything
-    from ddplab.models import build_model
+    from ddplab.engine.setup import build_data, build_model
+    from ddplab.registry import load_config, workload
 
     cfg = load_config(None, overrides(args))
     launch = detect_launch()
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     ctx = DistContext(launch=launch, backend=backend, device=device_of(args))
     seed_everything(cfg.experiment.seed)
-    bundle = build_data(cfg, ctx)
-    model = build_model(cfg, bundle)
+    work = workload(cfg)
+    data = build_data(cfg, ctx, work)
+    model = build_model(cfg, ctx, work, data)
     seed_everything(cfg.experiment.seed + launch.rank)
-    return cfg, ctx, bundle, model
+    return cfg, ctx, data, model
 
 
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:

@@ -89,8 +89,8 @@ def loader_rate(root: Path, path: str, passes: int = 3) -> float:
     import torch
     from torch.utils.data import DataLoader
 
-    from ddplab.config import load_config
-    from ddplab.data import build_data
+    from ddplab.registry import load_config
+    from ddplab.engine.setup import build_data
 
     data = {"idx": ["data.name=fashion_mnist", f"data.root={root / 'idx'}"],
             "png-nocache": ["data.name=image_folder", f"data.root={root / 'png'}", "data.cache=false"],

@@ -36,7 +36,7 @@ def worker(a) -> None:
 
     from ddplab import distributed
     from ddplab.registry import load_config
-    from ddplab.data import build_data
+    from ddplab.engine.setup import build_data
 
     cfg = load_config(None, ["model.name=transformer", "data.name=synthetic_reviews", f"data.num_samples={a.rows}",
                              f"data.max_len={a.max_len}", f"data.cache_dir={a.cache_dir}", "data.val_fraction=0.01"])

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from ddplab.registry import load_config
-from ddplab.data import build_data
-from ddplab.data.text_cls import encode_texts
+from ddplab.engine.setup import build_data
 from ddplab.data.text_synthetic import generate
 from ddplab.data.text_tokenize import HashTokenizer
 from ddplab.distributed import DistContext, LaunchInfo
@@ -83,7 +82,7 @@ def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
     assert b.meta["input"] == "text" and b.meta["label_names"] == ["negative", "positive"]
     # Inference encodes a raw text exactly as the cache did.
     text, _ = generate(1337, int(b.train.rows[0]), 1, 2)  # the default experiment.seed
-    assert torch.equal(encode_texts(b.meta, text)["input_ids"][0], inputs["input_ids"])
+    assert torch.equal(b.preprocess(text[0])["input_ids"], inputs["input_ids"])
 
 
 @pytest.fixture
@@ -106,7 +105,7 @@ def test_text_files_read_csv_json_parquet_with_string_labels(reviews):
     labels = [b.test[i][1] for i in range(20)]
     assert labels == [int(s == "good") for s in frame["stars"][:20]]
     # A Parquet row is read as the text it holds.
-    assert torch.equal(b.val[0][0]["input_ids"], encode_texts(b.meta, [frame["review"][20]])["input_ids"][0])
+    assert torch.equal(b.val[0][0]["input_ids"], b.preprocess(frame["review"][20])["input_ids"])
 
 
 def test_data_limit_caps_every_split(reviews):

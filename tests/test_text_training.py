@@ -10,7 +10,7 @@ from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_sc
 
 from conftest import assert_ok, ddplab, torchrun
 from ddplab.config import from_dict
-from ddplab.data import build_data
+from ddplab.engine.setup import build_data
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.tasks import call_model
 from ddplab.inference import load_model

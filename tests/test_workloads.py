@@ -327,7 +327,7 @@ def test_a_user_task_scores_with_its_torchmetrics():
 
 
 def test_options_take_yaml_values_from_the_command_line():
-    from ddplab.config import load_config
+    from ddplab.registry import load_config
 
     cfg = load_config(None, ["model.options.hidden=64", "model.options.sizes=[1, 2]", "data.options.csv=h.csv",
                              "data.options.split.seed=3"])

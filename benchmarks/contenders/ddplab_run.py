@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import contender_args, overrides, report  # noqa: E402
 
-from ddplab.config import load_config  # noqa: E402
+from ddplab.registry import load_config  # noqa: E402
 from ddplab.run import train  # noqa: E402
 
 

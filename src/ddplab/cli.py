@@ -33,7 +33,7 @@ def _config_help() -> str:
     from ddplab.registry import builtin_names
 
     models, data = builtin_names()
-    lines = ["built-in workloads (or your own file.py:function, see README 'Your own model and data'):",
+    lines = ["built-in workloads (or your own file.py:function; see the docs, 'Your own workload'):",
              f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "",
              "config fields (key=value):"]
     lines += [f"  {name} = {default}  {help}" for name, default, help in describe_fields()]
@@ -111,7 +111,7 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def cmd_train(ns) -> int:
-    from ddplab.registry import check_files, load_config
+    from ddplab.registry import check_files, checked_without_torch, load_config
 
     config, overrides = split_args(ns.args)
     cfg = load_config(config, overrides)
@@ -124,9 +124,7 @@ def cmd_train(ns) -> int:
         from ddplab.launch import run_workers
         from ddplab.metrics.phases import note_launch
 
-        if ":" in cfg.model.name or ":" in cfg.data.name:
-            # User code: build its data and model here once, so that bad code fails in one line
-            # before any worker starts.
+        if not checked_without_torch(cfg):
             from ddplab.engine.setup import preflight
 
             preflight(cfg)
@@ -217,9 +215,10 @@ def cmd_study(ns) -> int:
     from ddplab.study.grid import expand, parse_setups, parse_sweeps
     from ddplab.study.runner import run_study
 
+    from ddplab.registry import load_config
+
     config, common = split_args(ns.args)
     _positive("--nnodes", ns.nnodes)
-    from ddplab.config import load_config
 
     budget = parse_duration(ns.budget, "--budget")
     _positive("--repeat", ns.repeat)

@@ -170,11 +170,15 @@ def _short(name: str) -> str:
 
 # ---------------------------------------------------------------------------- loading
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a Config from an optional YAML file and dotted `key=value` overrides."""
-    tree: dict = {}
-    if path is not None:
-        tree = read_yaml(path)
+def read_config(source: "str | Path | dict | Config | None" = None, overrides=()) -> Config:
+    """Types and ranges only (ddplab.registry.load_config also checks names): a YAML path (None:
+    the defaults), a dict or a Config, then dotted `key=value` overrides."""
+    if source is None or isinstance(source, (str, Path)):
+        tree = read_yaml(source) if source is not None else {}
+    elif isinstance(source, (dict, Config)):
+        tree = source.to_dict() if isinstance(source, Config) else source
+    else:
+        raise UserError(f"config: give a YAML path, a dict, a ddplab Config or None; got {type(source).__name__}")
     cfg = from_dict(tree)
     for item in overrides:
         apply_override(cfg, item)
@@ -335,7 +339,7 @@ def validate(cfg: Config) -> None:
     if not 0 <= cfg.data.test_fraction < 1:
         raise UserError(f"data.test_fraction must be in [0, 1), got {cfg.data.test_fraction}")
     # Names (built-in or code references) and which model fits which data are the registry's
-    # checks: ddplab.registry.check_config, called by load_workload_config and the commands.
+    # checks: ddplab.registry.check_config, called by ddplab.registry.load_config.
 
 
 def _check_fields(node: Any, prefix: str) -> None:

@@ -14,7 +14,7 @@ import torch
 from ddplab.config import from_dict
 from ddplab.engine.checkpoint import find_checkpoint, load_file
 from ddplab.errors import UserError
-from ddplab.registry import build_config, model_builder
+from ddplab.registry import build_config, function
 from ddplab.tasks import restore
 from ddplab.workload import Data, check_trusted
 
@@ -42,7 +42,7 @@ def load_model(path: str | Path, trust_code: bool = False):
 def _rebuild(cfg, data: Data, trust_code: bool):
     """The model from the task and meta alone; a user model that reads its datasets (e.g. an
     input's shape) gets them from the run's own data function."""
-    build = model_builder(cfg.model.name)
+    build = function(cfg.model.name, "model.name")
     try:
         return build(build_config(cfg, "model"), data), data.task
     except Exception as first:  # noqa: BLE001 - retried with the real data, or reported in one line

@@ -1,79 +1,78 @@
-"""Every built-in workload, declared once, and the door user code comes through too.
+"""The names users type, and the one loader of a config.
 
-One record per model and per data source: where its builder lives ("module:function",
-imported only when used, so listing names or checking a config needs no torch), which task
-it serves, which inputs it reads or makes, and its cheap checks. Which model fits which data
-is decided here and nowhere else: a model and a data source fit when their inputs match.
+A built-in workload is a file in ddplab/workloads/ with the two functions a user writes
+(`data(cfg) -> Data`, `model(cfg, data) -> nn.Module`). This table maps each built-in name to
+its function as a `package.module:function` reference, resolved by the same resolver as a
+user's `file.py:function`; from there on the engine cannot tell them apart. Each entry also
+says which task and inputs it serves (which model fits which data is decided here and nowhere
+else) and names torch-free checks the launcher runs on the config alone.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ddplab.config import Config, read_config
 from ddplab.errors import UserError
-from ddplab.workload import BuildConfig, Data, Options, is_reference, resolve
+from ddplab.workload import BuildConfig, Options, is_reference, reference_of, resolve
 
 
 @dataclass(frozen=True)
-class Spec:
-    build: str  # "module:function"; data: (cfg, ctx) -> DataBundle, model: (cfg, data) -> nn.Module
+class Builtin:
+    ref: str  # the workload function, "package.module:function"
     task: str  # "lm" | "classification" | "any" (made to fit the model)
     inputs: str  # "tokens" | "text" | "image" | "any"
     image: tuple | None = None  # (channels, default side) a vision model wants; None: the data's own
-    check: str | None = None  # (cfg) -> None, from the config alone
+    check: str | None = None  # (cfg) -> None, from the config alone, without torch
     check_files: str | None = None  # (cfg) -> None, the files the config names
 
-    def load(self, what: str = "build") -> Callable:
-        module, name = getattr(self, what).split(":")
-        return getattr(importlib.import_module(module), name)
+    def call(self, what: str, cfg) -> None:
+        reference = getattr(self, what)
+        if reference:
+            resolve(reference, what)(cfg)
 
 
-MODELS: dict[str, Spec] = {
-    "gpt": Spec("ddplab.models.gpt:build", "lm", "tokens"),
-    "transformer": Spec("ddplab.models.transformer:build", "classification", "text"),
-    "hf": Spec("ddplab.models.hf:build", "classification", "text", check="ddplab.models.checks:check_hf"),
-    "cnn": Spec("ddplab.models.vision:build_cnn", "classification", "image", image=(None, None)),
-    "vit": Spec("ddplab.models.vision:build_vit", "classification", "image", image=(3, None)),
+_W = "ddplab.workloads."
+MODELS: dict[str, Builtin] = {
+    "gpt": Builtin(_W + "char_lm:gpt", "lm", "tokens"),
+    "transformer": Builtin(_W + "text_classification:transformer", "classification", "text"),
+    "hf": Builtin(_W + "text_classification:hf", "classification", "text", check="ddplab.models.checks:check_hf"),
+    "cnn": Builtin(_W + "images:cnn", "classification", "image", image=(None, None)),
+    "vit": Builtin(_W + "images:vit", "classification", "image", image=(None, None)),
 }
 # Every torchvision classifier by name: RGB at the side its ImageNet weights were made for.
-TORCHVISION = Spec("ddplab.models.vision:build_torchvision", "classification", "image", image=(3, 224),
-                   check_files="ddplab.models.vision:check_files")
+TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image", image=(3, 224),
+                      check_files="ddplab.models.vision:check_files")
 
 _IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
                check_files="ddplab.data.checks:check_image_files")
 _TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes")
-DATA: dict[str, Spec] = {
-    "text": Spec("ddplab.data.text_lm:build", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
-    "synthetic": Spec("ddplab.data.synthetic:build", "any", "any"),
-    "digits": Spec("ddplab.data.vision:build_digits", **_IMAGES),
-    "mnist": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
-    "fashion_mnist": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
-    "cifar10": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
-    "image_folder": Spec("ddplab.data.vision:build_image_folder", **_IMAGES),
-    "imdb": Spec("ddplab.data.text_cls:build", **_TEXTS),
-    "amazon_polarity": Spec("ddplab.data.text_cls:build", **_TEXTS),
-    "text_files": Spec("ddplab.data.text_cls:build", **_TEXTS),
-    "synthetic_reviews": Spec("ddplab.data.text_cls:build", **_TEXTS),
+DATA: dict[str, Builtin] = {
+    "text": Builtin(_W + "char_lm:data", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
+    "synthetic": Builtin(_W + "synthetic:data", "any", "any"),
+    **{name: Builtin(_W + "images:data", **_IMAGES) for name in ("digits", "mnist", "fashion_mnist", "cifar10",
+                                                                  "image_folder")},
+    **{name: Builtin(_W + "text_classification:data", **_TEXTS)
+       for name in ("imdb", "amazon_polarity", "text_files", "synthetic_reviews")},
 }
 
 
-def model_spec(name: str) -> Spec | None:
-    """The built-in record for a model name; None for a code reference. Unknown names list the valid ones."""
+def model_entry(name: str) -> Builtin | None:
+    """The table's entry for a model name; None for a code reference. Unknown names list the valid ones."""
     if is_reference(name):
         return None
     if name in MODELS:
         return MODELS[name]
-    from ddplab.models import vision
+    from ddplab.models import vision  # imports torchvision: only for a name that is none of ddplab's own
 
     if vision.is_torchvision(name):
         return TORCHVISION
     raise UserError(vision.unknown_model(name, list(MODELS)))
 
 
-def data_spec(name: str) -> Spec | None:
+def data_entry(name: str) -> Builtin | None:
     if is_reference(name):
         return None
     if name not in DATA:
@@ -82,10 +81,21 @@ def data_spec(name: str) -> Spec | None:
     return DATA[name]
 
 
+def reference(name: str, field_name: str) -> str:
+    """A built-in name's function reference; a code reference as given."""
+    entry = model_entry(name) if field_name == "model.name" else data_entry(name)
+    return entry.ref if entry else name
+
+
+def function(name: str, field_name: str) -> Callable:
+    """A built-in name or a code reference -> its workload function, through the one resolver."""
+    return resolve(reference(name, field_name), field_name)
+
+
 def image_needs(model_name: str) -> tuple[int | None, int | None]:
     """(channels, default side) the model wants of images; (None, None): whatever the data has."""
-    spec = model_spec(model_name)
-    return (spec.image if spec is not None and spec.image else (None, None))
+    entry = model_entry(model_name)
+    return entry.image if entry is not None and entry.image else (None, None)
 
 
 def builtin_names() -> tuple[list[str], list[str]]:
@@ -95,29 +105,33 @@ def builtin_names() -> tuple[list[str], list[str]]:
 
 # ---------------------------------------------------------------------------- checks
 
-def check_config(cfg) -> None:
+def check_config(cfg: Config) -> None:
     """Names, references and which model fits which data, before any process starts."""
-    model, data = model_spec(cfg.model.name), data_spec(cfg.data.name)
-    if model is None:
-        resolve(cfg.model.name, "model.name")
-    if data is None:
-        resolve(cfg.data.name, "data.name")
+    model, data = model_entry(cfg.model.name), data_entry(cfg.data.name)
+    for entry, section in ((model, cfg.model), (data, cfg.data)):
+        if entry is None:
+            resolve(section.name, f"{'model' if section is cfg.model else 'data'}.name")
     if model is not None and data is not None:
-        fits = data.inputs in ("any", model.inputs) and data.task in ("any", model.task)
-        if not fits:
+        if data.inputs not in ("any", model.inputs) or data.task not in ("any", model.task):
             raise UserError(_mismatch(cfg, model, data))
-    for spec in (model, data):
-        if spec is not None and spec.check:
-            spec.load("check")(cfg)
-    if model is not None and model.inputs == "image" and data is not None and data.inputs == "image":
+    for entry in (model, data):
+        if entry is not None:
+            entry.call("check", cfg)
+    if model is not None and data is not None and model.inputs == data.inputs == "image":
         from ddplab.data.checks import image_spec
         from ddplab.models.checks import check_image_input
 
-        _, channels, side = image_spec(cfg)
+        _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)
 
 
-def _mismatch(cfg, model: Spec, data: Spec) -> str:
+def checked_without_torch(cfg: Config) -> bool:
+    """Both functions come with torch-free checks (check_config ran them); a workload without them
+    is built once in the launcher instead (engine.setup.preflight), before any worker starts."""
+    return model_entry(cfg.model.name) is not None and data_entry(cfg.data.name) is not None
+
+
+def _mismatch(cfg, model: Builtin, data: Builtin) -> str:
     fitting = sorted(n for n, s in DATA.items() if s.inputs in ("any", model.inputs) and s.task in ("any", model.task))
     models = [n for n, s in MODELS.items() if s.inputs == data.inputs and s.task == data.task]
     if data.inputs == "image":
@@ -127,96 +141,59 @@ def _mismatch(cfg, model: Spec, data: Spec) -> str:
             f"{', '.join(fitting)}")
 
 
-def check_files(cfg) -> None:
+def check_files(cfg: Config) -> None:
     """The files the config names (dataset folders, weights) exist and fit; run before launch."""
-    for spec in (model_spec(cfg.model.name), data_spec(cfg.data.name)):
-        if spec is not None and spec.check_files:
-            spec.load("check_files")(cfg)
+    for entry in (model_entry(cfg.model.name), data_entry(cfg.data.name)):
+        if entry is not None:
+            entry.call("check_files", cfg)
 
 
-# ---------------------------------------------------------------------------- building
+# ---------------------------------------------------------------------------- loading
 
-@dataclass
-class Workload:
-    """The two functions a run calls; `references` say where user code came from (for the run folder)."""
-
-    data: Callable  # (BuildConfig) -> Data
-    model: Callable  # (BuildConfig, Data) -> nn.Module
-    references: dict
-
-
-def workload(cfg, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
-    """The config's workload; functions handed to ddplab.train() take the place of the names."""
-    refs = {}
-    if data_fn is None:
-        spec = data_spec(cfg.data.name)
-        if spec is None:
-            data_fn = resolve(cfg.data.name, "data.name")
-        else:
-            data_fn = _builtin_data(spec)
-    if data_spec(cfg.data.name) is None:
-        refs["data"] = cfg.data.name
-    if model_fn is None:
-        model_fn = model_builder(cfg.model.name)
-    if model_spec(cfg.model.name) is None:
-        refs["model"] = cfg.model.name
-    return Workload(data_fn, model_fn, refs)
-
-
-def model_builder(name: str) -> Callable:
-    """(BuildConfig, Data) -> nn.Module for a built-in name or a code reference."""
-    spec = model_spec(name)
-    return resolve(name, "model.name") if spec is None else _builtin_model(spec)
-
-
-def _builtin_data(spec: Spec) -> Callable:
-    def data(b: BuildConfig) -> Data:
-        return as_data(spec.load()(b.config, b.dist))
-    return data
-
-
-def _builtin_model(spec: Spec) -> Callable:
-    def model(b: BuildConfig, data: Data):
-        return spec.load()(b.config, data)
-    return model
-
-
-def as_data(bundle) -> Data:
-    """A built-in source's bundle, as the Data every workload returns."""
-    from ddplab.tasks import Classification, LanguageModeling
-
-    if bundle.task == "lm":
-        task = LanguageModeling(bundle.vocab_size)
-    else:
-        task = Classification(bundle.num_classes, bundle.meta.get("label_names"))
-    meta = dict(bundle.meta)
-    if bundle.vocab_size is not None:
-        meta.setdefault("vocab_size", bundle.vocab_size)
-    return Data(train=bundle.train, val=bundle.val, test=bundle.test, task=task, collate_fn=bundle.collate_fn,
-                meta=meta, input_shape=bundle.input_shape)
-
-
-def build_config(cfg, section: str, ctx=None) -> BuildConfig:
-    options = Options(getattr(cfg, section).options or {})
-    if ctx is None:
-        return BuildConfig(options, cfg)
-    return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
-
-
-def load_config(path=None, overrides=()):
-    """The config (types and ranges: ddplab.config) whose names and pairings the registry accepts."""
-    from ddplab.config import load_config as load_typed
-
-    cfg = load_typed(path, overrides)
+def load_config(source: str | Path | dict | Config | None = None, overrides=(), *, model: Callable | None = None,
+                data: Callable | None = None) -> Config:
+    """The one config loader every command uses: YAML path (None: the embedded default), dict or
+    Config, then `key=value` overrides; types, ranges, names and pairings checked. Functions
+    handed to ddplab.train() take the place of model.name / data.name."""
+    cfg = read_config(source, overrides)
+    if model is not None:
+        cfg.model.name = reference_of(model)
+    if data is not None:
+        cfg.data.name = reference_of(data)
     check_config(cfg)
     absolute_references(cfg)
     return cfg
 
 
-def absolute_references(cfg) -> None:
+def absolute_references(cfg: Config) -> None:
     """file.py:function references become absolute, so every rank, a resume, predict and generate
     import the very file this run used, whatever their working directory."""
     for section in (cfg.model, cfg.data):
         where, _, name = section.name.rpartition(":")
         if where.endswith(".py") or "/" in where:
             section.name = f"{Path(where).expanduser().resolve()}:{name}"
+
+
+# ---------------------------------------------------------------------------- building
+
+@dataclass
+class Workload:
+    """The two functions a run calls, and where they came from (recorded in the run folder)."""
+
+    data: Callable  # (BuildConfig) -> Data
+    model: Callable  # (BuildConfig, Data) -> nn.Module
+    references: dict
+
+
+def workload(cfg: Config, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
+    """The config's workload; functions handed to ddplab.train() are used as given."""
+    return Workload(data_fn or function(cfg.data.name, "data.name"),
+                    model_fn or function(cfg.model.name, "model.name"),
+                    {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")})
+
+
+def build_config(cfg: Config, section: str, ctx=None) -> BuildConfig:
+    options = Options(getattr(cfg, section).options or {})
+    if ctx is None:
+        return BuildConfig(options, cfg)
+    return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)

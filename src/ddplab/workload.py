@@ -5,9 +5,10 @@ A workload is two functions:
     data(cfg) -> ddplab.Data                      # cfg.options: data.options.*
     model(cfg, data) -> torch.nn.Module           # cfg.options: model.options.*
 
-`model.name` / `data.name` are a built-in name (see ddplab.registry) or a code reference:
-`path/to/file.py:function` or `package.module:function`. Both resolve to the same pair of
-callables here, so the engine never asks which kind it got.
+`model.name` / `data.name` are a built-in name (ddplab.registry maps each to a function in
+ddplab/workloads/) or a code reference: `path/to/file.py:function` or
+`package.module:function`. Both go through the one resolver here, so the engine never asks
+which kind it got.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Data:
     collate_fn: Callable | None = None
     meta: dict = field(default_factory=dict)
     input_shape: tuple | None = None  # one sample's shape (images), for models that need it
+    # One raw input (a file path, a text, numbers) -> one sample's inputs, for `ddplab predict`.
+    preprocess: Callable | None = None
 
     # What built-in model builders read.
     @property
@@ -147,7 +150,10 @@ def reference_file(reference: str) -> Path | None:
     where = reference.rpartition(":")[0]
     if where.endswith(".py") or "/" in where:
         return Path(where).expanduser().resolve()
-    spec = importlib.util.find_spec(where.split(".")[0]) if where else None
+    try:
+        spec = importlib.util.find_spec(where) if where else None
+    except ImportError:
+        return None
     return Path(spec.origin).resolve() if spec is not None and spec.origin else None
 
 

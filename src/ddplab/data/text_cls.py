@@ -1,4 +1,5 @@
-"""Text classification data: any source -> token cache -> memory-mapped datasets -> DataBundle.
+"""Text classification data: any source -> token cache -> memory-mapped datasets
+(assembled into ddplab.Data by ddplab/workloads/text_classification.py).
 
 Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset), text_files
 (the user's CSV / TSV / JSON / JSONL / Parquet) and synthetic_reviews (generated). Tokenizers
@@ -14,9 +15,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ddplab.data import text_cache, text_sources, text_synthetic
-from ddplab.data.bundle import DataBundle
 from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
+from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer
 from ddplab.errors import UserError
 
 # data.name -> (source reader, cheap description for the cache key)
@@ -78,30 +78,7 @@ class PadCollate:
         return {"input_ids": ids, "attention_mask": mask}, torch.tensor([t for _, t in items], dtype=torch.long)
 
 
-def build(cfg, ctx) -> DataBundle:
-    read, describe = SOURCES[cfg.data.name]
-    description = {"source": describe(cfg), "tokenizer": tokenizer_description(cfg)}
-    folder = text_cache.cache_folder(cache_root(cfg), description)
-
-    def write() -> None:
-        tokenizer = make_tokenizer(cfg)
-        print(f"token cache: tokenising {cfg.data.name} with the {tokenizer_kind(cfg)} tokenizer into {folder}", flush=True)
-        text_cache.write(folder, read(cfg), tokenizer, description)
-
-    text_cache.ensure(ctx, folder, write)
-    cache = text_cache.TokenCache(folder)
-    names = list(cache.meta["label_names"])
-    k = cfg.data.num_classes or len(names)
-    if k < len(names):
-        raise UserError(f"data.num_classes={k} but data.name={cfg.data.name} has {len(names)} labels ({', '.join(names)})")
-    names += [str(i) for i in range(len(names), k)]
-    train, val, test = _splits(cfg, cache)
-    meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
-    return DataBundle(task="classification", train=train, val=val, test=test, num_classes=k,
-                      vocab_size=meta["vocab_size"], meta=meta, collate_fn=PadCollate(meta["pad_id"]))
-
-
-def _splits(cfg, cache: text_cache.TokenCache):
+def splits(cfg, cache: text_cache.TokenCache):
     """Train rows shuffled with the seed (so data.limit takes a random subset of label-sorted data
     such as IMDB's), validation from the data or carved from train, everything capped by data.limit."""
     d = cfg.data
@@ -122,18 +99,3 @@ def _splits(cfg, cache: text_cache.TokenCache):
             if split is not None:
                 split.rows = split.rows[: d.limit]
     return TokenizedTexts(cache, "train", rows), val, test
-
-
-# ---------------------------------------------------------------------------- inference
-
-_TOKENIZERS: dict[str, object] = {}
-
-
-def encode_texts(meta: dict, items: list[str]) -> dict:
-    """`ddplab predict`: raw texts -> the padded batch the model saw in validation."""
-    key = repr(sorted((k, str(v)) for k, v in meta.items() if k != "label_names"))
-    if key not in _TOKENIZERS:
-        _TOKENIZERS[key] = tokenizer_from_meta(meta)
-    ids, lengths = _TOKENIZERS[key].encode_batch(items)
-    items_ = [({"input_ids": torch.from_numpy(ids[i, :n].astype(np.int64))}, 0) for i, n in enumerate(lengths)]
-    return PadCollate(meta["pad_id"])(items_)[0]

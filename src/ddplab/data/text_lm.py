@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddplab.data.bundle import DataBundle
 from ddplab.errors import UserError
 
 
@@ -99,19 +98,3 @@ class TokenChunks(Dataset):
     def __getitem__(self, i: int):
         chunk = self.tokens[i * self.context : i * self.context + self.context + 1]
         return chunk[:-1], chunk[1:]
-
-
-def build(cfg, ctx) -> DataBundle:
-    kind = cfg.data.tokenizer or "char"
-    if kind not in ("char", "byte"):
-        raise UserError(f"data.tokenizer={kind} does not fit data.name=text; use char or byte")
-    text = read_corpus(cfg.data.path)
-    tokenizer = CharTokenizer.fit(kind, text)
-    tokens = tokenizer.encode(text)
-    n_val = int(len(tokens) * cfg.data.val_fraction)
-    context = cfg.model.context
-    train = TokenChunks(tokens[: len(tokens) - n_val], context)
-    val = TokenChunks(tokens[len(tokens) - n_val :], context) if n_val > context else None
-    if len(train) == 0:
-        raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
-    return DataBundle(task="lm", train=train, val=val, vocab_size=tokenizer.vocab_size, meta=tokenizer.meta())

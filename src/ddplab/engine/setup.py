@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ddplab.errors import UserError
-from ddplab.registry import Workload, build_config
+from ddplab.engine.rng import seed_everything
+from ddplab.registry import Workload, build_config, workload
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data
 
@@ -37,10 +38,8 @@ def autocast(amp: str, device: torch.device):
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def _call(fn, user: bool, where: str, *args):
-    """A user's function raising is the user's error: one line naming it, not a traceback."""
-    if not user:
-        return fn(*args)
+def _call(fn, where: str, *args):
+    """A workload function that raises fails the start in one line naming it, not a traceback."""
     try:
         return fn(*args)
     except UserError:
@@ -49,9 +48,11 @@ def _call(fn, user: bool, where: str, *args):
         raise UserError(f"{where} raised {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}") from None
 
 
-def build_data(cfg, ctx, work: Workload) -> Data:
+def build_data(cfg, ctx=None, work: Workload | None = None) -> Data:
+    """The workload's Data, checked: what a data function hands back is the user's to fix."""
+    work = work or workload(cfg)
     where = f"data.name={cfg.data.name}"
-    data = _call(work.data, "data" in work.references, where, build_config(cfg, "data", ctx))
+    data = _call(work.data, where, build_config(cfg, "data", ctx))
     if not isinstance(data, Data):
         raise UserError(f"{where} returned {type(data).__name__}, not ddplab.Data(train=..., val=..., task=...)")
     for split in ("train", "val", "test"):
@@ -69,12 +70,11 @@ def build_data(cfg, ctx, work: Workload) -> Data:
 
 
 def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
-    model = _call(work.model, "model" in work.references, f"model.name={cfg.model.name}",
-                  build_config(cfg, "model", ctx), data)
+    """The workload's model, checked by one forward pass on two training samples."""
+    model = _call(work.model, f"model.name={cfg.model.name}", build_config(cfg, "model", ctx), data)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
-    if work.references:
-        check_output(model, data)
+    check_output(model, data)
     return model
 
 
@@ -107,13 +107,11 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
 
 
 def preflight(cfg) -> None:
-    """In the launcher, before workers start: build the user's data and model once, on the CPU."""
+    """In the launcher, before workers start, for a workload without torch-free checks: build its
+    data and model once on the CPU, so that bad code fails in one line before any worker starts."""
     from ddplab.distributed import DistContext, LaunchInfo
-    from ddplab.engine.rng import seed_everything
-    from ddplab.registry import workload
 
     seed_everything(cfg.experiment.seed)
     ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
     work = workload(cfg)
-    data = build_data(cfg, ctx, work)
-    build_model(cfg, ctx, work, data)
+    build_model(cfg, ctx, work, build_data(cfg, ctx, work))

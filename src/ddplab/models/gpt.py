@@ -114,9 +114,3 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
-
-
-def build(cfg, bundle) -> GPT:
-    m = cfg.model
-    return GPT(GPTConfig(vocab_size=bundle.vocab_size, context=m.context, layers=m.layers, heads=m.heads,
-                         dim=m.dim, ff_dim=m.ff_dim, dropout=m.dropout, bias=m.bias))

@@ -67,11 +67,3 @@ class TransformerClassifier(nn.Module):
         Embedding look-ups are no matmuls, and the head runs once per text, not per token."""
         c = self.config
         return 6 * sum(p.numel() for p in self.encoder.parameters()) + 12 * c.layers * c.dim * c.max_len
-
-
-def build(cfg, bundle) -> TransformerClassifier:
-    m, meta = cfg.model, bundle.meta
-    return TransformerClassifier(TransformerConfig(
-        vocab_size=bundle.vocab_size, num_classes=bundle.num_classes, max_len=meta.get("max_len", cfg.data.max_len),
-        layers=m.layers, heads=m.heads, dim=m.dim, ff_dim=m.ff_dim, dropout=m.dropout, pooling=m.pooling,
-        pad_id=meta.get("pad_id", 0)))

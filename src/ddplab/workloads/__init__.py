@@ -1,0 +1,1 @@
+"""ddplab's built-in workloads: plain workload files, named in ddplab.registry."""

@@ -1,0 +1,34 @@
+"""A character (or byte) GPT on any text file or folder of text files; the default workload.
+
+    ddplab train data.name=text data.path=corpus.txt model.name=gpt
+"""
+
+from __future__ import annotations
+
+import ddplab
+from ddplab.data.text_lm import CharTokenizer, TokenChunks, read_corpus
+from ddplab.errors import UserError
+from ddplab.models.gpt import GPT, GPTConfig
+
+
+def data(cfg) -> ddplab.Data:
+    d, context = cfg.config.data, cfg.config.model.context
+    kind = d.tokenizer or "char"
+    if kind not in ("char", "byte"):
+        raise UserError(f"data.tokenizer={kind} does not fit data.name=text; use char or byte")
+    text = read_corpus(d.path)
+    tokenizer = CharTokenizer.fit(kind, text)
+    tokens = tokenizer.encode(text)
+    n_val = int(len(tokens) * d.val_fraction)
+    train = TokenChunks(tokens[: len(tokens) - n_val], context)
+    val = TokenChunks(tokens[len(tokens) - n_val:], context) if n_val > context else None
+    if len(train) == 0:
+        raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
+    return ddplab.Data(train=train, val=val, task=ddplab.LanguageModeling(tokenizer.vocab_size),
+                       meta=tokenizer.meta())
+
+
+def gpt(cfg, data: ddplab.Data) -> GPT:
+    m = cfg.config.model
+    return GPT(GPTConfig(vocab_size=data.vocab_size, context=m.context, layers=m.layers, heads=m.heads,
+                         dim=m.dim, ff_dim=m.ff_dim, dropout=m.dropout, bias=m.bias))

@@ -1,0 +1,93 @@
+"""Text classification: a Transformer encoder from scratch on hash tokens, or any Hugging Face
+sequence classifier fine-tuned with its own tokenizer.
+
+    ddplab train data.name=imdb model.name=transformer
+    ddplab train data.name=text_files data.train=train.csv model.name=hf model.pretrained=<hub name or folder>
+
+Sources: imdb, amazon_polarity (datasets.load_dataset), text_files (CSV / TSV / JSON / JSONL /
+Parquet) and synthetic_reviews (generated); every one is tokenised once into a token cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import ddplab
+from ddplab.data import text_cache
+from ddplab.data.checks import tokenizer_kind
+from ddplab.data.text_cls import SOURCES, PadCollate, cache_root, make_tokenizer, splits, tokenizer_description
+from ddplab.data.text_tokenize import tokenizer_from_meta
+from ddplab.errors import UserError
+from ddplab.models.checks import check_pretrained, looks_like_path
+from ddplab.models.transformer import TransformerClassifier, TransformerConfig
+
+
+def data(cfg) -> ddplab.Data:
+    c = cfg.config
+    read, describe = SOURCES[c.data.name]
+    description = {"source": describe(c), "tokenizer": tokenizer_description(c)}
+    folder = text_cache.cache_folder(cache_root(c), description)
+
+    def write() -> None:
+        tokenizer = make_tokenizer(c)
+        print(f"token cache: tokenising {c.data.name} with the {tokenizer_kind(c)} tokenizer into {folder}", flush=True)
+        text_cache.write(folder, read(c), tokenizer, description)
+
+    text_cache.ensure(cfg.dist, folder, write)
+    cache = text_cache.TokenCache(folder)
+    names = list(cache.meta["label_names"])
+    k = c.data.num_classes or len(names)
+    if k < len(names):
+        raise UserError(f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})")
+    names += [str(i) for i in range(len(names), k)]
+    train, val, test = splits(c, cache)
+    meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
+    return ddplab.Data(train=train, val=val, test=test, task=ddplab.Classification(k, names), meta=meta,
+                       collate_fn=PadCollate(meta["pad_id"]), preprocess=Encoder(meta))
+
+
+class Encoder:
+    """`ddplab predict`: a raw text -> the token ids validation fed the model."""
+
+    def __init__(self, meta: dict) -> None:
+        self.meta, self.tokenizer = meta, None
+
+    def __call__(self, text: str) -> dict:
+        if self.tokenizer is None:  # a pretrained tokenizer loads in seconds: only when predicting
+            self.tokenizer = tokenizer_from_meta(self.meta)
+        ids, lengths = self.tokenizer.encode_batch([text])
+        return {"input_ids": torch.from_numpy(ids[0, :lengths[0]].astype(np.int64))}
+
+
+def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
+    m, meta = cfg.config.model, data.meta
+    return TransformerClassifier(TransformerConfig(
+        vocab_size=data.vocab_size, num_classes=data.num_classes, max_len=meta.get("max_len", cfg.config.data.max_len),
+        layers=m.layers, heads=m.heads, dim=m.dim, ff_dim=m.ff_dim, dropout=m.dropout, pooling=m.pooling,
+        pad_id=meta.get("pad_id", 0)))
+
+
+def hf(cfg, data: ddplab.Data) -> nn.Module:
+    """A pretrained encoder with a fresh head sized to this data's labels."""
+    from transformers import AutoModelForSequenceClassification  # seconds to import: only for model.name=hf
+
+    m = cfg.config.model
+    check_pretrained(m.pretrained)
+    names = data.meta.get("label_names") or [str(i) for i in range(data.num_classes)]
+    source = str(Path(m.pretrained).expanduser()) if looks_like_path(m.pretrained) else m.pretrained
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            source, num_labels=data.num_classes, id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise UserError(f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier ({first}); "
+                        f"give a local model folder, or a hub name on a connected machine") from None
+    if m.freeze:
+        for p in model.base_model.parameters():
+            p.requires_grad_(False)
+    return model
