@@ -1,0 +1,128 @@
+"""The package's shape: layers run one way, no import cycles, imports inside functions only with a
+reason, and files a reader can hold in their head.
+
+Layers, lowest first; a module may import its own layer and the layers below, never above:
+  contracts  what a workload, a task and a callback are written against, and the config
+  parts      the seam to torch.distributed, datasets, tokenizers, caches, models
+  engine     the training loop, its checkpoints and run folder
+  beside     built-in workloads and metric writers (through the contracts; they may use the engine)
+  commands   what a user runs: train, study, verify, predict, generate, report, forecast
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "ddplab"
+
+LAYERS = [
+    ("contracts", ["ddplab.errors", "ddplab.config", "ddplab.workload", "ddplab.registry", "ddplab.tasks",
+                   "ddplab.callbacks"]),
+    ("parts", ["ddplab.distributed", "ddplab.data", "ddplab.models"]),
+    ("engine", ["ddplab.engine"]),
+    ("beside", ["ddplab.workloads", "ddplab.metrics", "ddplab.trackers"]),
+    ("commands", ["ddplab.run", "ddplab.api", "ddplab.cli", "ddplab.launch", "ddplab.inference", "ddplab.predict",
+                  "ddplab.verify", "ddplab.study", "ddplab.report", "ddplab.forecast", "ddplab.export",
+                  "ddplab.__main__", "ddplab.status"]),
+]
+MAX_LINES = 300
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int | None:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    return None
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path, module: str) -> list[tuple[str, int, bool]]:
+    """(imported ddplab module, line, inside a function) for every import of the file."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found += [(a.name, child.lineno, in_function) for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: resolve against this package
+                    package = module.split(".")[: len(module.split(".")) - child.level + (path.name == "__init__.py")]
+                    base = ".".join(package + ([base] if base else []))
+                found.append((base, child.lineno, in_function))
+                found += [(f"{base}.{a.name}", child.lineno, in_function) for a in child.names]
+            visit(child, nested)
+    visit(tree, False)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    for module, path in known.items():
+        for target, _, _ in imports(path, module):
+            if target in known and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in modules() if m != "ddplab" and layer(m) is None] == []
+
+
+def test_no_import_runs_up_a_layer():
+    upward = [f"{m} ({LAYERS[layer(m)][0]}) imports {t} ({LAYERS[layer(t)][0]})"
+              for m, targets in graph().items() if m != "ddplab" for t in targets
+              if layer(t) is not None and layer(m) is not None and layer(t) > layer(m)]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    edges, cycles = graph(), []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                walk(nxt, path + [nxt])
+        state[node] = 2
+    for node in sorted(edges):
+        if node not in state:
+            walk(node, [node])
+    # A package importing its own submodule is how Python packages work, not a cycle of design.
+    cycles = [c for c in cycles if not all(part.startswith(c.split(" -> ")[0]) for part in c.split(" -> "))]
+    assert cycles == []
+
+
+def test_imports_inside_functions_say_why():
+    """Start-up: the launcher and light commands must not pay for torch or a heavy optional library;
+    such an import sits in the function that needs it, with a comment on its line or the line above."""
+    silent = []
+    for module, path in modules().items():
+        lines = path.read_text().splitlines()
+        for _, line, inside in imports(path, module):
+            if inside and "#" not in lines[line - 1] and not lines[line - 2].strip().startswith("#"):
+                silent.append(f"{path.relative_to(SRC)}:{line}: {lines[line - 1].strip()}")
+    assert sorted(set(silent)) == []
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_files_stay_small(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
