@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) benchmarks/overhead.py
+
+# The config reference is regenerated from the config's own help, then the site is built into site/.
+docs: $(STAMP)
+	$(PY) docs/gen_config.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) experiments

@@ -3,7 +3,7 @@
 `checkpoint.resume=auto` continues the run in its folder only when the resolved config
 equals the one in the folder's config.yaml apart from SAFE_TO_CHANGE: fields that change
 how long, where, how loudly or how fast a run goes, never what it computes per step.
-(World size is not a config field: another process count is always allowed, see README.)
+(World size is not a config field: another process count is always allowed, see docs/fault-tolerance.md.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ddplab.errors import UserError
 
-# Dotted fields, or whole sections ending in ".". Kept in one place; README lists the same.
+# Dotted fields, or whole sections ending in ".". Kept in one place; docs/config.md is generated from it.
 SAFE_TO_CHANGE = (
     "training.epochs",  # extend (or shorten) the run; the schedule's length follows it
     "training.max_steps",

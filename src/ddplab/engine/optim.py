@@ -27,7 +27,7 @@ def build_optimizer(model: torch.nn.Module, t, lr: float, device: torch.device) 
         return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
     # The fused kernel: one pass over all parameters instead of a loop of small ops per tensor.
     # On CPU the optimizer step itself is about 10x faster (4 M parameters); the gain in a whole
-    # step grows with the parameter count (benchmarks/README.md: speed_defaults, overhead).
+    # step grows with the parameter count (docs/benchmarks.md: speed_defaults, overhead).
     return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, betas=(0.9, 0.95),
                              fused=device.type in ("cpu", "cuda"))
 

@@ -1,5 +1,5 @@
 """`ddplab forecast`: predicted step and epoch time of DDP setups that were never run, from run
-folders that were. See README, "Forecasting scaling", for the model and its assumptions."""
+folders that were. See docs/forecast.md for the model and its assumptions."""
 
 from __future__ import annotations
 
