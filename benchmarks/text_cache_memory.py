@@ -37,13 +37,14 @@ def worker(a) -> None:
     from ddplab import distributed
     from ddplab.registry import load_config
     from ddplab.engine.setup import build_data
+from ddplab.registry import workload
 
     cfg = load_config(None, ["model.name=transformer", "data.name=synthetic_reviews", f"data.num_samples={a.rows}",
                              f"data.max_len={a.max_len}", f"data.cache_dir={a.cache_dir}", "data.val_fraction=0.01"])
     with distributed.session("gloo") as ctx:
         before = memory()
         start = time.perf_counter()
-        bundle = build_data(cfg, ctx)
+        bundle = build_data(cfg, ctx, workload(cfg))
         built = time.perf_counter() - start
         loader = DataLoader(bundle.train, batch_size=64, collate_fn=bundle.collate_fn,
                             sampler=DistributedSampler(bundle.train, ctx.world_size, ctx.rank, seed=0))

@@ -13,6 +13,7 @@ import torch
 
 from ddplab.registry import load_config
 from ddplab.engine.setup import build_data
+from ddplab.registry import workload
 from ddplab.data.text_synthetic import generate
 from ddplab.data.text_tokenize import HashTokenizer
 from ddplab.distributed import DistContext, LaunchInfo
@@ -23,7 +24,7 @@ ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 
 def bundle_for(tmp_path, *overrides):
     cfg = load_config(None, ["model.name=transformer", f"experiment.output_dir={tmp_path}", *overrides])
-    return build_data(cfg, ONE)
+    return build_data(cfg, ONE, workload(cfg))
 
 
 # ---------------------------------------------------------------------------- hash tokenizer

@@ -11,6 +11,7 @@ from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_sc
 from conftest import assert_ok, ddplab, torchrun
 from ddplab.config import from_dict
 from ddplab.engine.setup import build_data
+from ddplab.registry import workload
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.tasks import call_model
 from ddplab.inference import load_model
@@ -44,7 +45,7 @@ def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_p
     model, ckpt, _ = load_model(run)
     cfg = from_dict(ckpt["config"])
     cfg.experiment.output_dir = str(tmp_path / "experiments")
-    bundle = build_data(cfg, DistContext(LaunchInfo("none"), None, torch.device("cpu")))
+    bundle = build_data(cfg, DistContext(LaunchInfo("none"), None, torch.device("cpu")), workload(cfg))
     batch, target = bundle.collate_fn([bundle.val[i] for i in range(len(bundle.val))])
     with torch.no_grad():
         pred = call_model(model, batch).argmax(-1).numpy()

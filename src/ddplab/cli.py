@@ -125,8 +125,6 @@ def cmd_train(ns) -> int:
         from ddplab.metrics.phases import note_launch
 
         if not checked_without_torch(cfg):
-            from ddplab.engine.setup import preflight
-
             preflight(cfg)
         # The launcher owns the run folder for the whole job, restarts included.
         lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
@@ -158,6 +156,22 @@ def cmd_train(ns) -> int:
     if under_agent():
         quick_exit(0)  # the run is recorded and its files closed
     return 0
+
+
+def preflight(cfg) -> None:
+    """In the launcher, for a workload without torch-free checks: build its data and model once on
+    the CPU, so that bad code fails in one line before any worker starts."""
+    import torch  # the launcher imports torch only for such a workload
+
+    from ddplab.distributed import DistContext, LaunchInfo
+    from ddplab.engine.rng import seed_everything
+    from ddplab.engine.setup import build_data, build_model
+    from ddplab.registry import workload
+
+    seed_everything(cfg.experiment.seed)
+    ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
+    work = workload(cfg)
+    build_model(cfg, ctx, work, build_data(cfg, ctx, work))
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:

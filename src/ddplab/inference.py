@@ -14,7 +14,8 @@ import torch
 from ddplab.config import from_dict
 from ddplab.engine.checkpoint import find_checkpoint, load_file
 from ddplab.errors import UserError
-from ddplab.registry import build_config, function
+from ddplab.registry import function
+from ddplab.workload import build_config
 from ddplab.tasks import restore
 from ddplab.workload import Data, check_trusted
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from ddplab.config import Config, read_config
 from ddplab.errors import UserError
-from ddplab.workload import BuildConfig, Options, is_reference, reference_of, resolve
+from ddplab.workload import Workload, is_reference, reference_of, resolve
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def check_config(cfg: Config) -> None:
 
 def checked_without_torch(cfg: Config) -> bool:
     """Both functions come with torch-free checks (check_config ran them); a workload without them
-    is built once in the launcher instead (engine.setup.preflight), before any worker starts."""
+    is built once in the launcher instead (cli.preflight), before any worker starts."""
     return model_entry(cfg.model.name) is not None and data_entry(cfg.data.name) is not None
 
 
@@ -176,24 +176,8 @@ def absolute_references(cfg: Config) -> None:
 
 # ---------------------------------------------------------------------------- building
 
-@dataclass
-class Workload:
-    """The two functions a run calls, and where they came from (recorded in the run folder)."""
-
-    data: Callable  # (BuildConfig) -> Data
-    model: Callable  # (BuildConfig, Data) -> nn.Module
-    references: dict
-
-
 def workload(cfg: Config, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
     """The config's workload; functions handed to ddplab.train() are used as given."""
     return Workload(data_fn or function(cfg.data.name, "data.name"),
                     model_fn or function(cfg.model.name, "model.name"),
                     {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")})
-
-
-def build_config(cfg: Config, section: str, ctx=None) -> BuildConfig:
-    options = Options(getattr(cfg, section).options or {})
-    if ctx is None:
-        return BuildConfig(options, cfg)
-    return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)

@@ -87,6 +87,23 @@ class BuildConfig:
             self.dist.barrier()
 
 
+@dataclass
+class Workload:
+    """The two functions a run calls, and where they came from (recorded in the run folder)."""
+
+    data: Callable  # (BuildConfig) -> Data
+    model: Callable  # (BuildConfig, Data) -> nn.Module
+    references: dict
+
+
+def build_config(cfg, section: str, ctx=None) -> BuildConfig:
+    """What a workload function of `section` ("data", "model") is given, in the job `ctx` (or none)."""
+    options = Options(getattr(cfg, section).options or {})
+    if ctx is None:
+        return BuildConfig(options, cfg)
+    return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
+
+
 # ---------------------------------------------------------------------------- code references
 
 def is_reference(name: str) -> bool:

@@ -9,10 +9,8 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ddplab.errors import UserError
-from ddplab.engine.rng import seed_everything
-from ddplab.registry import Workload, build_config, workload
 from ddplab.tasks import Task, call_model
-from ddplab.workload import Data
+from ddplab.workload import Data, Workload, build_config
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
@@ -48,9 +46,8 @@ def _call(fn, where: str, *args):
         raise UserError(f"{where} raised {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}") from None
 
 
-def build_data(cfg, ctx=None, work: Workload | None = None) -> Data:
+def build_data(cfg, ctx, work: Workload) -> Data:
     """The workload's Data, checked: what a data function hands back is the user's to fix."""
-    work = work or workload(cfg)
     where = f"data.name={cfg.data.name}"
     data = _call(work.data, where, build_config(cfg, "data", ctx))
     if not isinstance(data, Data):
@@ -104,14 +101,3 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
     if not isinstance(output, torch.Tensor):
         raise UserError(f"model: the forward pass returned {type(output).__name__}, not a tensor (or .logits)")
     data.task.check_output(output, target)
-
-
-def preflight(cfg) -> None:
-    """In the launcher, before workers start, for a workload without torch-free checks: build its
-    data and model once on the CPU, so that bad code fails in one line before any worker starts."""
-    from ddplab.distributed import DistContext, LaunchInfo
-
-    seed_everything(cfg.experiment.seed)
-    ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
-    work = workload(cfg)
-    build_model(cfg, ctx, work, build_data(cfg, ctx, work))
