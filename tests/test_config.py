@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from ddplab.config import Config, parse_duration
+from ddplab.config import Config
+from ddplab.config_io import parse_duration
 from ddplab.registry import load_config
 from ddplab.errors import UserError
 

@@ -9,7 +9,7 @@ import torch
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
 from conftest import assert_ok, ddplab, torchrun
-from ddplab.config import from_dict
+from ddplab.config_io import from_dict
 from ddplab.engine.setup import build_data
 from ddplab.registry import workload
 from ddplab.distributed import DistContext, LaunchInfo

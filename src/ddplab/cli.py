@@ -224,7 +224,7 @@ def cmd_verify(ns) -> int:
 
 
 def cmd_study(ns) -> int:
-    from ddplab.config import parse_duration
+    from ddplab.config_io import parse_duration
     from ddplab.report.build import make_report
     from ddplab.study.grid import expand, parse_setups, parse_sweeps
     from ddplab.study.runner import run_study
@@ -253,7 +253,7 @@ def cmd_study(ns) -> int:
 
 
 def cmd_report(ns) -> int:
-    from ddplab.config import parse_duration
+    from ddplab.config_io import parse_duration
     from ddplab.report.build import make_report
 
     budget = parse_duration(ns.budget, "--budget")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ddplab.config import from_dict
+from ddplab.config_io import from_dict
 from ddplab.engine.checkpoint import find_checkpoint, load_file
 from ddplab.errors import UserError
 from ddplab.registry import function

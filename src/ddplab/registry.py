@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ddplab.config import Config, read_config
+from ddplab.config import Config
+from ddplab.config_io import read_config
 from ddplab.errors import UserError
 from ddplab.workload import Workload, is_reference, reference_of, resolve
 

@@ -20,7 +20,8 @@ from itertools import islice
 
 import torch
 
-from ddplab.config import Config, parse_duration
+from ddplab.config import Config
+from ddplab.config_io import parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList

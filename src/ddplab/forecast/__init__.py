@@ -62,7 +62,7 @@ def load(dirs: list[str]):
 
 
 def forecast(dirs: list[str], opts: Options) -> Forecast:
-    from ddplab.config import parse_duration
+    from ddplab.config_io import parse_duration
     from ddplab.forecast.fit import comm_of, fit_link
     from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
     from ddplab.forecast.model import fit_compute, predict_step, steps_per_epoch

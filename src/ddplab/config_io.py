@@ -1,0 +1,231 @@
+"""Reading a config: YAML (safe_load), dotted `key=value` overrides, types and ranges checked.
+
+Names (built-in or code references) and which model fits which data are checked one level up,
+by ddplab.registry.load_config, the loader every command uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ddplab.config import Config
+from ddplab.errors import UserError
+
+
+# ---------------------------------------------------------------------------- loading
+
+def read_config(source: "str | Path | dict | Config | None" = None, overrides=()) -> Config:
+    """Types and ranges only (ddplab.registry.load_config also checks names): a YAML path (None:
+    the defaults), a dict or a Config, then dotted `key=value` overrides."""
+    if source is None or isinstance(source, (str, Path)):
+        tree = read_yaml(source) if source is not None else {}
+    elif isinstance(source, (dict, Config)):
+        tree = source.to_dict() if isinstance(source, Config) else source
+    else:
+        raise UserError(f"config: give a YAML path, a dict, a ddplab Config or None; got {type(source).__name__}")
+    cfg = from_dict(tree)
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise UserError(f"config file {path} is not valid YAML{where}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
+    return tree
+
+
+def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Typed construction: unknown keys and wrong types name the dotted field."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise UserError(f"'{dotted}' must be a section (mapping), got {value!r}")
+            kwargs[key] = from_dict(value, hint, dotted + ".")
+        else:
+            kwargs[key] = coerce(value, hint, dotted)
+    return cls(**kwargs)
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    if "=" not in item:
+        raise UserError(f"override '{item}' is not of the form key=value (e.g. training.lr=3e-4)")
+    dotted, raw = item.split("=", 1)
+    dotted = dotted.strip()
+    parts = dotted.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        if isinstance(node, dict):  # data.options / model.options: free-form, values read as YAML
+            for key in parts[i:-1]:
+                node = node.setdefault(key, {})
+                if not isinstance(node, dict):
+                    raise UserError(f"'{dotted}': {key} already holds a value, not a mapping")
+            node[parts[-1]] = _yaml_value(raw.strip(), dotted)
+            return
+        if not dataclasses.is_dataclass(node):
+            raise UserError(f"unknown config key '{dotted}'")
+        names = [f.name for f in dataclasses.fields(node)]
+        if part not in names:
+            where = ".".join(parts[:i]) or "top level"
+            raise UserError(f"unknown config key '{dotted}'; valid keys in {where}: {', '.join(names)}")
+        if i == len(parts) - 1:
+            hint = typing.get_type_hints(type(node))[part]
+            if dataclasses.is_dataclass(hint):
+                raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
+            setattr(node, part, coerce(raw.strip(), hint, dotted))
+        else:
+            node = getattr(node, part)
+
+
+def _yaml_value(raw: str, dotted: str) -> Any:
+    """A free-form option's value as YAML reads it: 64 -> int, [1, 2] -> list, {a: 1} -> dict."""
+    try:
+        return yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        raise UserError(f"'{dotted}': {raw!r} is not a YAML value") from None
+
+
+# Null on the command line, for optional fields only: `training.amp=none` stays the choice "none".
+NULL_WORDS = ("null", "none", "~")
+
+
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def coerce(value: Any, hint: Any, dotted: str) -> Any:
+    """Convert YAML or command-line values to the field's declared type, or explain why not."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
+            return None
+        hint = args[0]
+    if value is None or (hint is not str and isinstance(value, str) and value.strip().lower() in NULL_WORDS):
+        raise UserError(f"'{dotted}' may not be null; expected {_type_name(hint)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.strip().lower() in ("true", "yes", "on", "1")
+        raise UserError(f"'{dotted}' must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise UserError(f"'{dotted}' must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and _NUMBER.match(value.strip()):
+            number = float(value)
+            if number.is_integer():
+                return int(number)
+        raise UserError(f"'{dotted}' must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise UserError(f"'{dotted}' must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and _NUMBER.match(value.strip()):
+            return float(value)
+        raise UserError(f"'{dotted}' must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"'{dotted}' must be a string, got {value!r}")
+    if hint is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise UserError(f"'{dotted}' must be a mapping of free-form options, got {value!r}")
+    raise UserError(f"'{dotted}' has an unsupported type {hint}")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+# ---------------------------------------------------------------------------- validation
+
+def validate(cfg: Config) -> None:
+    """Range and choice checks for every field, then cross-field checks."""
+    _check_fields(cfg, "")
+    parse_duration(cfg.training.time_budget, "training.time_budget")
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
+        raise UserError(f"checkpoint.resume: '{cfg.checkpoint.resume}' is neither auto, never nor an existing snapshot")
+    if cfg.model.dim % cfg.model.heads:
+        raise UserError(f"model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
+    if cfg.model.dropout >= 1:
+        raise UserError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
+    if not 0 <= cfg.data.test_fraction < 1:
+        raise UserError(f"data.test_fraction must be in [0, 1), got {cfg.data.test_fraction}")
+    # Names (built-in or code references) and which model fits which data are the registry's
+    # checks: ddplab.registry.check_config, called by ddplab.registry.load_config.
+
+
+def _check_fields(node: Any, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        dotted = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, dotted + ".")
+            continue
+        meta = f.metadata
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            allowed = ", ".join(str(c) for c in meta["choices"] if c is not None)
+            raise UserError(f"'{dotted}' must be one of {allowed}; got {value!r}")
+        if value is None or isinstance(value, (bool, str, dict)):
+            continue
+        if meta.get("positive") and value <= 0:
+            raise UserError(f"'{dotted}' must be > 0, got {value}")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise UserError(f"'{dotted}' must be >= {meta['min']}, got {value}")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str | None, dotted: str = "duration") -> float | None:
+    """'2h', '90m', '30s', '45' (seconds) -> seconds."""
+    if text is None:
+        return None
+    match = _DURATION.match(str(text))
+    if not match:
+        raise UserError(f"'{dotted}' must be a duration like 2h, 90m, 30s; got {text!r}")
+    number, unit = float(match.group(1)), match.group(2) or "s"
+    seconds = number * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    if seconds <= 0:
+        raise UserError(f"'{dotted}' must be positive; got {text!r}")
+    return seconds
+
+
