@@ -100,9 +100,6 @@ def tokenizer_kind(cfg) -> str:
 def check_text_classes(cfg) -> None:
     """Text classification: the model reads what the tokenizer makes."""
     d, m = cfg.data, cfg.model
-    if m.name not in DEFAULT_TOKENIZER and ":" not in m.name:  # a user's model reads whatever it is given
-        raise UserError(f"data.name={d.name} is text classification: use model.name=transformer (from scratch) "
-                        f"or model.name=hf model.pretrained=<hub name or folder>; got model.name={m.name}")
     kind = tokenizer_kind(cfg)
     if kind not in ("hash", "hf"):
         raise UserError(f"data.tokenizer={kind} does not fit data.name={d.name}; use hash or hf")
