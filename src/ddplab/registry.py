@@ -17,6 +17,7 @@ from typing import Callable
 from ddplab.config import Config
 from ddplab.config_io import read_config
 from ddplab.errors import UserError
+from ddplab.extras import missing, require
 from ddplab.workload import Workload, is_reference, reference_of, resolve
 
 
@@ -28,6 +29,11 @@ class Builtin:
     image: tuple | None = None  # (channels, default side) a vision model wants; None: the data's own
     check: str | None = None  # (cfg) -> None, from the config alone, without torch
     check_files: str | None = None  # (cfg) -> None, the files the config names
+    extra: str | None = None  # the optional part of ddplab it needs (ddplab.extras)
+
+    def require(self, what: str) -> None:
+        if self.extra:
+            require(self.extra, what)
 
     def call(self, what: str, cfg) -> None:
         reference = getattr(self, what)
@@ -38,18 +44,19 @@ class Builtin:
 _W = "ddplab.workloads."
 MODELS: dict[str, Builtin] = {
     "gpt": Builtin(_W + "char_lm:gpt", "lm", "tokens"),
-    "transformer": Builtin(_W + "text_classification:transformer", "classification", "text"),
-    "hf": Builtin(_W + "text_classification:hf", "classification", "text", check="ddplab.models.checks:check_hf"),
-    "cnn": Builtin(_W + "images:cnn", "classification", "image", image=(None, None)),
-    "vit": Builtin(_W + "images:vit", "classification", "image", image=(None, None)),
+    "transformer": Builtin(_W + "text_classification:transformer", "classification", "text", extra="text"),
+    "hf": Builtin(_W + "text_classification:hf", "classification", "text", check="ddplab.models.checks:check_hf",
+                  extra="text"),
+    "cnn": Builtin(_W + "images:cnn", "classification", "image", image=(None, None), extra="vision"),
+    "vit": Builtin(_W + "images:vit", "classification", "image", image=(None, None), extra="vision"),
 }
 # Every torchvision classifier by name: RGB at the side its ImageNet weights were made for.
 TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image", image=(3, 224),
-                      check_files="ddplab.models.vision:check_files")
+                      check_files="ddplab.models.vision:check_files", extra="vision")
 
 _IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
-               check_files="ddplab.data.checks:check_image_files")
-_TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes")
+               check_files="ddplab.data.checks:check_image_files", extra="vision")
+_TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text")
 DATA: dict[str, Builtin] = {
     "text": Builtin(_W + "char_lm:data", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Builtin(_W + "synthetic:data", "any", "any"),
@@ -66,6 +73,9 @@ def model_entry(name: str) -> Builtin | None:
         return None
     if name in MODELS:
         return MODELS[name]
+    if missing("vision", ("torchvision",)):
+        raise UserError(f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS)}, a torchvision "
+                        f"classifier (pip install 'ddplab[vision]'), or your own file.py:function")
     from ddplab.models import vision  # imports torchvision: only for a name that is none of ddplab's own
 
     if vision.is_torchvision(name):
@@ -115,8 +125,9 @@ def check_config(cfg: Config) -> None:
     if model is not None and data is not None:
         if data.inputs not in ("any", model.inputs) or data.task not in ("any", model.task):
             raise UserError(_mismatch(cfg, model, data))
-    for entry in (model, data):
+    for entry, section in ((model, "model"), (data, "data")):
         if entry is not None:
+            entry.require(f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     if model is not None and data is not None and model.inputs == data.inputs == "image":
         from ddplab.data.checks import image_spec

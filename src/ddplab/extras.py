@@ -1,0 +1,30 @@
+"""Optional parts of ddplab and the libraries each one needs (pyproject.toml's extras).
+
+The core install trains any workload of plain tensors; a command or a built-in workload that
+needs more says which extra to install, in one line, before any process starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ddplab.errors import UserError
+
+EXTRAS = {
+    "text": ("transformers", "datasets", "pandas", "pyarrow"),
+    "vision": ("torchvision", "PIL", "sklearn"),
+    "report": ("matplotlib", "scipy"),
+    "track": ("mlflow", "wandb"),
+}
+
+
+def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:
+    """The extra's modules (or the given subset) that cannot be imported here."""
+    return [m for m in (modules or EXTRAS[extra]) if importlib.util.find_spec(m) is None]
+
+
+def require(extra: str, what: str, modules: tuple[str, ...] | None = None) -> None:
+    """One line naming the extra when `what` (a command, a config value) cannot run without it."""
+    gone = missing(extra, modules)
+    if gone:
+        raise UserError(f"{what} needs {', '.join(gone)}: pip install 'ddplab[{extra}]'")
