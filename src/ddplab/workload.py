@@ -38,6 +38,7 @@ class Data:
     collate_fn: Callable | None = None
     meta: dict = field(default_factory=dict)
     input_shape: tuple | None = None  # one sample's shape (images), for models that need it
+    preprocess: Callable | None = None  # one raw input (a file path, a text) -> one sample's inputs, for predict
 
     # What built-in model builders read.
     @property
