@@ -29,6 +29,12 @@ def read_checkpoint(path: str | Path) -> tuple[dict, object]:
     return ckpt, cfg
 
 
+def recorded_task(ckpt: dict):
+    """The task the checkpoint describes (what generate needs; predict uses the run's own)."""
+    meta = ckpt.get("meta", {})
+    return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
+
+
 def load_model(path: str | Path, trust_code: bool = False, rebuild_data: bool = False, checkpoint=None):
     """(model in eval mode, checkpoint dict, Data). With rebuild_data the Data is the run's own,
     from its data function (with its preprocess, datasets and task); else the checkpoint's task and
@@ -45,9 +51,8 @@ def load_model(path: str | Path, trust_code: bool = False, rebuild_data: bool = 
         data.meta = {**data.meta, **meta}  # what the weights were trained with wins
         model = _rebuilt(cfg, lambda: build_model(cfg, None, work, data))
     else:
-        task = restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
         shape = meta.get("input_shape")
-        data = Data(train=None, task=task, meta=meta, input_shape=tuple(shape) if shape else None)
+        data = Data(train=None, task=recorded_task(ckpt), meta=meta, input_shape=tuple(shape) if shape else None)
         model = _rebuilt(cfg, lambda: work.model(build_config(cfg, "model"), data))
     try:
         model.load_state_dict(ckpt["model"])

@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 from ddplab.errors import UserError
-from ddplab.inference import load_model, read_checkpoint
-from ddplab.tasks import CONTINUES_TEXT, call_model, restore
+from ddplab.inference import load_model, read_checkpoint, recorded_task
+from ddplab.tasks import CONTINUES_TEXT, call_model
 
 
 def expand(items: list[str]) -> list[str]:
@@ -103,8 +103,7 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
             trust_code: bool = False) -> list[dict]:
     """One dict per input: {"input": the input, then what the run's Task.predict gives}."""
     checkpoint = read_checkpoint(run)
-    recorded = restore(checkpoint[0].get("task"))
-    if recorded.kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
+    if recorded_task(checkpoint[0]).kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
         raise UserError(CONTINUES_TEXT)
     model, _, data = load_model(run, trust_code, rebuild_data=True, checkpoint=checkpoint)
     encode, task = encoder(data), data.task
@@ -114,7 +113,7 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
     with torch.no_grad():
         for i in range(0, len(items), batch_size):
             chunk = items[i: i + batch_size]
-            samples = [(encode(item), placeholder) for item in chunk]
+            samples = [(_user(encode, "reading the input", item), placeholder) for item in chunk]
             try:
                 inputs = collate(samples)[0]
             except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
@@ -123,10 +122,21 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
                 output = call_model(model, inputs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
                 raise UserError(f"the inputs do not fit the model ({_first_line(exc)})") from None
-            values = task.predict(output) if top_k is None else task.predict(output, top_k=top_k)
+            where = f"{type(task).__name__}.predict(output)"
+            values = _user(task.predict, where, output) if top_k is None else _user(task.predict, where, output, top_k)
             rows += [{"input": item, **row} for item, row in zip(chunk, values)]
     return rows
 
+
+def _user(fn: Callable, where: str, *args):
+    """The workload's own code (preprocess, transform, Task.predict) raising: one line naming it."""
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        shown = f" '{args[0][:60]}'" if isinstance(args[0], str) else ""
+        raise UserError(f"{where}{shown} raised {type(exc).__name__}: {_first_line(exc)}") from None
 
 
 def _shown(value) -> str:
