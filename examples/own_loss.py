@@ -21,7 +21,7 @@ class ModelsOwnLoss(ddplab.Task):
     """The loss is the model's; validation reports its mean (val_loss)."""
 
     def loss(self, output, target):
-        logits, loss = output
+        logits, loss = output  # the model's forward(idx, targets) return value, as it returned it
         return loss
 
     def tokens(self, inputs, target):

@@ -3,6 +3,7 @@ computes its own loss trains with a Task that returns it, under 2 processes; a u
 not a finite scalar is refused before training, in one line."""
 
 import csv
+import json
 import math
 import shutil
 from pathlib import Path
@@ -132,5 +133,5 @@ def test_a_model_that_computes_its_own_loss_trains_under_two_processes(tmp_path)
     vocab = len(set((Path(ddplab.__file__).parent / "resources" / "shakespeare.txt").read_text()[:30000]))
     # Below the loss of a uniform guess, and falling: it learnt, through the model's own loss.
     assert float(rows[-1]["val_loss"]) < min(math.log(vocab) - 0.5, float(rows[0]["val_loss"]))
-    summary = __import__("json").loads((run / "metrics.json").read_text())
+    summary = json.loads((run / "metrics.json").read_text())
     assert summary["ddp"]["world_size"] == 2 and summary["ddp"]["ranks_identical"]
