@@ -111,9 +111,16 @@ def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path):
     assert_ok(proc)
     rows = _rows(tmp_path / "experiments" / "img")
     assert {"val_accuracy", "val_f1"} <= set(rows[0]) and float(rows[-1]["val_accuracy"]) > 0.6
-    pred = ddplab("predict", "experiments/img", "0.1,0.2", cwd=tmp_path)  # numbers cannot feed a CNN
+    # The dataset's own loader and transform read the file; a Task without predict gives its logits.
+    pred = ddplab("predict", "experiments/img", "tree/3", cwd=tmp_path)
+    assert_ok(pred)
+    rows = [line.split("\t") for line in pred.stdout.strip().splitlines()]
+    assert [shown for _, shown in rows] == sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "tree/3").iterdir())
+    best = [max(range(10), key=[float(v) for v in logits.split(",")].__getitem__) for logits, _ in rows]
+    assert best.count(3) > len(best) / 2
+    pred = ddplab("predict", "experiments/img", "0.1,0.2", cwd=tmp_path)  # not an image file
     errors = [line for line in pred.stderr.strip().splitlines() if not line.startswith("ddplab: importing ")]
-    assert pred.returncode == 2 and len(errors) == 1 and "do not fit the model" in errors[0], pred.stderr
+    assert pred.returncode == 2 and errors == ["ddplab: error: no such image file: 0.1,0.2"], pred.stderr
 
 
 def test_python_api_script_with_a_callback_under_torchrun(tmp_path):

@@ -59,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
 
-    pr = sub.add_parser("predict", help="label and probability for texts or images with a trained classifier")
+    pr = sub.add_parser("predict", help="one row per input from a trained model: label and probability, values, ...")
     pr.add_argument("run", help="run folder or checkpoint file")
-    pr.add_argument("inputs", nargs="*", help="texts, or image files")
+    pr.add_argument("inputs", nargs="*", help="image files, texts, numbers (0.5,1.2), .npy/.pt files, or folders of them")
     pr.add_argument("--file", help="read one input per line from this file")
     pr.add_argument("--batch-size", type=int, default=32)
+    pr.add_argument("--top-k", type=int, help="classifiers: the K most probable labels and their probabilities")
+    pr.add_argument("--output", help="also write every row with its input to this .csv or .jsonl file")
     pr.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
 
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
@@ -193,9 +195,7 @@ def cmd_generate(ns) -> int:
 
 
 def cmd_predict(ns) -> int:
-    from pathlib import Path
-
-    from ddplab.predict import predict
+    from ddplab.predict import expand, line, output_format, predict, write
 
     items = list(ns.inputs)
     if ns.file:
@@ -205,13 +205,14 @@ def cmd_predict(ns) -> int:
     if not items:
         raise UserError("predict: give inputs on the command line or --file")
     _positive("--batch-size", ns.batch_size)
-    for row in predict(ns.run, items, ns.batch_size, ns.trust_code):
-        if len(row) == 3:
-            item, label, prob = row
-            print(f"{label}\t{prob:.4f}\t{item}")
-        else:
-            item, values = row
-            print("\t".join(f"{v:.6g}" for v in values) + f"\t{item}")
+    _positive("--top-k", ns.top_k)
+    if ns.output:
+        output_format(ns.output)  # a wrong name is refused before the model is built
+    rows = predict(ns.run, expand(items), ns.batch_size, ns.top_k, ns.trust_code)
+    for row in rows:
+        print(line(row))
+    if ns.output:
+        write(rows, ns.output)
     return 0
 
 

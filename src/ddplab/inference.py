@@ -1,8 +1,10 @@
 """Loading a trained model back from a run folder or checkpoint, for `predict` and `generate`.
 
-The model is rebuilt by the same builder training used (a built-in, or the user's function the
-run recorded: imported only from that path, and only with consent when it lies outside the
-current directory tree), then given the checkpoint's weights.
+The run's own workload rebuilds it, built-in or the user's (imported only from the path the run
+recorded, and only with consent when it lies outside the current directory tree): `predict`
+rebuilds the run's Data through its data function, then the model through its model function;
+`generate` builds the model from the task and meta the checkpoint stored (a character model
+needs nothing else, and its corpus may be gone). Then come the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -13,54 +15,64 @@ import torch
 
 from ddplab.config_io import from_dict
 from ddplab.engine.checkpoint import find_checkpoint, load_file
+from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import UserError
-from ddplab.registry import function
-from ddplab.workload import build_config
+from ddplab.registry import workload
 from ddplab.tasks import restore
-from ddplab.workload import Data, check_trusted
+from ddplab.workload import Data, build_config, check_trusted
 
 
-def load_model(path: str | Path, trust_code: bool = False):
-    """(model in eval mode, checkpoint dict, task) from a run folder or checkpoint file."""
+def read_checkpoint(path: str | Path) -> tuple[dict, object]:
+    """(checkpoint dict, its Config) from a run folder or checkpoint file."""
     ckpt = load_file(find_checkpoint(path))
     cfg = from_dict(ckpt["config"])
     cfg.model.weights = None  # the checkpoint holds every weight; the original file may be gone
+    return ckpt, cfg
+
+
+def recorded_task(ckpt: dict):
+    """The task the checkpoint describes (what generate needs; predict uses the run's own)."""
     meta = ckpt.get("meta", {})
-    task = restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
-    shape = meta.get("input_shape")
-    data = Data(train=None, task=task, meta=meta, input_shape=tuple(shape) if shape else None)
+    return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
+
+
+def load_model(path: str | Path, trust_code: bool = False, rebuild_data: bool = False, checkpoint=None):
+    """(model in eval mode, checkpoint dict, Data). With rebuild_data the Data is the run's own,
+    from its data function (with its preprocess, datasets and task); else the checkpoint's task and
+    meta only. `checkpoint`: what read_checkpoint(path) gave, when the caller has read it already."""
+    ckpt, cfg = checkpoint or read_checkpoint(path)
+    meta = ckpt.get("meta", {})
     check_trusted(cfg.model.name, trust_code, "model.name")
-    model, task = _rebuild(cfg, data, trust_code)
+    check_trusted(cfg.data.name, trust_code, "data.name")
+    work = workload(cfg)
+    if rebuild_data:
+        data = build_data(cfg, None, work)
+        data.meta = {**data.meta, **meta}  # what the weights were trained with wins
+        model = _rebuilt(cfg, lambda: build_model(cfg, None, work, data))
+    else:
+        shape = meta.get("input_shape")
+        data = Data(train=None, task=recorded_task(ckpt), meta=meta, input_shape=tuple(shape) if shape else None)
+        model = _rebuilt(cfg, lambda: work.model(build_config(cfg, "model"), data))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:160]
         raise UserError(f"{path}: the checkpoint's weights do not fit the model its config builds ({first})") from None
     model.eval()
-    return model, ckpt, task
+    return model, ckpt, data
 
 
-def _rebuild(cfg, data: Data, trust_code: bool):
-    """The model from the task and meta alone; a user model that reads its datasets (e.g. an
-    input's shape) gets them from the run's own data function."""
-    build = function(cfg.model.name, "model.name")
+def _rebuilt(cfg, build) -> torch.nn.Module:
     try:
-        return build(build_config(cfg, "model"), data), data.task
-    except Exception as first:  # noqa: BLE001 - retried with the real data, or reported in one line
-        if ":" not in cfg.data.name:
-            raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
-                            f"({type(first).__name__}: {first})") from None
-    from ddplab.engine.setup import build_data
-    from ddplab.registry import workload
-
-    check_trusted(cfg.data.name, trust_code, "data.name")
-    full = build_data(cfg, None, workload(cfg))
-    full.meta = data.meta
-    try:
-        return build(build_config(cfg, "model"), full), full.task  # the run's own task, not a plain one
-    except Exception as exc:  # noqa: BLE001
+        model = build()
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported in one line
         raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
-                        f"({type(exc).__name__}: {exc})") from None
+                        f"({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]})") from None
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def sample(model, meta: dict, prompt: str, max_new_tokens: int, temperature: float = 0.8,

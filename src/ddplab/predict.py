@@ -1,82 +1,178 @@
-"""`ddplab predict`: per input, a label and its probability (classifiers) or the predicted values
-(regression), from any trained model.
+"""`ddplab predict`: one row per input, from any trained model: a label and its probability
+(classifiers), the predicted values (regression), or what the run's own Task.predict makes.
 
-Each input kind (data.meta["input"]: "text", "image") has an encoder that turns raw inputs into
-the model's batch exactly as validation did: the same tokenizer or the same transforms, rebuilt
-from what the checkpoint recorded. Other workloads (your own data) read each input as numbers:
-`0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one sample's tensor.
+The run's Data is rebuilt through its own data function, the same for built-in and user
+workloads, and a raw input (a string) becomes one sample's model inputs by, in this order:
+- `Data.preprocess`, when the workload gives one;
+- the validation dataset's torchvision-style `transform` (ImageFolder and the like): the input is
+  an image file, opened as the dataset opens its own (its `loader`, else PIL in RGB);
+- otherwise numbers: `0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one
+  sample's tensor, in the dtype of the dataset's own inputs.
+Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ddplab.errors import UserError
-from ddplab.inference import load_model
-from ddplab.tasks import call_model
-
-# input kind -> "module:function" with signature (meta: dict, items: list[str]) -> inputs batch
-ENCODERS: dict[str, str] = {
-    "image": "ddplab.data.vision:encode_images",
-    "text": "ddplab.data.text_cls:encode_texts",
-    "numbers": "ddplab.predict:encode_numbers",
-}
+from ddplab.inference import load_model, read_checkpoint, recorded_task
+from ddplab.tasks import CONTINUES_TEXT, call_model
 
 
-def encode_numbers(meta: dict, items: list[str]) -> torch.Tensor:
-    rows = []
+def expand(items: list[str]) -> list[str]:
+    """A folder stands for its files (sorted, hidden ones left out); other inputs stay as given."""
+    out = []
     for item in items:
         path = Path(item)
-        if item.endswith((".npy", ".pt")):
-            if not path.is_file():
-                raise UserError(f"no such file: {item}")
-            try:
-                value = (torch.load(path, weights_only=True) if item.endswith(".pt")
-                         else torch.from_numpy(__import__("numpy").load(path, allow_pickle=False)))
-            except Exception as exc:  # noqa: BLE001 - an unreadable file is the user's to fix
-                raise UserError(f"cannot read {item}: {type(exc).__name__}") from None
-            rows.append(torch.as_tensor(value, dtype=torch.float32))
-            continue
+        if path.is_dir():
+            files = sorted(str(p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise UserError(f"the folder {item} holds no files")
+            out += files
+        else:
+            out.append(item)
+    return out
+
+
+def _unwrapped(dataset):
+    """The dataset under Subset-like wrappers (each keeps the one it wraps as `.dataset`)."""
+    for _ in range(16):
+        inner = getattr(dataset, "dataset", None)
+        if inner is None or getattr(dataset, "transform", None) is not None:
+            break
+        dataset = inner
+    return dataset
+
+
+def encoder(data) -> Callable[[str], object]:
+    """raw input -> one sample's model inputs, as described at the top of this file."""
+    if data.preprocess is not None:
+        return data.preprocess
+    dataset = next(d for d in (data.val, data.test, data.train) if d is not None)
+    source = _unwrapped(dataset)
+    transform = getattr(source, "transform", None)
+    if callable(transform):
+        return lambda item: transform(_open_image(item, getattr(source, "loader", None)))
+    sample = dataset[0][0]
+    dtype = sample.dtype if isinstance(sample, torch.Tensor) else torch.float32
+    return lambda item: read_numbers(item).to(dtype)
+
+
+def _open_image(item: str, loader: Callable | None):
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(item).is_file():
+        raise UserError(f"no such image file: {item}")
+    try:
+        if callable(loader):
+            return loader(item)
+        with Image.open(item) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError):
+        raise UserError(f"cannot read {item} as an image") from None
+
+
+def read_numbers(item: str) -> torch.Tensor:
+    """`0.5,1.2,3`, or a .npy / .pt file, as a tensor."""
+    if item.endswith((".npy", ".pt")):
+        if not Path(item).is_file():
+            raise UserError(f"no such file: {item}")
         try:
-            rows.append(torch.tensor([float(x) for x in item.split(",")], dtype=torch.float32))
-        except ValueError:
-            raise UserError(f"input '{item[:40]}' is not comma-separated numbers nor a .npy/.pt file") from None
-    shapes = {tuple(r.shape) for r in rows}
-    if len(shapes) > 1:
-        raise UserError(f"inputs have different shapes: {', '.join(str(s) for s in sorted(shapes))}")
-    return torch.stack(rows)
+            if item.endswith(".pt"):
+                return torch.as_tensor(torch.load(item, weights_only=True))
+            import numpy as np
+
+            return torch.from_numpy(np.load(item, allow_pickle=False))
+        except Exception as exc:  # noqa: BLE001 - an unreadable file is the user's to fix
+            raise UserError(f"cannot read {item}: {type(exc).__name__}") from None
+    try:
+        return torch.tensor([float(x) for x in item.split(",")])
+    except ValueError:
+        raise UserError(f"input '{item[:40]}' is not comma-separated numbers nor a .npy/.pt file") from None
 
 
-def _encoder(kind: str) -> Callable:
-    module, name = ENCODERS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:120]
 
 
-def predict(run: str, items: list[str], batch_size: int = 32, trust_code: bool = False) -> list[tuple]:
-    """(input, label, probability) for classifiers; (input, values) for other tasks."""
-    model, ckpt, task = load_model(run, trust_code)
-    if task.kind == "lm":
-        raise UserError(f"{run} holds a language model; use `ddplab generate`")
-    meta = ckpt.get("meta", {})
-    encode = _encoder(meta.get("input", "numbers"))
-    names = getattr(task, "class_names", None) or meta.get("label_names") or \
-        [str(i) for i in range(getattr(task, "num_classes", 0) or 0)]
-    out = []
+def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None = None,
+            trust_code: bool = False) -> list[dict]:
+    """One dict per input: {"input": the input, then what the run's Task.predict gives}."""
+    checkpoint = read_checkpoint(run)
+    if recorded_task(checkpoint[0]).kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
+        raise UserError(CONTINUES_TEXT)
+    model, _, data = load_model(run, trust_code, rebuild_data=True, checkpoint=checkpoint)
+    encode, task = encoder(data), data.task
+    collate = data.collate_fn or torch.utils.data.default_collate
+    placeholder = (data.val or data.train)[0][1]  # a real target, so that the run's own collate_fn fits
+    rows = []
     with torch.no_grad():
         for i in range(0, len(items), batch_size):
             chunk = items[i: i + batch_size]
+            samples = [(_user(encode, "reading the input", item), placeholder) for item in chunk]
             try:
-                output = call_model(model, encode(meta, chunk)).float()
-            except RuntimeError as exc:
-                first = (str(exc).strip().splitlines() or [""])[0][:120]
-                raise UserError(f"the inputs do not fit the model ({first})") from None
-            if getattr(task, "num_classes", None):  # built-in or user classifiers: label and probability
-                p, idx = torch.softmax(output, dim=-1).max(-1)
-                out += [(item, names[int(j)], float(q)) for item, j, q in zip(chunk, idx, p)]
-            else:
-                out += [(item, [float(v) for v in row.reshape(-1)]) for item, row in zip(chunk, output.reshape(len(chunk), -1))]
-    return out
+                inputs = collate(samples)[0]
+            except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
+                raise UserError(f"the inputs do not batch together ({type(exc).__name__}: {_first_line(exc)})") from None
+            try:
+                output = call_model(model, inputs)
+            except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                raise UserError(f"the inputs do not fit the model ({_first_line(exc)})") from None
+            where = f"{type(task).__name__}.predict(output)"
+            values = _user(task.predict, where, output) if top_k is None else _user(task.predict, where, output, top_k)
+            rows += [{"input": item, **row} for item, row in zip(chunk, values)]
+    return rows
+
+
+def _user(fn: Callable, where: str, *args):
+    """The workload's own code (preprocess, transform, Task.predict) raising: one line naming it."""
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        shown = f" '{args[0][:60]}'" if isinstance(args[0], str) else ""
+        raise UserError(f"{where}{shown} raised {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_shown(v) for v in value)
+    return str(value)
+
+
+def line(row: dict) -> str:
+    """What the terminal shows for one input: its values, then the input, tab-separated."""
+    return "\t".join([*(_shown(v) for k, v in row.items() if k != "input"), row["input"]])
+
+
+def output_format(path: str) -> str:
+    """"csv" or "jsonl", from the name of a file that can be written."""
+    kind = Path(path).suffix.lstrip(".")
+    if kind not in ("csv", "jsonl"):
+        raise UserError(f"--output {path}: name a .csv or a .jsonl file")
+    if not Path(path).parent.is_dir():
+        raise UserError(f"--output {path}: no such folder: {Path(path).parent}")
+    return kind
+
+
+def write(rows: list[dict], path: str) -> None:
+    """Every row with its input, as CSV (lists as comma-separated text) or JSON lines."""
+    import csv
+    import json
+
+    kind = output_format(path)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        if kind == "jsonl":
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+            return
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: v if isinstance(v, (str, float, int)) else _shown(v) for k, v in row.items()}
+                         for row in rows)

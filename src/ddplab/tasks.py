@@ -1,13 +1,15 @@
-"""Tasks: what a model's output means. A task gives the loss, the tokens a batch holds, and an
-evaluator whose numbers are global (every validation sample counted once across ranks).
+"""Tasks: what a model's output means. A task gives the loss, the tokens a batch holds, an
+evaluator whose numbers are global (every validation sample counted once across ranks), and
+what `ddplab predict` prints for one input.
 
-Built in: Classification, LanguageModeling, Regression. A user subclasses Task, writes `loss`,
-and lists torchmetrics objects in `metrics()`; ddplab syncs them across ranks.
+A model's forward may return a tensor, a tuple or list, a dict, or an object with `.logits`
+(HF's ModelOutput). The built-in tasks (Classification, LanguageModeling, Regression) score its
+logits (`Task.logits`). A user subclasses Task and writes `loss(output, target)`, which gets
+the output exactly as returned (so a model that computes its own loss returns it from there),
+and lists torchmetrics objects in `metrics()`, which get the logits; ddplab syncs them across ranks.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +17,32 @@ import torch.nn.functional as F
 from ddplab.errors import UserError
 
 
-def call_model(model: torch.nn.Module, inputs) -> torch.Tensor:
-    """Tensor inputs go positionally, dict inputs as keywords; HF outputs give their logits."""
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    return out.logits if hasattr(out, "logits") else out
+def call_model(model: torch.nn.Module, inputs):
+    """The output exactly as the model returns it: tensor inputs go positionally, dict inputs as keywords."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def find_logits(output) -> torch.Tensor:
+    """The tensor, `.logits`, `["logits"]` or the first element (as in `(logits, loss)`)."""
+    found = output
+    if not isinstance(found, torch.Tensor) and hasattr(found, "logits"):  # HF's ModelOutput, before its dict view
+        found = found.logits
+    elif isinstance(found, dict):
+        found = found.get("logits")
+    elif isinstance(found, (tuple, list)) and found:
+        found = found[0]
+    if not isinstance(found, torch.Tensor):
+        raise UserError(f"model: the forward pass returned {_kind(output)}; the task needs logits: a tensor, "
+                        f"(logits, ...), {{'logits': ...}} or an object with .logits")
+    return found
+
+
+def _kind(output) -> str:
+    if isinstance(output, dict):
+        return f"a dict with keys {sorted(map(str, output))[:5]}"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {len(output)} starting with {type(output[0]).__name__ if output else 'nothing'}"
+    return f"a {type(output).__name__}"
 
 
 def to_device(obj, device: torch.device):
@@ -33,25 +57,38 @@ def to_device(obj, device: torch.device):
 
 
 class Task:
-    """Subclass and write `loss`; optionally `metrics` (torchmetrics objects, computed globally)."""
+    """Subclass and write `loss`; optionally `metrics` (torchmetrics objects, computed globally)
+    and `predict` (what `ddplab predict` prints)."""
 
     kind = "custom"
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, target: torch.Tensor) -> torch.Tensor:
+        """A scalar tensor, from the model's output exactly as returned."""
         raise NotImplementedError(f"{type(self).__name__}.loss(output, target) is not written")
 
+    def logits(self, output) -> torch.Tensor:
+        """The tensor scored by metrics and predict; override for an output of another form."""
+        return find_logits(output)
+
     def metrics(self) -> dict:
-        """name -> torchmetrics.Metric, each updated with (output, target); columns val_<name>."""
+        """name -> torchmetrics.Metric, each updated with (logits, target); columns val_<name>."""
         return {}
+
+    def predict(self, output, top_k: int = 1) -> list[dict]:
+        """One row (name -> value) per input of a batch; here the logits of each, as a list."""
+        return [{"output": row.tolist()} for row in self.logits(output).float().cpu()]
 
     def tokens(self, inputs, target) -> int | torch.Tensor:
         """Tokens in a batch, for tokens/s (0: not a token task)."""
         return 0
 
-    def check_output(self, output: torch.Tensor, target: torch.Tensor) -> None:
-        """Raise UserError when the model's output cannot be scored by this task."""
+    def check_output(self, output, target: torch.Tensor) -> None:
+        """Raise UserError when the model's output cannot be scored by this task (its loss is
+        checked apart, for every task: engine/setup.check_output)."""
 
     def evaluator(self, device: torch.device):
+        from ddplab.metrics.evaluation import MetricsEvaluator
+
         return MetricsEvaluator(self, device)
 
     def describe(self) -> dict:
@@ -71,7 +108,7 @@ class Classification(Task):
         self.class_names = [str(n) for n in class_names] if class_names is not None else None
 
     def loss(self, output, target):
-        return F.cross_entropy(output.float(), target)
+        return F.cross_entropy(self.logits(output).float(), target)
 
     def tokens(self, inputs, target):
         if isinstance(inputs, dict) and "attention_mask" in inputs:
@@ -81,18 +118,38 @@ class Classification(Task):
         return 0
 
     def check_output(self, output, target):
-        expected = (len(target), self.num_classes)
-        if tuple(output.shape) != expected:
-            raise UserError(f"the model's output has shape {tuple(output.shape)} but Classification({self.num_classes}) "
+        expected, shape = (len(target), self.num_classes), tuple(self.logits(output).shape)
+        if shape != expected:
+            raise UserError(f"the model's logits have shape {shape} but Classification({self.num_classes}) "
                             f"needs {expected} (one logit per class)")
 
     def evaluator(self, device):
         from ddplab.metrics.evaluation import ClassificationEvaluator
 
-        return ClassificationEvaluator(self.num_classes, device)
+        return ClassificationEvaluator(self.num_classes, device, self.logits)
+
+    def predict(self, output, top_k: int = 1):
+        """The best label and its probability; with top_k > 1, label_1, probability_1, label_2, ..."""
+        if top_k > self.num_classes:
+            raise UserError(f"--top-k {top_k}: this classifier has {self.num_classes} classes")
+        names = self.class_names or [str(i) for i in range(self.num_classes)]
+        probs, idx = torch.softmax(self.logits(output).float(), dim=-1).topk(top_k, dim=-1)
+        rows = []
+        for p, i in zip(probs.tolist(), idx.tolist()):
+            if top_k == 1:
+                rows.append({"label": names[i[0]], "probability": p[0]})
+            else:
+                row = {}
+                for r in range(top_k):
+                    row[f"label_{r + 1}"], row[f"probability_{r + 1}"] = names[i[r]], p[r]
+                rows.append(row)
+        return rows
 
     def describe(self):
         return {"kind": self.kind, "num_classes": self.num_classes, "class_names": self.class_names}
+
+
+CONTINUES_TEXT = "this run holds a language model, which continues text: use `ddplab generate RUN --prompt TEXT`"
 
 
 class LanguageModeling(Task):
@@ -102,20 +159,24 @@ class LanguageModeling(Task):
         self.vocab_size = vocab_size
 
     def loss(self, output, target):
-        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+        return F.cross_entropy(self.logits(output).flatten(0, 1).float(), target.flatten())
 
     def tokens(self, inputs, target):
         return target.numel()
 
     def check_output(self, output, target):
-        if output.dim() != 3 or tuple(output.shape[:2]) != tuple(target.shape):
-            raise UserError(f"the model's output has shape {tuple(output.shape)} but LanguageModeling needs "
+        logits = self.logits(output)
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(target.shape):
+            raise UserError(f"the model's logits have shape {tuple(logits.shape)} but LanguageModeling needs "
                             f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}")
 
     def evaluator(self, device):
         from ddplab.metrics.evaluation import LMEvaluator
 
-        return LMEvaluator(device)
+        return LMEvaluator(device, self.logits)
+
+    def predict(self, output, top_k: int = 1):
+        raise UserError(CONTINUES_TEXT)
 
     def describe(self):
         return {"kind": self.kind, "vocab_size": self.vocab_size}
@@ -132,25 +193,34 @@ class Regression(Task):
         self.outputs = outputs
 
     def _shaped(self, output, target):
-        return output.float().reshape(len(target), -1), target.float().reshape(len(target), -1)
+        return self.logits(output).float().reshape(len(target), -1), target.float().reshape(len(target), -1)
 
     def loss(self, output, target):
         out, tgt = self._shaped(output, target)
         return F.mse_loss(out, tgt)
 
     def check_output(self, output, target):
-        n = len(target)
-        fits = tuple(output.shape) in ((n, self.outputs),) + (((n,),) if self.outputs == 1 else ())
+        n, shape = len(target), tuple(self.logits(output).shape)
+        fits = shape in ((n, self.outputs),) + (((n,),) if self.outputs == 1 else ())
         if not fits:
             want = f"({n}, {self.outputs})" + (f" or ({n},)" if self.outputs == 1 else "")
-            raise UserError(f"the model's output has shape {tuple(output.shape)} but Regression(outputs={self.outputs}) "
+            raise UserError(f"the model's output has shape {shape} but Regression(outputs={self.outputs}) "
                             f"needs {want}")
         if target.numel() != n * self.outputs:
             raise UserError(f"targets of shape {tuple(target.shape)} do not hold {self.outputs} value(s) per sample "
                             f"for Regression(outputs={self.outputs})")
 
     def evaluator(self, device):
+        from ddplab.metrics.evaluation import RegressionEvaluator
+
         return RegressionEvaluator(self, device)
+
+    def predict(self, output, top_k: int = 1):
+        """The predicted value (value_1, value_2, ... for several outputs)."""
+        values = self.logits(output).float().reshape(-1, self.outputs).tolist()
+        if self.outputs == 1:
+            return [{"value": row[0]} for row in values]
+        return [{f"value_{i + 1}": v for i, v in enumerate(row)} for row in values]
 
     def describe(self):
         return {"kind": self.kind, "outputs": self.outputs}
@@ -168,59 +238,3 @@ def restore(info: dict | str | None, num_classes: int | None = None, vocab_size:
     if kind == "regression":
         return Regression(info.get("outputs", 1))
     return Task()
-
-
-# ---------------------------------------------------------------------------- evaluators
-
-class RegressionEvaluator:
-    """Exact sums per output, one all-reduce: n, sum e, sum |e|, sum e^2, sum y, sum y^2."""
-
-    def __init__(self, task: Regression, device: torch.device) -> None:
-        self.task = task
-        self.sums = torch.zeros(6, task.outputs, dtype=torch.float64, device=device)
-
-    def update(self, output, target) -> None:
-        out, tgt = self.task._shaped(output, target)
-        out, tgt = out.double(), tgt.double()
-        err = out - tgt
-        ones = torch.ones_like(tgt)
-        self.sums += torch.stack([ones.sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0), tgt.sum(0),
-                                  (tgt ** 2).sum(0)])
-
-    def compute(self, ctx) -> dict[str, float]:
-        n, _, abs_err, sq_err, y, y2 = ctx.all_reduce(self.sums.clone())
-        count = n[0].item()
-        if count == 0:
-            return {}
-        total = y2 - y ** 2 / n  # sum of squares around each output's mean
-        r2 = torch.where(total > 0, 1 - sq_err / total.clamp(min=1e-300), torch.zeros_like(total))
-        mse = (sq_err / n).mean().item()
-        return {"loss": mse, "mae": (abs_err / n).mean().item(), "rmse": math.sqrt(mse) if self.task.outputs == 1
-                else (sq_err / n).sqrt().mean().item(), "r2": r2.mean().item(), "samples": count}
-
-
-class MetricsEvaluator:
-    """A user task: its loss summed exactly, its torchmetrics synced across ranks by torchmetrics."""
-
-    def __init__(self, task: Task, device: torch.device) -> None:
-        self.task = task
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
-        self.metrics = {name: m.to(device) for name, m in task.metrics().items()}
-
-    def update(self, output, target) -> None:
-        n = len(target)
-        self.sums += torch.stack([self.task.loss(output, target).double() * n,
-                                  torch.tensor(n, dtype=torch.float64, device=self.sums.device)])
-        for metric in self.metrics.values():
-            metric.update(output, target)
-
-    def compute(self, ctx) -> dict[str, float]:
-        loss_sum, count = ctx.all_reduce(self.sums.clone()).tolist()
-        if count == 0:
-            return {}
-        out = {"loss": loss_sum / count, "samples": count}
-        for name, metric in self.metrics.items():
-            value = metric.compute()  # torchmetrics gathers every rank's state when a process group exists
-            out[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-            metric.reset()
-        return out

@@ -76,7 +76,8 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
 
 
 def check_output(model: torch.nn.Module, data: Data) -> None:
-    """One forward pass on two training samples: an output the task cannot score fails here."""
+    """One forward pass on two training samples: an output the task cannot score, or a loss that
+    is not a finite scalar tensor, fails here rather than in every worker's first step."""
     items = [data.train[i] for i in range(min(2, len(data.train)))]
     for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -98,6 +99,15 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
                         f"{(str(exc).splitlines() or [''])[0][:160]})") from None
     finally:
         model.train(was_training)
-    if not isinstance(output, torch.Tensor):
-        raise UserError(f"model: the forward pass returned {type(output).__name__}, not a tensor (or .logits)")
-    data.task.check_output(output, target)
+    task = data.task
+    _call(task.check_output, f"{type(task).__name__}.check_output(output, target)", output, target)
+    where = f"{type(task).__name__}.loss(output, target)"
+    with torch.no_grad():
+        loss = _call(task.loss, where, output, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UserError(f"{where} returned {shape} on a batch of {len(target)}; it must return a scalar tensor "
+                        f"(e.g. .mean())")
+    if not torch.isfinite(loss):
+        raise UserError(f"{where} returned {loss.item()} on the first two training samples; it must be finite")
+

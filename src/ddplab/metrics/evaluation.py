@@ -1,4 +1,5 @@
-"""Exact, global evaluation metrics.
+"""Exact, global evaluation metrics: one evaluator per task (ddplab/tasks.py), fed each batch's
+model output as returned and the target; each takes the logits through its task.
 
 Each rank accumulates sums on its device over its own shard (no padding: see
 ShardSampler); one all-reduce at the end makes them global, so every validation sample
@@ -8,19 +9,25 @@ counts exactly once whatever the world size.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 
+def _identity(output):
+    return output
+
+
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, logits: Callable = _identity) -> None:
+        self.logits = logits  # the model's output -> its logits (Task.logits)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        flat = logits.float().flatten(0, 1)
+    def update(self, output, target: torch.Tensor) -> None:
+        flat = self.logits(output).float().flatten(0, 1)
         loss = F.cross_entropy(flat, target.flatten(), reduction="sum")
         correct = (flat.argmax(-1) == target.flatten()).sum()
         self.sums += torch.stack([loss.double(), torch.tensor(target.numel(), device=loss.device, dtype=torch.float64), correct.double()])
@@ -36,15 +43,16 @@ class LMEvaluator:
 class ClassificationEvaluator:
     """Loss, accuracy, top-5 accuracy, macro precision / recall / F1 from a global confusion matrix."""
 
-    def __init__(self, num_classes: int, device: torch.device) -> None:
+    def __init__(self, num_classes: int, device: torch.device, logits: Callable = _identity) -> None:
         self.num_classes = num_classes
+        self.logits = logits  # the model's output -> its logits (Task.logits)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, count, top5 correct
         self.predictions: list[torch.Tensor] = []
         self.global_confusion: torch.Tensor | None = None  # rows: true class, columns: predicted; set by compute()
 
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        logits = logits.float()
+    def update(self, output, target: torch.Tensor) -> None:
+        logits = self.logits(output).float()
         loss = F.cross_entropy(logits, target, reduction="sum")
         pred = logits.argmax(-1)
         c = self.num_classes
@@ -97,3 +105,59 @@ def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
         "recall": recall[present].mean().item(),
         "f1": f1[present].mean().item(),
     }
+
+
+class RegressionEvaluator:
+    """A ddplab.Regression's exact sums per output, one all-reduce: n, sum e, sum |e|, sum e^2, sum y, sum y^2."""
+
+    def __init__(self, task, device: torch.device) -> None:
+        self.task = task
+        self.sums = torch.zeros(6, task.outputs, dtype=torch.float64, device=device)
+
+    def update(self, output, target) -> None:
+        out, tgt = self.task._shaped(output, target)
+        out, tgt = out.double(), tgt.double()
+        err = out - tgt
+        ones = torch.ones_like(tgt)
+        self.sums += torch.stack([ones.sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0), tgt.sum(0),
+                                  (tgt ** 2).sum(0)])
+
+    def compute(self, ctx) -> dict[str, float]:
+        n, _, abs_err, sq_err, y, y2 = ctx.all_reduce(self.sums.clone())
+        count = n[0].item()
+        if count == 0:
+            return {}
+        total = y2 - y ** 2 / n  # sum of squares around each output's mean
+        r2 = torch.where(total > 0, 1 - sq_err / total.clamp(min=1e-300), torch.zeros_like(total))
+        mse = (sq_err / n).mean().item()
+        return {"loss": mse, "mae": (abs_err / n).mean().item(), "rmse": math.sqrt(mse) if self.task.outputs == 1
+                else (sq_err / n).sqrt().mean().item(), "r2": r2.mean().item(), "samples": count}
+
+
+class MetricsEvaluator:
+    """A user's ddplab.Task: its loss summed exactly, its torchmetrics synced across ranks by torchmetrics."""
+
+    def __init__(self, task, device: torch.device) -> None:
+        self.task = task
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+        self.metrics = {name: m.to(device) for name, m in task.metrics().items()}
+
+    def update(self, output, target) -> None:
+        n = len(target)
+        self.sums += torch.stack([self.task.loss(output, target).double() * n,
+                                  torch.tensor(n, dtype=torch.float64, device=self.sums.device)])
+        if self.metrics:
+            logits = self.task.logits(output)
+            for metric in self.metrics.values():
+                metric.update(logits, target)
+
+    def compute(self, ctx) -> dict[str, float]:
+        loss_sum, count = ctx.all_reduce(self.sums.clone()).tolist()
+        if count == 0:
+            return {}
+        out = {"loss": loss_sum / count, "samples": count}
+        for name, metric in self.metrics.items():
+            value = metric.compute()  # torchmetrics gathers every rank's state when a process group exists
+            out[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            metric.reset()
+        return out
