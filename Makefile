@@ -4,12 +4,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench docs clean
+.PHONY: demo test install bench docs core-check constraints clean
 
-$(STAMP): pyproject.toml
+# Every extra and the test tools, at the versions in constraints.txt.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,5 +30,21 @@ docs: $(STAMP)
 	$(PY) docs/gen_config.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
+# The core install alone (no extras), in a fresh environment: it trains the embedded default, and
+# a workload that needs an extra says which in one line (exit 2).
+CORE := .venv-core
+core-check:
+	rm -rf $(CORE) && $(PYTHON) -m venv $(CORE)
+	$(CORE)/bin/python -m pip install -q -c constraints.txt .
+	cd $$(mktemp -d) && OMP_NUM_THREADS=1 $(CURDIR)/$(CORE)/bin/ddplab train training.max_steps=5 generate.max_new_tokens=20 \
+		&& ! $(CURDIR)/$(CORE)/bin/ddplab train data.name=synthetic_reviews model.name=transformer 2> err.txt \
+		&& grep -q "pip install 'ddplab\[text\]'" err.txt && echo "core install: OK"
+
+# After changing what .venv holds on purpose: write the versions it has as the new constraints.
+constraints: $(STAMP)
+	(echo "# The exact versions the suite is run with; make demo / make test install with -c constraints.txt."; \
+	 echo "# Regenerate from a working .venv: make constraints"; \
+	 $(PY) -m pip freeze | grep -v -E "^-e |^ddplab") > constraints.txt
+
 clean:
-	rm -rf $(VENV) experiments
+	rm -rf $(VENV) $(CORE) experiments

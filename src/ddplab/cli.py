@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ddplab.errors import UserError
+from ddplab.extras import require
 
 
 class _Parser(argparse.ArgumentParser):
@@ -254,6 +255,7 @@ def cmd_study(ns) -> int:
 
 
 def cmd_report(ns) -> int:
+    require("report", "ddplab report")
     from ddplab.config_io import parse_duration
     from ddplab.report.build import make_report
 
@@ -279,6 +281,7 @@ def cmd_status(ns) -> int:
 
 
 def cmd_forecast(ns) -> int:
+    require("report", "ddplab forecast")
     from ddplab.forecast import Options, make_forecast
 
     opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)
