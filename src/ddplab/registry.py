@@ -35,12 +35,12 @@ MODELS: dict[str, Spec] = {
     "gpt": Spec("ddplab.models.gpt:build", "lm", "tokens"),
     "transformer": Spec("ddplab.models.transformer:build", "classification", "text"),
     "hf": Spec("ddplab.models.hf:build", "classification", "text", check="ddplab.models.checks:check_hf"),
-    "cnn": Spec("ddplab.models.vision:build_cnn", "classification", "image", image=(None, None)),
-    "vit": Spec("ddplab.models.vision:build_vit", "classification", "image", image=(3, None)),
+    "cnn": Spec("ddplab.workloads.images:cnn", "classification", "image", image=(None, None)),
+    "vit": Spec("ddplab.workloads.images:vit", "classification", "image", image=(None, None)),
 }
 # Every torchvision classifier by name: RGB at the side its ImageNet weights were made for.
-TORCHVISION = Spec("ddplab.models.vision:build_torchvision", "classification", "image", image=(3, 224),
-                   check_files="ddplab.models.vision:check_files")
+TORCHVISION = Spec("ddplab.workloads.images:torchvision_model", "classification", "image", image=(3, 224),
+                   check="ddplab.models.vision:check_input", check_files="ddplab.models.vision:check_files")
 
 _IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
                check_files="ddplab.data.checks:check_image_files")
@@ -48,11 +48,11 @@ _TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:ch
 DATA: dict[str, Spec] = {
     "text": Spec("ddplab.data.text_lm:build", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Spec("ddplab.data.synthetic:build", "any", "any"),
-    "digits": Spec("ddplab.data.vision:build_digits", **_IMAGES),
-    "mnist": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
-    "fashion_mnist": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
-    "cifar10": Spec("ddplab.data.vision:build_torchvision", **_IMAGES),
-    "image_folder": Spec("ddplab.data.vision:build_image_folder", **_IMAGES),
+    "digits": Spec("ddplab.workloads.images:data", **_IMAGES),
+    "mnist": Spec("ddplab.workloads.images:data", **_IMAGES),
+    "fashion_mnist": Spec("ddplab.workloads.images:data", **_IMAGES),
+    "cifar10": Spec("ddplab.workloads.images:data", **_IMAGES),
+    "image_folder": Spec("ddplab.workloads.images:data", **_IMAGES),
     "imdb": Spec("ddplab.data.text_cls:build", **_TEXTS),
     "amazon_polarity": Spec("ddplab.data.text_cls:build", **_TEXTS),
     "text_files": Spec("ddplab.data.text_cls:build", **_TEXTS),
@@ -113,7 +113,7 @@ def check_config(cfg) -> None:
         from ddplab.data.checks import image_spec
         from ddplab.models.checks import check_image_input
 
-        _, channels, side = image_spec(cfg)
+        _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)
 
 
@@ -170,12 +170,18 @@ def model_builder(name: str) -> Callable:
 
 
 def _builtin_data(spec: Spec) -> Callable:
+    if spec.build.startswith("ddplab.workloads."):  # already a workload function
+        return spec.load()
+
     def data(b: BuildConfig) -> Data:
         return as_data(spec.load()(b.config, b.dist))
     return data
 
 
 def _builtin_model(spec: Spec) -> Callable:
+    if spec.build.startswith("ddplab.workloads."):
+        return spec.load()
+
     def model(b: BuildConfig, data: Data):
         return spec.load()(b.config, data)
     return model

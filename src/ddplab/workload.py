@@ -38,6 +38,8 @@ class Data:
     collate_fn: Callable | None = None
     meta: dict = field(default_factory=dict)
     input_shape: tuple | None = None  # one sample's shape (images), for models that need it
+    # One raw input (a file path, a text, numbers) -> one sample's inputs, for `ddplab predict`.
+    preprocess: Callable | None = None
 
     # What built-in model builders read.
     @property
