@@ -1,1 +1,1 @@
-"""ddplab's built-in workloads: plain workload files, read exactly as a user's file.py:function."""
+"""ddplab's built-in workloads: plain workload files, named in ddplab.registry."""
