@@ -14,8 +14,9 @@ warm-up and not counted; the cache is built before the timed runs) and
 
     ratio image_folder/idx cache=<on|off> nproc=<N> <value>
 
-Note: image_folder trees are read as RGB, so the CNN's first convolution sees 3 channels
-there and 1 on the IDX path (a few % more arithmetic on the image_folder side).
+Both run at default settings: an image_folder tree is read at its images' own size and mode
+(every PNG here is 28x28 grey, so 1x28x28, as the IDX files give), the size read from the
+file headers.
 
     python benchmarks/image_cache.py                   # 1 process, 5 runs of 3 epochs each
     python benchmarks/image_cache.py --nproc 2 --runs 3
@@ -71,7 +72,7 @@ def train(root: Path, path: str, nproc: int, epochs: int, run: int) -> list[floa
             "png-cache": ["data.name=image_folder", f"data.root={root / 'png'}"]}[path]
     name = f"{path}-{run}"
     cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *data,
-           "model.name=cnn", f"data.image_size={SIDE}", "training.batch_size=32", f"training.epochs={epochs}",
+           "model.name=cnn", "training.batch_size=32", f"training.epochs={epochs}",
            "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
            f"experiment.output_dir={root / 'runs'}", f"experiment.name={name}", f"data.cache_dir={root / 'cache'}"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
@@ -89,16 +90,16 @@ def loader_rate(root: Path, path: str, passes: int = 3) -> float:
     import torch
     from torch.utils.data import DataLoader
 
-    from ddplab.registry import load_config
     from ddplab.engine.setup import build_data
+    from ddplab.registry import load_config, workload
 
     data = {"idx": ["data.name=fashion_mnist", f"data.root={root / 'idx'}"],
             "png-nocache": ["data.name=image_folder", f"data.root={root / 'png'}", "data.cache=false"],
             "png-cache": ["data.name=image_folder", f"data.root={root / 'png'}"]}[path]
-    cfg = load_config(None, [*data, "model.name=cnn", f"data.image_size={SIDE}", f"data.cache_dir={root / 'cache'}"])
+    cfg = load_config(None, [*data, "model.name=cnn", f"data.cache_dir={root / 'cache'}"])
     torch.set_num_threads(1)
-    bundle = build_data(cfg, None)
-    loader = DataLoader(bundle.train, batch_size=32, shuffle=True, collate_fn=bundle.collate_fn)
+    built = build_data(cfg, None, workload(cfg))
+    loader = DataLoader(built.train, batch_size=32, shuffle=True, collate_fn=built.collate_fn)
     start, n = time.perf_counter(), 0
     for _ in range(passes):
         for images, _labels in loader:

@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ddplab.registry import load_config
-from ddplab.data import build_data
+from conftest import assert_ok, torchrun
 from ddplab.data.image_cache import CachedImages
 from ddplab.errors import UserError
-from conftest import assert_ok, torchrun
-from test_vision_data import QUIET, image_tree
+from ddplab.registry import load_config
+from test_vision_data import QUIET, build_data, image_tree
 
 
 def config(tmp_path, *extra):
@@ -25,19 +24,19 @@ def caches(tmp_path):
     return sorted(p.name for p in (tmp_path / "cache").glob("images-*")) if (tmp_path / "cache").is_dir() else []
 
 
-def all_items(bundle, split):
-    ds = getattr(bundle, split)
-    loader = DataLoader(ds, batch_size=5, shuffle=False, collate_fn=bundle.collate_fn)
+def all_items(data, split):
+    ds = getattr(data, split)
+    loader = DataLoader(ds, batch_size=5, shuffle=False, collate_fn=data.collate_fn)
     xs, ys = zip(*loader)
     return torch.cat(xs), torch.cat(ys)
 
 
 def test_cached_batches_equal_decoded_ones_and_cache_is_reused(tmp_path, capsys):
     image_tree(tmp_path / "tree", side=37)  # not the cache's side: resize + crop happen before caching
-    plain = build_data(config(tmp_path, "data.cache=false"), None)
+    plain = build_data(config(tmp_path, "data.cache=false"))
     assert caches(tmp_path) == []  # data.cache=false writes nothing and decodes per item
     assert not isinstance(plain.train.dataset, CachedImages)
-    cached = build_data(config(tmp_path), None)
+    cached = build_data(config(tmp_path))
     assert isinstance(cached.train.dataset, CachedImages)
     assert "about" in capsys.readouterr().out  # the size estimate, printed before building
     first = caches(tmp_path)
@@ -49,7 +48,7 @@ def test_cached_batches_equal_decoded_ones_and_cache_is_reused(tmp_path, capsys)
         torch.testing.assert_close(x1, x0)
         assert torch.equal(y1, y0)
     mtimes = [(tmp_path / "cache" / f / "images.npy").stat().st_mtime_ns for f in first]
-    again = build_data(config(tmp_path), None)
+    again = build_data(config(tmp_path))
     assert "about" not in capsys.readouterr().out
     assert caches(tmp_path) == first
     assert [(tmp_path / "cache" / f / "images.npy").stat().st_mtime_ns for f in first] == mtimes
@@ -58,27 +57,27 @@ def test_cached_batches_equal_decoded_ones_and_cache_is_reused(tmp_path, capsys)
 
 def test_key_changes_when_a_file_or_the_size_changes(tmp_path):
     image_tree(tmp_path / "tree", side=16)
-    build_data(config(tmp_path), None)
+    build_data(config(tmp_path))
     before = set(caches(tmp_path))
     png = next((tmp_path / "tree" / "val" / "class_0").glob("*.png"))
     st = png.stat()
     os.utime(png, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    build_data(config(tmp_path), None)
+    build_data(config(tmp_path))
     after = set(caches(tmp_path))
     assert len(after - before) == 1 and before <= after  # val/ re-keyed, train/ reused
-    build_data(config(tmp_path, "data.image_size=20"), None)
+    build_data(config(tmp_path, "data.image_size=20"))
     assert len(set(caches(tmp_path)) - after) == 2
 
 
 def test_augmentation_still_random_per_epoch_on_cached_images(tmp_path):
     image_tree(tmp_path / "tree", side=16)
-    bundle = build_data(config(tmp_path, "data.augment=true", "data.image_size=16"), None)
+    data = build_data(config(tmp_path, "data.augment=true", "data.image_size=16"))
     torch.manual_seed(0)
-    a = torch.stack([bundle.train[i][0] for i in range(len(bundle.train))])
-    b = torch.stack([bundle.train[i][0] for i in range(len(bundle.train))])
-    assert a.shape == (len(bundle.train), 3, 16, 16)
+    a = torch.stack([data.train[i][0] for i in range(len(data.train))])
+    b = torch.stack([data.train[i][0] for i in range(len(data.train))])
+    assert a.shape == (len(data.train), 3, 16, 16)
     assert not torch.equal(a, b)
-    x, _ = bundle.collate_fn(bundle.train.dataset.__getitems__([0, 1, 2]))
+    x, _ = data.collate_fn(data.train.dataset.__getitems__([0, 1, 2]))
     assert x.shape == (3, 3, 16, 16)
 
 
@@ -86,7 +85,7 @@ def test_an_unreadable_image_is_one_error_and_leaves_no_cache(tmp_path):
     image_tree(tmp_path / "tree", side=16)
     (tmp_path / "tree" / "train" / "class_1" / "broken.png").write_bytes(b"not a png")
     with pytest.raises(UserError, match="broken.png"):
-        build_data(config(tmp_path), None)
+        build_data(config(tmp_path))
     assert [p.name for p in (tmp_path / "cache").iterdir() if "broken" in p.name or p.name.startswith(".")] == []
     assert all((tmp_path / "cache" / name / "meta.json").is_file() for name in caches(tmp_path))
 

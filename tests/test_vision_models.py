@@ -8,20 +8,27 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_ok, ddplab, torchrun
-from ddplab.registry import load_config
-from ddplab.data.bundle import DataBundle
+import ddplab
+from conftest import assert_ok, ddplab as run_ddplab, torchrun
 from ddplab.errors import UserError
-from ddplab.models import build_model
 from ddplab.models.vision import CNN, compact
+from ddplab.registry import load_config
+from ddplab.workload import BuildConfig, Options
+from ddplab.workloads import images
 from test_vision_data import image_tree
 
 QUIET = ["logging.tensorboard=false", "logging.progress=false"]
 
 
-def image_bundle(classes: int, channels: int, side: int) -> DataBundle:
-    return DataBundle(task="classification", train=[], val=None, num_classes=classes,
-                      input_shape=(channels, side, side))
+def image_data(classes: int, channels: int, side: int) -> ddplab.Data:
+    """What a model function reads of the data: the task and one image's shape."""
+    return ddplab.Data(train=[], task=ddplab.Classification(classes), input_shape=(channels, side, side))
+
+
+def build_model(cfg, data):
+    """The image workload's model function for cfg's model.name, as the registry calls it."""
+    fn = {"cnn": images.cnn, "vit": images.vit}.get(cfg.model.name, images.torchvision_model)
+    return fn(BuildConfig(Options(), cfg), data)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,7 @@ def test_cnn_shapes():
 def test_torchvision_head_replaced_and_freeze(name, head):
     cfg = load_config(None, [f"model.name={name}", "data.name=digits", "model.freeze=true", "data.image_size=32"])
     with torch.device("meta"):  # shapes only: no memory, no init time
-        model = build_model(cfg, image_bundle(7, 3, 32))
+        model = build_model(cfg, image_data(7, 3, 32))
         out = model.eval()(torch.empty(2, 3, 32, 32))
     assert out.shape == (2, 7)
     layer = model.get_submodule(head)
@@ -59,7 +66,7 @@ def test_torchvision_head_replaced_and_freeze(name, head):
 
 def test_weights_file_loads_before_the_head_is_replaced(resnet18_weights):
     cfg = load_config(None, ["model.name=resnet18", "data.name=digits", f"model.weights={resnet18_weights}"])
-    model = build_model(cfg, image_bundle(5, 3, 32))
+    model = build_model(cfg, image_data(5, 3, 32))
     saved = torch.load(resnet18_weights, weights_only=True)
     assert torch.equal(model.conv1.weight, saved["conv1.weight"])
     assert torch.equal(model.layer4[1].bn2.running_var, saved["layer4.1.bn2.running_var"])
@@ -68,11 +75,13 @@ def test_weights_file_loads_before_the_head_is_replaced(resnet18_weights):
     assert model.conv1.weight.grad is not None
 
 
-def test_small_vit_trains_on_digit_sized_images():
+@pytest.mark.parametrize("channels", [1, 3])
+def test_small_vit_trains_on_digit_sized_images(channels):
     cfg = load_config(None, ["model.name=vit", "data.name=digits", "model.layers=1", "model.dim=32",
                              "model.heads=2", "model.patch_size=4"])
-    model = build_model(cfg, image_bundle(10, 3, 8))
-    x, y = torch.randn(16, 3, 8, 8), torch.arange(16) % 10
+    model = build_model(cfg, image_data(10, channels, 8))
+    assert model.conv_proj.in_channels == channels
+    x, y = torch.randn(16, channels, 8, 8), torch.arange(16) % 10
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):  # torchvision zero-initialises the head, so the encoder learns from step 2 on
@@ -94,8 +103,14 @@ def test_unknown_name_lists_ddplab_and_torchvision_models():
     assert compact(["vgg11", "vgg19", "alexnet", "inception_v3"]) == "alexnet, inception_v3, vgg{11,19}"
 
 
+def test_what_a_torchvision_classifier_cannot_take_is_refused_with_the_config():
+    with pytest.raises(UserError, match=r"data.image_size: 20x20 images do not fit model.name=vit_b_16"):
+        load_config(None, ["model.name=vit_b_16", "data.name=digits", "data.image_size=20"])
+    load_config(None, ["model.name=vit_b_16", "data.name=digits", "data.image_size=32"])
+
+
 def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weights):
-    proc = ddplab("train", "model.name=vgg11", "data.name=digits", "data.image_size=32",
+    proc = run_ddplab("train", "model.name=vgg11", "data.name=digits", "data.image_size=32",
                   f"model.weights={resnet18_weights}", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -122,7 +137,7 @@ def test_cnn_on_digits_under_ddp_then_predict(tmp_path):
         path = tmp_path / f"digit{i}.png"
         Image.fromarray(np.rint(digits.images[i] * 255 / 16).astype(np.uint8), mode="L").save(path)
         paths.append(str(path))
-    out = ddplab("predict", str(run), *paths, cwd=tmp_path)
+    out = run_ddplab("predict", str(run), *paths, cwd=tmp_path)
     assert_ok(out)
     rows = [line.split("\t") for line in out.stdout.strip().splitlines()]
     assert [r[2] for r in rows] == paths and all(0 < float(r[1]) <= 1 for r in rows)

@@ -52,7 +52,8 @@ MODELS: dict[str, Builtin] = {
 }
 # Every torchvision classifier by name: RGB at the side its ImageNet weights were made for.
 TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image", image=(3, 224),
-                      check_files="ddplab.models.vision:check_files", extra="vision")
+                      check="ddplab.models.vision:check_input", check_files="ddplab.models.vision:check_files",
+                      extra="vision")
 
 _IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
                check_files="ddplab.data.checks:check_image_files", extra="vision")

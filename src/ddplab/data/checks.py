@@ -5,17 +5,42 @@ launcher, and the workers import torch once each.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from ddplab.errors import UserError
 
-# data.name -> (channels, side) of the images as stored; image_folder trees have no fixed side.
-NATIVE = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32), "image_folder": (3, None)}
+# data.name -> (channels, side) of the images as stored; an image_folder tree's are read from its files.
+NATIVE = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32)}
 TORCHVISION = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}
-FOLDER_SIDE = 64  # default side for folder trees when the model has no preferred one
+FOLDER_SIDE = 64  # side for folder trees whose images differ in size, when neither config nor model sets one
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # ImageFolder's
+GREY_MODES = ("1", "L", "LA")  # PIL modes read as one channel (8 bits at most: no clipping)
 
 
 # ---------------------------------------------------------------------------- images
+
+class ImageSpec(NamedTuple):
+    """What the images become: channels as stored (and read), channels the model gets, side."""
+
+    source_channels: int
+    channels: int
+    side: int
+
+
+class FolderImages(NamedTuple):
+    channels: int  # 1 when every image is grey, else 3
+    sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN
+    count: int
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.sizes) > 1
+
+
+SIZES_SHOWN = 3
+
 
 def default_root(cfg) -> str:
     return cfg.data.root or "data"
@@ -30,14 +55,65 @@ def expected_files(name: str, root: str) -> list[Path]:
     return [raw / f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
 
 
-def image_spec(cfg) -> tuple[int, int, int]:
-    """(channels as stored, channels the model gets, image side) for this config."""
-    from ddplab.registry import image_needs
+def image_spec(cfg, channels: int | None = None, side: int | None = None,
+               log: Callable[[str], None] | None = None) -> ImageSpec:
+    """The images for this config, given what the model needs: `channels` and a default `side`,
+    None where it takes whatever the data has (the registry knows which). `log` hears how an
+    image_folder's side was chosen when neither the config nor the model sets one."""
+    if cfg.data.name != "image_folder":
+        source, native = NATIVE[cfg.data.name]
+        return ImageSpec(source, channels or source, cfg.data.image_size or side or native)
+    found = folder_images(cfg.data.root) if cfg.data.root else None
+    source = found.channels if found and found.count else 3
+    side = cfg.data.image_size or side
+    if side is None:
+        side, why = _folder_side(found)
+        if log is not None:
+            log(why)
+    return ImageSpec(source, channels or source, side)
 
-    native_channels, native_side = NATIVE[cfg.data.name]
-    channels, model_side = image_needs(cfg.model.name)
-    side = cfg.data.image_size or model_side or native_side or FOLDER_SIDE
-    return native_channels, channels or native_channels, side
+
+def _folder_side(found: FolderImages | None) -> tuple[int, str]:
+    """One shared size is kept (a non-square one as its shorter side, centre-cropped); mixed sizes
+    get FOLDER_SIDE, since any one image's size would be arbitrary."""
+    if found is None or not found.count:
+        return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
+    if not found.mixed:
+        (w, h), = found.sizes
+        if w == h:
+            return w, f"every image is {w}x{h}: kept at {w}x{h}"
+        side = min(w, h)
+        return side, f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}"
+    shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
+    return FOLDER_SIDE, (f"images differ in size ({shown}): resized and centre-cropped to "
+                         f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose")
+
+
+def folder_images(root: str) -> FolderImages:
+    """Mode and size of every image under `root`, from the file headers (PIL decodes no pixels).
+
+    Stops early once the images are known to differ in size and to hold colour: nothing more
+    could change the choice. An unreadable file is skipped here and named when it is decoded."""
+    from PIL import Image  # only for image_folder: the launcher checks other configs without it
+
+    grey, sizes, count = True, [], 0
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs.sort()
+        for name in sorted(files):
+            if not name.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            try:
+                with Image.open(os.path.join(folder, name)) as img:
+                    mode, size = img.mode, img.size
+            except (OSError, SyntaxError, ValueError):
+                continue
+            count += 1
+            grey = grey and mode in GREY_MODES
+            if size not in sizes and len(sizes) < SIZES_SHOWN:
+                sizes.append(size)
+            if len(sizes) > 1 and not grey:
+                return FolderImages(3, tuple(sizes), count)
+    return FolderImages(1 if grey else 3, tuple(sizes), count)
 
 
 def check_images(cfg) -> None:

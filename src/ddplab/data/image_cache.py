@@ -18,11 +18,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
+from torchvision.transforms import v2
 
 from ddplab.data import text_cache
 from ddplab.errors import UserError
@@ -30,6 +32,13 @@ from ddplab.errors import UserError
 META = "meta.json"
 VERSION = 1  # bump when the layout or the decode steps change
 CHUNK = 256  # images decoded per write
+
+
+class ImageBatch(NamedTuple):
+    """A batch fetched whole: (N, C, H, W) images and their (N,) int64 labels."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
 
 
 def cache_root(cfg) -> Path:
@@ -45,7 +54,7 @@ def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict) -> di
         st = os.stat(path)
         files.append((str(Path(path).relative_to(root)), st.st_size, st.st_mtime_ns, int(label)))
     return {"version": VERSION, "root": str(root.resolve()), "files": files, "image_size": meta["image_size"],
-            "mode": _mode(meta), "steps": "to_image,resize(antialias),center_crop"}
+            "mode": pil_mode(meta), "steps": "to_image,resize(antialias),center_crop"}
 
 
 def cache_folder(cache_dir: str | Path, description: dict) -> Path:
@@ -57,22 +66,20 @@ def is_complete(folder: Path) -> bool:
     return (folder / META).is_file()
 
 
-def _mode(meta: dict) -> str:
+def pil_mode(meta: dict) -> str:
+    """Images are read as stored: grey stays one channel (a model that needs RGB repeats it later)."""
     return "L" if meta["source_channels"] == 1 else "RGB"
 
 
 def decode_steps(meta: dict):
     """PIL image -> uint8 (C, S, S): the deterministic head of `vision.transform`."""
-    from torchvision.transforms import v2
-
     side = meta["image_size"]
     return v2.Compose([v2.ToImage(), v2.Resize(side, antialias=True), v2.CenterCrop(side)])
 
 
 def on_the_fly(meta: dict):
-    """uint8 (..., C, S, S) -> normalised float: the tail of `vision.transform`, batch or item."""
-    from torchvision.transforms import v2
-
+    """uint8 (..., C, S, S) -> normalised float: the tail of `vision.transform`, batch or item;
+    grey becomes RGB here when the model needs 3 channels."""
     steps = [v2.ToImage()]
     if meta["channels"] == 3:
         steps.append(v2.RGB())
@@ -81,16 +88,14 @@ def on_the_fly(meta: dict):
 
 
 def estimate_bytes(n: int, meta: dict) -> int:
-    channels = 1 if _mode(meta) == "L" else 3
+    channels = 1 if pil_mode(meta) == "L" else 3
     return n * channels * meta["image_size"] ** 2
 
 
 def write(folder: Path, samples: list[tuple[str, int]], meta: dict, log: Callable[[str], None] = print) -> None:
     """Decode `samples` (path, label) into `folder`, atomically."""
-    from PIL import Image, UnidentifiedImageError
-
     n, side = len(samples), meta["image_size"]
-    channels = 1 if _mode(meta) == "L" else 3
+    channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
     need = estimate_bytes(n, meta) + 8 * n
     free = shutil.disk_usage(folder.parent).free
@@ -115,7 +120,7 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, log: Callabl
                 for path, _ in samples[start:start + CHUNK]:
                     try:
                         with Image.open(path) as img:
-                            block.append(steps(img.convert(_mode(meta))).numpy())
+                            block.append(steps(img.convert(pil_mode(meta))).numpy())
                     except (UnidentifiedImageError, OSError):
                         raise UserError(f"data.root: cannot read {path} as an image") from None
                 f.write(np.ascontiguousarray(np.stack(block)).tobytes())
@@ -165,8 +170,6 @@ class CachedImages(Dataset):
         return self.transform(x).as_subclass(torch.Tensor), int(self.labels[i])
 
     def __getitems__(self, indices: list[int]):
-        from ddplab.data.vision import ImageBatch
-
         if self.transform is not self.batch_transform:
             return [self[i] for i in indices]
         at = np.asarray(indices, dtype=np.int64)
@@ -177,12 +180,13 @@ class CachedImages(Dataset):
         return {**self.__dict__, "_images": None}
 
 
-def cached_folder(cfg, ctx, dataset, meta: dict) -> CachedImages:
-    """An ImageFolder's samples, decoded once into the cache (built here if missing)."""
+def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
+    """An ImageFolder's samples, decoded once into the cache: by the first rank of each node while
+    the others wait (`dist`, the job), or here and now outside a job (dist=None, e.g. predict)."""
     folder = cache_folder(cache_root(cfg), describe(dataset.samples, dataset.root, meta))
 
     def build() -> None:
         write(folder, dataset.samples, meta, log=lambda line: print(line, flush=True))
 
-    text_cache.ensure(ctx, folder, build, what="image cache")
+    text_cache.ensure(dist, folder, build, what="image cache")
     return CachedImages(folder, meta)

@@ -2,83 +2,105 @@
 tree, and scikit-learn's 8x8 handwritten digits (shipped with scikit-learn, so always offline).
 
 Every split yields `(image (C, S, S) float tensor, label)`. Images stay uint8 (or files on
-disk) until an item is read, and go through one transform pipeline built from the bundle's
-`meta`, the same dict the checkpoint stores, so `ddplab predict` applies exactly the
-validation transforms.
+disk) until an item is read, and go through one transform pipeline built from `meta`, the
+dict the checkpoint stores, so `ddplab predict` applies exactly the validation transforms.
+`ddplab.workloads.images` turns what the builders here return into a `ddplab.Data`.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
+import torchvision
+from PIL import Image
 from torch.utils.data import Dataset, Subset
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
 
-from ddplab.data.bundle import DataBundle
-from ddplab.data.checks import TORCHVISION, default_root, expected_files, folder_layout, image_spec
+from ddplab.data import image_cache
+from ddplab.data.checks import TORCHVISION, ImageSpec, default_root, expected_files, folder_layout
+from ddplab.data.image_cache import ImageBatch, decode_steps, on_the_fly, pil_mode
 from ddplab.errors import UserError
 
-# Per-channel mean / std of the training images in [0, 1]; ImageNet's for folder trees,
-# because that is what pretrained torchvision weights expect. Digits are measured at build.
+# Per-channel mean / std of the training images in [0, 1]. Folder trees get ImageNet's, since
+# pretrained torchvision weights expect them (grey: their mean over the channels); digits are
+# measured at build.
 STATS = {
     "mnist": ([0.1307], [0.3081]),
     "fashion_mnist": ([0.2860], [0.3530]),
     "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
-    "image_folder": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
 }
+FOLDER_STATS = {3: ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]), 1: ([0.449], [0.226])}
 PRECOMPUTE_BYTES = 512 * 2**20  # transformed tensor sets up to this size are built once, not per item
+
+
+class ImageSplits(NamedTuple):
+    """What a builder returns: datasets under the validation transform (training's augmented when
+    data.augment is set) and the meta that rebuilds that transform."""
+
+    train: Dataset
+    val: Dataset | None
+    test: Dataset | None
+    meta: dict
 
 
 # ---------------------------------------------------------------------------- transforms
 
 def transform(meta: dict):
-    """The validation transform: uint8 tensor(s) or a PIL image -> normalised float (C, S, S)."""
-    from torchvision.transforms import v2
-
-    side = meta["image_size"]
-    steps = [v2.ToImage(), v2.Resize(side, antialias=True), v2.CenterCrop(side)]
-    if meta["channels"] == 3:
-        steps.append(v2.RGB())  # grey images repeated into 3 channels for RGB models
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(meta["mean"], meta["std"])]
-    return v2.Compose(steps)
+    """The validation transform: uint8 tensor(s) or a PIL image -> normalised float (C, S, S):
+    the image cache's decode steps, then what it applies per batch."""
+    return v2.Compose([decode_steps(meta), on_the_fly(meta)])
 
 
 def augmentation(meta: dict):
     """Training only, after the validation transform: random crop (reflect-padded) + horizontal flip."""
-    from torchvision.transforms import v2
-
     side = meta["image_size"]
     return v2.Compose([v2.RandomCrop(side, padding=max(side // 8, 1), padding_mode="reflect"),
                        v2.RandomHorizontalFlip()])
 
 
+def read_image(path: str, mode: str = "RGB"):
+    """torchvision's loader, in `mode`, with an unreadable file named in one line (found mid-training
+    or at predict time)."""
+    try:
+        with open(path, "rb") as f, Image.open(f) as img:
+            return img.convert(mode)
+    except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise UserError(f"cannot read image {path}: {err}") from None
+
+
+class ImageFile:
+    """`Data.preprocess` for images: a file path -> the tensor validation gives the same image."""
+
+    def __init__(self, meta: dict) -> None:
+        self.meta, self.transform = meta, transform(meta)
+
+    def __call__(self, path: str) -> torch.Tensor:
+        return self.transform(read_image(path, pil_mode(self.meta))).as_subclass(torch.Tensor)
+
+
 def encode_images(meta: dict, items: list[str]) -> torch.Tensor:
-    """`ddplab predict`: image files -> the batch validation would have built."""
-    from PIL import Image, UnidentifiedImageError
-
-    tf = transform(meta)
-    mode = "L" if meta["source_channels"] == 1 else "RGB"
-    batch = []
-    for item in items:
-        if not Path(item).is_file():
-            raise UserError(f"no such image file: {item}")
-        try:
-            with Image.open(item) as img:
-                batch.append(tf(img.convert(mode)))
-        except (UnidentifiedImageError, OSError):
-            raise UserError(f"cannot read {item} as an image") from None
-    return torch.stack(batch)
+    """Image files -> one batch (what `ddplab predict` reads until it calls `Data.preprocess`)."""
+    one = ImageFile(meta)
+    return torch.stack([one(item) for item in items])
 
 
-class ImageBatch(NamedTuple):
-    """A batch fetched whole: (N, C, H, W) images and their (N,) int64 labels."""
+def image_meta(spec: ImageSpec, label_names: list[str], mean: list[float], std: list[float]) -> dict:
+    """What a checkpoint keeps to rebuild the transform and name the labels."""
+    if spec.channels != len(mean):  # grey statistics serve each of the repeated channels
+        mean, std = mean * spec.channels, std * spec.channels
+    return {"input": "image", "label_names": label_names, "image_size": spec.side, "channels": spec.channels,
+            "source_channels": spec.source_channels, "mean": [float(m) for m in mean],
+            "std": [float(s) for s in std], "input_shape": [spec.channels, spec.side, spec.side]}
 
-    images: torch.Tensor
-    labels: torch.Tensor
 
+# ---------------------------------------------------------------------------- datasets
 
 class ImageTensors(Dataset):
     """Images (N, C, H, W) and integer labels; `transform` (if any) runs item by item."""
@@ -109,7 +131,7 @@ def image_tensors(images: torch.Tensor, labels: torch.Tensor, meta: dict) -> Ima
     tf = transform(meta)
     c, side = meta["channels"], meta["image_size"]
     if len(images) * c * side * side * 4 <= PRECOMPUTE_BYTES:
-        return ImageTensors(torch.cat([tf(chunk) for chunk in images.split(4096)]), labels)
+        return ImageTensors(torch.cat([tf(chunk).as_subclass(torch.Tensor) for chunk in images.split(4096)]), labels)
     return ImageTensors(images, labels, tf)
 
 
@@ -122,15 +144,6 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int) 
     return order[n_test + n_val:], order[n_test:n_test + n_val], order[:n_test]
 
 
-def _meta(cfg, label_names: list[str], mean: list[float], std: list[float]) -> dict:
-    source_channels, channels, side = image_spec(cfg)
-    if channels != len(mean):  # grey statistics serve each of the repeated channels
-        mean, std = mean * channels, std * channels
-    return {"input": "image", "label_names": label_names, "image_size": side, "channels": channels,
-            "source_channels": source_channels, "mean": [float(m) for m in mean], "std": [float(s) for s in std],
-            "input_shape": [channels, side, side]}
-
-
 def stack_images(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(image, label) pairs -> (images, labels): what default_collate returns, without its
     per-batch type dispatch; a batch fetched whole (`ImageBatch`) passes straight through."""
@@ -140,12 +153,10 @@ def stack_images(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(images), torch.tensor(labels)
 
 
-def _bundle(cfg, meta: dict, train, val, test) -> DataBundle:
+def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
     """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
-    return DataBundle(task="classification", train=train_view, val=_non_empty(val), test=_non_empty(test),
-                      num_classes=len(meta["label_names"]), meta=meta, input_shape=tuple(meta["input_shape"]),
-                      collate_fn=stack_images)
+    return ImageSplits(train_view, _non_empty(val), _non_empty(test), meta)
 
 
 def _non_empty(dataset):
@@ -154,8 +165,6 @@ def _non_empty(dataset):
 
 def _augmented(dataset, augment):
     """The same samples (shared storage, shallow copy) with `augment` after their transform."""
-    from torchvision.transforms import v2
-
     if isinstance(dataset, Subset):
         return Subset(_augmented(dataset.dataset, augment), dataset.indices)
     view = copy.copy(dataset)
@@ -164,6 +173,7 @@ def _augmented(dataset, augment):
 
 
 # ---------------------------------------------------------------------------- builders
+# Each takes the whole Config, the job (a DistContext, or None outside one) and the ImageSpec.
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 1,797 digits: (N, 8, 8) ink levels 0..16 and (N,) labels.
@@ -171,41 +181,39 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     Read from the CSV file scikit-learn ships, as its `load_digits` reads it, without importing
     scikit-learn (about a second of every run's start-up); through `load_digits` where the file
     is not found."""
-    import importlib.util
-
     spec = importlib.util.find_spec("sklearn")
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
     if path is not None and path.is_file():
         table = np.loadtxt(path, delimiter=",")
         return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.datasets import load_digits as sklearn_digits  # the slow import, only where the file is missing
 
     digits = sklearn_digits()
     return digits.images, digits.target
 
 
-def build_digits(cfg, ctx) -> DataBundle:
+def digits(cfg, dist, spec: ImageSpec) -> ImageSplits:
     ink, target = load_digits()
     # 0..16 ink levels as 8-bit grey, the form a PNG of a digit takes at predict time.
     images = torch.from_numpy(np.rint(ink * 255 / 16).astype(np.uint8)).unsqueeze(1)
     labels = torch.from_numpy(target).long()
     train, val, test = split_indices(len(labels), cfg.data.val_fraction, cfg.data.test_fraction, cfg.experiment.seed)
     pixels = images[train].float() / 255
-    meta = _meta(cfg, [str(i) for i in range(10)], [pixels.mean().item()], [pixels.std().item()])
+    meta = image_meta(spec, [str(i) for i in range(10)], [pixels.mean().item()], [pixels.std().item()])
     data = image_tensors(images, labels, meta)
-    return _bundle(cfg, meta, Subset(data, train), Subset(data, val), Subset(data, test))
+    return _splits(cfg, meta, Subset(data, train), Subset(data, val), Subset(data, test))
 
 
-def build_torchvision(cfg, ctx) -> DataBundle:
-    import torchvision
-
+def torchvision_set(cfg, dist, spec: ImageSpec) -> ImageSplits:
+    """MNIST, FashionMNIST or CIFAR-10 from torchvision's files (downloaded by one rank if asked)."""
     cls = getattr(torchvision.datasets, TORCHVISION[cfg.data.name])
     root = default_root(cfg)
     if cfg.data.download:
-        if ctx.is_main:  # one process downloads while the others wait
+        if dist is None or dist.is_main:  # one process downloads while the others wait
             for train in (True, False):
                 cls(root, train=train, download=True)
-        ctx.barrier()
+        if dist is not None:
+            dist.barrier()
     try:
         sets = [cls(root, train=train) for train in (True, False)]
     except RuntimeError:
@@ -216,31 +224,22 @@ def build_torchvision(cfg, ctx) -> DataBundle:
         images = torch.as_tensor(s.data)
         images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)  # (N, C, H, W)
         tensors.append((images.contiguous(), torch.as_tensor(s.targets).long()))
-    meta = _meta(cfg, list(sets[0].classes), *STATS[cfg.data.name])
+    meta = image_meta(spec, list(sets[0].classes), *STATS[cfg.data.name])
     data = image_tensors(*tensors[0], meta)
     train, val, _ = split_indices(len(data), cfg.data.val_fraction, 0.0, cfg.experiment.seed)
-    return _bundle(cfg, meta, Subset(data, train), Subset(data, val), image_tensors(*tensors[1], meta))
+    return _splits(cfg, meta, Subset(data, train), Subset(data, val), image_tensors(*tensors[1], meta))
 
 
-def read_image(path: str):
-    """torchvision's loader, with a corrupt or unreadable file named in one line (found mid-training)."""
-    from PIL import Image
-
-    try:
-        with open(path, "rb") as f, Image.open(f) as img:
-            return img.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
-        raise UserError(f"cannot read image {path}: {err}") from None
-
-
-def build_image_folder(cfg, ctx) -> DataBundle:
-    from torchvision.datasets import ImageFolder
-
+def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
+    """An ImageFolder tree: train/ (+ val/, test/) or one tree split by seed; decoded once into the
+    image cache (data.cache) or every epoch."""
     layout = folder_layout(Path(cfg.data.root))
+    meta = image_meta(spec, [], *FOLDER_STATS[spec.channels])
+    loader = partial(read_image, mode=pil_mode(meta))
 
     def read(path: Path) -> ImageFolder:
         try:
-            return ImageFolder(str(path), loader=read_image)
+            return ImageFolder(str(path), loader=loader)
         except FileNotFoundError as exc:  # a class folder without images
             raise UserError(f"data.root: {str(exc).splitlines()[0]}") from None
 
@@ -250,20 +249,17 @@ def build_image_folder(cfg, ctx) -> DataBundle:
         if ds.classes != full.classes:
             raise UserError(f"data.root: {layout[split]} has classes {ds.classes[:5]}..., "
                             f"{layout['train']} has {full.classes[:5]}...; both need the same class folders")
+    meta["label_names"] = list(full.classes)
     val_fraction = 0.0 if "val" in fixed else cfg.data.val_fraction
     test_fraction = 0.0 if "test" in fixed else cfg.data.test_fraction
     train, val, test = split_indices(len(full), val_fraction, test_fraction, cfg.experiment.seed)
-    meta = _meta(cfg, list(full.classes), *STATS["image_folder"])
     if cfg.data.cache:  # decoded once into a memory-mapped uint8 array shared by the node's ranks
-        from ddplab.data import image_cache
-
-        full = image_cache.cached_folder(cfg, ctx, full, meta)
-        fixed = {s: image_cache.cached_folder(cfg, ctx, ds, meta) for s, ds in fixed.items()}
+        full = image_cache.cached_folder(cfg, dist, full, meta)
+        fixed = {s: image_cache.cached_folder(cfg, dist, ds, meta) for s, ds in fixed.items()}
     else:
         tf = transform(meta)
-        full.transform = tf
-        for ds in fixed.values():
+        for ds in (full, *fixed.values()):
             ds.transform = tf
     val_set = fixed.get("val", Subset(full, val))
     test_set = fixed.get("test", Subset(full, test))
-    return _bundle(cfg, meta, Subset(full, train), val_set, test_set)
+    return _splits(cfg, meta, Subset(full, train), val_set, test_set)

@@ -1,5 +1,5 @@
 """What the launcher checks of a built-in model before any worker starts, from the config alone.
-No torch here for ddplab's own models; a torchvision classifier's checks import torchvision.
+No torch here: a torchvision classifier's checks live beside it, in ddplab.models.vision.
 """
 
 from __future__ import annotations
@@ -13,19 +13,14 @@ CNN_MIN_SIDE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one p
 
 
 def check_image_input(cfg, channels: int, side: int) -> None:
-    """Images too small for the architecture fail here, not in a worker."""
+    """Images too small for ddplab's own architectures fail here, not in a worker (a torchvision
+    classifier's fit is checked by `ddplab.models.vision.check_input`, with torch)."""
     name = cfg.model.name
     problem = None
-    if name == "cnn":
-        if side < CNN_MIN_SIDE:
-            problem = f"the CNN needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE}"
-    elif name == "vit":
-        if side % cfg.model.patch_size:
-            problem = f"model.patch_size={cfg.model.patch_size} does not divide it"
-    else:
-        from ddplab.models.vision import forward_problem
-
-        problem = forward_problem(name, channels, side)
+    if name == "cnn" and side < CNN_MIN_SIDE:
+        problem = f"the CNN needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE}"
+    elif name == "vit" and side % cfg.model.patch_size:
+        problem = f"model.patch_size={cfg.model.patch_size} does not divide it"
     if problem:
         raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
                         f"set another data.image_size")

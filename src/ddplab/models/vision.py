@@ -1,8 +1,8 @@
 """Image classifiers: the FashionMNIST-tutorial CNN, a small ViT, and torchvision's classifiers
 by name with the head replaced for the data's classes.
 
-The modules are plain; the builders around them read the config, and load a local weights
-file (`model.weights`) when one is given. Nothing here downloads.
+The modules are plain; the builders around them read the config's model section, and load a
+local weights file (`model.weights`) when one is given. Nothing here downloads.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchvision import models
+from torchvision.models import VisionTransformer
 
 from ddplab.errors import UserError
 from ddplab.models.checks import CNN_MIN_SIDE
 
 IMAGENET_CLASSES = 1000  # torchvision builds every classifier with this head first
+IMAGENET_SIDE = 224  # the side torchvision's weights were made for: the default where data.image_size is unset
 
 
 class CNN(nn.Module):
@@ -48,14 +51,11 @@ class CNN(nn.Module):
 # ---------------------------------------------------------------------------- names
 
 def torchvision_names() -> list[str]:
-    from torchvision import models
-
     return models.list_models(module=models)  # classifiers only: detection etc. live in sub-modules
 
 
 def is_torchvision(name: str) -> bool:
     return name not in ("cnn", "vit") and name in torchvision_names()
-
 
 
 def compact(names: list[str]) -> str:
@@ -131,12 +131,8 @@ def load_weights(model: nn.Module, path: str, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------- builders
-
-def _shape(bundle) -> tuple[int, int]:
-    """(channels, side) of the images, from the bundle or, at predict time, its stored meta."""
-    shape = bundle.input_shape or tuple(bundle.meta["input_shape"])
-    return shape[0], shape[-1]
-
+# Each takes the config's model section and the images' shape; `ddplab.workloads.images` reads
+# that shape from the Data (or, at predict time, from the checkpoint's meta).
 
 def _tv_kwargs(name: str, side: int) -> dict:
     if name.startswith("vit_"):
@@ -147,8 +143,6 @@ def _tv_kwargs(name: str, side: int) -> dict:
 
 
 def _torchvision(name: str, side: int) -> nn.Module:
-    from torchvision import models
-
     return models.get_model(name, weights=None, **_tv_kwargs(name, side))
 
 
@@ -192,74 +186,73 @@ def _freeze_all_but(model: nn.Module, head: nn.Module) -> None:
         p.requires_grad = True
 
 
-def build_torchvision(cfg, bundle) -> nn.Module:
-    """torchvision classifier by name: random init, then model.weights, then a new head for the classes."""
-    name, side = cfg.model.name, _shape(bundle)[1]
-    model = _pretrained(name, side, cfg.model.weights) if cfg.model.weights else _torchvision(name, side)
+def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
+    """torchvision classifier `m.name`: random init, then m.weights, then a new head for the classes."""
+    model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
     head_name = find_head(model)
     old = model.get_submodule(head_name)
     if isinstance(old, nn.Linear):
-        head = nn.Linear(old.in_features, bundle.num_classes)
+        head = nn.Linear(old.in_features, num_classes)
     else:
-        head = nn.Conv2d(old.in_channels, bundle.num_classes, kernel_size=1)
+        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
     _replace(model, head_name, head)
-    if cfg.model.freeze:
+    if m.freeze:
         _freeze_all_but(model, head)
     return model
 
 
-def build_cnn(cfg, bundle) -> nn.Module:
-    channels, side = _shape(bundle)
-    model = CNN(channels, bundle.num_classes, side, dropout=cfg.model.dropout)
-    _own_weights(cfg, model, model.fc2)
+def build_cnn(m, channels: int, side: int, num_classes: int) -> nn.Module:
+    model = CNN(channels, num_classes, side, dropout=m.dropout)
+    _own_weights(m, model, model.fc2)
     return model
 
 
-def build_vit(cfg, bundle) -> nn.Module:
-    """A small Vision Transformer (torchvision's class) sized by model.layers / heads / dim / patch_size."""
-    from torchvision.models import VisionTransformer
-
-    _, side = _shape(bundle)
-    m = cfg.model
+def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
+    """A small Vision Transformer (torchvision's class) sized by model.layers / heads / dim / patch_size,
+    reading `channels` (torchvision's is made for 3: its patch embedding is replaced for others)."""
     if side % m.patch_size:
         raise UserError(f"model.patch_size={m.patch_size} must divide the image side {side} (data.image_size)")
     model = VisionTransformer(image_size=side, patch_size=m.patch_size, num_layers=m.layers, num_heads=m.heads,
                               hidden_dim=m.dim, mlp_dim=m.ff_dim or 4 * m.dim, dropout=m.dropout,
-                              num_classes=bundle.num_classes)
-    _own_weights(cfg, model, model.heads)
+                              num_classes=num_classes)
+    if channels != 3:
+        model.conv_proj = nn.Conv2d(channels, m.dim, kernel_size=m.patch_size, stride=m.patch_size)
+        fan_in = channels * m.patch_size ** 2  # torchvision's own initialisation of this layer
+        nn.init.trunc_normal_(model.conv_proj.weight, std=(1 / fan_in) ** 0.5)
+        nn.init.zeros_(model.conv_proj.bias)
+    _own_weights(m, model, model.heads)
     return model
 
 
-def _own_weights(cfg, model: nn.Module, head: nn.Module) -> None:
-    if cfg.model.weights:
-        load_weights(model, cfg.model.weights, cfg.model.name)
-    if cfg.model.freeze:
+def _own_weights(m, model: nn.Module, head: nn.Module) -> None:
+    if m.weights:
+        load_weights(model, m.weights, m.name)
+    if m.freeze:
         _freeze_all_but(model, head)
 
 
 # ---------------------------------------------------------------------------- checks
+
+def check_input(cfg) -> None:
+    """A torchvision classifier takes RGB at data.image_size (else its default side): a forward
+    pass on the meta device (no memory, no init time) finds what does not fit, before launch."""
+    name, side = cfg.model.name, cfg.data.image_size or IMAGENET_SIDE
+    try:
+        with torch.device("meta"):
+            _torchvision(name, side).eval()(torch.empty(1, 3, side, side))
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
+                        f"set another data.image_size") from None
+
 
 def check_files(cfg) -> None:
     """Before launch: the weights file exists and fits the architecture."""
     if not cfg.model.weights or not is_torchvision(cfg.model.name):
         return
     weights = read_weights(cfg.model.weights)
-    side = cfg.data.image_size or 224
     with torch.device("meta"):  # shapes without memory or init time
-        model = _torchvision(cfg.model.name, side)
+        model = _torchvision(cfg.model.name, cfg.data.image_size or IMAGENET_SIDE)
     problem = weights_mismatch(model, weights)
     if problem:
         raise UserError(f"model.weights: {cfg.model.weights} does not fit {cfg.model.name}: {problem}")
-
-
-def forward_problem(name: str, channels: int, side: int) -> str | None:
-    """A torchvision classifier's forward pass on the meta device (no memory, no init time): the
-    first line of what goes wrong, or None."""
-    if not is_torchvision(name):
-        return None
-    try:
-        with torch.device("meta"):
-            _torchvision(name, side).eval()(torch.empty(1, channels, side, side))
-    except (RuntimeError, ValueError, AssertionError) as exc:
-        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return None
