@@ -47,40 +47,47 @@ class Callback:
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 
+def _read(path: str, doc: str) -> property:
+    """A read-only attribute of the trainer, by its dotted path (`state.step`)."""
+    names = path.split(".")
+
+    def get(view):
+        obj = view._t
+        for name in names:
+            obj = getattr(obj, name)
+        return obj
+    return property(get, doc=doc)
+
+
 class TrainView:
     """What a callback may read of a run in progress; nothing here can be assigned."""
 
     def __init__(self, trainer) -> None:
         self._t = trainer
 
-    # -- progress ------------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken."""
-        return self._t.state.step
-
-    @property
-    def epoch(self) -> int:
-        """Epochs completed (the one in progress is epoch + 1)."""
-        return self._t.state.epoch
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds of training so far, across restarts."""
-        return self._t.state.elapsed
-
-    @property
-    def resumes(self) -> int:
-        return self._t.state.resumes
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self._t.state.stop_reason
-
-    @property
-    def best(self) -> tuple[float, int | None]:
-        """(lowest validation loss, its epoch); (inf, None) before any validation."""
-        return self._t.state.best_val_loss, self._t.state.best_epoch
+    # progress
+    step = _read("state.step", "Optimizer steps taken.")
+    epoch = _read("state.epoch", "Epochs completed (the one in progress is epoch + 1).")
+    elapsed = _read("state.elapsed", "Seconds of training so far, across restarts.")
+    resumes = _read("state.resumes", "How many times this run continued from a snapshot.")
+    stop_reason = _read("state.stop_reason", "None while training; epochs, max_steps, time_budget or preempted.")
+    # what is trained, where
+    model = _read("raw", "The module being trained, without its DDP / torch.compile wrappers.")
+    optimizer = _read("optimizer", "The optimizer (its param_groups hold the current learning rate).")
+    run = _read("run", "The run folder: .path, .log(message) (rank 0 prints and appends to train.log).")
+    config = _read("cfg", "The resolved Config.")
+    data = _read("data", "The workload's ddplab.Data (splits, task, meta).")
+    dist = _read("ctx", "The DistContext: reductions and barriers, for hooks that every rank runs.")
+    rank = _read("ctx.rank", "This process's rank.")
+    world_size = _read("ctx.world_size", "Processes in the job.")
+    is_main = _read("ctx.is_main", "Rank 0: the one that writes files.")
+    device = _read("ctx.device", "This process's torch.device.")
+    # what ddplab's own columns and files are made from
+    lr = _read("lr", "The peak learning rate, after training.lr_scaling.")
+    time_budget_s = _read("budget", "training.time_budget in seconds, or None.")
+    comm = _read("comm", "The gradient all-reduce monitor (None in a one-process run).")
+    evaluator = _read("evaluator", "The last evaluation's evaluator (classification: its global confusion matrix).")
+    phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
 
     @property
     def history(self) -> tuple:
@@ -92,52 +99,11 @@ class TrainView:
         """One row per log interval so far: step, epoch, loss, lr, elapsed_s."""
         return tuple(self._t.state.steps)
 
-    # -- what is trained, where ----------------------------------------------------------
     @property
-    def model(self):
-        """The module being trained, without its DDP / torch.compile wrappers."""
-        return self._t.raw
+    def best(self) -> tuple[float, int | None]:
+        """(lowest validation loss, its epoch); (inf, None) before any validation."""
+        return self._t.state.best_val_loss, self._t.state.best_epoch
 
-    @property
-    def optimizer(self):
-        return self._t.optimizer
-
-    @property
-    def run(self):
-        """The run folder: `.path`, `.log(message)` (rank 0 prints and appends to train.log)."""
-        return self._t.run
-
-    @property
-    def config(self):
-        return self._t.cfg
-
-    @property
-    def data(self):
-        """The workload's ddplab.Data (splits, task, meta)."""
-        return self._t.data
-
-    @property
-    def dist(self):
-        """The DistContext: reductions and barriers for hooks that all ranks run."""
-        return self._t.ctx
-
-    @property
-    def rank(self) -> int:
-        return self._t.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._t.ctx.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self._t.ctx.is_main
-
-    @property
-    def device(self):
-        return self._t.ctx.device
-
-    # -- what ddplab's own columns and files are made from -------------------------------
     @property
     def batch(self) -> dict:
         """ddplab.config.batch_arithmetic of this run: per_process, global, steps_per_epoch..."""
@@ -146,30 +112,6 @@ class TrainView:
     @property
     def steps_per_epoch(self) -> int:
         return self._t.batch["steps_per_epoch"]
-
-    @property
-    def lr(self) -> float:
-        """The peak learning rate, after training.lr_scaling."""
-        return self._t.lr
-
-    @property
-    def time_budget_s(self) -> float | None:
-        return self._t.budget
-
-    @property
-    def comm(self):
-        """The gradient all-reduce monitor (None in a one-process run)."""
-        return self._t.comm
-
-    @property
-    def evaluator(self):
-        """The last evaluation's evaluator (a classification one keeps its global confusion matrix)."""
-        return self._t.evaluator
-
-    @property
-    def phase(self) -> str:
-        """Where the evaluation in progress was asked for: train (eval_every), epoch_end or test."""
-        return self._t.phase
 
     @property
     def epoch_samples(self) -> int:

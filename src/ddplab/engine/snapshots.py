@@ -31,8 +31,7 @@ def find(checkpoints: Checkpointer, how: str, log, barrier) -> tuple[Path | str,
     return how, checkpoints.load_snapshot(how)
 
 
-def inference_payload(state: dict, task: dict, **extra) -> dict:
-    """What `generate` / `predict` need of a state dict: weights, config, task, tokenizer or labels."""
-    s = state["trainer"]
-    return {"model": {k: v.detach().cpu() for k, v in state["model"].items()}, "config": state["config"],
-            "meta": state["meta"], "task": task, "epoch": s["epoch"] + 1, "step": s["step"], **extra}
+def inference_payload(model, cfg, data, epoch: int, step: int, **extra) -> dict:
+    """What `generate` / `predict` need (best.pt): weights, config, task, tokenizer or labels."""
+    return {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "config": cfg.to_dict(),
+            "meta": data.meta, "task": data.task.describe(), "epoch": epoch, "step": step, **extra}

@@ -41,6 +41,9 @@ from ddplab.tasks import call_model, to_device
 
 
 class Trainer:
+    """Outside engine/, a run is driven through fit() / test() / end() / close(), saved and restored
+    through state_dict() / load_state_dict(), and observed through `view` (what callbacks get)."""
+
     def __init__(self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder,
                  callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
@@ -252,10 +255,8 @@ class Trainer:
         s.history.append(row)
         self.callbacks.on_epoch_end(self.view, row)
         if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss) and self.ctx.is_main:
-            self.checkpoints.save_best({"model": {k: v.detach().cpu() for k, v in self.raw.state_dict().items()},
-                                        "config": self.cfg.to_dict(), "meta": self.data.meta,
-                                        "task": self.task.describe(), "epoch": s.epoch + 1, "step": s.step,
-                                        "val_loss": val.get("loss")})
+            self.checkpoints.save_best(snapshots.inference_payload(self.raw, self.cfg, self.data, s.epoch + 1, s.step,
+                                                                   val_loss=val.get("loss")))
         if val and val["loss"] < s.best_val_loss:
             s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
