@@ -20,12 +20,12 @@ class LrTrace(ddplab.Callback):
     def __init__(self):
         self.rows = []
 
-    def on_log(self, trainer, values):
-        self.rows.append({"step": trainer.state.step, **values})
+    def on_log(self, view, values):  # view: a read-only ddplab TrainView of the run
+        self.rows.append({"step": view.step, **values})
 
-    def on_train_end(self, trainer, summary):
-        if trainer.ctx.is_main:
-            with open(trainer.run.path / "lr_trace.csv", "w", newline="") as f:
+    def on_train_end(self, view, summary):
+        if view.is_main:
+            with open(view.run.path / "lr_trace.csv", "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=["step", "loss", "lr"])
                 writer.writeheader()
                 writer.writerows(self.rows)

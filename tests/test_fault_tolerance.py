@@ -1,5 +1,5 @@
-"""Kills, crashes, hangs, NaNs and pre-emption in real 2-process gloo jobs (faults injected
-through DDPLAB_FAULT, see ddplab/engine/faults.py), checked against an unbroken run."""
+"""Kills, crashes, hangs, NaNs and pre-emption in real 2-process gloo jobs (faults injected by
+tests/faults.py, a script that trains as `ddplab train` does), checked against an unbroken run."""
 
 import csv
 import json
@@ -7,7 +7,6 @@ import math
 import re
 import socket
 import subprocess
-import sys
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.utils.data import DistributedSampler
 
 from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
 from ddplab.engine.checkpoint import Checkpointer
+from faults import command
 
 SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 
@@ -65,10 +65,14 @@ def _same_as_reference(run: Path, reference: Path) -> None:
     assert [r["epoch"] for r in csv.DictReader(open(run / "metrics.csv"))] == ["1", "2"]  # no duplicated rows
 
 
-def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, data, reference, monkeypatch):
-    monkeypatch.setenv("DDPLAB_FAULT", "kill_rank=1,step=10")  # the last snapshot is step 8, mid-epoch 2
-    proc = ddplab("train", "--nproc-per-node", "2", "--max-restarts", "1", *_args(data, "k")[1:],
-                  "logging.tensorboard=true", cwd=tmp_path)
+def _faulty(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
+    return subprocess.run(command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, data, reference):
+    # the last snapshot is step 8, mid-epoch 2
+    proc = _faulty("kill_rank=1,step=10", [*_args(data, "k"), "logging.tensorboard=true"], tmp_path, 2, 1)
     assert_ok(proc)
     run = tmp_path / "experiments" / "k"
     assert (run / "train.log").read_text().count("epoch 2 step 9:") == 2  # logged by the attempt that died, too
@@ -84,10 +88,7 @@ def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, 
 
 
 def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
-    env = _env() | {"DDPLAB_FAULT": "kill_rank=1,step=3"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
-           *_args(data, "dead")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = _faulty("kill_rank=1,step=3", _args(data, "dead"), tmp_path, 2)
     ended = datetime.now()
     assert proc.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", proc.stderr), proc.stderr[-2000:]
@@ -109,8 +110,8 @@ def _srun_like(tmp_path: Path, args: list[str], fault: str) -> list[subprocess.P
     procs = []
     for rank in range(2):
         env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), "DDPLAB_FAULT": fault}
-        procs.append(subprocess.Popen([sys.executable, "-m", "ddplab", *args], cwd=tmp_path, env=env,
+                        "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(command(fault, args), cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -143,10 +144,8 @@ def test_a_hung_rank_fails_the_others_at_the_process_group_timeout(tmp_path, dat
         procs[1].communicate()
 
 
-def test_a_kill_between_snapshot_data_and_marker_resumes_from_the_previous_snapshot(tmp_path, data, reference,
-                                                                                     monkeypatch):
-    monkeypatch.setenv("DDPLAB_FAULT", "crash_before_marker=8")  # complete before it: step 6 (and 4)
-    proc = ddplab("train", "--nproc-per-node", "2", "--max-restarts", "1", *_args(data, "m")[1:], cwd=tmp_path)
+def test_a_kill_between_snapshot_data_and_marker_resumes_from_the_previous_snapshot(tmp_path, data, reference):
+    proc = _faulty("crash_before_marker=8", _args(data, "m"), tmp_path, 2, 1)  # complete before it: step 6 (and 4)
     assert_ok(proc)
     run = tmp_path / "experiments" / "m"
     log = (run / "train.log").read_text()
@@ -166,8 +165,7 @@ def _trace(trace: Path) -> dict[int, dict[int, list[int]]]:
     return seen
 
 
-def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sample_once(tmp_path, data,
-                                                                                            monkeypatch):
+def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sample_once(tmp_path, data):
     """Pre-empted (SIGUSR1, SIGTERM, SIGUSR1) after steps 3, 6 (end of epoch 1) and 9, then finished
     by ONE process."""
     trace = tmp_path / "trace"
@@ -178,8 +176,7 @@ def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sam
         assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # EXIT_PREEMPTED, both ranks
         summary = _summary(tmp_path / "experiments" / "p")
         assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == ("preempted", "preempted", step)
-    monkeypatch.setenv("DDPLAB_FAULT", f"trace={trace}")
-    proc = ddplab(*args, cwd=tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process
+    proc = _faulty(f"trace={trace}", args, tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process
     assert_ok(proc)
     assert "world size changed from 2 to 1" in proc.stdout
     summary = _summary(tmp_path / "experiments" / "p")
@@ -198,7 +195,7 @@ def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sam
 
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])
-def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, monkeypatch, mode):
+def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
     args = [*_args(data, mode), f"training.nonfinite={mode}", "training.max_steps=7"]
     outs = _wait(_srun_like(tmp_path, args, "nan_rank=1,step=5"))
     run = tmp_path / "experiments" / mode
@@ -216,17 +213,15 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, monkeypatch,
         assert all(torch.isfinite(w).all() for w in _weights(run).values())
 
 
-def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data, monkeypatch):
+def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data):
     args = [*_args(data, "tb"), "training.epochs=1000", "training.time_budget=2s", "checkpoint.every=null"]
-    monkeypatch.setenv("DDPLAB_FAULT", "signal_rank=0,step=4")
-    first = ddplab(*args, cwd=tmp_path)
+    first = _faulty("signal_rank=0,step=4", args, tmp_path)
     assert first.returncode == 75, first.stderr[-2000:]  # EXIT_PREEMPTED: requeue me
     assert "stop signal (SIGUSR1) after step 4" in first.stdout
     run = tmp_path / "experiments" / "tb"
     spent = _summary(run)["aggregates"]["train_time_s"]
     assert spent > 0 and _summary(run)["status"] == "preempted"
 
-    monkeypatch.delenv("DDPLAB_FAULT")
     second = ddplab(*args, cwd=tmp_path)
     assert_ok(second)
     summary = _summary(run)

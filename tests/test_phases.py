@@ -106,10 +106,10 @@ def test_a_run_keeps_the_start_up_heap_out_of_collections_and_gives_it_back(tmp_
     seen = {}
 
     class Probe(ddplab.Callback):
-        def on_train_start(self, trainer):
+        def on_train_start(self, view):
             seen["frozen"] = gc.get_freeze_count()
             # gc.get_objects() lists what collections scan, the frozen generation left out
-            seen["model_scanned"] = any(o is trainer.raw for o in gc.get_objects())
+            seen["model_scanned"] = any(o is view.model for o in gc.get_objects())
 
     monkeypatch.chdir(tmp_path)
     summary = ddplab.train(None, ["model.name=cnn", "data.name=digits", "training.max_steps=1",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, assert_ok, ddplab, torchrun
+from faults import command
 
 EXAMPLES = ROOT / "examples"
 FAST = ["logging.tensorboard=false", "logging.progress=false", "distributed.timeout=60"]
@@ -167,14 +168,14 @@ def _weights(run: Path) -> dict:
     return ck.load_snapshot(ck.latest())["model"]
 
 
-def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path, monkeypatch):
+def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):
     wl = _workload(tmp_path)
     args = ["train", *_names(wl), "training.epochs=2", "training.batch_size=16", "checkpoint.every=2",
             "logging.log_every=1", *FAST]
     assert_ok(torchrun(2, *args, "experiment.name=ref", cwd=tmp_path))
-    monkeypatch.setenv("DDPLAB_FAULT", "kill_rank=1,step=9")  # 6 steps per epoch: killed mid-epoch 2
-    assert_ok(ddplab(*args[:1], "--nproc-per-node", "2", "--max-restarts", "1", *args[1:], "experiment.name=k",
-                     cwd=tmp_path))
+    # 6 steps per epoch: killed mid-epoch 2
+    assert_ok(subprocess.run(command("kill_rank=1,step=9", [*args, "experiment.name=k"], nproc=2, max_restarts=1),
+                             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300))
     ref, run = tmp_path / "experiments" / "ref", tmp_path / "experiments" / "k"
     mine, theirs = _weights(run), _weights(ref)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

@@ -3,7 +3,8 @@
 The public interface for your own workloads (nothing heavy is imported until used):
 
     ddplab.Data, ddplab.Task, ddplab.Classification, ddplab.Regression, ddplab.LanguageModeling,
-    ddplab.Callback, ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
+    ddplab.Callback (its hooks get a read-only ddplab.TrainView),
+    ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _PUBLIC = {
     "Regression": "ddplab.tasks",
     "LanguageModeling": "ddplab.tasks",
     "Callback": "ddplab.engine.callbacks",
+    "TrainView": "ddplab.engine.callbacks",
     "train": "ddplab.api",
     "UserError": "ddplab.errors",
 }

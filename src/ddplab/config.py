@@ -9,6 +9,7 @@ the dotted field in its one-line error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,3 +182,17 @@ def describe_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, str
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
     return rows
+
+
+def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, train_samples: int | None = None) -> dict:
+    """The one place where batches are counted: global = per process x accumulation x world size.
+
+    With `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every
+    rank to ceil(N / world size) samples, the loader keeps the last short batch, and accumulation
+    groups micro-batches into steps."""
+    out = {"per_process": batch_size, "grad_accum_steps": grad_accum_steps, "world_size": world_size,
+           "global": batch_size * grad_accum_steps * world_size}
+    if train_samples is not None:
+        per_rank = math.ceil(train_samples / world_size)
+        out["steps_per_epoch"] = math.ceil(math.ceil(per_rank / batch_size) / grad_accum_steps)
+    return out

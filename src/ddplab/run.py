@@ -5,21 +5,21 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from pathlib import Path
 
 from ddplab import distributed
 from ddplab.config import Config, dump_yaml
-from ddplab.engine.checkpoint import BEST, load_file
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.hostmem import keep_freed_memory
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.setup import build_data, build_model
+from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.trainer import Trainer
 from ddplab.errors import UserError
 from ddplab.metrics import env as env_info
+from ddplab.metrics.callbacks import RunRecorder, column_callbacks
+from ddplab.metrics.class_report import ClassReports
 from ddplab.metrics.phases import Phases
-from ddplab.metrics.run_folder import RunFolder
 from ddplab.metrics.summary import parameter_digest, summary
 from ddplab.registry import workload
 from ddplab.workload import reference_file
@@ -44,18 +44,13 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
 
 
 def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
-    from ddplab.engine import faults
-    from ddplab.engine.optim import BudgetSchedule
-    from ddplab.metrics.callbacks import RunRecorder, column_callbacks
-    from ddplab.metrics.class_report import ClassReports
-
     phases = Phases()
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
     work = workload(cfg, data_fn, model_fn)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
         phases.mark("rendezvous")
-        trainer = run = None
+        trainer = run = view = None
         try:
             # Data and model first: a start that fails here writes nothing to the run folder.
             seed_everything(cfg.experiment.seed)  # identical init everywhere (DDP also broadcasts rank 0's)
@@ -75,25 +70,25 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), BudgetSchedule(), ClassReports(), *callbacks, RunRecorder(),
-                                         *faults.from_environment()])
+                              callbacks=[*column_callbacks(), ClassReports(), *callbacks, RunRecorder()])
+            view = trainer.view
             trainer.resume()
             phases.mark("trainer")
-            phases.watch_first_step(trainer.optimizer)
-            run.write_json(RunFolder.METRICS_JSON, summary(trainer, "running", code))
+            phases.watch_first_step(view.optimizer)
+            run.write_json(RunFolder.METRICS_JSON, summary(view, "running", code))
             start = time.time()
             state = trainer.fit()
             phases.mark("training")
             if state.stop_reason == "preempted":
-                result = summary(trainer, "preempted", code)
+                result = summary(view, "preempted", code)
                 run.write_json(RunFolder.METRICS_JSON, result)
                 run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
-                trainer.callbacks.on_train_end(trainer, result)
+                trainer.end(result)
                 return result
-            digests = ctx.gather_objects(parameter_digest(trainer.raw))
+            digests = ctx.gather_objects(parameter_digest(view.model))
             if len(set(digests)) > 1:
                 run.log(f"WARNING: parameters differ between ranks after training: {digests}")
-            result = summary(trainer, "complete", code, test=_test_best(trainer, run_dir))
+            result = summary(view, "complete", code, test=trainer.test())
             result["ddp"]["parameter_digests"] = digests
             result["ddp"]["ranks_identical"] = len(set(digests)) == 1
             result["wall_time_s"] = time.time() - start
@@ -101,18 +96,18 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             result["phases"] = phases.as_dict()
             run.write_json(RunFolder.METRICS_JSON, result)
             partial = bool(state.history and state.history[-1].get("partial"))
-            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / trainer.steps_per_epoch:.2f} epochs of "
+            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of "
                                                 f"data)" if partial else "")
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             if ctx.is_main and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
                 from ddplab.inference import sample
 
-                text = sample(trainer.raw, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
+                text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
                               cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)
                 run.write_text(RunFolder.SAMPLE, text)
                 run.log("sample:\n" + text)
-            trainer.callbacks.on_train_end(trainer, result)
+            trainer.end(result)
         except Exception as exc:
             if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
                 print(f"ddplab: rank {ctx.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -120,21 +115,10 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
         finally:
             if trainer is not None:
                 trainer.close()
-            del trainer
+            del trainer, view
             if run is not None:
                 run.close()
     if ctx.is_main:  # after the process group is gone: teardown is counted too
         phases.add_teardown(run_dir)
     return result
 
-
-def _test_best(trainer: Trainer, run_dir: Path) -> dict:
-    """Evaluate the best model (by validation loss) on the test split."""
-    if trainer.data.test is None:
-        return {}
-    best = run_dir / RunFolder.CHECKPOINTS / BEST
-    trainer.ctx.barrier()
-    if best.is_file():
-        trainer.raw.load_state_dict(load_file(best)["model"])
-    trainer.phase = "test"
-    return trainer.evaluate(trainer.data.test, "test")

@@ -20,7 +20,7 @@ from ddplab.registry import load_config
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.errors import UserError
 from ddplab.launch import torchrun_command
-from ddplab.metrics.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder
 
 
 def _run(cmd: list[str], label: str) -> None:

@@ -2,60 +2,135 @@
 
 The trainer only steps, accumulates, evaluates and stops; it calls these hooks at fixed
 points, on every rank, in list order. ddplab's own progress bar, console lines, metrics files,
-TensorBoard, MFU / communication / GPU columns and the test-only fault injection are callbacks;
-user callbacks go through the same hooks (`ddplab.train(callbacks=[...])`).
+TensorBoard and MFU / communication / GPU columns are callbacks; user callbacks go through the
+same hooks (`ddplab.train(callbacks=[...])`).
 
-A hook gets the trainer: `trainer.state` (a TrainState: epoch, step, consumed, history...),
-`trainer.cfg`, `trainer.ctx` (rank, world size, device), `trainer.model` / `trainer.raw`,
-`trainer.optimizer`, `trainer.run` (the run folder). Treat the state as read-only: a callback
-that changes it breaks exact resume. Hooks run on every rank; a hook that calls a collective
-must do so on all ranks, and one that writes files should check `trainer.ctx.is_main`.
+A hook gets a read-only `TrainView` of the run, never the trainer itself: `view.step`,
+`view.epoch`, `view.history` (epoch rows so far), `view.log_rows`, `view.model` (the unwrapped
+module), `view.optimizer`, `view.run` (the run folder: `.path`, `.log(msg)`), `view.config`,
+`view.rank`, `view.world_size`, `view.is_main`, `view.device`. Hooks run on every rank; a hook
+that calls a collective must do so on all ranks, and one that writes files should check
+`view.is_main`. A callback observes: changing the model or the optimizer breaks exact resume.
 """
 
 from __future__ import annotations
 
+from ddplab.errors import UserError
+
 
 class Callback:
-    def on_train_start(self, trainer) -> None:
+    def on_train_start(self, view) -> None:
         """After resuming, before the first step of this attempt."""
 
-    def on_epoch_start(self, trainer) -> None:
+    def on_epoch_start(self, view) -> None:
         """Before the first step of an epoch (or of its rest, after a resume)."""
 
-    def on_step_end(self, trainer) -> None:
-        """After each optimizer step (trainer.state.step is the step just taken)."""
+    def on_step_end(self, view) -> None:
+        """After each optimizer step (view.step is the step just taken)."""
 
-    def on_log(self, trainer, values: dict) -> None:
+    def on_log(self, view, values: dict) -> None:
         """At each log interval: the global train loss and learning rate since the last one."""
 
-    def on_eval_end(self, trainer, split: str, metrics: dict) -> None:
+    def on_eval_end(self, view, split: str, metrics: dict) -> None:
         """After a global evaluation of `split` (val, test)."""
 
-    def on_epoch_end(self, trainer, row: dict) -> None:
+    def on_epoch_end(self, view, row: dict) -> None:
         """An epoch's row (also a partial one, row["partial"]): add columns here; it is then recorded."""
 
-    def on_snapshot_saving(self, trainer, step: int) -> None:
-        """Rank 0, while a snapshot is written: its data is on disk, its COMPLETE marker not yet."""
-
-    def on_snapshot(self, trainer, path) -> None:
+    def on_snapshot(self, view, path) -> None:
         """After a snapshot is complete (path: its folder on rank 0, None elsewhere)."""
 
-    def on_train_end(self, trainer, summary: dict) -> None:
+    def on_train_end(self, view, summary: dict) -> None:
         """After the run, with what metrics.json holds."""
 
 
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 
+def _read(path: str, doc: str) -> property:
+    """A read-only attribute of the trainer, by its dotted path (`state.step`)."""
+    names = path.split(".")
+
+    def get(view):
+        obj = view._t
+        for name in names:
+            obj = getattr(obj, name)
+        return obj
+    return property(get, doc=doc)
+
+
+class TrainView:
+    """What a callback may read of a run in progress; nothing here can be assigned."""
+
+    def __init__(self, trainer) -> None:
+        self._t = trainer
+
+    # progress
+    step = _read("state.step", "Optimizer steps taken.")
+    epoch = _read("state.epoch", "Epochs completed (the one in progress is epoch + 1).")
+    elapsed = _read("state.elapsed", "Seconds of training so far, across restarts.")
+    resumes = _read("state.resumes", "How many times this run continued from a snapshot.")
+    stop_reason = _read("state.stop_reason", "None while training; epochs, max_steps, time_budget or preempted.")
+    # what is trained, where
+    model = _read("raw", "The module being trained, without its DDP / torch.compile wrappers.")
+    optimizer = _read("optimizer", "The optimizer (its param_groups hold the current learning rate).")
+    run = _read("run", "The run folder: .path, .log(message) (rank 0 prints and appends to train.log).")
+    config = _read("cfg", "The resolved Config.")
+    data = _read("data", "The workload's ddplab.Data (splits, task, meta).")
+    dist = _read("ctx", "The DistContext: reductions and barriers, for hooks that every rank runs.")
+    rank = _read("ctx.rank", "This process's rank.")
+    world_size = _read("ctx.world_size", "Processes in the job.")
+    is_main = _read("ctx.is_main", "Rank 0: the one that writes files.")
+    device = _read("ctx.device", "This process's torch.device.")
+    # what ddplab's own columns and files are made from
+    lr = _read("lr", "The peak learning rate, after training.lr_scaling.")
+    time_budget_s = _read("budget", "training.time_budget in seconds, or None.")
+    comm = _read("comm", "The gradient all-reduce monitor (None in a one-process run).")
+    evaluator = _read("evaluator", "The last evaluation's evaluator (classification: its global confusion matrix).")
+    phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
+
+    @property
+    def history(self) -> tuple:
+        """One row per epoch so far (metrics.csv)."""
+        return tuple(self._t.state.history)
+
+    @property
+    def log_rows(self) -> tuple:
+        """One row per log interval so far: step, epoch, loss, lr, elapsed_s."""
+        return tuple(self._t.state.steps)
+
+    @property
+    def best(self) -> tuple[float, int | None]:
+        """(lowest validation loss, its epoch); (inf, None) before any validation."""
+        return self._t.state.best_val_loss, self._t.state.best_epoch
+
+    @property
+    def batch(self) -> dict:
+        """ddplab.config.batch_arithmetic of this run: per_process, global, steps_per_epoch..."""
+        return dict(self._t.batch)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._t.batch["steps_per_epoch"]
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples (all ranks) still to come in this epoch, as counted at its start."""
+        return len(self._t.sampler) * self._t.ctx.world_size
+
+    @property
+    def step_samples(self) -> int:
+        """Samples (all ranks) of the last step."""
+        return self._t.last_step_samples * self._t.ctx.world_size
+
+
 class CallbackList:
-    """Calls a hook on each callback in order: `callbacks.on_step_end(trainer)`."""
+    """Calls a hook on each callback in order: `callbacks.on_step_end(view)`."""
 
     def __init__(self, callbacks) -> None:
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
-                from ddplab.errors import UserError
-
                 raise UserError(f"callbacks: {cb!r} is not a ddplab.Callback (subclass ddplab.Callback)")
 
     def __getattr__(self, hook: str):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ddplab.errors import UserError
-from ddplab.metrics.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder
 
 MARKER = "COMPLETE"
 STATE = "state.pt"
@@ -66,6 +66,16 @@ def _why(message: str) -> str:
     if "central directory" in message or "zip archive" in message or "eof" in message.lower():
         return "the file is truncated or not a torch checkpoint"
     return "not a torch checkpoint"
+
+
+def write_marker(folder: Path, info: dict) -> None:
+    """The COMPLETE marker, written last, once the snapshot's data is on disk."""
+    fd = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, json.dumps(info).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -115,9 +125,8 @@ class Checkpointer:
                 removed.append(p.name)
         return removed
 
-    def save_snapshot(self, state: dict, step: int, info: dict, before_marker=None) -> Path | None:
-        """Rank 0 only writes; the caller holds the other ranks at a barrier. `before_marker(step)`
-        runs when the data is on disk and the marker not yet (the fault tests kill there)."""
+    def save_snapshot(self, state: dict, step: int, info: dict) -> Path | None:
+        """Rank 0 only writes; the caller holds the other ranks at a barrier."""
         if not self.is_main:
             return None
         self.root.mkdir(parents=True, exist_ok=True)
@@ -129,14 +138,7 @@ class Checkpointer:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        if before_marker is not None:
-            before_marker(step)
-        marker_fd = os.open(tmp / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(marker_fd, json.dumps(info).encode())
-            os.fsync(marker_fd)
-        finally:
-            os.close(marker_fd)
+        write_marker(tmp, info)
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (a step snapshot that ends an epoch)
             old = self.root / f".old-step-{step:09d}"

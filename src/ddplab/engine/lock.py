@@ -21,7 +21,7 @@ import socket
 from pathlib import Path
 
 from ddplab.errors import UserError
-from ddplab.metrics.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder
 
 HOLDER_FILE = ".lock"
 LOCKED_ENV = "DDPLAB_LOCKED_RUN"  # the run folder a ddplab launcher already holds

@@ -6,8 +6,6 @@ import math
 
 import torch
 
-from ddplab.engine.callbacks import Callback
-
 
 def scaled_lr(lr: float, rule: str, world_size: int) -> float:
     """`linear`: lr x world size (Goyal et al.); `sqrt`: lr x sqrt(world size) (Krizhevsky)."""
@@ -102,10 +100,3 @@ def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budge
     if slowest > 0:
         scheduler.replan(budget_total_steps(step, slowest, budget_s))
 
-
-class BudgetSchedule(Callback):
-    """With training.time_budget: re-plan the schedule at every log (all ranks log together)."""
-
-    def on_log(self, trainer, values) -> None:
-        s = trainer.state
-        plan_for_budget(trainer.scheduler, trainer.ctx, s.step, s.elapsed, trainer.budget)

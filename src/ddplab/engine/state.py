@@ -1,11 +1,9 @@
-"""Where a run stands: the progress a snapshot brings back, and the batch arithmetic."""
+"""Where a run stands: the progress a snapshot brings back."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-from ddplab.config import Config
 
 
 @dataclass
@@ -28,9 +26,3 @@ class TrainState:
     stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted
     resumes: int = 0  # how many times this run was resumed from a snapshot
 
-
-def batch_arithmetic(cfg: Config, world_size: int) -> dict:
-    """The one place where the global batch is computed."""
-    t = cfg.training
-    return {"per_process": t.batch_size, "grad_accum_steps": t.grad_accum_steps, "world_size": world_size,
-            "global": t.batch_size * t.grad_accum_steps * world_size}

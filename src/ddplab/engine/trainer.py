@@ -2,12 +2,13 @@
 
 fit() = resume -> [train an epoch -> evaluate -> record -> snapshot] until done.
 It steps, accumulates, evaluates and stops; everything else (rows' extra columns, files,
-console, progress, fault injection) hangs on callbacks (engine/callbacks.py).
+console, progress) hangs on callbacks (engine/callbacks.py), which see a read-only TrainView.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
 
 Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1), so
-they all snapshot the same step; a snapshot holds everything needed to continue exactly
-(weights, optimizer, schedule, scaler, position in the epoch, every rank's RNG streams).
+they all snapshot the same step. state_dict() / load_state_dict() are the whole contract of
+a resume (weights, optimizer, schedule, scaler, progress and position in the epoch, every
+rank's RNG streams, world size); snapshots are those dicts written to files.
 """
 
 from __future__ import annotations
@@ -16,36 +17,40 @@ import contextlib
 import gc
 import math
 import time
+from dataclasses import asdict
 from itertools import islice
 
 import torch
 
-from ddplab.config import Config
+from ddplab.config import Config, batch_arithmetic
 from ddplab.config_io import parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.distributed import DistContext
-from ddplab.engine.callbacks import CallbackList
 from ddplab.engine import snapshots
-from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.callbacks import CallbackList, TrainView
+from ddplab.engine.checkpoint import BEST, Checkpointer, load_file
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
-from ddplab.engine.setup import autocast, distribute
-from ddplab.engine.optim import Schedule, build_optimizer, scaled_lr
+from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
-from ddplab.engine.state import TrainState, batch_arithmetic
+from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
+from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.setup import autocast, distribute
+from ddplab.engine.state import TrainState
 from ddplab.errors import UserError
-from ddplab.metrics.run_folder import RunFolder
 from ddplab.tasks import call_model, to_device
 
 
 class Trainer:
+    """Outside engine/, a run is driven through fit() / test() / end() / close(), saved and restored
+    through state_dict() / load_state_dict(), and observed through `view` (what callbacks get)."""
+
     def __init__(self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder,
                  callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
-        self.loss_fn = self.task.loss  # a callback may wrap it (the NaN fault does)
-        self.batch = batch_arithmetic(cfg, ctx.world_size)
+        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, ctx.world_size, len(data.train))
         self.raw = model
         # DDP (with the gradient all-reduce monitor, `comm`, when distributed) and torch.compile
         self.model, self.comm = distribute(model, cfg, ctx)
@@ -55,16 +60,16 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
         self.sampler = ResumableDistributedSampler(data.train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.experiment.seed)
-        self.loader_sampler = self.sampler  # what the loader draws from (a callback may wrap it)
         self.loaders = Loaders(cfg, ctx, data.collate_fn)
         self.train_loader = None  # made in fit(), after the callbacks' on_train_start
-        self.steps_per_epoch = math.ceil(math.ceil(len(self.sampler) / t.batch_size) / t.grad_accum_steps)
-        self.scheduler = Schedule(self.optimizer, t, t.max_steps or self.steps_per_epoch * t.epochs)
+        self.scheduler = Schedule(self.optimizer, t, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last)
         self.signals = StopSignals()
         self.callbacks = CallbackList(callbacks)
+        self.view = TrainView(self)
+        self.evaluator = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
@@ -76,8 +81,8 @@ class Trainer:
         if not self._resumed:
             self.resume()
         t, s = self.cfg.training, self.state
-        self.callbacks.on_train_start(self)
-        self.train_loader = self.loaders.train(self.data.train, self.loader_sampler)
+        self.callbacks.on_train_start(self.view)
+        self.train_loader = self.loaders.train(self.data.train, self.sampler)
         self.signals.install()
         self._mark = time.perf_counter()
         try:
@@ -104,7 +109,7 @@ class Trainer:
         self.train_loader.generator.manual_seed(self.cfg.experiment.seed + s.epoch)
         batches = iter(self.train_loader)
         left = len(self.sampler)  # samples still to come on this rank
-        self.callbacks.on_epoch_start(self)
+        self.callbacks.on_epoch_start(self.view)
         start = time.perf_counter()
         while left > 0:
             waited = time.perf_counter()
@@ -114,7 +119,7 @@ class Trainer:
                 break
             self.train_step(micro)
             left -= self.last_step_samples
-            self.callbacks.on_step_end(self)
+            self.callbacks.on_step_end(self.view)
             s.epoch_time += time.perf_counter() - start
             self._tick()
             if s.step % self.cfg.logging.log_every == 0:
@@ -145,7 +150,7 @@ class Trainer:
             sync = contextlib.nullcontext() if i == n - 1 or not self.ctx.is_distributed else self.model.no_sync()
             with sync:
                 with self.autocast():
-                    loss = self.loss_fn(call_model(self.model, inputs), target)
+                    loss = self.task.loss(call_model(self.model, inputs), target)
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
         if self.cfg.training.clip_grad_norm:
@@ -188,7 +193,10 @@ class Trainer:
         s.epoch_tokens += tokens
         values = {"loss": loss_sum / samples, "lr": self.scheduler.get_last_lr()[0]}
         s.steps.append({"step": s.step, "epoch": s.epoch + 1, **values, "elapsed_s": s.elapsed})
-        self.callbacks.on_log(self, values)
+        # With a time budget the schedule is planned over the steps the budget allows, re-estimated
+        # here, where all ranks meet anyway (the slowest rank's clock counts).
+        plan_for_budget(self.scheduler, self.ctx, s.step, s.elapsed, self.budget)
+        self.callbacks.on_log(self.view, values)
 
     def _should_stop(self) -> bool:
         """Agree on stopping after this step: every rank must stop at the same step, or one
@@ -246,9 +254,10 @@ class Trainer:
         if partial:
             row["partial"] = True
         s.history.append(row)
-        self.callbacks.on_epoch_end(self, row)
-        if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss):
-            self.checkpoints.save_best(snapshots.inference_payload(self, val_loss=val.get("loss")))
+        self.callbacks.on_epoch_end(self.view, row)
+        if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss) and self.ctx.is_main:
+            self.checkpoints.save_best(snapshots.inference_payload(self.raw, self.cfg, self.data, s.epoch + 1, s.step,
+                                                                   val_loss=val.get("loss")))
         if val and val["loss"] < s.best_val_loss:
             s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
@@ -281,24 +290,77 @@ class Trainer:
             evaluator.update(output, target)
         model.train(was_training)
         metrics = evaluator.compute(self.ctx)
-        self.evaluator = evaluator  # the last one, for callbacks: its global confusion matrix (class_report.py)
-        self.callbacks.on_eval_end(self, split, metrics)
+        self.evaluator = evaluator
+        self.callbacks.on_eval_end(self.view, split, metrics)
         return metrics
 
-    # ------------------------------------------------------------------ snapshots
+    def test(self) -> dict:
+        """The best model (by validation loss; the last one without it) on the test split."""
+        if self.data.test is None:
+            return {}
+        best = self.checkpoints.root / BEST
+        self.ctx.barrier()
+        if best.is_file():
+            self.raw.load_state_dict(load_file(best)["model"])
+        self.phase = "test"
+        return self.evaluate(self.data.test, "test")
+
+    # ------------------------------------------------------------------ the contract of a resume
+    def state_dict(self) -> dict:
+        """Everything a resume needs, the same on every rank. A collective: every rank's RNG
+        streams are gathered. Tensors and plain values only (loads with weights_only=True)."""
+        s = self.state
+        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "trainer": asdict(s), "rng": self.ctx.gather_objects(rng_state()), "world_size": self.ctx.world_size,
+                "sampler": {"seed": self.sampler.seed, "epoch": s.epoch, "consumed": s.consumed},
+                "config": self.cfg.to_dict(), "meta": self.data.meta}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.raw.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.scaler.load_state_dict(sd["scaler"])
+        self.state = TrainState(**sd["trainer"])
+        if sd["world_size"] == self.ctx.world_size:
+            set_rng_state(sd["rng"][self.ctx.rank])
+            return
+        # The remaining samples of the epoch are re-divided among the new ranks (see the
+        # sampler); per-rank random streams cannot carry over, so they are reseeded.
+        seed_everything(self.cfg.experiment.seed + 1000 * self.state.step + self.ctx.rank)
+        self.run.log(f"world size changed from {sd['world_size']} to {self.ctx.world_size}: the rest of epoch "
+                     f"{self.state.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample "
+                     f"repeated or lost); dropout streams are reseeded, so the run is no longer bit-identical")
+
     def snapshot(self) -> None:
         """A collective: the loss since the last log is reduced, then rank 0 writes (engine/snapshots.py)."""
         self.log_interval()
         self._tick()
-        snapshots.save(self)
+        path = snapshots.save(self.checkpoints, self.state_dict())
+        self.ctx.barrier()
+        self.callbacks.on_snapshot(self.view, path)
 
     def resume(self) -> None:
+        """Continue from the snapshot checkpoint.resume names (auto: the newest complete one), if any."""
         self._resumed = True
-        snapshots.resume(self)
+        found = snapshots.find(self.checkpoints, self.cfg.checkpoint.resume, self.run.log, self.ctx.barrier)
+        if found is None:
+            return
+        where, sd = found
+        self.load_state_dict(sd)
+        s = self.state
+        s.stop_reason = None
+        s.resumes += 1
+        self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
+                     f"epoch, {s.elapsed:.1f} s already spent)")
+
+    def end(self, summary: dict) -> None:
+        """The run is recorded: callbacks' on_train_end."""
+        self.callbacks.on_train_end(self.view, summary)
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
-        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "loaders", "comm"):
+        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "loaders", "comm", "evaluator"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()

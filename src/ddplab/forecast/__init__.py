@@ -65,7 +65,8 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     from ddplab.config_io import parse_duration
     from ddplab.forecast.fit import comm_of, fit_link
     from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
-    from ddplab.forecast.model import fit_compute, predict_step, steps_per_epoch
+    from ddplab.config import batch_arithmetic
+    from ddplab.forecast.model import fit_compute, predict_step
     from ddplab.study.grid import parse_setups
 
     # Check every option before reading anything.
@@ -130,16 +131,17 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     rows = []
     for s in setups:
         step = predict_step(compute, comm, s.nodes, s.per_node, batch, inter, intra, accum, scale)
-        steps = steps_per_epoch(n_train, s.processes, batch, accum)
+        counts = batch_arithmetic(batch, accum, s.processes, n_train)
+        steps = counts["steps_per_epoch"]
         epoch = steps * step.step_s
         rows.append({"setup": s.label, "nodes": s.nodes, "per_node": s.per_node, "processes": s.processes,
-                     "global_batch": batch * accum * s.processes, "steps_per_epoch": steps,
+                     "global_batch": counts["global"], "steps_per_epoch": steps,
                      "step_ms": step.step_s * 1e3, "compute_ms": step.compute_s * 1e3, "comm_ms": step.comm_s * 1e3,
                      "exposed_comm_ms": step.exposed_s * 1e3, "epoch_s": epoch,
                      "comm_share": step.exposed_s / step.step_s if step.step_s else 0.0,
                      "epochs_in_budget": budget / epoch if budget and epoch else None})
     one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)
-    epoch_one = steps_per_epoch(n_train, 1, batch, accum) * one.step_s
+    epoch_one = batch_arithmetic(batch, accum, 1, n_train)["steps_per_epoch"] * one.step_s
     for row in rows:
         row["speedup"] = epoch_one / row["epoch_s"] if row["epoch_s"] else None
         row["efficiency"] = row["speedup"] / row["processes"] if row["speedup"] else None

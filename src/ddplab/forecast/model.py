@@ -3,12 +3,12 @@ model, and each bucket's all-reduce overlapped with the backward pass as DDP doe
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddplab.config import batch_arithmetic
 from ddplab.errors import UserError
 from ddplab.forecast.links import Link, allreduce_s, wire_messages
 from ddplab.report.runs import Run
@@ -83,10 +83,8 @@ def measure(run: Run) -> Measured | None:
 
 
 def steps_per_epoch(train_samples: int, processes: int, batch: int, accum: int = 1) -> int:
-    """The distributed sampler pads every rank to ceil(N / p) samples; the loader keeps the last
-    short batch; accumulation groups micro-batches into optimizer steps."""
-    per_rank = math.ceil(train_samples / processes)
-    return math.ceil(math.ceil(per_rank / batch) / accum)
+    """As the trainer counts them (ddplab.config.batch_arithmetic)."""
+    return batch_arithmetic(batch, accum, processes, train_samples)["steps_per_epoch"]
 
 
 def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:

@@ -20,18 +20,18 @@ def peak_memory_mb(device: torch.device) -> float:
 class PeakMemory(Callback):
     """peak_mem_mb: the largest of any rank (a collective: every rank takes part)."""
 
-    def on_epoch_end(self, trainer, row):
-        ctx = trainer.ctx
-        row["peak_mem_mb"] = ctx.all_reduce(torch.tensor([peak_memory_mb(ctx.device)], device=ctx.device), "max").item()
+    def on_epoch_end(self, view, row):
+        row["peak_mem_mb"] = view.dist.all_reduce(torch.tensor([peak_memory_mb(view.device)], device=view.device),
+                                                  "max").item()
 
 
 class ModelFlops(Callback):
     """mfu: model FLOPs utilisation, where the device's peak and the model's FLOPs are known."""
 
-    def on_epoch_end(self, trainer, row):
+    def on_epoch_end(self, view, row):
         from ddplab.metrics.throughput import mfu
 
-        value = mfu(trainer.raw, row.get("tokens_per_s"), trainer.ctx.device, trainer.ctx.world_size)
+        value = mfu(view.model, row.get("tokens_per_s"), view.device, view.world_size)
         if value is not None:
             row["mfu"] = value
 
@@ -41,15 +41,15 @@ class CommColumns(Callback):
 
     timer = None
 
-    def on_train_start(self, trainer):
+    def on_train_start(self, view):
         from ddplab.engine.comm import attach_step_timer
 
-        self.timer = attach_step_timer(trainer.raw, trainer.comm, trainer.cfg)  # forward/backward time for `ddplab forecast`
+        self.timer = attach_step_timer(view.model, view.comm, view.config)  # forward/backward time for `ddplab forecast`
 
-    def on_epoch_end(self, trainer, row):
+    def on_epoch_end(self, view, row):
         from ddplab.engine.comm import epoch_comm_row
 
-        row.update(epoch_comm_row(trainer.comm, trainer.ctx, row["epoch_time_s"], self.timer))
+        row.update(epoch_comm_row(view.comm, view.dist, row["epoch_time_s"], self.timer))
 
 
 class GpuColumns(Callback):
@@ -58,17 +58,17 @@ class GpuColumns(Callback):
     def __init__(self) -> None:
         self.monitor = None
 
-    def on_train_start(self, trainer):
-        if trainer.ctx.is_main and trainer.ctx.device.type == "cuda" and self.monitor is None:
+    def on_train_start(self, view):
+        if view.is_main and view.device.type == "cuda" and self.monitor is None:
             from ddplab.metrics.gpu import GpuMonitor
 
-            self.monitor = GpuMonitor(trainer.ctx.device)
+            self.monitor = GpuMonitor(view.device)
 
-    def on_epoch_end(self, trainer, row):
+    def on_epoch_end(self, view, row):
         if self.monitor is not None:
             row.update(self.monitor.take_epoch())
 
-    def on_train_end(self, trainer, summary):
+    def on_train_end(self, view, summary):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
@@ -80,32 +80,34 @@ class RunRecorder(Callback):
     ROW_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_f1", "val_perplexity", "val_r2", "val_rmse",
                 "epoch_time_s", "samples_per_s")
 
-    def on_train_start(self, trainer):
-        b = trainer.batch
-        trainer.run.log(f"world size {trainer.ctx.world_size} ({trainer.ctx.launch.launcher}, backend "
-                        f"{trainer.ctx.backend or 'none'}, device {trainer.ctx.device}); global batch = "
-                        f"{b['per_process']} per process x {b['grad_accum_steps']} accumulation x {b['world_size']} "
-                        f"processes = {b['global']}; lr {trainer.lr:g}; {trainer.steps_per_epoch} steps per epoch")
+    def on_train_start(self, view):
+        run, b, dist = view.run, view.batch, view.dist
+        if view.step:  # resumed: TensorBoard drops what the attempt that died logged after the snapshot
+            run.purge_step = view.step + 1
+        run.log(f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
+                f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
+                f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
+                f"{b['steps_per_epoch']} steps per epoch")
 
-    def on_log(self, trainer, values):
-        s, every = trainer.state, trainer.cfg.logging.log_every
-        trainer.run.scalars("train", values, s.step)
-        if not _bar_shown(trainer) and (s.step % (every * 10) == 0 or every == 1):
-            trainer.run.log(f"epoch {s.epoch + 1} step {s.step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
+    def on_log(self, view, values):
+        step, every = view.step, view.config.logging.log_every
+        view.run.scalars("train", values, step)
+        if not _bar_shown(view) and (step % (every * 10) == 0 or every == 1):
+            view.run.log(f"epoch {view.epoch + 1} step {step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
 
-    def on_eval_end(self, trainer, split, metrics):
-        if split == "val" and trainer.cfg.training.eval_every and trainer.state.step % trainer.cfg.training.eval_every == 0 \
-                and trainer.phase == "train":
-            trainer.run.log(f"step {trainer.state.step}: " + format_metrics(metrics))
+    def on_eval_end(self, view, split, metrics):
+        every = view.config.training.eval_every
+        if split == "val" and every and view.step % every == 0 and view.phase == "train":
+            view.run.log(f"step {view.step}: " + format_metrics(metrics))
 
-    def on_epoch_end(self, trainer, row):
-        run, step = trainer.run, trainer.state.step
-        run.write_epochs(trainer.state.history)
+    def on_epoch_end(self, view, row):
+        run, step, per_epoch = view.run, view.step, view.steps_per_epoch
+        run.write_epochs(view.history)
         run.scalars("val", {k[4:]: v for k, v in row.items() if k.startswith("val_")}, step)
         run.scalars("epoch", {k: row[k] for k in ("epoch_time_s", "samples_per_s", "peak_mem_mb") if row.get(k)}, step)
         head = f"epoch {row['epoch']}"
         if row.get("partial"):  # a run stopped mid-epoch (max_steps, time budget): say how far it got
-            head += f" (partial, {row['step'] - (row['epoch'] - 1) * trainer.steps_per_epoch}/{trainer.steps_per_epoch} steps)"
+            head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"
         run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None))
 
 
@@ -113,8 +115,8 @@ def format_metrics(m: dict) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float))
 
 
-def _bar_shown(trainer) -> bool:
-    return trainer.ctx.is_main and trainer.cfg.logging.progress and sys.stdout.isatty()
+def _bar_shown(view) -> bool:
+    return view.is_main and view.config.logging.progress and sys.stdout.isatty()
 
 
 class ProgressBar(Callback):
@@ -123,30 +125,29 @@ class ProgressBar(Callback):
     def __init__(self) -> None:
         self.progress = None
 
-    def on_epoch_start(self, trainer):
-        if not _bar_shown(trainer):
+    def on_epoch_start(self, view):
+        if not _bar_shown(view):
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), console=trainer.run.console, transient=True)
-        left = len(trainer.sampler) * trainer.ctx.world_size
-        self.progress.add_task(f"epoch {trainer.state.epoch + 1}", total=left)
+                                 TimeRemainingColumn(), console=view.run.console, transient=True)
+        self.progress.add_task(f"epoch {view.epoch + 1}", total=view.epoch_samples)
         self.progress.start()
 
-    def on_step_end(self, trainer):
+    def on_step_end(self, view):
         if self.progress is not None:
-            self.progress.update(self.progress.task_ids[0], advance=trainer.last_step_samples * trainer.ctx.world_size)
+            self.progress.update(self.progress.task_ids[0], advance=view.step_samples)
 
-    def on_log(self, trainer, values):
+    def on_log(self, view, values):
         if self.progress is not None:
-            self.progress.update(self.progress.task_ids[0], description=f"epoch {trainer.state.epoch + 1} "
+            self.progress.update(self.progress.task_ids[0], description=f"epoch {view.epoch + 1} "
                                  f"loss {values['loss']:.4f} lr {values['lr']:.2e}")
 
-    def on_epoch_end(self, trainer, row):
+    def on_epoch_end(self, view, row):
         self._stop()
 
-    def on_train_end(self, trainer, summary):
+    def on_train_end(self, view, summary):
         self._stop()
 
     def _stop(self):

@@ -78,15 +78,14 @@ class ClassReports(Callback):
     def __init__(self) -> None:
         self.evaluators: dict = {}
 
-    def on_eval_end(self, trainer, split, metrics) -> None:
-        evaluator = getattr(trainer, "evaluator", None)
-        if getattr(evaluator, "global_confusion", None) is not None:
-            self.evaluators[split] = evaluator
+    def on_eval_end(self, view, split, metrics) -> None:
+        if getattr(view.evaluator, "global_confusion", None) is not None:
+            self.evaluators[split] = view.evaluator
 
-    def on_train_end(self, trainer, summary) -> None:
+    def on_train_end(self, view, summary) -> None:
         if not self.evaluators:
             return
-        run = trainer.run
-        summary["classes"] = class_reports(self.evaluators, run.path, trainer.data.meta.get("label_names"),
-                                           trainer.ctx.is_main, trainer.cfg.logging.plots)
+        run = view.run
+        summary["classes"] = class_reports(self.evaluators, run.path, view.data.meta.get("label_names"),
+                                           view.is_main, view.config.logging.plots)
         run.write_json(run.METRICS_JSON, summary)

@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from ddplab.engine.run_folder import RunFolder
+
 LAUNCHED_AT = "DDPLAB_LAUNCHED_AT"
 
 
@@ -85,8 +87,6 @@ class Phases:
 
     def add_teardown(self, run_dir: Path) -> None:
         """After the process group is gone: the teardown phase, appended to train.log and metrics.json."""
-        from ddplab.metrics.run_folder import RunFolder
-
         self.mark("teardown")
         log = Path(run_dir) / RunFolder.LOG
         metrics = Path(run_dir) / RunFolder.METRICS_JSON

@@ -6,6 +6,8 @@ import hashlib
 
 import torch
 
+from ddplab.engine.comm import comm_summary
+
 
 def parameter_digest(model: torch.nn.Module) -> str:
     """SHA-256 of every parameter's bytes: equal on all ranks iff DDP kept replicas identical."""
@@ -16,38 +18,38 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def summary(trainer, status: str, workload: dict | None = None, test: dict | None = None) -> dict:
-    from ddplab.engine.comm import comm_summary
-    from ddplab.engine.state import batch_arithmetic
-
-    cfg, ctx, data, s = trainer.cfg, trainer.ctx, trainer.data, trainer.state
-    full = [r for r in s.history if not r.get("partial")]
+def summary(view, status: str, workload: dict | None = None, test: dict | None = None) -> dict:
+    """`view`: the trainer's TrainView."""
+    cfg, dist, data, history = view.config, view.dist, view.data, view.history
+    full = [r for r in history if not r.get("partial")]
     times = [r["epoch_time_s"] for r in full if r.get("epoch_time_s")]
     rates = [r["samples_per_s"] for r in full if r.get("samples_per_s")]
-    last = s.history[-1] if s.history else {}
+    last = history[-1] if history else {}
+    best_val_loss, best_epoch = view.best
     aggregates = {
-        "epochs_completed": s.epoch, "steps": s.step, "train_time_s": s.elapsed, "resumes": s.resumes,
-        "time_budget_s": trainer.budget,
+        "epochs_completed": view.epoch, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
+        "time_budget_s": view.time_budget_s,
         "mean_epoch_time_s": sum(times) / len(times) if times else None,
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
-        "best_val_loss": s.best_val_loss if s.best_epoch else None, "best_epoch": s.best_epoch,
+        "best_val_loss": best_val_loss if best_epoch else None, "best_epoch": best_epoch,
         "final_train_loss": last.get("train_loss"), "final_val_loss": last.get("val_loss"),
         "final_val_accuracy": last.get("val_accuracy"),
     }
-    params = sum(p.numel() for p in trainer.raw.parameters())
-    flops = trainer.raw.flops_per_token() if hasattr(trainer.raw, "flops_per_token") else None
+    model = view.model
+    params = sum(p.numel() for p in model.parameters())
+    flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
     task = data.task.describe()
     return {
-        "status": status, "stop_reason": s.stop_reason, "config": cfg.to_dict(),
+        "status": status, "stop_reason": view.stop_reason, "config": cfg.to_dict(),
         "workload": workload or {},
         "dataset": {"name": cfg.data.name, "task": task["kind"], "train": len(data.train),
                     "val": len(data.val) if data.val is not None else 0,
                     "test": len(data.test) if data.test is not None else 0,
                     "num_classes": data.num_classes, "vocab_size": data.vocab_size},
         "model": {"name": cfg.model.name, "parameters": params, "flops_per_token": flops},
-        "ddp": {**batch_arithmetic(cfg, ctx.world_size), "backend": ctx.backend, "launcher": ctx.launch.launcher,
-                "steps_per_epoch": trainer.steps_per_epoch, "lr": trainer.lr, "lr_scaling": cfg.training.lr_scaling,
+        "ddp": {**view.batch, "backend": dist.backend, "launcher": dist.launch.launcher,
+                "lr": view.lr, "lr_scaling": cfg.training.lr_scaling,
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook},
-        "comm": comm_summary(trainer.raw, trainer.comm, cfg.distributed),
-        "epochs": s.history, "steps": s.steps, "aggregates": aggregates, "test": test or {},
+        "comm": comm_summary(model, view.comm, cfg.distributed),
+        "epochs": list(history), "steps": list(view.log_rows), "aggregates": aggregates, "test": test or {},
     }

@@ -1,0 +1,122 @@
+"""Fault injection for the fault-tolerance tests: a callback, and a script that trains with it.
+
+    python tests/faults.py SPEC train [CONFIG.yaml] [key=value ...]
+    torchrun --nproc-per-node=2 --max-restarts=1 tests/faults.py SPEC train ...
+
+The script does what `ddplab train` does in one process of the job (through `ddplab.train`),
+with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. SPEC is
+comma-separated `key=value` items; `step=S` says when (after optimizer step S of the run):
+
+  kill_rank=R,step=S      rank R sends itself SIGKILL (a worker that dies without a word)
+  raise_rank=R,step=S     rank R raises RuntimeError (an ordinary crash)
+  hang_rank=R,step=S      rank R stops taking part (sleeps until SIGTERM/SIGKILL ends it)
+  signal_rank=R,step=S    rank R sends itself SIGUSR1 (or sig=TERM: SIGTERM), as SLURM does
+                          before pre-emption
+  nan_rank=R,step=S       rank R's model output (so its loss) of step S becomes NaN
+  crash_before_marker=S   rank 0 dies after writing snapshot S's data, before its COMPLETE marker
+  trace=DIR               each rank appends "epoch index" for every sample it trains on to
+                          DIR/rank<R>.txt (exact with data.num_workers=0, the default on CPU)
+
+Faults fire only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a
+job restarted by `--max-restarts` runs clean; `trace` records in every attempt. The last two
+wrap ddplab's own functions inside this process: the product has no hook for them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import ddplab
+
+SCRIPT = Path(__file__).resolve()
+
+
+def command(spec: str, args: list[str], nproc: int | None = None, max_restarts: int = 0) -> list[str]:
+    """The command line of a faulty run: one process, or `nproc` under torchrun."""
+    if nproc is None:
+        return [sys.executable, str(SCRIPT), spec, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", str(SCRIPT), spec, *args]
+
+
+class Faults(ddplab.Callback):
+    def __init__(self, spec: str, rank: int, first_attempt: bool) -> None:
+        self.items = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+        self.rank = rank
+        self.armed = first_attempt
+
+    def _fires(self, kind: str, step: int) -> bool:
+        return (self.armed and f"{kind}_rank" in self.items and int(self.items[f"{kind}_rank"]) == self.rank
+                and int(self.items.get("step", -1)) == step)
+
+    def on_train_start(self, view) -> None:
+        if "nan_rank" in self.items:
+            def nan_output(module, inputs, output):  # during the step being taken (view.step + 1)
+                if module.training and self._fires("nan", view.step + 1):
+                    return output * float("nan")
+            view.model.register_forward_hook(nan_output)
+
+    def on_step_end(self, view) -> None:
+        step = view.step
+        if self._fires("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fires("raise", step):
+            raise RuntimeError(f"injected fault on rank {self.rank} after step {step}")
+        if self._fires("signal", step):
+            os.kill(os.getpid(), signal.Signals["SIG" + self.items.get("sig", "USR1")])
+        if self._fires("hang", step):
+            # A stuck rank: it ignores the job, but the launcher's SIGTERM still ends it.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            while True:
+                time.sleep(60)
+
+    def patch(self) -> None:
+        """The faults that happen inside ddplab's own functions, wrapped in this process only."""
+        if self.armed and "crash_before_marker" in self.items:
+            from ddplab.engine import checkpoint
+
+            write_marker, at = checkpoint.write_marker, int(self.items["crash_before_marker"])
+
+            def crash_before_marker(folder, info):
+                if info["step"] == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                write_marker(folder, info)
+            checkpoint.write_marker = crash_before_marker
+        if "trace" in self.items:
+            from ddplab.data.sampler import ResumableDistributedSampler
+
+            path = Path(self.items["trace"]) / f"rank{self.rank}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            indices = ResumableDistributedSampler.__iter__
+
+            def traced(sampler):
+                with open(path, "a", buffering=1) as f:
+                    for index in indices(sampler):
+                        f.write(f"{sampler.epoch} {index}\n")
+                        yield index
+            ResumableDistributedSampler.__iter__ = traced
+
+
+def main(argv: list[str]) -> int:
+    from ddplab.engine.preemption import EXIT_PREEMPTED
+
+    spec, args = argv[0], argv[1:]
+    if args[:1] == ["train"]:
+        args = args[1:]
+    config = args.pop(0) if args and "=" not in args[0] else None
+    faults = Faults(spec, int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+    faults.patch()
+    try:
+        summary = ddplab.train(config, args, callbacks=[faults])
+    except ddplab.UserError as err:  # as `ddplab train` says it
+        print(f"ddplab: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return EXIT_PREEMPTED if summary["status"] == "preempted" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
