@@ -31,21 +31,21 @@ class HandEpochs(ddplab.Callback):
     def __init__(self, args) -> None:
         self.args, self.loop, self.times = args, None, []
 
-    def on_train_start(self, trainer) -> None:
+    def on_train_start(self, view) -> None:
         self.loop = HandLoop(self.args)  # the process group exists now: its DDP wrapper can sync
 
-    def first(self, trainer) -> bool:
-        return self.args.alternate and trainer.state.epoch % 2 == 1
+    def first(self, view) -> bool:
+        return self.args.alternate and view.epoch % 2 == 1
 
-    def on_epoch_start(self, trainer) -> None:
-        if self.first(trainer):
+    def on_epoch_start(self, view) -> None:
+        if self.first(view):
             self.times.append(self.loop.epoch(len(self.times)))
 
-    def on_epoch_end(self, trainer, row) -> None:
-        if not row.get("partial") and not self.first(trainer):
+    def on_epoch_end(self, view, row) -> None:
+        if not row.get("partial") and not self.first(view):
             self.times.append(self.loop.epoch(len(self.times)))
 
-    def on_train_end(self, trainer, summary) -> None:
+    def on_train_end(self, view, summary) -> None:
         self.loop.close()
 
 
