@@ -5,7 +5,7 @@ import pytest
 import torch
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
-from ddplab.metrics.evaluation import ClassificationEvaluator, scores_from_confusion
+from ddplab.evaluators import ClassificationEvaluator, scores_from_confusion
 
 
 class OneProcess:
@@ -50,7 +50,7 @@ def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, t
     from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
     from ddplab.metrics.class_report import class_reports
-    from ddplab.metrics.evaluation import per_class_scores
+    from ddplab.evaluators import per_class_scores
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 6, 150)

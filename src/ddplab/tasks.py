@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ddplab.errors import UserError
+from ddplab.evaluators import ClassificationEvaluator, LMEvaluator, MetricsEvaluator, RegressionEvaluator
 
 
 def call_model(model: torch.nn.Module, inputs):
@@ -87,8 +88,6 @@ class Task:
         checked apart, for every task: engine/setup.check_output)."""
 
     def evaluator(self, device: torch.device):
-        from ddplab.metrics.evaluation import MetricsEvaluator
-
         return MetricsEvaluator(self, device)
 
     def describe(self) -> dict:
@@ -124,8 +123,6 @@ class Classification(Task):
                             f"needs {expected} (one logit per class)")
 
     def evaluator(self, device):
-        from ddplab.metrics.evaluation import ClassificationEvaluator
-
         return ClassificationEvaluator(self.num_classes, device, self.logits)
 
     def predict(self, output, top_k: int = 1):
@@ -171,8 +168,6 @@ class LanguageModeling(Task):
                             f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}")
 
     def evaluator(self, device):
-        from ddplab.metrics.evaluation import LMEvaluator
-
         return LMEvaluator(device, self.logits)
 
     def predict(self, output, top_k: int = 1):
@@ -211,8 +206,6 @@ class Regression(Task):
                             f"for Regression(outputs={self.outputs})")
 
     def evaluator(self, device):
-        from ddplab.metrics.evaluation import RegressionEvaluator
-
         return RegressionEvaluator(self, device)
 
     def predict(self, output, top_k: int = 1):

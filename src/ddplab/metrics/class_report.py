@@ -11,7 +11,7 @@ import csv
 from pathlib import Path
 
 from ddplab.engine.callbacks import Callback
-from ddplab.metrics.evaluation import per_class_scores
+from ddplab.evaluators import per_class_scores
 
 
 def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool, plots: bool = True) -> dict:
