@@ -3,7 +3,9 @@
 Locally a point runs through torch's launcher: one agent for one node, or one agent per
 node on loopback with c10d rendezvous (the code path of a real multi-node job). Inside a
 SLURM allocation it runs through `srun`, one agent per node. A point whose run folder is
-complete is skipped, so running the same study again resumes it.
+complete is skipped, so running the same study again resumes it. Jobs start through
+`ddplab.launch.run`: a signal stops the point's workers with a snapshot, and the study exits
+75 (the same command continues it).
 """
 
 from __future__ import annotations
