@@ -37,4 +37,4 @@ if __name__ == "__main__":
     summary = ddplab.train(overrides=overrides, model=model, data=data, callbacks=[LrTrace()])
     if os.environ.get("RANK", "0") == "0":
         print(f"status {summary['status']}, val r2 {summary['epochs'][-1]['val_r2']:.3f}")
-    sys.exit(75 if summary["status"] == "preempted" else 0)
+    sys.exit(ddplab.ExitCode.PREEMPTED if summary["status"] == "preempted" else ddplab.ExitCode.OK)

@@ -1,6 +1,7 @@
-"""Signals to real 2-process jobs: SIGTERM to `ddplab train --nproc-per-node 2` snapshots and
-exits 75, and the same command then ends as if never stopped; SIGKILL of the launcher or of
-the torchrun agent leaves no worker behind; plain torchrun's requeue check (`ddplab status`)."""
+"""Signals to real 2-process jobs: SIGTERM to `ddplab train --nproc-per-node 2`, `ddplab study`
+or `ddplab verify` reaches the workers, which snapshot; the command exits 75 and the same
+command then continues (a run ends as if never stopped); SIGKILL of the launcher or of the
+torchrun agent leaves no worker behind; plain torchrun's requeue check (`ddplab status`)."""
 
 import json
 import os
@@ -20,10 +21,14 @@ from ddplab.engine.checkpoint import Checkpointer
 TAG = "DDPLAB_TEST_TAG"  # marks every process of one job, found again through /proc/PID/environ
 
 
-def _args(corpus: Path, name: str, *extra: str) -> list[str]:
+def _job(corpus: Path) -> list[str]:
     # 2 ranks x batch 8, 320 samples: 20 steps, so a signal after step 2 meets a running job.
-    return ["train", f"data.path={corpus}", *TINY_GPT, "data.limit=320", "training.epochs=1", "logging.log_every=1",
-            "generate.max_new_tokens=0", "distributed.timeout=60", f"experiment.name={name}", *extra]
+    return [f"data.path={corpus}", *TINY_GPT, "data.limit=320", "training.epochs=1", "logging.log_every=1",
+            "generate.max_new_tokens=0", "distributed.timeout=60"]
+
+
+def _args(corpus: Path, name: str, *extra: str) -> list[str]:
+    return ["train", *_job(corpus), f"experiment.name={name}", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +61,10 @@ def start(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen, str, Path]:
     return proc, tag, out
 
 
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int = 2, timeout: float = 240) -> None:
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int = 2, timeout: float = 240, pattern: str = "") -> None:
+    """Until `out` (with `pattern`: a file under `out` matching it) shows the step."""
     deadline = time.time() + timeout
-    while f"step {step}:" not in out.read_text():
+    while not any(f"step {step}:" in f.read_text() for f in (out.glob(pattern) if pattern else [out])):
         assert proc.poll() is None, f"exit {proc.returncode}: {proc.stderr.read()[-2000:]}"
         assert time.time() < deadline, "the job never reached its first steps"
         time.sleep(0.1)
@@ -147,3 +153,52 @@ def test_plain_torchrun_requeue_recipe_reads_the_run_status(tmp_path, corpus):
     recipe = subprocess.run(["bash", "-c", f"{sys.executable} -m ddplab status experiments/t; "
                              "[ $? -eq 75 ] && echo requeue"], cwd=tmp_path, env=_env(), capture_output=True, text=True)
     assert recipe.stdout.split() == ["preempted", "requeue"]
+
+
+def _stop_at_step_2(cmd: list[str], cwd: Path, where: Path, pattern: str) -> tuple[subprocess.Popen, str]:
+    """Start `cmd`, SIGTERM it once its workers logged step 2; its stderr. No process outlives it."""
+    proc, tag, _ = start(cmd, cwd)
+    try:
+        wait_for_step(proc, where, pattern=pattern)
+        assert len(tagged(tag)) >= 4  # the command, an agent, 2 workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert wait_until_gone(tag, 10) < 10
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+    return proc, err
+
+
+# 20 steps take 0.3 s: slowed to 2 s, so that a signal after step 2 meets the running job.
+SLOW = "distributed.simulated_latency_ms=100"
+
+
+def test_sigterm_to_a_study_reaches_its_workers_exits_75_and_the_same_command_continues(tmp_path, corpus):
+    cmd = [sys.executable, "-m", "ddplab", "study", *_job(corpus), SLOW, "--nproc", "2", "--name", "s"]
+    point = tmp_path / "experiments" / "s" / "n2"
+    proc, err = _stop_at_step_2(cmd, tmp_path, point, "launcher.log")
+    assert proc.returncode == 75, err[-3000:]
+    assert "study pre-empted during point n2" in err and "Traceback" not in err
+    summary = _summary(point)
+    assert summary["status"] == "preempted" and 2 <= summary["aggregates"]["steps"] < 20  # the workers snapshotted
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(again)
+    done = _summary(point)
+    assert done["status"] == "complete" and done["aggregates"]["resumes"] == 1 and done["aggregates"]["steps"] == 20
+
+
+def test_sigterm_to_verify_reaches_its_workers_exits_75_and_the_same_command_continues(tmp_path, corpus):
+    cmd = [sys.executable, "-m", "ddplab", "verify", "--nproc", "2", *_job(corpus), SLOW]
+    proc, err = _stop_at_step_2(cmd, tmp_path, tmp_path / "experiments", "verify-*/verify.log")
+    assert proc.returncode == 75, err[-3000:]
+    assert "verify pre-empted" in err and "Traceback" not in err
+    [work] = (tmp_path / "experiments").glob("verify-*")  # kept, for the same command to continue
+    assert _summary(work / "ddp")["status"] == "preempted"
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(again)
+    assert f"continuing the pre-empted runs in {work.relative_to(tmp_path)}" in again.stdout
+    assert again.stdout.strip().splitlines()[-1] == "PASS" and "steps compared: 20" in again.stdout, again.stdout
+    assert not work.exists()  # compared, then removed

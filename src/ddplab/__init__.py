@@ -20,6 +20,7 @@ _PUBLIC = {
     "TrainView": "ddplab.engine.callbacks",
     "train": "ddplab.api",
     "UserError": "ddplab.errors",
+    "ExitCode": "ddplab.errors",
 }
 
 __all__ = list(_PUBLIC)

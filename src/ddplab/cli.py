@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddplab.errors import UserError
+from ddplab.errors import ExitCode, Preempted, UserError
 from ddplab.extras import require
 
 
@@ -147,7 +147,6 @@ def cmd_train(ns) -> int:
         die_with_parent()  # a worker never outlives its torchrun agent
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from ddplab.engine.preemption import EXIT_PREEMPTED
     from ddplab.run import train
 
     # record(): under torchrun, the failing rank's exception is written where the launcher
@@ -155,10 +154,10 @@ def cmd_train(ns) -> int:
     summary = record(train)(cfg)
     if summary["status"] == "preempted":
         report_preempted()
-        return EXIT_PREEMPTED
+        return ExitCode.PREEMPTED
     if under_agent():
-        quick_exit(0)  # the run is recorded and its files closed
-    return 0
+        quick_exit(ExitCode.OK)  # the run is recorded and its files closed
+    return ExitCode.OK
 
 
 def preflight(cfg) -> None:
@@ -251,7 +250,7 @@ def cmd_study(ns) -> int:
         run_study(study_dir, config, points)
         report = make_report([study_dir], study_dir, budget)
     print(f"report: {report}")
-    return 0
+    return ExitCode.OK
 
 
 def cmd_report(ns) -> int:
@@ -277,7 +276,7 @@ def cmd_status(ns) -> int:
     except (OSError, ValueError, AttributeError):
         raise UserError(f"{path} is not a ddplab metrics.json") from None
     print(status)
-    return {"complete": 0, "preempted": 75}.get(status, 1)
+    return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
 
 
 def cmd_forecast(ns) -> int:
@@ -314,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
             print(f"ddplab: error: {err}", file=sys.stderr)
         return err.exit_code
+    except Preempted as stop:  # a job this command launched saved its snapshot
+        print(f"ddplab: {stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("ddplab: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED

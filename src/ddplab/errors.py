@@ -1,11 +1,34 @@
-"""The one exception type that means "the user asked for something we cannot do".
+"""What every ddplab command may exit with, and the one exception that means bad input.
 
-The command line turns it into a single line on stderr and exit code 2; anything else
-is a bug and keeps its traceback.
+The command line turns `UserError` into a single line on stderr and exit code 2; anything
+else is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILED = 1
+    USAGE = 2  # bad input: one line on stderr, before any process group starts
+    # sysexits.h EX_TEMPFAIL, "the user is invited to retry": a snapshot was saved and the
+    # same command continues, so a requeue script may simply run it again.
+    PREEMPTED = 75
+    INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class UserError(Exception):
     """Bad input: an unknown key, a wrong type, a missing file, an unknown name."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
+
+
+class Preempted(Exception):
+    """A job stopped by a signal, its snapshot saved: exit 75, and the same command continues it."""
+
+    exit_code = ExitCode.PREEMPTED
+
+    def __init__(self, message: str = "pre-empted; a snapshot was saved and the same command continues") -> None:
+        super().__init__(message)

@@ -1,13 +1,13 @@
-"""Start N local worker processes through torch's own launcher (torch.distributed.run).
+"""Every process ddplab starts, it starts here: `ddplab train --nproc-per-node`, each point of
+`ddplab study` (one torchrun agent per node on loopback, or `srun` under SLURM) and both runs
+of `ddplab verify` go through `run`, which stays in charge of the job:
 
-`ddplab train --nproc-per-node N` runs the torchrun agent as a child and stays in charge:
-
-- SIGTERM, SIGINT and SIGUSR1 are forwarded to the agent as SIGTERM (the agent passes it
-  to the workers, which snapshot and exit 75); the launcher waits and exits 75 too. A
-  second signal kills the agent at once.
-- Nothing outlives the launcher: the agent and each worker ask the kernel for SIGKILL
-  when their parent dies (PR_SET_PDEATHSIG), so a SIGKILL of the launcher or of the agent
-  leaves no worker behind.
+- SIGTERM, SIGINT and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to
+  its workers, which snapshot and exit 75); the launcher waits and exits 75 too. A second
+  signal kills the agents at once.
+- Nothing outlives the launcher: each agent (and `srun`) runs in its own session and asks the
+  kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
+  SIGKILL of the launcher or of an agent leaves no worker behind.
 - Workers report how they ended through files in a folder the launcher names
   (DDPLAB_REPORT_DIR): a user error is printed once, as one line, with exit 2, instead of
   torchrun's failure summary.
@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -25,17 +26,20 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
+
+from ddplab.errors import ExitCode, Preempted, UserError
 
 REPORT_ENV = "DDPLAB_REPORT_DIR"
-EXIT_PREEMPTED = 75  # the same as engine.preemption's; kept here so the launcher imports no torch
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
 def torchrun_command(nproc: int, args: list[str], *, max_restarts: int = 0, nnodes: int = 1,
-                     node_rank: int | None = None, rdzv_endpoint: str | None = None, run_id: str | None = None,
-                     agent_module: str = "torch.distributed.run") -> list[str]:
-    cmd = [sys.executable, "-m", agent_module, f"--nproc-per-node={nproc}"]
+                     node_rank: int | None = None, rdzv_endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+    """The agent's command: torch's launcher, as `torchrun` takes it, running `ddplab ARGS`."""
+    cmd = [*AGENT, f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
@@ -111,33 +115,90 @@ def report_preempted() -> None:
 
 
 # ------------------------------------------------------------------ launcher side
-class _Forwarder:
-    """Signal handlers of the launcher: the first signal asks the agent to stop cleanly, a second kills it."""
+class Ended(NamedTuple):
+    code: int  # ExitCode.PREEMPTED when a worker saved a snapshot, USAGE when one reported bad input
+    error: str | None  # that user error, one line
+    stopped: bool  # a signal asked the job to stop
 
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
+
+class _Job:
+    """Agents started together (one per node; on loopback, several) and stopped together.
+
+    Its signal handlers: the first SIGTERM, SIGINT or SIGUSR1 asks every agent to stop cleanly
+    (SIGTERM: the agent passes it to its workers and waits for them; SIGUSR1 would kill it), a
+    second kills them."""
+
+    def __init__(self, report: Path, log) -> None:
+        self.report, self.log = report, log
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
         self.received: list[int] = []
+        self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
         self._previous: dict = {}
 
-    def install(self) -> "_Forwarder":
+    def install(self) -> "_Job":
         if threading.current_thread() is threading.main_thread():
             for sig in FORWARDED:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def _handle(self, signum, frame) -> None:
-        self.received.append(signum)
-        if self.proc.poll() is not None:
-            return
-        # The agent forwards SIGTERM to the workers and waits for them (SIGUSR1 would kill it).
-        if len(self.received) == 1:
-            self.proc.send_signal(signal.SIGTERM)
-        else:
-            self.proc.kill()
-
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def start(self, cmd: list[str], env: dict) -> None:
+        if self.received:
+            return  # stopped while the others were starting
+        if cmd[:3] != AGENT:
+            cmd = [*AGENT, "--exec", *cmd]  # srun: it too must die with this process
+        # Its own session: a terminal's Ctrl-C reaches the launcher only, which stops the job cleanly.
+        proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=self.log or subprocess.PIPE,
+                                start_new_session=True)
+        self.procs.append(proc)
+        if self.log is None:
+            pump = threading.Thread(target=_pump, args=(proc.stderr, self.report), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        for proc in self.procs:
+            if len(self.received) == 1:
+                self._ask(proc)
+            elif proc.poll() is None:
+                proc.kill()
+
+    def _ask(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None and proc.pid not in self._asked:
+            self._asked.add(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+
+    def wait(self) -> int:
+        """Until every agent has ended; the first to fail ends the others. Its exit code, else 0."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                self.stop()
+                return failed[0]
+            if None not in codes:
+                return 0
+            try:  # one agent: wait for it, no polling delay
+                self.procs[codes.index(None)].wait(timeout=None if len(self.procs) == 1 else 0.2)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def stop(self, grace: float = 30) -> None:
+        for proc in self.procs:
+            self._ask(proc)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pump in self.pumps:
+            pump.join(timeout=10)
 
 
 def _pump(stream, report: Path) -> None:
@@ -150,49 +211,69 @@ def _pump(stream, report: Path) -> None:
     stream.close()
 
 
-def outcome(report: Path, agent_code: int) -> tuple[int, str | None]:
+def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, str | None]:
     """(exit code, one line to print) from what the workers reported."""
     errors = sorted(report.glob("error-rank*"))
     if errors:
-        return 2, errors[0].read_text().strip()
+        return ExitCode.USAGE, errors[0].read_text().strip()
     if any(report.glob("preempted-rank*")):
-        return EXIT_PREEMPTED, None
+        return ExitCode.PREEMPTED, None
+    if stopped and agent_code:
+        return ExitCode.INTERRUPTED, None  # stopped before the workers could save anything
     return (128 - agent_code if agent_code < 0 else agent_code), None  # killed by signal N: 128 + N, as a shell says
 
 
-def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, **kwargs) -> int:
-    """Run `ddplab <args>` in `nproc` processes; returns the job's exit code (75 when pre-empted)."""
-    from ddplab.engine.lock import LOCKED_ENV
+def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path | None = None,
+        env: dict | None = None) -> Ended:
+    """Run agents (torchrun_command, or srun around one) until all end, forwarding signals to them.
 
-    env = dict(os.environ)
+    With `log`, the agents' output is appended there; else stdout is this process's and stderr
+    is copied through. `report_in`: where the workers report (a folder every node sees)."""
+    env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="ddplab-launch-") as folder:
+    with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, \
+            contextlib.ExitStack() as stack:
         report = Path(folder)
         env[REPORT_ENV] = folder
-        if locked_run:
-            env[LOCKED_ENV] = str(locked_run)
-        cmd = torchrun_command(nproc, args, agent_module="ddplab.launch", **kwargs)
-        # Its own session: a terminal's Ctrl-C reaches the launcher only, which stops the job cleanly.
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
-        forwarder = _Forwarder(proc).install()
-        pump = threading.Thread(target=_pump, args=(proc.stderr, report), daemon=True)
-        pump.start()
+        out = stack.enter_context(open(log, "a")) if log else None
+        if out:
+            more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
+            out.write(f"\n$ {' '.join(commands[0])}{more}\n")
+            out.flush()
+        job = _Job(report, out).install()
         try:
-            code = proc.wait()
+            for cmd in commands:
+                job.start(cmd, env)
+            code = job.wait()
         finally:
-            forwarder.restore()
-        pump.join(timeout=10)
-        code, line = outcome(report, code)
-    if line:
-        print(f"ddplab: error: {line}", file=sys.stderr)
-    elif code == EXIT_PREEMPTED:
-        print("ddplab: pre-empted; a snapshot was saved and the same command continues", file=sys.stderr)
-    return code
+            job.restore()
+            job.stop()  # nothing is left running, whatever happened here
+        code, line = outcome(report, code, bool(job.received))
+        if out and line:
+            out.write(f"ddplab: error: {line}\n")
+    return Ended(code, line, bool(job.received))
 
 
-if __name__ == "__main__":  # the agent: torchrun that dies with the launcher
+def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, **kwargs) -> int:
+    """Run `ddplab <args>` in `nproc` processes; the job's exit code. Raises Preempted when the
+    workers saved a snapshot, UserError when one reported bad input."""
+    from ddplab.engine.lock import LOCKED_ENV
+
+    ended = run([torchrun_command(nproc, args, **kwargs)], env={LOCKED_ENV: str(locked_run)} if locked_run else None)
+    if ended.error:
+        raise UserError(ended.error)
+    if ended.code == ExitCode.PREEMPTED:
+        raise Preempted()
+    if ended.code == ExitCode.INTERRUPTED:
+        print("ddplab: interrupted", file=sys.stderr)
+    return ended.code
+
+
+if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; --exec CMD: CMD likewise
     import runpy
 
     die_with_parent()
+    if sys.argv[1:2] == ["--exec"]:
+        os.execvp(sys.argv[2], sys.argv[2:])  # the parent-death signal survives exec
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
     quick_exit(0)  # every worker succeeded (a failure raises above, and exits the usual way)

@@ -4,31 +4,42 @@ Both runs see the same samples in the same order (the sampler's global order is 
 rank-strided, so N ranks' batches at step k are exactly the single process's batch k),
 start from the same weights, and have dropout off. DDP should then change nothing but
 speed: the loss at every step and the final weights agree up to float rounding.
+
+The two runs live in `<output_dir>/verify-<digest of the config>` until they are compared:
+a pre-empted verify (exit 75) keeps them, and the same command continues where it stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
-import subprocess
+import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ddplab.registry import load_config
 from ddplab.engine.checkpoint import Checkpointer
-from ddplab.errors import UserError
-from ddplab.launch import torchrun_command
+from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import ExitCode, Preempted, UserError
+from ddplab.launch import run, torchrun_command
+
+LOG_FILE = "verify.log"
 
 
-def _run(cmd: list[str], label: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
+    ended = run([torchrun_command(nproc, args)], log=work / LOG_FILE, report_in=work)
+    if ended.stopped or ended.code == ExitCode.PREEMPTED:
+        raise Preempted("verify pre-empted; the same command continues it")
+    if ended.error:
+        raise UserError(ended.error)
+    if ended.code != 0:
+        tail = "\n".join((work / LOG_FILE).read_text(errors="replace").strip().splitlines()[-15:])
         print(tail, file=sys.stderr)
-        raise UserError(f"verify: the {label} run failed (exit {proc.returncode}); its last lines are above")
+        raise UserError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -44,27 +55,42 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def verify(config: str | None, overrides: list[str], nproc: int, tolerance: float, weight_tolerance: float) -> int:
     cfg = load_config(config, overrides)  # validates before anything starts
     steps = cfg.training.max_steps or 20
-    with tempfile.TemporaryDirectory(prefix="ddplab-verify-") as tmp:
-        forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "logging.log_every=1",
-                  "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
-                  "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
-                  "data.augment=false", f"experiment.output_dir={tmp}", "checkpoint.resume=never"]
-        base = ([config] if config else []) + list(overrides) + forced
-        batch = cfg.training.batch_size
-        print(f"verify: {nproc} processes x batch {batch}  vs  1 process x batch {nproc * batch}, {steps} steps")
-        _run(torchrun_command(nproc, ["train", *base, "experiment.name=ddp"]), f"{nproc}-process")
-        _run([sys.executable, "-m", "ddplab", "train", *base, "experiment.name=single",
-              f"training.batch_size={nproc * batch}"], "1-process")
-        a, b = _losses(Path(tmp) / "ddp"), _losses(Path(tmp) / "single")
+    digest = hashlib.sha1(json.dumps([cfg.to_dict(), nproc], sort_keys=True, default=str).encode()).hexdigest()
+    work = Path(cfg.experiment.output_dir) / f"verify-{digest[:10]}"
+    forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "logging.log_every=1",
+              "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
+              "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
+              "data.augment=false", f"experiment.output_dir={work}", "checkpoint.resume=auto"]
+    base = ([config] if config else []) + list(overrides) + forced
+    batch = cfg.training.batch_size
+    print(f"verify: {nproc} processes x batch {batch}  vs  1 process x batch {nproc * batch}, {steps} steps")
+    if work.exists():
+        print(f"verify: continuing the pre-empted runs in {work}")
+    work.mkdir(parents=True, exist_ok=True)
+    keep = False
+    try:
+        for name, procs, extra, label in (("ddp", nproc, [], f"{nproc}-process"),
+                                          ("single", 1, [f"training.batch_size={nproc * batch}"], "1-process")):
+            if not finished(work / name):  # done before a pre-emption: kept
+                _run(procs, ["train", *base, f"experiment.name={name}", *extra], work, label)
+        a, b = _losses(work / "ddp"), _losses(work / "single")
         common = sorted(set(a) & set(b))
         if not common:
             raise UserError("verify: the two runs recorded no common steps")
         loss_diff = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in common)
-        wa, wb = _weights(Path(tmp) / "ddp"), _weights(Path(tmp) / "single")
+        wa, wb = _weights(work / "ddp"), _weights(work / "single")
         weight_diff = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+    except Preempted:
+        keep = True
+        raise
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                work.parent.rmdir()  # the output folder, when verify made it
     print(f"steps compared: {len(common)}; first loss {b[common[0]]:.6f}, last loss {b[common[-1]]:.6f}")
     print(f"largest relative loss difference: {loss_diff:.3e} (tolerance {tolerance:g})")
     print(f"largest weight difference: {weight_diff:.3e} (tolerance {weight_tolerance:g})")
     ok = loss_diff <= tolerance and weight_diff <= weight_tolerance
     print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return ExitCode.OK if ok else ExitCode.FAILED

@@ -2,7 +2,7 @@
 
 The handler only raises a flag; the trainer reduces it across ranks after every step, so
 all ranks stop after the same step, write one snapshot together and exit with
-EXIT_PREEMPTED. A second signal gets the previous behaviour (usually: die now).
+ExitCode.PREEMPTED. A second signal gets the previous behaviour (usually: die now).
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import signal
 import threading
 
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# sysexits.h EX_TEMPFAIL: "temporary failure; the user is invited to retry".
-EXIT_PREEMPTED = 75
 
 
 class StopSignals:

@@ -3,7 +3,9 @@
 Locally a point runs through torch's launcher: one agent for one node, or one agent per
 node on loopback with c10d rendezvous (the code path of a real multi-node job). Inside a
 SLURM allocation it runs through `srun`, one agent per node. A point whose run folder is
-complete is skipped, so running the same study again resumes it.
+complete is skipped, so running the same study again resumes it. Jobs start through
+`ddplab.launch.run`: a signal stops the point's workers with a snapshot, and the study exits
+75 (the same command continues it).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,8 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ddplab.distributed import expand_nodelist
-from ddplab.errors import UserError
-from ddplab.launch import torchrun_command
+from ddplab.errors import ExitCode, Preempted, UserError
+from ddplab.launch import run, torchrun_command
 from ddplab.engine.lock import finished
 from ddplab.study.grid import Point, Setup
 
@@ -32,7 +33,7 @@ LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 class PointFailed(UserError):
     """A point's job ended badly: the study stops; finished points are kept."""
 
-    exit_code = 1
+    exit_code = ExitCode.FAILED
 
 
 def free_port() -> int:
@@ -73,43 +74,6 @@ def check_allocation(points: list[Point], env=None) -> None:
     if need > have:
         raise UserError(f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
                         f"use sbatch --nodes={need} or fewer nodes per point")
-
-
-def _run_agents(commands: list[list[str]], log_path: Path) -> int:
-    """Start every agent, wait for all; the first failure ends the others. Returns an exit code."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = []
-    with open(log_path, "a") as log:
-        log.write(f"\n$ {' '.join(commands[0])}{f'   (and {len(commands) - 1} more agents)' if len(commands) > 1 else ''}\n")
-        log.flush()
-        try:
-            for cmd in commands:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-            while True:
-                codes = [p.poll() for p in procs]
-                failed = [c for c in codes if c not in (None, 0)]
-                if failed:
-                    _stop(procs)
-                    return failed[0]
-                if all(c == 0 for c in codes):
-                    return 0
-                time.sleep(0.2)
-        except BaseException:
-            _stop(procs)
-            raise
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()  # torchrun forwards it to its workers
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _failure_lines(path: Path, lines: int = 12) -> str:
@@ -153,7 +117,12 @@ def run_study(study_dir: Path, config: str | None, points: list[Point], console:
             run_id = f"{study_dir.name}-{point.name}"
             commands = [slurm_command(point.setup, args, run_id, index)] if slurm else local_commands(point.setup, args, run_id)
             start = time.perf_counter()
-            code = _run_agents(commands, folder / LOG_FILE)
+            # The report folder lies in the point's folder, which every node of the job sees.
+            ended = run(commands, log=folder / LOG_FILE, report_in=folder)
+            if ended.stopped or ended.code == ExitCode.PREEMPTED:
+                raise Preempted(f"study pre-empted during point {point.name}; finished points are kept and "
+                                f"the same command continues the study")
+            code = ended.code
             if code != 0 or not finished(folder):
                 tail = _failure_lines(folder / LOG_FILE)
                 if tail:
