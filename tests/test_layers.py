@@ -26,7 +26,7 @@ LAYERS = [
     ("parts", ["ddplab.distributed", "ddplab.data", "ddplab.models"]),
     ("engine", ["ddplab.engine"]),
     ("beside", ["ddplab.registry", "ddplab.workloads", "ddplab.metrics", "ddplab.trackers"]),
-    ("commands", ["ddplab.run", "ddplab.api", "ddplab.cli", "ddplab.launch", "ddplab.inference", "ddplab.predict",
+    ("commands", ["ddplab.run", "ddplab.api", "ddplab.cli", "ddplab.commands", "ddplab.launch", "ddplab.inference", "ddplab.predict",
                   "ddplab.verify", "ddplab.study", "ddplab.report", "ddplab.forecast", "ddplab.export",
                   "ddplab.__main__", "ddplab.status"]),
 ]

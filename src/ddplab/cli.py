@@ -4,35 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from ddplab.config import describe_fields
 from ddplab.errors import ExitCode, Preempted, UserError
-from ddplab.extras import require
+from ddplab.launch import report_error
+from ddplab.registry import builtin_names
+from ddplab.workload import resolve
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
         print(f"ddplab: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def split_args(items: list[str]) -> tuple[str | None, list[str]]:
-    """`[CONFIG.yaml] [key=value ...]`: the first item without '=' is the config file."""
-    config, overrides = None, []
-    for item in items:
-        if "=" in item:
-            overrides.append(item)
-        elif config is None:
-            config = item
-        else:
-            raise UserError(f"unexpected argument '{item}': only one config file, then key=value overrides")
-    return config, overrides
+        raise SystemExit(ExitCode.USAGE)
 
 
 def _config_help() -> str:
-    from ddplab.config import describe_fields
-    from ddplab.registry import builtin_names
-
     models, data = builtin_names()
     lines = ["built-in workloads (or your own file.py:function; see the docs, 'Your own workload'):",
              f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "",
@@ -108,192 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise UserError(f"{name} must be >= 1, got {value}")
-
-
-def cmd_train(ns) -> int:
-    from ddplab.registry import check_files, checked_without_torch, load_config
-
-    config, overrides = split_args(ns.args)
-    cfg = load_config(config, overrides)
-    check_files(cfg)
-    _positive("--nproc-per-node", ns.nproc_per_node)
-    if ns.max_restarts < 0:
-        raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
-    if ns.nproc_per_node or ns.max_restarts:
-        from ddplab.engine.lock import claim, resolve_run_dir
-        from ddplab.launch import run_workers
-        from ddplab.metrics.phases import note_launch
-
-        if not checked_without_torch(cfg):
-            preflight(cfg)
-        # The launcher owns the run folder for the whole job, restarts included.
-        lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
-        if error:
-            raise UserError(error)
-        try:
-            if note:
-                print(note, flush=True)
-            note_launch()  # the workers' start-up breakdown begins at this process's start
-            return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
-                               locked_run=str(run_dir))
-        finally:
-            lock.release()
-    from ddplab.launch import die_with_parent, quick_exit, report_preempted, under_agent
-
-    if under_agent():
-        die_with_parent()  # a worker never outlives its torchrun agent
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from ddplab.run import train
-
-    # record(): under torchrun, the failing rank's exception is written where the launcher
-    # prints it in its failure summary.
-    summary = record(train)(cfg)
-    if summary["status"] == "preempted":
-        report_preempted()
-        return ExitCode.PREEMPTED
-    if under_agent():
-        quick_exit(ExitCode.OK)  # the run is recorded and its files closed
-    return ExitCode.OK
-
-
-def preflight(cfg) -> None:
-    """In the launcher, for a workload without torch-free checks: build its data and model once on
-    the CPU, so that bad code fails in one line before any worker starts."""
-    import torch  # the launcher imports torch only for such a workload
-
-    from ddplab.distributed import DistContext, LaunchInfo
-    from ddplab.engine.rng import seed_everything
-    from ddplab.engine.setup import build_data, build_model
-    from ddplab.registry import workload
-
-    seed_everything(cfg.experiment.seed)
-    ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
-    work = workload(cfg)
-    build_model(cfg, ctx, work, build_data(cfg, ctx, work))
-
-
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
-    """temperature 0 is greedy decoding and top-k 0 means no top-k; negative values are refused."""
-    _positive("--max-new-tokens", max_new_tokens)
-    if not temperature >= 0:  # NaN too
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise UserError(f"--top-k must be >= 0 (0 = no top-k), got {top_k}")
-
-
-def cmd_generate(ns) -> int:
-    from ddplab.inference import load_model, sample
-
-    _check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
-    model, ckpt, _ = load_model(ns.run, ns.trust_code)
-    print(sample(model, ckpt.get("meta", {}), ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed))
-    return 0
-
-
-def cmd_predict(ns) -> int:
-    from ddplab.predict import expand, line, output_format, predict, write
-
-    items = list(ns.inputs)
-    if ns.file:
-        if not Path(ns.file).is_file():
-            raise UserError(f"--file: no such file: {ns.file}")
-        items += [line.rstrip("\n") for line in open(ns.file, encoding="utf-8") if line.strip()]
-    if not items:
-        raise UserError("predict: give inputs on the command line or --file")
-    _positive("--batch-size", ns.batch_size)
-    _positive("--top-k", ns.top_k)
-    if ns.output:
-        output_format(ns.output)  # a wrong name is refused before the model is built
-    rows = predict(ns.run, expand(items), ns.batch_size, ns.top_k, ns.trust_code)
-    for row in rows:
-        print(line(row))
-    if ns.output:
-        write(rows, ns.output)
-    return 0
-
-
-def cmd_verify(ns) -> int:
-    from ddplab.verify import verify
-
-    _positive("--nproc", ns.nproc)
-    config, overrides = split_args(ns.args)
-    return verify(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
-
-
-def cmd_study(ns) -> int:
-    from ddplab.config_io import parse_duration
-    from ddplab.report.build import make_report
-    from ddplab.study.grid import expand, parse_setups, parse_sweeps
-    from ddplab.study.runner import run_study
-
-    from ddplab.registry import load_config
-
-    config, common = split_args(ns.args)
-    _positive("--nnodes", ns.nnodes)
-
-    budget = parse_duration(ns.budget, "--budget")
-    _positive("--repeat", ns.repeat)
-    repeat = ns.repeat or load_config(config, common).experiment.repeats
-    name = ns.name or (Path(config).stem if config else "study")
-    study_dir = Path(ns.output_dir) / name
-    points = expand(config, common, parse_setups(ns.nproc, ns.nnodes), parse_sweeps(ns.sweeps), str(study_dir), repeat)
-    grid = len({p.point for p in points})
-    from ddplab.engine.lock import RunLock
-
-    # One study per folder; each point also locks its own run folder.
-    with RunLock(study_dir, what="study folder", names="--output-dir or --name"):
-        print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
-        run_study(study_dir, config, points)
-        report = make_report([study_dir], study_dir, budget)
-    print(f"report: {report}")
-    return ExitCode.OK
-
-
-def cmd_report(ns) -> int:
-    require("report", "ddplab report")
-    from ddplab.config_io import parse_duration
-    from ddplab.report.build import make_report
-
-    budget = parse_duration(ns.budget, "--budget")
-    out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
-    print(f"report: {make_report(ns.dirs, out, budget)}")
-    return 0
-
-
-def cmd_status(ns) -> int:
-    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'."""
-    import json
-
-    path = Path(ns.run) / "metrics.json"
-    if not path.is_file():
-        raise UserError(f"no run folder at {ns.run} (no metrics.json)")
-    try:
-        status = json.loads(path.read_text()).get("status", "unknown")
-    except (OSError, ValueError, AttributeError):
-        raise UserError(f"{path} is not a ddplab metrics.json") from None
-    print(status)
-    return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
-
-
-def cmd_forecast(ns) -> int:
-    require("report", "ddplab forecast")
-    from ddplab.forecast import Options, make_forecast
-
-    opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)
-    out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
-    path = make_forecast(ns.dirs, out, opts)
-    print(path.read_text(), end="")
-    print(f"forecast: {path}")
-    return 0
-
-
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "predict": cmd_predict, "verify": cmd_verify,
-            "study": cmd_study, "report": cmd_report,
-            "forecast": cmd_forecast, "status": cmd_status}
+# command -> its function; each module imports only what its command runs (ddplab.commands).
+COMMANDS = {"train": "train:main", "generate": "inference:generate", "predict": "inference:predict",
+            "verify": "verify:main", "study": "scaling:study", "report": "scaling:report",
+            "forecast": "scaling:forecast", "status": "status:main"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,10 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return COMMANDS[ns.command](ns)
+        return resolve(f"ddplab.commands.{COMMANDS[ns.command]}", "command")(ns)
     except UserError as err:
-        from ddplab.launch import report_error
-
         if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
             print(f"ddplab: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -140,7 +140,7 @@ def check_config(cfg: Config) -> None:
 
 def checked_without_torch(cfg: Config) -> bool:
     """Both functions come with torch-free checks (check_config ran them); a workload without them
-    is built once in the launcher instead (cli.preflight), before any worker starts."""
+    is built once in the launcher instead (commands.train.preflight), before any worker starts."""
     return model_entry(cfg.model.name) is not None and data_entry(cfg.data.name) is not None
 
 

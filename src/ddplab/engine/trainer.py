@@ -6,9 +6,8 @@ console, progress) hangs on callbacks (engine/callbacks.py), which see a read-on
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
 
 Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1), so
-they all snapshot the same step. state_dict() / load_state_dict() are the whole contract of
-a resume (weights, optimizer, schedule, scaler, progress and position in the epoch, every
-rank's RNG streams, world size); snapshots are those dicts written to files.
+they all snapshot the same step; state_dict() / load_state_dict() (engine/resume.py) are the
+whole contract of a resume.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import contextlib
 import gc
 import math
 import time
-from dataclasses import asdict
 from itertools import islice
 
 import torch
@@ -29,11 +27,12 @@ from ddplab.distributed import DistContext
 from ddplab.engine import snapshots
 from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import BEST, Checkpointer, load_file
+from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
 from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
-from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
+from ddplab.engine.resume import Resumable
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
 from ddplab.engine.state import TrainState
@@ -41,7 +40,7 @@ from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
 
 
-class Trainer:
+class Trainer(Resumable):
     """Outside engine/, a run is driven through fit() / test() / end() / close(), saved and restored
     through state_dict() / load_state_dict(), and observed through `view` (what callbacks get)."""
 
@@ -183,7 +182,7 @@ class Trainer:
         sums, first_bad = self.ledger.totals()
         bad = self.ctx.all_reduce(first_bad, "min").item()
         if math.isfinite(bad):
-            raise NonFiniteLoss(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
+            raise UserError(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
                                 f"lower training.lr or enable training.clip_grad_norm")
         loss_sum, samples, tokens = self.ctx.all_reduce(sums).tolist()
         if samples == 0:
@@ -272,25 +271,10 @@ class Trainer:
         self._mark = now
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or len(dataset) == 0:
             return {}
-        model = self.raw
-        # DDP syncs buffers at the start of each training forward, so after the last step every
-        # rank holds its own BatchNorm statistics: evaluate all shards with rank 0's, as DDP would.
-        self.ctx.broadcast_buffers(model)
-        was_training = model.training
-        model.eval()
-        evaluator = self.task.evaluator(self.ctx.device)
-        for inputs, target in self.loaders.evaluation(dataset):
-            inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
-            with self.autocast():
-                output = call_model(model, inputs)
-            evaluator.update(output, target)
-        model.train(was_training)
-        metrics = evaluator.compute(self.ctx)
-        self.evaluator = evaluator
+        metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx, self.autocast)
         self.callbacks.on_eval_end(self.view, split, metrics)
         return metrics
 
@@ -298,61 +282,11 @@ class Trainer:
         """The best model (by validation loss; the last one without it) on the test split."""
         if self.data.test is None:
             return {}
-        best = self.checkpoints.root / BEST
         self.ctx.barrier()
-        if best.is_file():
+        if (best := self.checkpoints.root / BEST).is_file():
             self.raw.load_state_dict(load_file(best)["model"])
         self.phase = "test"
         return self.evaluate(self.data.test, "test")
-
-    # ------------------------------------------------------------------ the contract of a resume
-    def state_dict(self) -> dict:
-        """Everything a resume needs, the same on every rank. A collective: every rank's RNG
-        streams are gathered. Tensors and plain values only (loads with weights_only=True)."""
-        s = self.state
-        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "trainer": asdict(s), "rng": self.ctx.gather_objects(rng_state()), "world_size": self.ctx.world_size,
-                "sampler": {"seed": self.sampler.seed, "epoch": s.epoch, "consumed": s.consumed},
-                "config": self.cfg.to_dict(), "meta": self.data.meta}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.raw.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.scheduler.load_state_dict(sd["scheduler"])
-        self.scaler.load_state_dict(sd["scaler"])
-        self.state = TrainState(**sd["trainer"])
-        if sd["world_size"] == self.ctx.world_size:
-            set_rng_state(sd["rng"][self.ctx.rank])
-            return
-        # The remaining samples of the epoch are re-divided among the new ranks (see the
-        # sampler); per-rank random streams cannot carry over, so they are reseeded.
-        seed_everything(self.cfg.experiment.seed + 1000 * self.state.step + self.ctx.rank)
-        self.run.log(f"world size changed from {sd['world_size']} to {self.ctx.world_size}: the rest of epoch "
-                     f"{self.state.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample "
-                     f"repeated or lost); dropout streams are reseeded, so the run is no longer bit-identical")
-
-    def snapshot(self) -> None:
-        """A collective: the loss since the last log is reduced, then rank 0 writes (engine/snapshots.py)."""
-        self.log_interval()
-        self._tick()
-        path = snapshots.save(self.checkpoints, self.state_dict())
-        self.ctx.barrier()
-        self.callbacks.on_snapshot(self.view, path)
-
-    def resume(self) -> None:
-        """Continue from the snapshot checkpoint.resume names (auto: the newest complete one), if any."""
-        self._resumed = True
-        found = snapshots.find(self.checkpoints, self.cfg.checkpoint.resume, self.run.log, self.ctx.barrier)
-        if found is None:
-            return
-        where, sd = found
-        self.load_state_dict(sd)
-        s = self.state
-        s.stop_reason = None
-        s.resumes += 1
-        self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
-                     f"epoch, {s.elapsed:.1f} s already spent)")
 
     def end(self, summary: dict) -> None:
         """The run is recorded: callbacks' on_train_end."""
@@ -364,7 +298,3 @@ class Trainer:
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()
-
-
-class NonFiniteLoss(UserError):
-    """Training diverged; exit 2 with the step named."""

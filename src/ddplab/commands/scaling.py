@@ -1,0 +1,60 @@
+"""`ddplab study`, `ddplab report` and `ddplab forecast`: many runs, compared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddplab.commands import positive, split_args
+from ddplab.config_io import parse_duration
+from ddplab.engine.lock import RunLock
+from ddplab.errors import ExitCode
+from ddplab.extras import require
+from ddplab.registry import load_config
+from ddplab.study.grid import expand, parse_setups, parse_sweeps
+from ddplab.study.runner import run_study
+
+
+def study(ns) -> int:
+    require("report", "ddplab study")  # it ends with a report
+    config, common = split_args(ns.args)
+    positive("--nnodes", ns.nnodes)
+    budget = parse_duration(ns.budget, "--budget")
+    positive("--repeat", ns.repeat)
+    repeat = ns.repeat or load_config(config, common).experiment.repeats
+    name = ns.name or (Path(config).stem if config else "study")
+    study_dir = Path(ns.output_dir) / name
+    points = expand(config, common, parse_setups(ns.nproc, ns.nnodes), parse_sweeps(ns.sweeps), str(study_dir), repeat)
+    grid = len({p.point for p in points})
+    # One study per folder; each point also locks its own run folder.
+    with RunLock(study_dir, what="study folder", names="--output-dir or --name"):
+        print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
+        run_study(study_dir, config, points)
+        report_path = _make_report([study_dir], study_dir, budget)
+    print(f"report: {report_path}")
+    return ExitCode.OK
+
+
+def report(ns) -> int:
+    require("report", "ddplab report")
+    budget = parse_duration(ns.budget, "--budget")
+    out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
+    print(f"report: {_make_report(ns.dirs, out, budget)}")
+    return ExitCode.OK
+
+
+def forecast(ns) -> int:
+    require("report", "ddplab forecast")
+    from ddplab.forecast import Options, make_forecast  # scipy and matplotlib: the report extra
+
+    opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)
+    out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
+    path = make_forecast(ns.dirs, out, opts)
+    print(path.read_text(), end="")
+    print(f"forecast: {path}")
+    return ExitCode.OK
+
+
+def _make_report(dirs, out, budget) -> Path:
+    from ddplab.report.build import make_report  # matplotlib: the report extra, checked by the caller
+
+    return make_report(dirs, out, budget)

@@ -1,0 +1,71 @@
+"""`ddplab train`: the launcher (with --nproc-per-node or --max-restarts) or one process of a job."""
+
+from __future__ import annotations
+
+from ddplab.commands import positive, split_args
+from ddplab.engine.lock import claim, resolve_run_dir
+from ddplab.errors import ExitCode, UserError
+from ddplab.launch import die_with_parent, quick_exit, report_preempted, run_workers, under_agent
+from ddplab.metrics.phases import note_launch
+from ddplab.registry import check_files, checked_without_torch, load_config
+
+
+def main(ns) -> int:
+    config, overrides = split_args(ns.args)
+    cfg = load_config(config, overrides)
+    check_files(cfg)
+    positive("--nproc-per-node", ns.nproc_per_node)
+    if ns.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    if ns.nproc_per_node or ns.max_restarts:
+        return launch(cfg, ns)
+    if under_agent():
+        die_with_parent()  # a worker never outlives its torchrun agent
+    # A worker, or a plain process: only now is torch imported (the launcher never needs it).
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ddplab.run import train  # torch: a worker's import, never the launcher's
+
+    # record(): under torchrun, the failing rank's exception is written where the launcher
+    # prints it in its failure summary.
+    summary = record(train)(cfg)
+    if summary["status"] == "preempted":
+        report_preempted()
+        return ExitCode.PREEMPTED
+    if under_agent():
+        quick_exit(ExitCode.OK)  # the run is recorded and its files closed
+    return ExitCode.OK
+
+
+def launch(cfg, ns) -> int:
+    """Start the job's workers; the launcher owns the run folder for the whole job, restarts included."""
+    if not checked_without_torch(cfg):
+        preflight(cfg)
+    lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
+    if error:
+        raise UserError(error)
+    try:
+        if note:
+            print(note, flush=True)
+        note_launch()  # the workers' start-up breakdown begins at this process's start
+        return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
+                           locked_run=str(run_dir))
+    finally:
+        lock.release()
+
+
+def preflight(cfg) -> None:
+    """For a workload without torch-free checks: build its data and model once on the CPU, so that
+    bad code fails in one line before any worker starts."""
+    import torch  # the launcher imports torch only for such a workload
+
+    # The engine's builders import torch too: same reason.
+    from ddplab.distributed import DistContext, LaunchInfo
+    from ddplab.engine.rng import seed_everything
+    from ddplab.engine.setup import build_data, build_model
+    from ddplab.registry import workload
+
+    seed_everything(cfg.experiment.seed)
+    ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
+    work = workload(cfg)
+    build_model(cfg, ctx, work, build_data(cfg, ctx, work))

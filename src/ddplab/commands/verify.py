@@ -1,0 +1,12 @@
+"""`ddplab verify`: N-process DDP against one process with N x the batch (ddplab.verify)."""
+
+from __future__ import annotations
+
+from ddplab.commands import positive, split_args
+from ddplab.verify import verify
+
+
+def main(ns) -> int:
+    positive("--nproc", ns.nproc)
+    config, overrides = split_args(ns.args)
+    return verify(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)

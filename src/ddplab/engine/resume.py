@@ -1,0 +1,65 @@
+"""The contract of a resume, as the trainer keeps it: state_dict() / load_state_dict() hold
+everything a run needs to continue exactly (weights, optimizer, schedule, scaler, progress and
+position in the epoch, every rank's RNG streams, world size); snapshots are those dicts written
+to files (engine/snapshots.py), and nothing else reads or restores a run's state."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ddplab.engine import snapshots
+from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
+from ddplab.engine.state import TrainState
+
+
+class Resumable:
+    """Mixed into the Trainer, whose attributes (raw, optimizer, scheduler, scaler, sampler, state,
+    ctx, cfg, data, run, checkpoints, callbacks, view) it reads."""
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs, the same on every rank. A collective: every rank's RNG
+        streams are gathered. Tensors and plain values only (loads with weights_only=True)."""
+        s = self.state
+        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "trainer": asdict(s), "rng": self.ctx.gather_objects(rng_state()), "world_size": self.ctx.world_size,
+                "sampler": {"seed": self.sampler.seed, "epoch": s.epoch, "consumed": s.consumed},
+                "config": self.cfg.to_dict(), "meta": self.data.meta}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.raw.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.scaler.load_state_dict(sd["scaler"])
+        self.state = TrainState(**sd["trainer"])
+        if sd["world_size"] == self.ctx.world_size:
+            set_rng_state(sd["rng"][self.ctx.rank])
+            return
+        # The remaining samples of the epoch are re-divided among the new ranks (see the
+        # sampler); per-rank random streams cannot carry over, so they are reseeded.
+        seed_everything(self.cfg.experiment.seed + 1000 * self.state.step + self.ctx.rank)
+        self.run.log(f"world size changed from {sd['world_size']} to {self.ctx.world_size}: the rest of epoch "
+                     f"{self.state.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample "
+                     f"repeated or lost); dropout streams are reseeded, so the run is no longer bit-identical")
+
+    def snapshot(self) -> None:
+        """A collective: the loss since the last log is reduced, then rank 0 writes (engine/snapshots.py)."""
+        self.log_interval()
+        self._tick()
+        path = snapshots.save(self.checkpoints, self.state_dict())
+        self.ctx.barrier()
+        self.callbacks.on_snapshot(self.view, path)
+
+    def resume(self) -> None:
+        """Continue from the snapshot checkpoint.resume names (auto: the newest complete one), if any."""
+        self._resumed = True
+        found = snapshots.find(self.checkpoints, self.cfg.checkpoint.resume, self.run.log, self.ctx.barrier)
+        if found is None:
+            return
+        where, sd = found
+        self.load_state_dict(sd)
+        s = self.state
+        s.stop_reason = None
+        s.resumes += 1
+        self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
+                     f"epoch, {s.elapsed:.1f} s already spent)")
