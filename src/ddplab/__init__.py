@@ -9,6 +9,8 @@ The public interface for your own workloads (nothing heavy is imported until use
 
 from __future__ import annotations
 
+import importlib
+
 _PUBLIC = {
     "Data": "ddplab.workload",
     "BuildConfig": "ddplab.workload",
@@ -29,6 +31,5 @@ __all__ = list(_PUBLIC)
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'ddplab' has no attribute '{name}'")
-    import importlib
 
     return getattr(importlib.import_module(_PUBLIC[name]), name)

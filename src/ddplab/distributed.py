@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.errors import UserError
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,6 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float
     model.to(ctx.device)
     if not ctx.is_distributed:
         return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(
         model,

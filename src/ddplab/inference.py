@@ -20,6 +20,7 @@ from ddplab.errors import UserError
 from ddplab.registry import workload
 from ddplab.tasks import restore
 from ddplab.workload import Data, build_config, check_trusted
+from ddplab.data.text_lm import CharTokenizer
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict, object]:
@@ -77,7 +78,6 @@ def _rebuilt(cfg, build) -> torch.nn.Module:
 
 def sample(model, meta: dict, prompt: str, max_new_tokens: int, temperature: float = 0.8,
            top_k: int | None = 40, seed: int = 0) -> str:
-    from ddplab.data.text_lm import CharTokenizer
 
     if meta.get("tokenizer") not in ("char", "byte"):
         raise UserError("this checkpoint is not a character / byte language model")

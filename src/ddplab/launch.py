@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.errors import ExitCode, Preempted, UserError
+import atexit
+from ddplab.engine.lock import LOCKED_ENV
 
 REPORT_ENV = "DDPLAB_REPORT_DIR"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -77,7 +79,6 @@ def quick_exit(code: int = 0) -> None:
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
     writes is closed by then (a file a user's callback leaves open is not flushed: close it in
     on_train_end). Used only after a run completed, never on an error path."""
-    import atexit
 
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -257,7 +258,6 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
 def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes; the job's exit code. Raises Preempted when the
     workers saved a snapshot, UserError when one reported bad input."""
-    from ddplab.engine.lock import LOCKED_ENV
 
     ended = run([torchrun_command(nproc, args, **kwargs)], env={LOCKED_ENV: str(locked_run)} if locked_run else None)
     if ended.error:

@@ -21,6 +21,9 @@ import torch
 from ddplab.errors import UserError
 from ddplab.inference import load_model, read_checkpoint, recorded_task
 from ddplab.tasks import CONTINUES_TEXT, call_model
+import numpy as np
+import csv
+import json
 
 
 def expand(items: list[str]) -> list[str]:
@@ -63,7 +66,7 @@ def encoder(data) -> Callable[[str], object]:
 
 
 def _open_image(item: str, loader: Callable | None):
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # the vision extra: only for image inputs
 
     if not Path(item).is_file():
         raise UserError(f"no such image file: {item}")
@@ -84,7 +87,6 @@ def read_numbers(item: str) -> torch.Tensor:
         try:
             if item.endswith(".pt"):
                 return torch.as_tensor(torch.load(item, weights_only=True))
-            import numpy as np
 
             return torch.from_numpy(np.load(item, allow_pickle=False))
         except Exception as exc:  # noqa: BLE001 - an unreadable file is the user's to fix
@@ -164,8 +166,6 @@ def output_format(path: str) -> str:
 
 def write(rows: list[dict], path: str) -> None:
     """Every row with its input, as CSV (lists as comma-separated text) or JSON lines."""
-    import csv
-    import json
 
     kind = output_format(path)
     with open(path, "w", encoding="utf-8", newline="") as f:

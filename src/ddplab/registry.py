@@ -19,6 +19,8 @@ from ddplab.config_io import read_config
 from ddplab.errors import UserError
 from ddplab.extras import missing, require
 from ddplab.workload import Workload, is_reference, reference_of, resolve
+from ddplab.data.checks import image_spec
+from ddplab.models.checks import check_image_input
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,6 @@ def check_config(cfg: Config) -> None:
             entry.require(f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     if model is not None and data is not None and model.inputs == data.inputs == "image":
-        from ddplab.data.checks import image_spec
-        from ddplab.models.checks import check_image_input
 
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)

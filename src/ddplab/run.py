@@ -23,6 +23,7 @@ from ddplab.metrics.phases import Phases
 from ddplab.metrics.summary import parameter_digest, summary
 from ddplab.registry import workload
 from ddplab.workload import reference_file
+from ddplab.inference import sample
 
 
 def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
@@ -101,7 +102,6 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             if ctx.is_main and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
-                from ddplab.inference import sample
 
                 text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
                               cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddplab.errors import UserError
+import inspect
 
 
 @dataclass
@@ -176,7 +177,6 @@ def reference_file(reference: str) -> Path | None:
 
 def reference_of(fn: Callable) -> str:
     """How a run folder names a function handed to ddplab.train(): file.py:name (or module:name)."""
-    import inspect
 
     module = inspect.getmodule(fn)
     qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))

@@ -32,8 +32,8 @@ def _offline():
     """data.download=false: never touch the network (else an unreachable hub costs ~30 s of retries).
 
     Both libraries read their offline flag at import time; it is flipped for this call only."""
-    import datasets
-    import huggingface_hub.constants as hub
+    import datasets  # the text extra, only when a hub dataset is read
+    import huggingface_hub.constants as hub  # comes with datasets (the text extra)
 
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
@@ -44,7 +44,7 @@ def _offline():
 
 
 def hub_source(cfg) -> TextSource:
-    import datasets
+    import datasets  # the text extra, only when a hub dataset is read
 
     name, fields = HUB[cfg.data.name]
     try:
@@ -85,7 +85,7 @@ def _files(cfg) -> dict[str, str]:
 
 
 def read_table(path: str | Path, columns: list[str] | None = None):
-    import pandas as pd
+    import pandas as pd  # the text extra, only when a table is read
 
     p = Path(path)
     suffix = p.suffix.lower()
@@ -103,14 +103,14 @@ def read_table(path: str | Path, columns: list[str] | None = None):
 
 def header(path: str | Path) -> list[str] | None:
     """Column names, read cheaply (None where that would mean reading a large JSON file)."""
-    import pandas as pd
+    import pandas as pd  # the text extra, only when a table is read
 
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
         return list(pd.read_csv(p, sep="\t" if suffix == ".tsv" else ",", nrows=0).columns)
     if suffix in (".parquet", ".pq"):
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # the text extra, only for Parquet
 
         return list(pq.read_schema(p).names)
     if suffix == ".jsonl":
@@ -143,7 +143,7 @@ def check_files(cfg) -> None:
             if column not in columns:
                 raise UserError(f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}")
     if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
-        import pandas as pd
+        import pandas as pd  # the text extra, only when a table is read
 
         labels = pd.concat([read_table(p, [d.label_column])[d.label_column] for p in files.values()])
         label_mapping(labels, d.num_classes, d.label_column)
@@ -151,7 +151,7 @@ def check_files(cfg) -> None:
 
 def label_mapping(labels, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
     """Label names, and a value -> id mapping for non-integer labels (None: the values are the ids)."""
-    import pandas as pd
+    import pandas as pd  # the text extra, only when a table is read
 
     if labels.isna().any():
         raise UserError(f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})")
@@ -176,7 +176,7 @@ def label_mapping(labels, num_classes: int | None, column: str) -> tuple[list[st
 
 
 def files_source(cfg) -> TextSource:
-    import pandas as pd
+    import pandas as pd  # the text extra, only when a table is read
 
     d = cfg.data
     check_files(cfg)

@@ -89,7 +89,7 @@ class HFTokenizer:
     """A pretrained model's own tokenizer (AutoTokenizer), truncating to `max_len`."""
 
     def __init__(self, pretrained: str, max_len: int) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # the text extra; seconds to import
 
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddplab.errors import UserError
+import yaml
 
 # Dotted fields, or whole sections ending in ".". Kept in one place; docs/config.md is generated from it.
 SAFE_TO_CHANGE = (
@@ -61,7 +62,6 @@ def check_resume(run_dir: Path, new: dict) -> None:
     stored = Path(run_dir) / "config.yaml"
     if not stored.is_file():
         return  # a folder without a recorded config holds no run to protect
-    import yaml
 
     try:
         old = yaml.safe_load(stored.read_text())
@@ -84,7 +84,7 @@ def check_resume_path(cfg, model) -> None:
     path = cfg.checkpoint.resume
     if path in ("auto", "never"):
         return
-    from ddplab.engine.checkpoint import Checkpointer
+    from ddplab.engine.checkpoint import Checkpointer  # torch: only when resuming from a named snapshot
 
     snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path))
     mine = model.state_dict()

@@ -130,7 +130,7 @@ def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple
     """Rank 0: lock the resolved run folder (unless the launcher holds it) and check that an
     unfinished run there may be continued under `cfg`. Returns the lock and, for every rank,
     (run_dir, note, error message or None)."""
-    from ddplab.engine.fingerprint import check_resume
+    from ddplab.engine.fingerprint import check_resume  # keeps the launcher's import of lock.py light
 
     run_dir, note = resolved
     lock = None

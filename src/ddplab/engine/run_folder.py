@@ -51,7 +51,7 @@ class RunFolder:
     SAMPLE = "sample.txt"
 
     def __init__(self, path: Path, is_main: bool, tensorboard: bool = True, purge_step: int | None = None) -> None:
-        from rich.console import Console
+        from rich.console import Console  # only rank 0 prints
 
         self.path = Path(path)
         self.is_main = is_main
@@ -98,7 +98,7 @@ class RunFolder:
         if not self._tensorboard:
             return
         if self.tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # about a second to import: at the first scalar
 
             self.tb = SummaryWriter(log_dir=str(self.path / self.TENSORBOARD), purge_step=self.purge_step)
         for k, v in values.items():

@@ -11,18 +11,18 @@ from torch.utils.data import Dataset, Subset
 from ddplab.errors import UserError
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
+from ddplab.distributed import wrap_model
+from ddplab.engine.comm import install_comm_hook
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
     """(the model to train, the gradient all-reduce monitor or None): DDP-wrapped, with the comm
     hook when distributed, compiled when asked."""
-    from ddplab.distributed import wrap_model
 
     ddp = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                      find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
     comm = None
     if ctx.is_distributed:
-        from ddplab.engine.comm import install_comm_hook
 
         comm = install_comm_hook(ddp, cfg.distributed, ctx)
     return (torch.compile(ddp) if cfg.training.compile else ddp), comm

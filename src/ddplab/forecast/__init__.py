@@ -9,6 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddplab.errors import UserError
+from ddplab.forecast.model import measure
+from ddplab.report.runs import find_runs
+from ddplab.config_io import parse_duration
+from ddplab.forecast.fit import comm_of, fit_link
+from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
+from ddplab.config import batch_arithmetic
+from ddplab.forecast.model import fit_compute, predict_step
+from ddplab.study.grid import parse_setups
+from ddplab.forecast.write import write_all
 
 
 @dataclass
@@ -44,8 +53,6 @@ def _label(run) -> str:
 
 def load(dirs: list[str]):
     """The runs under `dirs` as Measured points, all of one workload (model and data)."""
-    from ddplab.forecast.model import measure
-    from ddplab.report.runs import find_runs
 
     try:
         runs, _ = find_runs(dirs)
@@ -62,12 +69,6 @@ def load(dirs: list[str]):
 
 
 def forecast(dirs: list[str], opts: Options) -> Forecast:
-    from ddplab.config_io import parse_duration
-    from ddplab.forecast.fit import comm_of, fit_link
-    from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
-    from ddplab.config import batch_arithmetic
-    from ddplab.forecast.model import fit_compute, predict_step
-    from ddplab.study.grid import parse_setups
 
     # Check every option before reading anything.
     try:
@@ -152,7 +153,6 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
 
 
 def make_forecast(dirs: list[str], output: str | Path, opts: Options) -> Path:
-    from ddplab.forecast.write import write_all
 
     result = forecast(dirs, opts)
     out = Path(output)

@@ -46,10 +46,10 @@ def write_csv(result, path: Path) -> None:
 
 
 def plot(result, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # the report extra; imported only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the report extra; imported only to draw
 
     rows = result.rows
     labels = [r["setup"] for r in rows]

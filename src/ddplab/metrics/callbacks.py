@@ -9,6 +9,10 @@ import sys
 import torch
 
 from ddplab.engine.callbacks import Callback
+from ddplab.metrics.throughput import mfu
+from ddplab.engine.comm import attach_step_timer, epoch_comm_row
+from ddplab.metrics.gpu import GpuMonitor
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -29,7 +33,6 @@ class ModelFlops(Callback):
     """mfu: model FLOPs utilisation, where the device's peak and the model's FLOPs are known."""
 
     def on_epoch_end(self, view, row):
-        from ddplab.metrics.throughput import mfu
 
         value = mfu(view.model, row.get("tokens_per_s"), view.device, view.world_size)
         if value is not None:
@@ -42,12 +45,10 @@ class CommColumns(Callback):
     timer = None
 
     def on_train_start(self, view):
-        from ddplab.engine.comm import attach_step_timer
 
         self.timer = attach_step_timer(view.model, view.comm, view.config)  # forward/backward time for `ddplab forecast`
 
     def on_epoch_end(self, view, row):
-        from ddplab.engine.comm import epoch_comm_row
 
         row.update(epoch_comm_row(view.comm, view.dist, row["epoch_time_s"], self.timer))
 
@@ -60,7 +61,6 @@ class GpuColumns(Callback):
 
     def on_train_start(self, view):
         if view.is_main and view.device.type == "cuda" and self.monitor is None:
-            from ddplab.metrics.gpu import GpuMonitor
 
             self.monitor = GpuMonitor(view.device)
 
@@ -128,7 +128,6 @@ class ProgressBar(Callback):
     def on_epoch_start(self, view):
         if not _bar_shown(view):
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), console=view.run.console, transient=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ddplab.engine.callbacks import Callback
 from ddplab.evaluators import per_class_scores
+import numpy as np
 
 
 def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool, plots: bool = True) -> dict:
@@ -46,7 +47,6 @@ def write_confusion_csv(path: Path, classes: list[str], matrix: list[list[int]])
 
 
 def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> Path:
-    import numpy as np
     from matplotlib.figure import Figure  # no pyplot: a third of the import time, and no global state
 
     counts = np.asarray(matrix, dtype=float)

@@ -10,6 +10,7 @@ import sys
 from importlib import metadata
 
 import torch
+from concurrent.futures import ThreadPoolExecutor
 
 
 def _version(dist_name: str) -> str | None:
@@ -49,7 +50,6 @@ def local_info(device: torch.device) -> dict:
 def collect(ctx) -> dict:
     """Call on every rank (it gathers); use the result on rank 0, the only one that asks git:
     in a thread, so its two subprocesses overlap the gather instead of following it."""
-    from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=1) if ctx.is_main else None
     commit = pool.submit(git_commit) if pool is not None else None

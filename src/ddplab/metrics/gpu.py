@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import os
 
 
 class GpuMonitor:
@@ -24,7 +25,7 @@ class GpuMonitor:
         if device.type != "cuda":
             return
         try:
-            import pynvml
+            import pynvml  # NVIDIA's library: only on a CUDA device
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device.index or 0))
@@ -75,7 +76,6 @@ class GpuMonitor:
 
 def _physical_index(index: int) -> int:
     """NVML counts all GPUs; CUDA counts those in CUDA_VISIBLE_DEVICES."""
-    import os
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:

@@ -15,10 +15,10 @@ from ddplab.report.runs import Run
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # the report extra; imported only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the report extra; imported only to draw
 
     return plt
 
@@ -31,7 +31,7 @@ def _save(fig, path: Path) -> Path:
 
 
 def _integer_ticks(axis) -> None:
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # the report extra; imported only to draw
 
     axis.set_major_locator(MaxNLocator(integer=True))
 
