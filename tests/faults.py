@@ -102,8 +102,6 @@ class Faults(ddplab.Callback):
 
 
 def main(argv: list[str]) -> int:
-    from ddplab.engine.preemption import EXIT_PREEMPTED
-
     spec, args = argv[0], argv[1:]
     if args[:1] == ["train"]:
         args = args[1:]
@@ -115,7 +113,7 @@ def main(argv: list[str]) -> int:
     except ddplab.UserError as err:  # as `ddplab train` says it
         print(f"ddplab: error: {err}", file=sys.stderr)
         return err.exit_code
-    return EXIT_PREEMPTED if summary["status"] == "preempted" else 0
+    return ddplab.ExitCode.PREEMPTED if summary["status"] == "preempted" else ddplab.ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sam
     for step in (3, 6, 9):  # workers started as srun does; the signal reaches one rank only
         sig = "TERM" if step == 6 else "USR1"
         outs = _wait(_srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step},sig={sig}"))
-        assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # EXIT_PREEMPTED, both ranks
+        assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # ExitCode.PREEMPTED, both ranks
         summary = _summary(tmp_path / "experiments" / "p")
         assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == ("preempted", "preempted", step)
     proc = _faulty(f"trace={trace}", args, tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process
@@ -216,7 +216,7 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
 def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data):
     args = [*_args(data, "tb"), "training.epochs=1000", "training.time_budget=2s", "checkpoint.every=null"]
     first = _faulty("signal_rank=0,step=4", args, tmp_path)
-    assert first.returncode == 75, first.stderr[-2000:]  # EXIT_PREEMPTED: requeue me
+    assert first.returncode == 75, first.stderr[-2000:]  # ExitCode.PREEMPTED: requeue me
     assert "stop signal (SIGUSR1) after step 4" in first.stdout
     run = tmp_path / "experiments" / "tb"
     spent = _summary(run)["aggregates"]["train_time_s"]
