@@ -250,6 +250,9 @@ def cmd_study(ns) -> int:
         print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
         run_study(study_dir, config, points)
         report = make_report([study_dir], study_dir, budget)
+        from ddplab.trackers import finish_study
+
+        finish_study(study_dir, study_dir)  # the points' parent MLflow run gets the report, then ends
     print(f"report: {report}")
     return 0
 

@@ -46,7 +46,7 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     steps = cfg.training.max_steps or 20
     with tempfile.TemporaryDirectory(prefix="ddplab-verify-") as tmp:
         forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "logging.log_every=1",
-                  "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
+                  "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
                   "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
                   "data.augment=false", f"experiment.output_dir={tmp}", "checkpoint.resume=never"]
         base = ([config] if config else []) + list(overrides) + forced
