@@ -127,10 +127,10 @@ class DistributedConfig:
 @dataclass
 class LoggingConfig:
     trackers: list = _f(["tensorboard"], "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
-                                         "folder), mlflow, wandb (pip install 'ddplab[track]'); see docs/tracking.md",
+                                         "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
                         choices=("tensorboard", "mlflow", "wandb"))
-    mlflow_uri: Optional[str] = _f(None, "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the local store "
-                                         "<experiment.output_dir>/mlflow/mlflow.db")
+    mlflow_uri: Optional[str] = _f(None, "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the "
+                                         "local store <experiment.output_dir>/mlflow/mlflow.db")
     mlflow_experiment: str = _f("ddplab", "MLflow experiment that holds the runs")
     wandb_project: str = _f("ddplab", "W&B project (WANDB_MODE=offline: files in the run folder's wandb/)")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
