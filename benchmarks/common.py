@@ -32,7 +32,7 @@ WORKLOADS: dict[str, list[str]] = {
 
 # What every contender does the same way: no clipping, constant lr, no extras.
 COMMON = ["training.clip_grad_norm=null", "training.schedule=constant", "training.warmup_steps=0",
-          "training.lr=1e-3", "model.dropout=0", "logging.tensorboard=false", "logging.progress=false",
+          "training.lr=1e-3", "model.dropout=0", "logging.trackers=[]", "logging.progress=false",
           "checkpoint.save_best=false", "generate.max_new_tokens=0", "logging.log_every=50"]
 
 

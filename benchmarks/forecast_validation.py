@@ -32,7 +32,7 @@ WORKLOADS = {
 # The batch of the fitted 2-process runs, a second 1-process batch the compute fit also uses (cost
 # per sample falls as the batch grows), and the held-out batch, beyond both.
 BATCH = {"gpt": (16, 32, 48), "cnn": (32, 64, 96)}
-COMMON = ["training.epochs=1", "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
+COMMON = ["training.epochs=1", "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
           "generate.max_new_tokens=0", "logging.log_every=50", "training.warmup_steps=0"]
 
 

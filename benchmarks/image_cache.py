@@ -73,7 +73,7 @@ def train(root: Path, path: str, nproc: int, epochs: int, run: int) -> list[floa
     name = f"{path}-{run}"
     cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *data,
            "model.name=cnn", "training.batch_size=32", f"training.epochs={epochs}",
-           "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
+           "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
            f"experiment.output_dir={root / 'runs'}", f"experiment.name={name}", f"data.cache_dir={root / 'cache'}"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)

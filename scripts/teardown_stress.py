@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 TINY = ["model.layers=1", "model.dim=32", "model.heads=2", "model.context=32", "training.batch_size=8",
-        "training.max_steps=5", "data.limit=256", "logging.tensorboard=false", "logging.progress=false",
+        "training.max_steps=5", "data.limit=256", "logging.trackers=[]", "logging.progress=false",
         "generate.max_new_tokens=0", "checkpoint.save_best=false"]
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A GPT small enough that a 2-process run takes seconds on one core each.
 TINY_GPT = ["model.layers=1", "model.dim=32", "model.heads=2", "model.context=32", "training.batch_size=8",
-            "logging.tensorboard=false", "logging.progress=false", "generate.max_new_tokens=20"]
+            "logging.trackers=[]", "logging.progress=false", "generate.max_new_tokens=20"]
 
 
 def _env() -> dict:

@@ -94,7 +94,8 @@ CASES = [
     ("train-bad-yaml", ["train", "bad.yaml"], "bad.yaml"),
     ("train-yaml-list", ["train", "list.yaml"], "list.yaml"),
     ("train-unknown-option", ["train", "--bogus"], "--bogus"),
-    ("train-bool", ["train", "logging.tensorboard=maybe"], "logging.tensorboard"),
+    ("train-bool", ["train", "logging.progress=maybe"], "logging.progress"),
+    ("train-tracker", ["train", "logging.trackers=[tensorboard, neptune]"], "logging.trackers"),
     ("train-tokenizer", ["train", "data.tokenizer=wordpiece"], "data.tokenizer"),
     ("train-temperature", ["train", "generate.temperature=-1"], "generate.temperature"),
     # train: found while building data and model, before the first byte is written

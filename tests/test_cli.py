@@ -30,7 +30,7 @@ def test_bad_input_is_one_line_and_exit_2(args, field, tmp_path):
 
 
 def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
-    proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.epochs=2", "logging.tensorboard=true",
+    proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.epochs=2", "logging.trackers=[tensorboard]",
                   "experiment.name=short", cwd=tmp_path)
     assert_ok(proc)
     run = tmp_path / "experiments" / "short"

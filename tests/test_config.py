@@ -17,10 +17,10 @@ def test_defaults_are_the_embedded_char_gpt():
 
 def test_overrides_convert_types():
     cfg = load_config(None, ["training.lr=3e-4", "training.batch_size=16", "training.amp=bf16",
-                             "logging.tensorboard=false", "training.max_steps=null", "experiment.name=x"])
+                             "logging.trackers=[]", "training.max_steps=null", "experiment.name=x"])
     assert cfg.training.lr == pytest.approx(3e-4) and isinstance(cfg.training.lr, float)
     assert cfg.training.batch_size == 16 and cfg.training.amp == "bf16"
-    assert cfg.logging.tensorboard is False and cfg.training.max_steps is None and cfg.experiment.name == "x"
+    assert cfg.logging.trackers == [] and cfg.training.max_steps is None and cfg.experiment.name == "x"
 
 
 def test_none_is_a_choice_for_choice_fields_and_null_for_optional_ones():

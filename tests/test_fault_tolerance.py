@@ -72,7 +72,7 @@ def _faulty(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max
 
 def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, data, reference):
     # the last snapshot is step 8, mid-epoch 2
-    proc = _faulty("kill_rank=1,step=10", [*_args(data, "k"), "logging.tensorboard=true"], tmp_path, 2, 1)
+    proc = _faulty("kill_rank=1,step=10", [*_args(data, "k"), "logging.trackers=[tensorboard]"], tmp_path, 2, 1)
     assert_ok(proc)
     run = tmp_path / "experiments" / "k"
     assert (run / "train.log").read_text().count("epoch 2 step 9:") == 2  # logged by the attempt that died, too

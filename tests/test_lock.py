@@ -36,7 +36,7 @@ def test_fingerprint_allows_only_the_documented_fields():
     new["model"]["dim"] = 64
     new["training"]["batch_size"] = 64
     assert differences(old, new) == [("training.batch_size", 8, 64), ("model.dim", 32, 64)]
-    assert safe("logging.tensorboard") and not safe("training.lr") and "training.time_budget" in SAFE_TO_CHANGE
+    assert safe("logging.trackers") and not safe("training.lr") and "training.time_budget" in SAFE_TO_CHANGE
 
 
 def _start(cwd: Path, *args: str) -> subprocess.Popen:

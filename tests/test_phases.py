@@ -45,7 +45,7 @@ def test_first_step_split_off_training_by_an_optimizer_hook():
 def test_a_launched_run_records_its_phases(tmp_path):
     # Through the launcher (which starts torch's agent as a child), so launcher_s is there too.
     proc = ddplab("train", "--nproc-per-node", "1", "model.name=cnn", "data.name=digits", "training.max_steps=1",
-                  "logging.tensorboard=false", "logging.progress=false", "experiment.name=p", cwd=tmp_path)
+                  "logging.trackers=[]", "logging.progress=false", "experiment.name=p", cwd=tmp_path)
     assert_ok(proc)
     run = tmp_path / "experiments" / "p"
     got = json.loads((run / "metrics.json").read_text())["phases"]
@@ -113,7 +113,7 @@ def test_a_run_keeps_the_start_up_heap_out_of_collections_and_gives_it_back(tmp_
 
     monkeypatch.chdir(tmp_path)
     summary = ddplab.train(None, ["model.name=cnn", "data.name=digits", "training.max_steps=1",
-                                  "logging.tensorboard=false", "logging.progress=false", "experiment.name=g"],
+                                  "logging.trackers=[]", "logging.progress=false", "experiment.name=g"],
                            callbacks=[Probe()])
     assert summary["status"] == "complete"
     assert seen["frozen"] > 10_000  # torch's modules alone hold far more objects than that

@@ -16,7 +16,7 @@ from conftest import ROOT, assert_ok, ddplab as run_ddplab
 from ddplab.cli import main
 from ddplab.predict import encoder, expand
 
-FAST = ["logging.tensorboard=false", "logging.progress=false", "distributed.timeout=60"]
+FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
 
 REGRESSION = '''
 import torch

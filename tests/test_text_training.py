@@ -16,7 +16,7 @@ from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.tasks import call_model
 from ddplab.inference import load_model
 
-QUIET = ["logging.tensorboard=false", "logging.progress=false"]
+QUIET = ["logging.trackers=[]", "logging.progress=false"]
 # 3 classes; 1211 samples leave a validation split of 121, which 2 ranks cannot split evenly.
 SCRATCH = ["model.name=transformer", "data.name=synthetic_reviews", "data.num_classes=3", "data.num_samples=1211",
            "data.max_len=64", "model.layers=1", "model.dim=64", "model.heads=4", "model.pooling=mean",

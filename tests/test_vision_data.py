@@ -17,7 +17,7 @@ from ddplab.registry import load_config
 from ddplab.workload import BuildConfig, Options
 from ddplab.workloads import images
 
-QUIET = ["logging.tensorboard=false", "logging.progress=false"]
+QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
 
 def build_data(cfg):

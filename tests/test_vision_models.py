@@ -17,7 +17,7 @@ from ddplab.workload import BuildConfig, Options
 from ddplab.workloads import images
 from test_vision_data import image_tree
 
-QUIET = ["logging.tensorboard=false", "logging.progress=false"]
+QUIET = ["logging.trackers=[]", "logging.progress=false"]
 
 
 def image_data(classes: int, channels: int, side: int) -> ddplab.Data:

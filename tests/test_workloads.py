@@ -17,7 +17,7 @@ from conftest import ROOT, _env, assert_ok, ddplab, torchrun
 from faults import command
 
 EXAMPLES = ROOT / "examples"
-FAST = ["logging.tensorboard=false", "logging.progress=false", "distributed.timeout=60"]
+FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
 
 WORKLOAD = '''
 import torch

@@ -126,7 +126,13 @@ class DistributedConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = _f(True, "write TensorBoard events")
+    trackers: list = _f(["tensorboard"], "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
+                                         "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
+                        choices=("tensorboard", "mlflow", "wandb"))
+    mlflow_uri: Optional[str] = _f(None, "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the "
+                                         "local store <experiment.output_dir>/mlflow/mlflow.db")
+    mlflow_experiment: str = _f("ddplab", "MLflow experiment that holds the runs")
+    wandb_project: str = _f("ddplab", "W&B project (WANDB_MODE=offline: files in the run folder's wandb/)")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
     log_every: int = _f(10, "optimizer steps between train-loss logs", positive=True)
     plots: bool = _f(True, "draw confusion_matrix_<split>.png at the end of a classification run (about a second "

@@ -162,6 +162,13 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
+    if hint is list:  # names: `[a, b]` (YAML), `a,b` or `[]` on the command line
+        if isinstance(value, str):
+            value = _yaml_value(value, dotted) if value.strip().startswith("[") else \
+                [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(dict.fromkeys(value))
+        raise UserError(f"'{dotted}' must be a list of names like [a, b], got {value!r}")
     if hint is dict:
         if isinstance(value, dict):
             return dict(value)
@@ -201,10 +208,11 @@ def _check_fields(node: Any, prefix: str) -> None:
             _check_fields(value, dotted + ".")
             continue
         meta = f.metadata
-        if meta.get("choices") is not None and value not in meta["choices"]:
-            allowed = ", ".join(str(c) for c in meta["choices"] if c is not None)
-            raise UserError(f"'{dotted}' must be one of {allowed}; got {value!r}")
-        if value is None or isinstance(value, (bool, str, dict)):
+        for item in value if isinstance(value, list) else [value]:  # a list's every item is one of the choices
+            if meta.get("choices") is not None and item not in meta["choices"]:
+                allowed = ", ".join(str(c) for c in meta["choices"] if c is not None)
+                raise UserError(f"'{dotted}' must be one of {allowed}; got {item!r}")
+        if value is None or isinstance(value, (bool, str, dict, list)):
             continue
         if meta.get("positive") and value <= 0:
             raise UserError(f"'{dotted}' must be > 0, got {value}")

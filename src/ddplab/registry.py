@@ -132,6 +132,9 @@ def check_config(cfg: Config) -> None:
         if entry is not None:
             entry.require(f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
+    for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
+        if tracker != "tensorboard":
+            require("track", f"logging.trackers={tracker}", (tracker,))
     if model is not None and data is not None and model.inputs == data.inputs == "image":
 
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))

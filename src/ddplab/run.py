@@ -21,6 +21,7 @@ from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports
 from ddplab.metrics.phases import Phases
 from ddplab.metrics.summary import parameter_digest, summary
+from ddplab.trackers import Trackers
 from ddplab.registry import workload
 from ddplab.workload import reference_file
 from ddplab.inference import sample
@@ -52,6 +53,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
         phases.mark("rendezvous")
         trainer = run = view = None
+        trackers = Trackers(cfg.logging.trackers)
         try:
             # Data and model first: a start that fails here writes nothing to the run folder.
             seed_everything(cfg.experiment.seed)  # identical init everywhere (DDP also broadcasts rank 0's)
@@ -61,7 +63,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             check_resume_path(cfg, model)
             seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
             phases.mark("model")
-            run = RunFolder(run_dir, ctx.is_main, tensorboard=cfg.logging.tensorboard)
+            run = RunFolder(run_dir, ctx.is_main)
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, dump_yaml(cfg))
@@ -71,7 +73,8 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), ClassReports(), *callbacks, RunRecorder()])
+                              callbacks=[*column_callbacks(), ClassReports(), *callbacks, RunRecorder(),
+                                         trackers])
             view = trainer.view
             trainer.resume()
             phases.mark("trainer")
@@ -113,6 +116,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 print(f"ddplab: rank {ctx.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             raise
         finally:
+            trackers.close()  # after a failure: the trackers' runs end as failed, their files flushed
             if trainer is not None:
                 trainer.close()
             del trainer, view

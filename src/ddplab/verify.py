@@ -58,7 +58,7 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     digest = hashlib.sha1(json.dumps([cfg.to_dict(), nproc], sort_keys=True, default=str).encode()).hexdigest()
     work = Path(cfg.experiment.output_dir) / f"verify-{digest[:10]}"
     forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "logging.log_every=1",
-              "logging.tensorboard=false", "logging.progress=false", "checkpoint.save_best=false",
+              "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
               "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
               "data.augment=false", f"experiment.output_dir={work}", "checkpoint.resume=auto"]
     base = ([config] if config else []) + list(overrides) + forced

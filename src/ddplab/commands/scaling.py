@@ -12,6 +12,7 @@ from ddplab.extras import require
 from ddplab.registry import load_config
 from ddplab.study.grid import expand, parse_setups, parse_sweeps
 from ddplab.study.runner import run_study
+from ddplab.trackers import finish_study
 
 
 def study(ns) -> int:
@@ -30,6 +31,7 @@ def study(ns) -> int:
         print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
         run_study(study_dir, config, points)
         report_path = _make_report([study_dir], study_dir, budget)
+        finish_study(study_dir, study_dir)  # the points' parent MLflow run gets the report, then ends
     print(f"report: {report_path}")
     return ExitCode.OK
 

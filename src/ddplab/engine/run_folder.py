@@ -1,7 +1,7 @@
 """The run folder: rank 0 writes it, other ranks never touch shared files.
 
 config.yaml, env.json, metrics.csv (one row per epoch), metrics.json, train.log,
-tensorboard/, checkpoints/ (SPEC section 4). Reports read only these files.
+tensorboard/ and trackers.json (ddplab.trackers), checkpoints/ (SPEC section 4). Reports read only these files.
 """
 
 from __future__ import annotations
@@ -49,18 +49,14 @@ class RunFolder:
     TENSORBOARD = "tensorboard"
     CHECKPOINTS = "checkpoints"
     SAMPLE = "sample.txt"
+    TRACKERS = "trackers.json"  # the MLflow / W&B run each tracker continues (ddplab.trackers)
 
-    def __init__(self, path: Path, is_main: bool, tensorboard: bool = True, purge_step: int | None = None) -> None:
+    def __init__(self, path: Path, is_main: bool) -> None:
         from rich.console import Console  # only rank 0 prints
 
         self.path = Path(path)
         self.is_main = is_main
         self.console = Console(stderr=False, highlight=False, soft_wrap=True)
-        self.tb = None
-        self._tensorboard = tensorboard and is_main
-        # Opened at the first scalar, so that a resumed run can first set the step from which
-        # the events of the attempt that died are purged.
-        self.purge_step = purge_step
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
             self._log = open(self.path / self.LOG, "a", buffering=1)
@@ -94,21 +90,8 @@ class RunFolder:
                 writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
         os.replace(tmp, self.path / self.METRICS_CSV)
 
-    def scalars(self, prefix: str, values: dict, step: int) -> None:
-        if not self._tensorboard:
-            return
-        if self.tb is None:
-            from torch.utils.tensorboard import SummaryWriter  # about a second to import: at the first scalar
-
-            self.tb = SummaryWriter(log_dir=str(self.path / self.TENSORBOARD), purge_step=self.purge_step)
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self.tb.add_scalar(f"{prefix}/{k}", v, step)
-
     def close(self) -> None:
         if not self.is_main:
             return
-        if self.tb is not None:
-            self.tb.close()
         self._log.close()
         sys.stdout.flush()

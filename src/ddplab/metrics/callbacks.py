@@ -75,15 +75,13 @@ class GpuColumns(Callback):
 
 
 class RunRecorder(Callback):
-    """metrics.csv (every epoch so far), TensorBoard scalars, and the console / train.log lines."""
+    """metrics.csv (every epoch so far) and the console / train.log lines (trackers: ddplab.trackers)."""
 
     ROW_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_f1", "val_perplexity", "val_r2", "val_rmse",
                 "epoch_time_s", "samples_per_s")
 
     def on_train_start(self, view):
         run, b, dist = view.run, view.batch, view.dist
-        if view.step:  # resumed: TensorBoard drops what the attempt that died logged after the snapshot
-            run.purge_step = view.step + 1
         run.log(f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
                 f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
                 f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
@@ -91,7 +89,6 @@ class RunRecorder(Callback):
 
     def on_log(self, view, values):
         step, every = view.step, view.config.logging.log_every
-        view.run.scalars("train", values, step)
         if not _bar_shown(view) and (step % (every * 10) == 0 or every == 1):
             view.run.log(f"epoch {view.epoch + 1} step {step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
 
@@ -101,10 +98,8 @@ class RunRecorder(Callback):
             view.run.log(f"step {view.step}: " + format_metrics(metrics))
 
     def on_epoch_end(self, view, row):
-        run, step, per_epoch = view.run, view.step, view.steps_per_epoch
+        run, per_epoch = view.run, view.steps_per_epoch
         run.write_epochs(view.history)
-        run.scalars("val", {k[4:]: v for k, v in row.items() if k.startswith("val_")}, step)
-        run.scalars("epoch", {k: row[k] for k in ("epoch_time_s", "samples_per_s", "peak_mem_mb") if row.get(k)}, step)
         head = f"epoch {row['epoch']}"
         if row.get("partial"):  # a run stopped mid-epoch (max_steps, time budget): say how far it got
             head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"

@@ -1,0 +1,82 @@
+"""What every tracker is, and the one ddplab had first: TensorBoard event files in the run folder."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from ddplab.engine.run_folder import RunFolder
+
+POINT_FILE = "study_point.json"  # written by ddplab.study.runner in each point's run folder
+LOG_ROW_SKIP = ("step", "epoch", "elapsed_s")  # a log row's bookkeeping, not a training metric
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def numbers(row: dict, skip=()) -> dict:
+    return {k: float(v) for k, v in row.items() if k not in skip and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{'training': {'lr': 1e-3}} -> {'training.lr': 1e-3}."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class Tracker:
+    name = ""
+    remembers = False  # keeps what it holds in trackers.json (a tracker that cannot be asked)
+
+    def start(self, view, record: dict, study: dict | None) -> tuple[int, int]:
+        """Start or continue this run's tracker run; returns the last (train, epoch-row) steps it holds."""
+        raise NotImplementedError
+
+    def log(self, values: dict, step: int) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """After a snapshot: what it was sent so far is kept even if the process dies now."""
+
+    def finish(self, view, status: str) -> None:
+        """The run ended (complete), stopped to be continued (preempted) or raised (failed)."""
+
+
+class TensorBoard(Tracker):
+    """Event files in the run folder's tensorboard/; a resumed run purges the events after its snapshot."""
+
+    name = "tensorboard"
+
+    def start(self, view, record, study):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(view.run.path / RunFolder.TENSORBOARD), purge_step=view.step + 1)
+        return view.step, view.step
+
+    def log(self, values, step):
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def flush(self):
+        self.writer.flush()
+
+    def finish(self, view, status):
+        self.writer.close()

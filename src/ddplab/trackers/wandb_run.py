@@ -1,0 +1,38 @@
+"""Weights & Biases: one run per run folder, its id kept in trackers.json."""
+
+from __future__ import annotations
+
+import uuid
+
+from ddplab.trackers.base import Tracker
+
+
+class WandB(Tracker):
+    """One W&B run per run folder, its id in trackers.json; WANDB_MODE=offline writes to the run folder's wandb/."""
+
+    name = "wandb"
+    remembers = True  # an offline run cannot be asked what it holds
+
+    def start(self, view, record, study):
+        import wandb
+
+        cfg, mine = view.config, record.get(self.name, {})
+        fresh = "id" not in mine
+        run_id = mine.get("id") or uuid.uuid4().hex[:12]
+        config = {**cfg.to_dict(), **({"study_point": study} if study else {})}
+        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.run_name(), id=run_id, resume="allow",
+                              dir=str(view.run.path), group=study["study"] if study else None,
+                              config=config if fresh else None, settings=wandb.Settings(console="off"))
+        record[self.name] = {"id": run_id, "project": cfg.logging.wandb_project, "train": mine.get("train", 0),
+                             "epoch": mine.get("epoch", 0)}
+        # Online, a resumed run knows its last step; offline, trackers.json does.
+        held = max(self.run.starting_step - 1, 0) if self.run.resumed else 0
+        return max(mine.get("train", 0), held), max(mine.get("epoch", 0), held)
+
+    def log(self, values, step):
+        self.run.log(values, step=step)
+
+    def finish(self, view, status):
+        if status == "preempted":
+            self.run.mark_preempting()
+        self.run.finish(exit_code=1 if status == "failed" else 0)
