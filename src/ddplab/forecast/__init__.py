@@ -8,16 +8,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplab.errors import UserError
-from ddplab.forecast.model import measure
-from ddplab.report.runs import find_runs
+from ddplab.config import batch_arithmetic
 from ddplab.config_io import parse_duration
+from ddplab.errors import UserError
 from ddplab.forecast.fit import comm_of, fit_link
 from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
-from ddplab.config import batch_arithmetic
-from ddplab.forecast.model import fit_compute, predict_step
-from ddplab.study.grid import parse_setups
+from ddplab.forecast.model import fit_compute, measure, predict_step
 from ddplab.forecast.write import write_all
+from ddplab.report.runs import find_runs
+from ddplab.study.grid import parse_setups
 
 
 @dataclass
@@ -53,7 +52,6 @@ def _label(run) -> str:
 
 def load(dirs: list[str]):
     """The runs under `dirs` as Measured points, all of one workload (model and data)."""
-
     try:
         runs, _ = find_runs(dirs)
     except UserError as err:
@@ -69,7 +67,6 @@ def load(dirs: list[str]):
 
 
 def forecast(dirs: list[str], opts: Options) -> Forecast:
-
     # Check every option before reading anything.
     try:
         setups = parse_setups(opts.setups)
@@ -126,17 +123,14 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
                         "re-run them with this version of ddplab")
     comm = comm_of(ref, hook or ref.hook, rank)
     comm.buckets = buckets
-    batch = opts.batch_size or ref.batch
-    accum = ref.accum
-    n_train = ref.train_samples
+    batch, accum, n_train = opts.batch_size or ref.batch, ref.accum, ref.train_samples
     rows = []
     for s in setups:
         step = predict_step(compute, comm, s.nodes, s.per_node, batch, inter, intra, accum, scale)
         counts = batch_arithmetic(batch, accum, s.processes, n_train)
-        steps = counts["steps_per_epoch"]
-        epoch = steps * step.step_s
+        epoch = counts["steps_per_epoch"] * step.step_s
         rows.append({"setup": s.label, "nodes": s.nodes, "per_node": s.per_node, "processes": s.processes,
-                     "global_batch": counts["global"], "steps_per_epoch": steps,
+                     "global_batch": counts["global"], "steps_per_epoch": counts["steps_per_epoch"],
                      "step_ms": step.step_s * 1e3, "compute_ms": step.compute_s * 1e3, "comm_ms": step.comm_s * 1e3,
                      "exposed_comm_ms": step.exposed_s * 1e3, "epoch_s": epoch,
                      "comm_share": step.exposed_s / step.step_s if step.step_s else 0.0,
@@ -153,7 +147,6 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
 
 
 def make_forecast(dirs: list[str], output: str | Path, opts: Options) -> Path:
-
     result = forecast(dirs, opts)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)

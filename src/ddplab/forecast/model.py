@@ -207,8 +207,7 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
     messages = comm.messages()
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
     sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages)]
-    delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) if (latency_ms or bandwidth_mbps) else 0.0
-              for n in sizes]
+    delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]
     end, comm_s, exposed = overlapped_backward(backward, comm.buckets, messages,
                                                lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays)
     step = base - backward + end
