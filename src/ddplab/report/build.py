@@ -30,7 +30,10 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     images = [p for p in images if p is not None]
 
     repeats = sorted({r["repeats"] for r in rows})
-    load = _load_average()
+    try:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = None
     lines = [f"# Scaling report: {', '.join(str(d) for d in dirs)}", "",
              f"{len(runs)} finished runs, {len(rows)} points"
              + (f", {'/'.join(map(str, repeats))} repeats each" if repeats != [1] else ", one run each")
@@ -73,10 +76,3 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
-
-
-def _load_average() -> str | None:
-    try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return None

@@ -100,14 +100,11 @@ def find_runs(dirs: list[str | Path]) -> tuple[list[Run], list[Path]]:
             try:
                 summary = json.loads(metrics.read_text())
             except ValueError:
-                unfinished.append(folder)
-                continue
+                summary = {}
             if summary.get("status") != "complete":
                 unfinished.append(folder)
                 continue
-            point = {}
-            if (folder / POINT_FILE).is_file():
-                point = json.loads((folder / POINT_FILE).read_text())
+            point = json.loads((folder / POINT_FILE).read_text()) if (folder / POINT_FILE).is_file() else {}
             runs.append(Run(folder, summary, point))
     if not runs:
         where = ", ".join(str(d) for d in dirs)

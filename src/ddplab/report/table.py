@@ -178,7 +178,7 @@ def fmt(key: str, value) -> str:
     if isinstance(value, float):
         if key == "lr":
             return f"{value:.3g}"
-        if key in ("speedup", "efficiency", "epochs_at_budget"):
+        if key in ("speedup", "efficiency", "scaling_efficiency", "epochs_at_budget"):
             return f"{value:.2f}"
         if key in PERCENT:
             return f"{100 * value:.2f}%"
@@ -200,15 +200,7 @@ def cell(row: dict, key: str) -> str:
 
 
 def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    swept = list(dict.fromkeys(k for r in rows for k in r if k.startswith("swept:")))
-    return [(k, k.split(".")[-1]) for k in swept]
-
-
-def columns_for(rows: list[dict]) -> list[tuple[str, str]]:
-    cols = HEAD + _swept_columns(rows) + TIMING_COLUMNS
-    if any(r.get("gpu_util") is not None for r in rows):
-        cols += GPU_COLUMNS
-    return cols
+    return [(k, k.split(".")[-1]) for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))]
 
 
 def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
@@ -218,20 +210,19 @@ def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
 
 def markdown(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(cell(row, k) for k, _ in cols) + " |")
+    lines += ["| " + " | ".join(cell(row, k) for k, _ in cols) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    return markdown(rows, columns_for(rows))
+    """The timing table; GPU columns only where a run measured its GPU."""
+    gpu = GPU_COLUMNS if any(r.get("gpu_util") is not None for r in rows) else []
+    return markdown(rows, HEAD + _swept_columns(rows) + TIMING_COLUMNS + gpu)
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
     rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in keys})
+        writer.writerows(rows)  # None and absent keys are written as empty cells
