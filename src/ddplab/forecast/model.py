@@ -57,8 +57,7 @@ def measure(run: Run) -> Measured | None:
     rows = [r for r in run.full_epochs if r.get("epoch_time_s")]
     if not rows:
         return None
-    cfg = run.summary.get("config", {})
-    dist_cfg = cfg.get("distributed", {})
+    dist_cfg = run.summary.get("config", {}).get("distributed", {})
     steps = int(run.ddp.get("steps_per_epoch") or 0)
     if steps < 1:
         return None
@@ -129,10 +128,8 @@ def fit_compute(singles: list[Measured]) -> Compute:
     fwd, bwd, rest = [], [], []
     for m in singles:
         model_s = m.step_s - m.data_wait
-        if timed:
-            f, b = m.forward, m.backward
-        else:
-            f, b = (1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum
+        untimed = ((1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum)
+        f, b = (m.forward, m.backward) if timed else untimed
         fwd.append(f)
         bwd.append(b)
         rest.append(max(model_s - m.accum * (f + b), 0.0))

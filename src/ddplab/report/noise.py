@@ -9,13 +9,6 @@ from collections import defaultdict
 from ddplab.report.table import fmt
 
 
-def _factors(rows: list[dict]) -> list[str]:
-    """What the points vary in: the setup, then each swept key."""
-    factors = ["setup"] if len({r["setup"] for r in rows}) > 1 else []
-    swept = dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
-    return factors + [k for k in swept if len({r.get(k) for r in rows}) > 1]
-
-
 def _range(row: dict, key: str) -> str:
     text = fmt(key, row.get(key))
     if row.get("repeats", 1) > 1:
@@ -39,9 +32,11 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
 
 
 def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
-    """Neighbouring points along each factor, the other factors held equal."""
+    """Neighbouring points along each factor they vary in (the setup, then each swept key), the
+    other factors held equal."""
     lines = []
-    factors = _factors(rows)
+    swept = dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
+    factors = [f for f in ["setup", *swept] if len({r.get(f) for r in rows}) > 1]
     for factor in factors:
         others = [f for f in factors if f != factor]
         held: dict[tuple, list[dict]] = defaultdict(list)

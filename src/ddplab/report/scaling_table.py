@@ -18,18 +18,15 @@ ROWS = [("lr", "Learning rate"), ("global_batch", "Global batch size"), ("steps_
 def _with_efficiency(items: list[dict]) -> list[dict]:
     """Efficiency against the smallest setup: (rate / its rate) / (processes / its processes)."""
     order = setup_order(items)
-    items = sorted(items, key=lambda r: order.index(r["setup"]))
+    items = sorted((dict(r) for r in items), key=lambda r: order.index(r["setup"]))
     small = items[0]
-    out = []
     for row in items:
-        row = dict(row)
         if row.get("samples_per_s") and small.get("samples_per_s"):
             ratio = row["processes"] / small["processes"]
             for suffix in ("", "_min", "_max"):
                 value = row.get(f"samples_per_s{suffix}")
                 row[f"scaling_efficiency{suffix}"] = value / small["samples_per_s"] / ratio if value else None
-        out.append(row)
-    return out
+    return items
 
 
 def scaling_tables(rows: list[dict], budget_s: float | None, budget_why: str) -> list[str]:

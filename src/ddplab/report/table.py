@@ -115,7 +115,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             **{f"test_{k}": test.get(k) for k in ("loss", "accuracy", "precision", "recall", "f1")},
             "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
             "gpu_mem_mb": max((r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None),
-            "_group": run.group_key(), "_experiment": run.experiment_key(),
+            "_group": (run.setup, run.experiment_key()), "_experiment": run.experiment_key(),  # repeats share _group
         })
     return rows
 

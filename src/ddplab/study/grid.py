@@ -48,17 +48,17 @@ def repeat_name(point: str, repeat: int) -> str:
 _SETUP = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
 
 
-def parse_setups(text: str, nnodes: int = 1) -> list[Setup]:
+def parse_setups(text: str, nnodes: int = 1, option: str = "--nproc") -> list[Setup]:
     """'1,2,4' (processes per node, on `nnodes` nodes) or '1x1,1x4,2x2' (nodes x processes per node)."""
     setups = []
     for item in text.split(","):
         match = _SETUP.match(item)
         if not match:
-            raise UserError(f"--nproc: '{item.strip()}' is not a process count; use e.g. 1,2,4 or 1x4,2x2 (nodes x processes)")
+            raise UserError(f"{option}: '{item.strip()}' is not a process count; use e.g. 1,2,4 or 1x4,2x2 (nodes x processes)")
         nodes = int(match.group(1)) if match.group(1) else nnodes
         per_node = int(match.group(2))
         if nodes < 1 or per_node < 1:
-            raise UserError(f"--nproc: '{item.strip()}' must count at least one node and one process")
+            raise UserError(f"{option}: '{item.strip()}' must count at least one node and one process")
         setup = Setup(nodes, per_node)
         if setup not in setups:
             setups.append(setup)
