@@ -53,13 +53,8 @@ def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
     scale 1, unlimited bandwidth."""
     free = min(len(multi), 3)
 
-    def full(x_free):
-        x = _DEFAULT.copy()
-        x[:free] = x_free
-        return x
-
     def residuals(x_free):
-        x = full(x_free)
+        x = np.concatenate([x_free, _DEFAULT[free:]])
         link = _link(x)
         # log(predicted / measured): symmetric, so a repeat slowed 2x by other jobs weighs as much
         # as one sped up 2x, and the fit lands near the geometric mean of repeats.
@@ -70,7 +65,7 @@ def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
     starts = itertools.product((0.0, 0.1, 1.0, 10.0), (1.0, 1.5), (0.0, 10.0))
     best = min((least_squares(residuals, np.array(x0)[:free], bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
                 for x0 in starts), key=lambda result: result.cost)
-    x = full(best.x)
+    x = np.concatenate([best.x, _DEFAULT[free:]])
     link = _link(x)
     points = [(m, predict_measured(compute, m, link, x[1])) for m in multi]
     rel = np.array([predicted / m.step_s - 1 for m, predicted in points])

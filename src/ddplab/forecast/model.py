@@ -146,9 +146,6 @@ class Comm:
     hook: str = "none"
     rank: int = 1
 
-    def messages(self) -> list[list[float]]:
-        return [wire_messages(b, self.hook, self.rank) for b in self.buckets]
-
 
 def simulated_delay_s(nbytes: float, processes: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
     """The delay ddplab's simulated link adds before a bucket's all-reduce (engine/comm.py)."""
@@ -201,7 +198,7 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
     if p == 1:
         return StepForecast(base, base, 0.0, 0.0)
     backward = scale * compute.part("backward", batch)
-    messages = comm.messages()
+    messages = [wire_messages(b, comm.hook, comm.rank) for b in comm.buckets]
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
     sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages)]
     delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]

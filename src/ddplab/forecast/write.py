@@ -51,18 +51,15 @@ def plot(result, path: Path) -> None:
     labels = [r["setup"] for r in rows]
     fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
-    exposed = [r["exposed_comm_ms"] for r in rows]
     left.bar(labels, compute, label="compute (and hidden all-reduce)", color="#4c72b0")
-    left.bar(labels, exposed, bottom=compute, label="all-reduce not hidden", color="#dd8452")
+    left.bar(labels, [r["exposed_comm_ms"] for r in rows], bottom=compute, label="all-reduce not hidden", color="#dd8452")
     left.set(xlabel="setup (nodes x processes per node)", ylabel="predicted step time (ms)", title="Step time")
     left.legend(fontsize=8)
-    procs = [r["processes"] for r in rows]
-    order = sorted(range(len(rows)), key=lambda i: procs[i])
-    right.plot([procs[i] for i in order], [rows[i]["speedup"] for i in order], "o-", label="forecast")
-    for i in order:
-        right.annotate(labels[i], (procs[i], rows[i]["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
-    top = max(procs)
-    right.plot([1, top], [1, top], "--", color="grey", label="ideal")
+    ordered = sorted(rows, key=lambda r: r["processes"])
+    right.plot([r["processes"] for r in ordered], [r["speedup"] for r in ordered], "o-", label="forecast")
+    for r in ordered:
+        right.annotate(r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    right.plot([1, ordered[-1]["processes"]], [1, ordered[-1]["processes"]], "--", color="grey", label="ideal")
     right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")
     right.legend(fontsize=8)
     fig.suptitle(f"Forecast: {result.workload}", fontsize=10)

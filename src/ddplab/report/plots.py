@@ -51,7 +51,7 @@ def _errorbar(ax, xs, rows, key, **kw):
     """Median with min-max whiskers; returns the line."""
     lo = [r[key] - (r[key] if r.get(f"{key}_min") is None else r[f"{key}_min"]) for r in rows]
     hi = [(r[key] if r.get(f"{key}_max") is None else r[f"{key}_max"]) - r[key] for r in rows]
-    return ax.errorbar(xs, [r[key] for r in rows], yerr=[lo, hi], marker="o", capsize=3, **kw).lines[0]
+    return ax.errorbar(xs, [r[key] for r in rows], yerr=[lo, hi], **{"marker": "o", "capsize": 3, **kw}).lines[0]
 
 
 def _series(rows: list[dict], key: str, where: dict[str, int]) -> dict[str, list[dict]]:
@@ -160,14 +160,15 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def _median_curve(runs: list[Run], key: str) -> list[tuple[int, float, float, float]]:
-    """(epoch, median, min, max) of a per-epoch value over a point's repeats."""
+def _median_curve(runs: list[Run], key: str) -> list[dict]:
+    """Per epoch, the median of a value over a point's repeats with its min and max."""
     per_epoch: dict[int, list[float]] = defaultdict(list)
     for run in runs:
         for r in run.epochs:
             if r.get(key) is not None and not r.get("partial"):
                 per_epoch[int(r["epoch"])].append(r[key])
-    return [(e, statistics.median(v), min(v), max(v)) for e, v in sorted(per_epoch.items())]
+    return [{"epoch": e, key: statistics.median(v), f"{key}_min": min(v), f"{key}_max": max(v)}
+            for e, v in sorted(per_epoch.items())]
 
 
 def _points(runs: list[Run]) -> dict[str, list[Run]]:
@@ -200,11 +201,10 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
         for label, group in points.items():
             curve = _median_curve(group, key)
             if curve:
-                e, m, lo, hi = zip(*curve)
                 line, marker = styles[setups.index(group[0].setup) % len(styles)]
                 color = colors[swept.index(json.dumps(group[0].swept, sort_keys=True)) % len(colors)]
-                ax.errorbar(e, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
-                            marker=marker, linestyle=line, color=color, capsize=3, label=label)
+                _errorbar(ax, [c["epoch"] for c in curve], curve, key, marker=marker, linestyle=line, color=color,
+                          label=label)
         _integer_ticks(ax.xaxis)
         name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
         ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
@@ -262,10 +262,9 @@ def comm_plot(rows: list[dict], path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.4))
     names = [r["label"] for r in rows]
-    comm = [r["comm_ms_per_step"] for r in rows]
     compute = [r["compute_ms_per_step"] or 0.0 for r in rows]
     ax.bar(names, compute, label="compute (rest of the step)")
-    ax.bar(names, comm, bottom=compute, label="communication (all-reduce in flight)")
+    ax.bar(names, [r["comm_ms_per_step"] for r in rows], bottom=compute, label="communication (all-reduce in flight)")
     ax.set(ylabel="ms per optimizer step (median over repeats)", title="Communication vs computation per point")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     ax.legend(fontsize=8)

@@ -19,8 +19,8 @@ from ddplab.report.runs import Run
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
 TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
           "compute_ms_per_step", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
-QUALITY = ["best_val_loss", "val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1",
-           "test_loss", "test_accuracy", "test_precision", "test_recall", "test_f1"]
+SCORES = ("loss", "accuracy", "precision", "recall", "f1")
+QUALITY = ["best_val_loss", *(f"{split}_{score}" for split in ("val", "test") for score in SCORES)]
 SPREAD = TIMING + QUALITY
 
 # (key, markdown header); the CSV uses the keys.
@@ -33,11 +33,8 @@ TIMING_COLUMNS = [
     ("epochs_at_budget", "epochs @ budget"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
-QUALITY_COLUMNS = [
-    ("best_val_loss", "best val loss"), ("val_accuracy", "val accuracy"), ("val_precision", "val precision"),
-    ("val_recall", "val recall"), ("val_f1", "val F1"), ("test_loss", "test loss"), ("test_accuracy", "test accuracy"),
-    ("test_precision", "test precision"), ("test_recall", "test recall"), ("test_f1", "test F1"),
-]
+# The last epoch's val loss is left out of the table: the best one is there.
+QUALITY_COLUMNS = [(k, k.replace("_", " ").replace("f1", "F1")) for k in QUALITY if k != "val_loss"]
 PERCENT = {"val_accuracy", "test_accuracy"}
 
 
@@ -111,8 +108,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
             "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
             "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
-            **{k: last.get(k) for k in ("val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1")},
-            **{f"test_{k}": test.get(k) for k in ("loss", "accuracy", "precision", "recall", "f1")},
+            **{f"val_{k}": last.get(f"val_{k}") for k in SCORES}, **{f"test_{k}": test.get(k) for k in SCORES},
             "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
             "gpu_mem_mb": max((r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None),
             "_group": (run.setup, run.experiment_key()), "_experiment": run.experiment_key(),  # repeats share _group

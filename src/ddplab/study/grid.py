@@ -35,9 +35,6 @@ class Point:
     repeat: int = 1
     point: str = ""  # the grid point's name, shared by its repeats
 
-    def __post_init__(self) -> None:
-        self.point = self.point or self.name
-
 
 def repeat_name(point: str, repeat: int) -> str:
     """The first repeat keeps the point's own folder, so a study first run once and then with
@@ -111,7 +108,7 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
             load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
-            points.append(Point(name, setup, swept, overrides))
+            points.append(Point(name, setup, swept, overrides, point=name))
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
     # machine then spreads over all points instead of landing on the repeats of one.
     return [Point(repeat_name(p.name, r), p.setup, p.swept, [*p.overrides, f"experiment.name={repeat_name(p.name, r)}"],
