@@ -39,11 +39,6 @@ class Forecast:
     budget_s: float | None = None
 
 
-def _workload(run) -> str:
-    cfg = run.summary.get("config", {})
-    return json.dumps({"model": cfg.get("model"), "data": cfg.get("data")}, sort_keys=True)
-
-
 def _label(run) -> str:
     cfg = run.summary.get("config", {})
     return f"{cfg.get('model', {}).get('name', '?')} on {cfg.get('data', {}).get('name', '?')}"
@@ -52,7 +47,7 @@ def _label(run) -> str:
 def load(dirs: list[str]):
     """The runs under `dirs` as Measured points, all of one workload (model and data)."""
     runs, _ = find_runs(dirs, "forecast")
-    kinds = {_workload(r) for r in runs}
+    kinds = {json.dumps([r.summary.get("config", {}).get(k) for k in ("model", "data")], sort_keys=True) for r in runs}
     if len(kinds) > 1:
         raise UserError(f"forecast: the runs given train {len(kinds)} different workloads "
                         f"({', '.join(sorted({_label(r) for r in runs}))}); forecast one model and data set at a time")
@@ -137,7 +132,4 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
 
 
 def make_forecast(dirs: list[str], output: str | Path, opts: Options) -> Path:
-    result = forecast(dirs, opts)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    return write_all(result, out)
+    return write_all(forecast(dirs, opts), Path(output))

@@ -61,7 +61,6 @@ def measure(run: Run) -> Measured | None:
     steps = int(run.ddp.get("steps_per_epoch") or 0)
     if steps < 1:
         return None
-    total_steps = steps * len(rows)
     micro = sum(r.get("timed_micro_steps") or 0 for r in rows)
 
     def per_micro(key):
@@ -74,7 +73,7 @@ def measure(run: Run) -> Measured | None:
         train_samples=int(run.summary.get("dataset", {}).get("train", 0)), steps_per_epoch=steps,
         epoch_times=[r["epoch_time_s"] for r in rows], forward=per_micro("forward_time_s"),
         backward=per_micro("backward_time_s"),
-        data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / total_steps,
+        data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / (steps * len(rows)),
         comm_exposed=per_micro("comm_exposed_s") if run.processes > 1 else 0.0,
         latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
         bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),

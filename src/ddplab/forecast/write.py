@@ -15,17 +15,13 @@ COLUMNS = [("setup", "setup", "{}"), ("processes", "processes", "{}"), ("global_
            ("comm_share", "comm share", "{:.1%}"), ("epochs_in_budget", "epochs @ budget", "{:,.1f}")]
 
 
-def _cell(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def markdown(result) -> str:
     cols = [c for c in COLUMNS if c[0] != "epochs_in_budget" or result.budget_s]
     lines = [f"# Forecast: {result.workload}", ""]
     lines += [f"- {note}" for note in result.notes]
     lines += ["", "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in result.rows:
-        lines.append("| " + " | ".join(_cell(row.get(k), fmt) for k, _, fmt in cols) + " |")
+        lines.append("| " + " | ".join("-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in cols) + " |")
     lines += ["", "Speedup is the 1x1 forecast's epoch time over the setup's, at the same batch per process; "
               "efficiency is speedup / processes; comm share is the all-reduce time not hidden behind "
               "the backward pass, over the step."]
@@ -39,20 +35,14 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_csv(result, path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[c[0] for c in COLUMNS], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(result.rows)
-
-
 def plot(result, path: Path) -> None:
     rows = result.rows
     labels = [r["setup"] for r in rows]
     fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
+    exposed = [r["exposed_comm_ms"] for r in rows]
     left.bar(labels, compute, label="compute (and hidden all-reduce)", color="#4c72b0")
-    left.bar(labels, [r["exposed_comm_ms"] for r in rows], bottom=compute, label="all-reduce not hidden", color="#dd8452")
+    left.bar(labels, exposed, bottom=compute, label="all-reduce not hidden", color="#dd8452")
     left.set(xlabel="setup (nodes x processes per node)", ylabel="predicted step time (ms)", title="Step time")
     left.legend(fontsize=8)
     ordered = sorted(rows, key=lambda r: r["processes"])
@@ -67,7 +57,11 @@ def plot(result, path: Path) -> None:
 
 
 def write_all(result, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "forecast.md").write_text(markdown(result))
-    write_csv(result, out / "forecast.csv")
+    with open(out / "forecast.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c[0] for c in COLUMNS], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result.rows)
     plot(result, out / "forecast.png")
     return out / "forecast.md"

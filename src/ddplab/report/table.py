@@ -86,7 +86,6 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     """One row per run (every repeat), before speedup."""
     rows = []
     for run in runs:
-        epochs = run.full_epochs or run.epochs
         steps = run.total_steps
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)
         compute = sum(r.get("compute_time_s") or 0.0 for r in run.epochs)
@@ -102,7 +101,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "global_batch": run.ddp.get("global"), "lr": run.ddp.get("lr"), "lr_scaling": run.ddp.get("lr_scaling"),
             "steps_per_epoch": run.ddp.get("steps_per_epoch"), "epochs": len(run.full_epochs), "steps": steps,
             "mean_epoch_time_s": _mean(r.get("epoch_time_s") for r in run.full_epochs),
-            "samples_per_s": _mean(r.get("samples_per_s") for r in epochs),
+            "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
             "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
             "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
             "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,

@@ -101,10 +101,9 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
         if item.split("=", 1)[0].strip() in ("experiment.name", "experiment.output_dir"):
             raise UserError(f"'{item}': a study names its run folders itself; use --name and --output-dir")
     points = []
-    keys = list(sweeps)
     for setup in setups:
-        for values in itertools.product(*(sweeps[k] for k in keys)):
-            swept = dict(zip(keys, values))
+        for values in itertools.product(*sweeps.values()):
+            swept = dict(zip(sweeps, values))
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
             load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
