@@ -78,7 +78,6 @@ def _rebuilt(cfg, build) -> torch.nn.Module:
 
 def sample(model, meta: dict, prompt: str, max_new_tokens: int, temperature: float = 0.8,
            top_k: int | None = 40, seed: int = 0) -> str:
-
     if meta.get("tokenizer") not in ("char", "byte"):
         raise UserError("this checkpoint is not a character / byte language model")
     tokenizer = CharTokenizer.from_meta(meta)

@@ -8,16 +8,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplab.errors import UserError
-from ddplab.forecast.model import measure
-from ddplab.report.runs import find_runs
-from ddplab.config_io import parse_duration
-from ddplab.forecast.fit import comm_of, fit_link
-from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
 from ddplab.config import batch_arithmetic
-from ddplab.forecast.model import fit_compute, predict_step
-from ddplab.study.grid import parse_setups
+from ddplab.config_io import parse_duration
+from ddplab.errors import UserError
+from ddplab.forecast.fit import fit_link
+from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
+from ddplab.forecast.model import Comm, fit_compute, measure, predict_step
 from ddplab.forecast.write import write_all
+from ddplab.report.runs import find_runs
+from ddplab.study.grid import parse_setups
 
 
 @dataclass
@@ -37,13 +36,7 @@ class Forecast:
     rows: list[dict]
     notes: list[str] = field(default_factory=list)
     fit: object | None = None
-    compute: object | None = None
     budget_s: float | None = None
-
-
-def _workload(run) -> str:
-    cfg = run.summary.get("config", {})
-    return json.dumps({"model": cfg.get("model"), "data": cfg.get("data")}, sort_keys=True)
 
 
 def _label(run) -> str:
@@ -53,12 +46,8 @@ def _label(run) -> str:
 
 def load(dirs: list[str]):
     """The runs under `dirs` as Measured points, all of one workload (model and data)."""
-
-    try:
-        runs, _ = find_runs(dirs)
-    except UserError as err:
-        raise UserError(str(err).replace("report:", "forecast:")) from None
-    kinds = {_workload(r) for r in runs}
+    runs, _ = find_runs(dirs, "forecast")
+    kinds = {json.dumps([r.summary.get("config", {}).get(k) for k in ("model", "data")], sort_keys=True) for r in runs}
     if len(kinds) > 1:
         raise UserError(f"forecast: the runs given train {len(kinds)} different workloads "
                         f"({', '.join(sorted({_label(r) for r in runs}))}); forecast one model and data set at a time")
@@ -69,12 +58,8 @@ def load(dirs: list[str]):
 
 
 def forecast(dirs: list[str], opts: Options) -> Forecast:
-
     # Check every option before reading anything.
-    try:
-        setups = parse_setups(opts.setups)
-    except UserError as err:
-        raise UserError(str(err).replace("--nproc", "--setups")) from None
+    setups = parse_setups(opts.setups, option="--setups")
     bandwidth = parse_bandwidth(opts.bandwidth) if opts.bandwidth is not None else None
     latency = parse_latency(opts.latency) if opts.latency is not None else None
     intra_bw = parse_bandwidth(opts.intra_bandwidth, "--intra-bandwidth") if opts.intra_bandwidth is not None else None
@@ -112,9 +97,8 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     scale = fit.compute_scale if fit else 1.0
     given = [name for name, value in (("bandwidth", bandwidth), ("latency", latency)) if value is not None]
     source = "given" if len(given) == 2 else "fitted" if not given else f"{given[0]} given, the rest fitted"
-    notes.append(f"inter-node link: {inter.describe()} ({source})")
     intra_source = "bandwidth given" if intra_bw else "as fitted" if fit else "as the inter-node link"
-    notes.append(f"intra-node link: {intra.describe()} ({intra_source})")
+    notes += [f"inter-node link: {inter.describe()} ({source})", f"intra-node link: {intra.describe()} ({intra_source})"]
     if abs(scale - 1.0) > 0.02:
         notes.append(f"each of several processes computes at {scale:.2f}x the 1-process time (fitted; "
                      f"processes sharing this machine's cores); separate devices would be nearer 1.0")
@@ -124,37 +108,28 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     if not buckets:
         raise UserError("forecast: the runs do not record their gradient buckets (metrics.json 'comm'); "
                         "re-run them with this version of ddplab")
-    comm = comm_of(ref, hook or ref.hook, rank)
-    comm.buckets = buckets
-    batch = opts.batch_size or ref.batch
-    accum = ref.accum
-    n_train = ref.train_samples
+    comm = Comm(buckets, hook or ref.hook, rank)
+    batch, accum, n_train = opts.batch_size or ref.batch, ref.accum, ref.train_samples
+    one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)
+    epoch_one = batch_arithmetic(batch, accum, 1, n_train)["steps_per_epoch"] * one.step_s
     rows = []
     for s in setups:
         step = predict_step(compute, comm, s.nodes, s.per_node, batch, inter, intra, accum, scale)
         counts = batch_arithmetic(batch, accum, s.processes, n_train)
-        steps = counts["steps_per_epoch"]
-        epoch = steps * step.step_s
+        epoch = counts["steps_per_epoch"] * step.step_s
+        speedup = epoch_one / epoch if epoch else None
         rows.append({"setup": s.label, "nodes": s.nodes, "per_node": s.per_node, "processes": s.processes,
-                     "global_batch": counts["global"], "steps_per_epoch": steps,
+                     "global_batch": counts["global"], "steps_per_epoch": counts["steps_per_epoch"],
                      "step_ms": step.step_s * 1e3, "compute_ms": step.compute_s * 1e3, "comm_ms": step.comm_s * 1e3,
                      "exposed_comm_ms": step.exposed_s * 1e3, "epoch_s": epoch,
                      "comm_share": step.exposed_s / step.step_s if step.step_s else 0.0,
-                     "epochs_in_budget": budget / epoch if budget and epoch else None})
-    one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)
-    epoch_one = batch_arithmetic(batch, accum, 1, n_train)["steps_per_epoch"] * one.step_s
-    for row in rows:
-        row["speedup"] = epoch_one / row["epoch_s"] if row["epoch_s"] else None
-        row["efficiency"] = row["speedup"] / row["processes"] if row["speedup"] else None
+                     "epochs_in_budget": budget / epoch if budget and epoch else None,
+                     "speedup": speedup, "efficiency": speedup / s.processes if speedup else None})
     grad = sum(b["bytes"] for b in buckets)
     notes.append(f"{n_train} training samples, {batch} per process, gradient {grad:,} bytes in {len(buckets)} "
                  f"bucket(s), hook {comm.hook}" + (f" (rank {rank})" if comm.hook == "powersgd" else ""))
-    return Forecast(label, rows, notes, fit, compute, budget)
+    return Forecast(label, rows, notes, fit, budget)
 
 
 def make_forecast(dirs: list[str], output: str | Path, opts: Options) -> Path:
-
-    result = forecast(dirs, opts)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    return write_all(result, out)
+    return write_all(forecast(dirs, opts), Path(output))

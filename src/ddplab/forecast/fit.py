@@ -3,6 +3,7 @@ multi-process runs, by least squares on the relative error of their step times."
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -52,28 +53,19 @@ def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
     scale 1, unlimited bandwidth."""
     free = min(len(multi), 3)
 
-    def full(x_free):
-        x = _DEFAULT.copy()
-        x[:free] = x_free
-        return x
-
     def residuals(x_free):
-        x = full(x_free)
+        x = np.concatenate([x_free, _DEFAULT[free:]])
         link = _link(x)
         # log(predicted / measured): symmetric, so a repeat slowed 2x by other jobs weighs as much
         # as one sped up 2x, and the fit lands near the geometric mean of repeats.
         return np.array([math.log(predict_measured(compute, m, link, x[1]) / m.step_s) for m in multi])
 
-    best = None
-    # The model has kinks (max of compute and communication), so start from a few places.
-    for alpha0 in (0.0, 0.1, 1.0, 10.0):
-        for scale0 in (1.0, 1.5):
-            for ns_per_byte0 in (0.0, 10.0):  # unlimited, 800 Mbit/s
-                start = np.array([alpha0, scale0, ns_per_byte0])[:free]
-                result = least_squares(residuals, start, bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
-                if best is None or result.cost < best.cost:
-                    best = result
-    x = full(best.x)
+    # The model has kinks (max of compute and communication), so start from a few places: latency,
+    # scale, and nanoseconds per byte unlimited or 800 Mbit/s.
+    starts = itertools.product((0.0, 0.1, 1.0, 10.0), (1.0, 1.5), (0.0, 10.0))
+    best = min((least_squares(residuals, np.array(x0)[:free], bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
+                for x0 in starts), key=lambda result: result.cost)
+    x = np.concatenate([best.x, _DEFAULT[free:]])
     link = _link(x)
     points = [(m, predict_measured(compute, m, link, x[1])) for m in multi]
     rel = np.array([predicted / m.step_s - 1 for m, predicted in points])

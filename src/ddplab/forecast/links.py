@@ -27,16 +27,11 @@ def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
     """'25Gbit', '10Gbps', '100Mbit/s', '200GB/s', '1GiB/s' -> bytes per second."""
     number, unit = _split(text, option, "25Gbit or 200GB/s")
     low = unit.lower()
-    scale = None
+    bits = re.fullmatch(r"([kmgt]?)(?:bit/s|bit|bps)", low)
     if unit.endswith("B/s"):  # bytes
-        prefix = low[:-3]
-        scale = _PREFIX.get(prefix) or _BINARY.get(prefix)
+        scale = _PREFIX.get(low[:-3]) or _BINARY.get(low[:-3])
     else:
-        for suffix in ("bit/s", "bit", "bps"):
-            if low.endswith(suffix):
-                prefix = _PREFIX.get(low[: -len(suffix)])
-                scale = prefix / 8 if prefix else None
-                break
+        scale = _PREFIX[bits.group(1)] / 8 if bits else None
     if scale is None:
         raise UserError(f"{option}: unknown unit {unit!r} in {text!r} (use Mbit, Gbit, Gbps, MB/s, GB/s)")
     value = number * scale
@@ -81,8 +76,7 @@ def ring_allreduce_s(nbytes: float, processes: int, link: Link) -> float:
     nbytes / p, so 2 (p-1)/p * nbytes / bandwidth + 2 (p-1) * alpha. Nothing to do for p = 1."""
     if processes <= 1 or nbytes <= 0:
         return 0.0
-    p = processes
-    return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.alpha
+    return 2 * (processes - 1) / processes * nbytes / link.bandwidth + 2 * (processes - 1) * link.alpha
 
 
 def allreduce_s(nbytes: float, nodes: int, per_node: int, inter: Link, intra: Link) -> float:
@@ -90,11 +84,7 @@ def allreduce_s(nbytes: float, nodes: int, per_node: int, inter: Link, intra: Li
     (a ring over the node's processes, half the ring's cost), an all-reduce across nodes of each
     process's 1/per_node shard (the shards' rings share the node's link, so the node sends the
     whole payload's ring volume over it), then all-gather inside the node (the other half)."""
-    intra_s = ring_allreduce_s(nbytes, per_node, intra)
-    if nodes <= 1:
-        return intra_s
-    inter_s = 2 * (nodes - 1) / nodes * nbytes / inter.bandwidth + 2 * (nodes - 1) * inter.alpha
-    return intra_s + inter_s
+    return ring_allreduce_s(nbytes, per_node, intra) + ring_allreduce_s(nbytes, nodes, inter)
 
 
 def wire_messages(bucket: dict, hook: str, rank: int = 1) -> list[float]:

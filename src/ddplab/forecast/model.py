@@ -57,12 +57,10 @@ def measure(run: Run) -> Measured | None:
     rows = [r for r in run.full_epochs if r.get("epoch_time_s")]
     if not rows:
         return None
-    cfg = run.summary.get("config", {})
-    dist_cfg = cfg.get("distributed", {})
+    dist_cfg = run.summary.get("config", {}).get("distributed", {})
     steps = int(run.ddp.get("steps_per_epoch") or 0)
     if steps < 1:
         return None
-    total_steps = steps * len(rows)
     micro = sum(r.get("timed_micro_steps") or 0 for r in rows)
 
     def per_micro(key):
@@ -75,7 +73,7 @@ def measure(run: Run) -> Measured | None:
         train_samples=int(run.summary.get("dataset", {}).get("train", 0)), steps_per_epoch=steps,
         epoch_times=[r["epoch_time_s"] for r in rows], forward=per_micro("forward_time_s"),
         backward=per_micro("backward_time_s"),
-        data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / total_steps,
+        data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / (steps * len(rows)),
         comm_exposed=per_micro("comm_exposed_s") if run.processes > 1 else 0.0,
         latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
         bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),
@@ -129,10 +127,8 @@ def fit_compute(singles: list[Measured]) -> Compute:
     fwd, bwd, rest = [], [], []
     for m in singles:
         model_s = m.step_s - m.data_wait
-        if timed:
-            f, b = m.forward, m.backward
-        else:
-            f, b = (1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum
+        untimed = ((1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum)
+        f, b = (m.forward, m.backward) if timed else untimed
         fwd.append(f)
         bwd.append(b)
         rest.append(max(model_s - m.accum * (f + b), 0.0))
@@ -148,9 +144,6 @@ class Comm:
     buckets: list[dict]
     hook: str = "none"
     rank: int = 1
-
-    def messages(self) -> list[list[float]]:
-        return [wire_messages(b, self.hook, self.rank) for b in self.buckets]
 
 
 def simulated_delay_s(nbytes: float, processes: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
@@ -204,11 +197,10 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
     if p == 1:
         return StepForecast(base, base, 0.0, 0.0)
     backward = scale * compute.part("backward", batch)
-    messages = comm.messages()
+    messages = [wire_messages(b, comm.hook, comm.rank) for b in comm.buckets]
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
     sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages)]
-    delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) if (latency_ms or bandwidth_mbps) else 0.0
-              for n in sizes]
+    delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]
     end, comm_s, exposed = overlapped_backward(backward, comm.buckets, messages,
                                                lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays)
     step = base - backward + end

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from ddplab.report.plots import _pyplot, _save
+
 COLUMNS = [("setup", "setup", "{}"), ("processes", "processes", "{}"), ("global_batch", "global batch", "{}"),
            ("steps_per_epoch", "steps / epoch", "{:,}"), ("step_ms", "step (ms)", "{:,.2f}"),
            ("compute_ms", "compute (ms)", "{:,.2f}"), ("comm_ms", "all-reduce (ms)", "{:,.2f}"),
@@ -13,17 +15,13 @@ COLUMNS = [("setup", "setup", "{}"), ("processes", "processes", "{}"), ("global_
            ("comm_share", "comm share", "{:.1%}"), ("epochs_in_budget", "epochs @ budget", "{:,.1f}")]
 
 
-def _cell(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def markdown(result) -> str:
     cols = [c for c in COLUMNS if c[0] != "epochs_in_budget" or result.budget_s]
     lines = [f"# Forecast: {result.workload}", ""]
     lines += [f"- {note}" for note in result.notes]
     lines += ["", "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in result.rows:
-        lines.append("| " + " | ".join(_cell(row.get(k), fmt) for k, _, fmt in cols) + " |")
+        lines.append("| " + " | ".join("-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in cols) + " |")
     lines += ["", "Speedup is the 1x1 forecast's epoch time over the setup's, at the same batch per process; "
               "efficiency is speedup / processes; comm share is the all-reduce time not hidden behind "
               "the backward pass, over the step."]
@@ -37,50 +35,33 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_csv(result, path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[c[0] for c in COLUMNS])
-        writer.writeheader()
-        for row in result.rows:
-            writer.writerow({k: row.get(k) for k, _, _ in COLUMNS})
-
-
 def plot(result, path: Path) -> None:
-    import matplotlib  # the report extra; imported only to draw
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # the report extra; imported only to draw
-
     rows = result.rows
     labels = [r["setup"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
     exposed = [r["exposed_comm_ms"] for r in rows]
     left.bar(labels, compute, label="compute (and hidden all-reduce)", color="#4c72b0")
     left.bar(labels, exposed, bottom=compute, label="all-reduce not hidden", color="#dd8452")
-    left.set_xlabel("setup (nodes x processes per node)")
-    left.set_ylabel("predicted step time (ms)")
-    left.set_title("Step time")
+    left.set(xlabel="setup (nodes x processes per node)", ylabel="predicted step time (ms)", title="Step time")
     left.legend(fontsize=8)
-    procs = [r["processes"] for r in rows]
-    order = sorted(range(len(rows)), key=lambda i: procs[i])
-    right.plot([procs[i] for i in order], [rows[i]["speedup"] for i in order], "o-", label="forecast")
-    for i in order:
-        right.annotate(labels[i], (procs[i], rows[i]["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
-    top = max(procs)
-    right.plot([1, top], [1, top], "--", color="grey", label="ideal")
-    right.set_xlabel("processes")
-    right.set_ylabel("speedup of the epoch over 1x1")
-    right.set_title("Speedup")
+    ordered = sorted(rows, key=lambda r: r["processes"])
+    right.plot([r["processes"] for r in ordered], [r["speedup"] for r in ordered], "o-", label="forecast")
+    for r in ordered:
+        right.annotate(r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    right.plot([1, ordered[-1]["processes"]], [1, ordered[-1]["processes"]], "--", color="grey", label="ideal")
+    right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")
     right.legend(fontsize=8)
     fig.suptitle(f"Forecast: {result.workload}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_all(result, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "forecast.md").write_text(markdown(result))
-    write_csv(result, out / "forecast.csv")
+    with open(out / "forecast.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c[0] for c in COLUMNS], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result.rows)
     plot(result, out / "forecast.png")
     return out / "forecast.md"

@@ -23,14 +23,14 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     write_csv(rows, out / "report.csv")
 
     images = [*plots.setups_plots(rows, out), *plots.sweep_plots(rows, out),
-              plots.val_epoch_plot(runs, out / "val_epochs.png"),
-              *plots.loss_plots(runs, out),
-              plots.accuracy_plot(runs, out / "accuracy_time.png"),
-              plots.comm_plot(rows, out / "comm.png")]
-    images = [p for p in images if p is not None]
+              plots.val_epoch_plot(runs, out / "val_epochs.png"), *plots.loss_plots(runs, out),
+              plots.accuracy_plot(runs, out / "accuracy_time.png"), plots.comm_plot(rows, out / "comm.png")]
 
     repeats = sorted({r["repeats"] for r in rows})
-    load = _load_average()
+    try:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = None
     lines = [f"# Scaling report: {', '.join(str(d) for d in dirs)}", "",
              f"{len(runs)} finished runs, {len(rows)} points"
              + (f", {'/'.join(map(str, repeats))} repeats each" if repeats != [1] else ", one run each")
@@ -60,23 +60,15 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         lines += ["", "## Quality", "", markdown(rows, quality), "",
                   "- val scores are the last epoch's, on the whole validation split (macro precision / recall / F1); "
                   "test scores are the best model's on the test split."]
-    compared = comparisons(rows)
-    notes = efficiency_notes(rows)
-    if compared or notes:
+    notes = comparisons(rows) + efficiency_notes(rows)
+    if notes:
         lines += ["", "## Differences and noise", "",
                   "Throughput (samples/s) of points that differ in one thing only; where their ranges over repeats "
                   "overlap the difference is within noise and no order is claimed.", ""]
-        lines += [f"- {line}" for line in compared + notes]
+        lines += [f"- {line}" for line in notes]
     table = scaling_tables(rows, budget, budget_from)
     if table:
         lines += ["", "## Scaling (one column per setup)", "", *table]
-    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images if p is not None]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
-
-
-def _load_average() -> str | None:
-    try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return None

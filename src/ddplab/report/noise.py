@@ -9,21 +9,6 @@ from collections import defaultdict
 from ddplab.report.table import fmt
 
 
-def overlap(a: dict, b: dict, key: str) -> bool | None:
-    """Whether the min-max ranges of two points overlap; None when either lacks the value."""
-    lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
-    if None in (lo_a, hi_a, lo_b, hi_b):
-        return None
-    return lo_a <= hi_b and lo_b <= hi_a
-
-
-def _factors(rows: list[dict]) -> list[str]:
-    """What the points vary in: the setup, then each swept key."""
-    factors = ["setup"] if len({r["setup"] for r in rows}) > 1 else []
-    swept = dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
-    return factors + [k for k in swept if len({r.get(k) for r in rows}) > 1]
-
-
 def _range(row: dict, key: str) -> str:
     text = fmt(key, row.get(key))
     if row.get("repeats", 1) > 1:
@@ -39,16 +24,19 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
         return f"{head}: not measured"
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
         return f"{head}: a single run on a side, noise not measured (use --repeat 3)"
-    if overlap(a, b, key):
+    lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
+    if None not in (lo_a, hi_a, lo_b, hi_b) and lo_a <= hi_b and lo_b <= hi_a:
         return f"{head}: **within noise** (ranges overlap)"
     faster, slower = (a, b) if va > vb else (b, a)
     return f"{head}: {faster['label']} is {max(va, vb) / min(va, vb):.2f}x {slower['label']} (ranges apart)"
 
 
 def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
-    """Neighbouring points along each factor, the other factors held equal."""
+    """Neighbouring points along each factor they vary in (the setup, then each swept key), the
+    other factors held equal."""
     lines = []
-    factors = _factors(rows)
+    swept = dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
+    factors = [f for f in ["setup", *swept] if len({r.get(f) for r in rows}) > 1]
     for factor in factors:
         others = [f for f in factors if f != factor]
         held: dict[tuple, list[dict]] = defaultdict(list)

@@ -47,20 +47,21 @@ def _swept_label(row: dict, skip: str | None = None) -> str:
     return ", ".join(parts) or f"batch/proc {row.get('batch_per_process')}"
 
 
-def _errorbar(ax, xs, rows, key, scale=1.0, **kw):
+def _errorbar(ax, xs, rows, key, **kw):
     """Median with min-max whiskers; returns the line."""
-    med = [r[key] * scale for r in rows]
-    lo = [(r[key] - (r.get(f"{key}_min") if r.get(f"{key}_min") is not None else r[key])) * scale for r in rows]
-    hi = [((r.get(f"{key}_max") if r.get(f"{key}_max") is not None else r[key]) - r[key]) * scale for r in rows]
-    container = ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, **kw)
-    return container.lines[0]
+    lo = [r[key] - (r[key] if r.get(f"{key}_min") is None else r[f"{key}_min"]) for r in rows]
+    hi = [(r[key] if r.get(f"{key}_max") is None else r[f"{key}_max"]) - r[key] for r in rows]
+    return ax.errorbar(xs, [r[key] for r in rows], yerr=[lo, hi], **{"marker": "o", "capsize": 3, **kw}).lines[0]
 
 
-def _by_series(rows: list[dict], skip: str | None = None) -> dict[str, list[dict]]:
+def _series(rows: list[dict], key: str, where: dict[str, int]) -> dict[str, list[dict]]:
+    """The rows that have `key`, one list per combination of swept values, in setup order."""
     series: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        series[_swept_label(row, skip)].append(row)
-    return series
+        series[_swept_label(row)].append(row)
+    series = {label: sorted((r for r in items if r.get(key)), key=lambda r: where[r["setup"]])
+              for label, items in series.items()}
+    return {label: items for label, items in series.items() if items}
 
 
 def setups_plots(rows: list[dict], out: Path) -> list[Path]:
@@ -70,28 +71,20 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
     where = {s: i for i, s in enumerate(order)}
     plt = _pyplot()
     paths = []
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    drawn = False
-    for label, items in _by_series(rows).items():
-        items = sorted((r for r in items if r.get("mean_epoch_time_s")), key=lambda r: where[r["setup"]])
-        if items:
+    timed = _series(rows, "mean_epoch_time_s", where)
+    if timed:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, items in timed.items():
             _errorbar(ax, [where[r["setup"]] for r in items], items, "mean_epoch_time_s", label=label)
-            drawn = True
-    if drawn:
         _categories(ax, order)
         ax.set(ylabel="mean epoch time (s)", title="Epoch time per setup")
         ax.legend(fontsize=8)
         paths.append(_save(fig, out / "epoch_time.png"))
-    else:
-        plt.close(fig)
-
+    rated = _series(rows, "samples_per_s", where)
+    if not rated:
+        return paths
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    drawn = False
-    for label, items in _by_series(rows).items():
-        items = sorted((r for r in items if r.get("samples_per_s")), key=lambda r: where[r["setup"]])
-        if not items:
-            continue
+    for label, items in rated.items():
         xs = [where[r["setup"]] for r in items]
         line = _errorbar(left, xs, items, "samples_per_s", label=label)
         base = next((r for r in items if r["processes"] == 1), None)
@@ -101,10 +94,6 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
         eff = [r for r in items if r.get("efficiency") is not None]
         if eff:
             _errorbar(right, [where[r["setup"]] for r in eff], eff, "efficiency", color=line.get_color(), label=label)
-        drawn = True
-    if not drawn:
-        plt.close(fig)
-        return paths
     right.axhline(1.0, linestyle="--", color="grey", label="ideal")
     left.plot([], [], linestyle="--", color="grey", label="ideal (linear in processes)")
     left.set(ylabel="training samples/s", title="Throughput per setup")
@@ -124,13 +113,6 @@ def _categories(ax, order: list[str]) -> None:
     ax.grid(alpha=0.3)
 
 
-def _numeric(values: list[str]) -> list[float] | None:
-    try:
-        return [float(v) for v in values]
-    except ValueError:
-        return None
-
-
 def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     """For each swept key with several values: epoch time, samples/s and (when gradients were
     communicated) the communication share of a step against the swept value, one line per
@@ -142,10 +124,11 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     for key in keys:
         leaf = key.split(":", 1)[1]
         values = list(dict.fromkeys(r[key] for r in rows if r.get(key) is not None))
-        numbers = _numeric(values)
-        if numbers:
-            values = [v for _, v in sorted(zip(numbers, values))]
-            numbers = sorted(numbers)
+        try:
+            values = [v for _, v in sorted((float(v), v) for v in values)]
+            numbers = [float(v) for v in values]
+        except ValueError:
+            numbers = None
         where = dict(zip(values, numbers or range(len(values))))
         share = [r for r in rows if r.get("comm_ms_per_step") is not None and r.get("compute_ms_per_step") is not None]
         for r in share:
@@ -177,14 +160,15 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def _median_curve(runs: list[Run], key: str) -> list[tuple[int, float, float, float]]:
-    """(epoch, median, min, max) of a per-epoch value over a point's repeats."""
+def _median_curve(runs: list[Run], key: str) -> list[dict]:
+    """Per epoch, the median of a value over a point's repeats with its min and max."""
     per_epoch: dict[int, list[float]] = defaultdict(list)
     for run in runs:
         for r in run.epochs:
             if r.get(key) is not None and not r.get("partial"):
                 per_epoch[int(r["epoch"])].append(r[key])
-    return [(e, statistics.median(v), min(v), max(v)) for e, v in sorted(per_epoch.items())]
+    return [{"epoch": e, key: statistics.median(v), f"{key}_min": min(v), f"{key}_max": max(v)}
+            for e, v in sorted(per_epoch.items())]
 
 
 def _points(runs: list[Run]) -> dict[str, list[Run]]:
@@ -192,6 +176,10 @@ def _points(runs: list[Run]) -> dict[str, list[Run]]:
     for run in runs:
         points[run.label if run.point else run.name].append(run)
     return points
+
+
+def _firsts(runs: list[Run]) -> dict[str, Run]:
+    return {name: min(group, key=lambda r: r.repeat) for name, group in _points(runs).items()}
 
 
 def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
@@ -213,11 +201,10 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
         for label, group in points.items():
             curve = _median_curve(group, key)
             if curve:
-                e, m, lo, hi = zip(*curve)
                 line, marker = styles[setups.index(group[0].setup) % len(styles)]
                 color = colors[swept.index(json.dumps(group[0].swept, sort_keys=True)) % len(colors)]
-                ax.errorbar(e, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
-                            marker=marker, linestyle=line, color=color, capsize=3, label=label)
+                _errorbar(ax, [c["epoch"] for c in curve], curve, key, marker=marker, linestyle=line, color=color,
+                          label=label)
         _integer_ticks(ax.xaxis)
         name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
         ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
@@ -230,22 +217,15 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
     """Train (solid) and validation (dashed) loss of each point's first repeat, over epochs and
     over training time."""
     plt = _pyplot()
-    firsts = [min(group, key=lambda r: r.repeat) for group in _points(runs).values()]
     paths = []
     for axis, xlabel, fname in (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png")):
         fig, ax = plt.subplots(figsize=(7, 4.4))
-        for run in firsts:
-            name = run.label if run.point else run.name
-            color = None
-            if axis == "elapsed_s" and run.steps:
-                # Per log interval: finer than per epoch.
-                line, = ax.plot([s["elapsed_s"] for s in run.steps], [s["loss"] for s in run.steps], label=f"{name} train")
-                color = line.get_color()
+        for name, run in _firsts(runs).items():
+            if axis == "elapsed_s" and run.steps:  # per log interval: finer than per epoch
+                pts, marker = [(s["elapsed_s"], s["loss"]) for s in run.steps], None
             else:
-                pts = [(r[axis], r["train_loss"]) for r in run.epochs if r.get("train_loss") is not None]
-                if pts:
-                    line, = ax.plot(*zip(*pts), marker=".", label=f"{name} train")
-                    color = line.get_color()
+                pts, marker = [(r[axis], r["train_loss"]) for r in run.epochs if r.get("train_loss") is not None], "."
+            color = ax.plot(*zip(*pts), marker=marker, label=f"{name} train")[0].get_color() if pts else None
             val = [(r[axis], r["val_loss"]) for r in run.epochs if r.get("val_loss") is not None]
             if val:
                 ax.plot(*zip(*val), marker="o", linestyle="--", color=color, label=f"{name} val")
@@ -259,9 +239,8 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
 
 
 def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
-    firsts = [min(group, key=lambda r: r.repeat) for group in _points(runs).values()]
-    series = {(run.label if run.point else run.name): [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs
-                                                        if r.get("val_accuracy") is not None] for run in firsts}
+    series = {name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
+              for name, run in _firsts(runs).items()}
     series = {label: pts for label, pts in series.items() if pts}
     if not series:
         return None
@@ -283,10 +262,9 @@ def comm_plot(rows: list[dict], path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.4))
     names = [r["label"] for r in rows]
-    comm = [r["comm_ms_per_step"] for r in rows]
     compute = [r["compute_ms_per_step"] or 0.0 for r in rows]
     ax.bar(names, compute, label="compute (rest of the step)")
-    ax.bar(names, comm, bottom=compute, label="communication (all-reduce in flight)")
+    ax.bar(names, [r["comm_ms_per_step"] for r in rows], bottom=compute, label="communication (all-reduce in flight)")
     ax.set(ylabel="ms per optimizer step (median over repeats)", title="Communication vs computation per point")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     ax.legend(fontsize=8)

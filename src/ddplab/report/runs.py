@@ -73,24 +73,20 @@ class Run:
         """Setup and swept values: what a reader tells points apart by."""
         return " ".join([self.setup, *(f"{k.split('.')[-1]}={v}" for k, v in self.swept.items())])
 
-    def group_key(self) -> tuple[str, str]:
-        """Repeats of one point share it: same setup, same experiment."""
-        return self.setup, self.experiment_key()
-
     def experiment_key(self) -> str:
         """The config without naming and presentation: runs with equal keys differ only in processes."""
         config = {k: v for k, v in self.summary.get("config", {}).items() if k not in _NOT_THE_EXPERIMENT}
         return json.dumps(config, sort_keys=True)
 
 
-def find_runs(dirs: list[str | Path]) -> tuple[list[Run], list[Path]]:
+def find_runs(dirs: list[str | Path], command: str = "report") -> tuple[list[Run], list[Path]]:
     """Finished runs under the given folders (a run folder itself, or any folder holding some),
-    and the unfinished ones that were passed over."""
+    and the unfinished ones that were passed over; errors name `command`."""
     runs, unfinished, seen = [], [], set()
     for d in dirs:
         root = Path(d)
         if not root.exists():
-            raise UserError(f"report: no such folder: {d}")
+            raise UserError(f"{command}: no such folder: {d}")
         candidates = [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
         for metrics in candidates:
             folder = metrics.parent
@@ -100,16 +96,13 @@ def find_runs(dirs: list[str | Path]) -> tuple[list[Run], list[Path]]:
             try:
                 summary = json.loads(metrics.read_text())
             except ValueError:
-                unfinished.append(folder)
-                continue
+                summary = {}
             if summary.get("status") != "complete":
                 unfinished.append(folder)
                 continue
-            point = {}
-            if (folder / POINT_FILE).is_file():
-                point = json.loads((folder / POINT_FILE).read_text())
+            point = json.loads((folder / POINT_FILE).read_text()) if (folder / POINT_FILE).is_file() else {}
             runs.append(Run(folder, summary, point))
     if not runs:
         where = ", ".join(str(d) for d in dirs)
-        raise UserError(f"report: no finished run folders (metrics.json with status complete) under {where}")
+        raise UserError(f"{command}: no finished run folders (metrics.json with status complete) under {where}")
     return runs, unfinished

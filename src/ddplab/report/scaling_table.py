@@ -15,34 +15,27 @@ ROWS = [("lr", "Learning rate"), ("global_batch", "Global batch size"), ("steps_
         ("test_loss", "Test loss"), ("test_accuracy", "Top-1 test accuracy")]
 
 
-def _experiments(rows: list[dict]) -> dict[str, list[dict]]:
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for row in rows:
-        groups[row["_experiment"]].append(row)
-    return groups
-
-
 def _with_efficiency(items: list[dict]) -> list[dict]:
     """Efficiency against the smallest setup: (rate / its rate) / (processes / its processes)."""
     order = setup_order(items)
-    items = sorted(items, key=lambda r: order.index(r["setup"]))
+    items = sorted((dict(r) for r in items), key=lambda r: order.index(r["setup"]))
     small = items[0]
-    out = []
     for row in items:
-        row = dict(row)
         if row.get("samples_per_s") and small.get("samples_per_s"):
             ratio = row["processes"] / small["processes"]
             for suffix in ("", "_min", "_max"):
                 value = row.get(f"samples_per_s{suffix}")
                 row[f"scaling_efficiency{suffix}"] = value / small["samples_per_s"] / ratio if value else None
-        out.append(row)
-    return out
+    return items
 
 
 def scaling_tables(rows: list[dict], budget_s: float | None, budget_why: str) -> list[str]:
     """Markdown lines: a titled table per experiment that was run on two setups or more."""
+    experiments: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        experiments[row["_experiment"]].append(row)
     lines: list[str] = []
-    for items in _experiments(rows).values():
+    for items in experiments.values():
         if len({r["setup"] for r in items}) < 2:
             continue
         items = _with_efficiency(items)
@@ -53,16 +46,9 @@ def scaling_tables(rows: list[dict], budget_s: float | None, budget_why: str) ->
         lines += [f"### {title}", "", "| | " + " | ".join(f"{r['setup']}" for r in items) + " |",
                   "|---|" + "|".join("---" for _ in items) + "|"]
         for key, name in ROWS:
-            values = [_efficiency_cell(r) if key == "scaling_efficiency" else cell(r, key) for r in items]
-            lines.append(f"| **{name}** | " + " | ".join(values) + " |")
+            lines.append(f"| **{name}** | " + " | ".join(cell(r, key) for r in items) + " |")
         lines += ["", f"Columns are setups (nodes x processes per node); efficiency is throughput against "
                       f"{items[0]['setup']} per process; {budget}" + ("; ≈ marks a projection (budget ÷ avg epoch "
                       "time) for a run that trained less than the budget" if any(
                           r.get("epochs_at_budget_projected") for r in items) else "") + ".", ""]
     return lines
-
-
-def _efficiency_cell(row: dict) -> str:
-    shown = {"efficiency": row.get("scaling_efficiency"), "efficiency_min": row.get("scaling_efficiency_min"),
-             "efficiency_max": row.get("scaling_efficiency_max"), "repeats": row.get("repeats", 1)}
-    return cell(shown, "efficiency")

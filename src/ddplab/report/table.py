@@ -19,8 +19,8 @@ from ddplab.report.runs import Run
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
 TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
           "compute_ms_per_step", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
-QUALITY = ["best_val_loss", "val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1",
-           "test_loss", "test_accuracy", "test_precision", "test_recall", "test_f1"]
+SCORES = ("loss", "accuracy", "precision", "recall", "f1")
+QUALITY = ["best_val_loss", *(f"{split}_{score}" for split in ("val", "test") for score in SCORES)]
 SPREAD = TIMING + QUALITY
 
 # (key, markdown header); the CSV uses the keys.
@@ -33,11 +33,8 @@ TIMING_COLUMNS = [
     ("epochs_at_budget", "epochs @ budget"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
-QUALITY_COLUMNS = [
-    ("best_val_loss", "best val loss"), ("val_accuracy", "val accuracy"), ("val_precision", "val precision"),
-    ("val_recall", "val recall"), ("val_f1", "val F1"), ("test_loss", "test loss"), ("test_accuracy", "test accuracy"),
-    ("test_precision", "test precision"), ("test_recall", "test recall"), ("test_f1", "test F1"),
-]
+# The last epoch's val loss is left out of the table: the best one is there.
+QUALITY_COLUMNS = [(k, k.replace("_", " ").replace("f1", "F1")) for k in QUALITY if k != "val_loss"]
 PERCENT = {"val_accuracy", "test_accuracy"}
 
 
@@ -89,7 +86,6 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     """One row per run (every repeat), before speedup."""
     rows = []
     for run in runs:
-        epochs = run.full_epochs or run.epochs
         steps = run.total_steps
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)
         compute = sum(r.get("compute_time_s") or 0.0 for r in run.epochs)
@@ -105,17 +101,16 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "global_batch": run.ddp.get("global"), "lr": run.ddp.get("lr"), "lr_scaling": run.ddp.get("lr_scaling"),
             "steps_per_epoch": run.ddp.get("steps_per_epoch"), "epochs": len(run.full_epochs), "steps": steps,
             "mean_epoch_time_s": _mean(r.get("epoch_time_s") for r in run.full_epochs),
-            "samples_per_s": _mean(r.get("samples_per_s") for r in epochs),
+            "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
             "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
             "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
             "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
             "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
             "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
-            **{k: last.get(k) for k in ("val_loss", "val_accuracy", "val_precision", "val_recall", "val_f1")},
-            **{f"test_{k}": test.get(k) for k in ("loss", "accuracy", "precision", "recall", "f1")},
+            **{f"val_{k}": last.get(f"val_{k}") for k in SCORES}, **{f"test_{k}": test.get(k) for k in SCORES},
             "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
             "gpu_mem_mb": max((r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None),
-            "_group": run.group_key(), "_experiment": run.experiment_key(),
+            "_group": (run.setup, run.experiment_key()), "_experiment": run.experiment_key(),  # repeats share _group
         })
     return rows
 
@@ -178,7 +173,7 @@ def fmt(key: str, value) -> str:
     if isinstance(value, float):
         if key == "lr":
             return f"{value:.3g}"
-        if key in ("speedup", "efficiency", "epochs_at_budget"):
+        if key in ("speedup", "efficiency", "scaling_efficiency", "epochs_at_budget"):
             return f"{value:.2f}"
         if key in PERCENT:
             return f"{100 * value:.2f}%"
@@ -200,15 +195,7 @@ def cell(row: dict, key: str) -> str:
 
 
 def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    swept = list(dict.fromkeys(k for r in rows for k in r if k.startswith("swept:")))
-    return [(k, k.split(".")[-1]) for k in swept]
-
-
-def columns_for(rows: list[dict]) -> list[tuple[str, str]]:
-    cols = HEAD + _swept_columns(rows) + TIMING_COLUMNS
-    if any(r.get("gpu_util") is not None for r in rows):
-        cols += GPU_COLUMNS
-    return cols
+    return [(k, k.split(".")[-1]) for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))]
 
 
 def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
@@ -218,20 +205,19 @@ def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
 
 def markdown(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(cell(row, k) for k, _ in cols) + " |")
+    lines += ["| " + " | ".join(cell(row, k) for k, _ in cols) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    return markdown(rows, columns_for(rows))
+    """The timing table; GPU columns only where a run measured its GPU."""
+    gpu = GPU_COLUMNS if any(r.get("gpu_util") is not None for r in rows) else []
+    return markdown(rows, HEAD + _swept_columns(rows) + TIMING_COLUMNS + gpu)
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
     rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in keys})
+        writer.writerows(rows)  # None and absent keys are written as empty cells

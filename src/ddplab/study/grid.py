@@ -35,9 +35,6 @@ class Point:
     repeat: int = 1
     point: str = ""  # the grid point's name, shared by its repeats
 
-    def __post_init__(self) -> None:
-        self.point = self.point or self.name
-
 
 def repeat_name(point: str, repeat: int) -> str:
     """The first repeat keeps the point's own folder, so a study first run once and then with
@@ -48,17 +45,17 @@ def repeat_name(point: str, repeat: int) -> str:
 _SETUP = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
 
 
-def parse_setups(text: str, nnodes: int = 1) -> list[Setup]:
+def parse_setups(text: str, nnodes: int = 1, option: str = "--nproc") -> list[Setup]:
     """'1,2,4' (processes per node, on `nnodes` nodes) or '1x1,1x4,2x2' (nodes x processes per node)."""
     setups = []
     for item in text.split(","):
         match = _SETUP.match(item)
         if not match:
-            raise UserError(f"--nproc: '{item.strip()}' is not a process count; use e.g. 1,2,4 or 1x4,2x2 (nodes x processes)")
+            raise UserError(f"{option}: '{item.strip()}' is not a process count; use e.g. 1,2,4 or 1x4,2x2 (nodes x processes)")
         nodes = int(match.group(1)) if match.group(1) else nnodes
         per_node = int(match.group(2))
         if nodes < 1 or per_node < 1:
-            raise UserError(f"--nproc: '{item.strip()}' must count at least one node and one process")
+            raise UserError(f"{option}: '{item.strip()}' must count at least one node and one process")
         setup = Setup(nodes, per_node)
         if setup not in setups:
             setups.append(setup)
@@ -104,14 +101,13 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
         if item.split("=", 1)[0].strip() in ("experiment.name", "experiment.output_dir"):
             raise UserError(f"'{item}': a study names its run folders itself; use --name and --output-dir")
     points = []
-    keys = list(sweeps)
     for setup in setups:
-        for values in itertools.product(*(sweeps[k] for k in keys)):
-            swept = dict(zip(keys, values))
+        for values in itertools.product(*sweeps.values()):
+            swept = dict(zip(sweeps, values))
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
             load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
-            points.append(Point(name, setup, swept, overrides))
+            points.append(Point(name, setup, swept, overrides, point=name))
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
     # machine then spreads over all points instead of landing on the repeats of one.
     return [Point(repeat_name(p.name, r), p.setup, p.swept, [*p.overrides, f"experiment.name={repeat_name(p.name, r)}"],
