@@ -66,7 +66,7 @@ class TensorBoard(Tracker):
     name = "tensorboard"
 
     def start(self, view, record, study):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # about a second to import: at the first scalar
 
         self.writer = SummaryWriter(log_dir=str(view.run.path / RunFolder.TENSORBOARD), purge_step=view.step + 1)
         return view.step, view.step

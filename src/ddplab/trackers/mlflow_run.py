@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import Tracker, flat, read_json, write_json
+import logging
 
 
 def mlflow_uri(cfg, run_dir: Path, study: dict | None) -> str:
@@ -32,9 +33,7 @@ class MLflow(Tracker):
     name = "mlflow"
 
     def start(self, view, record, study):
-        import logging
-
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param, RunTag  # the track extra; only when mlflow is a tracker
         from mlflow.tracking import MlflowClient
 
         # A server that is down should cost seconds, not MLflow's default minutes of retries.
@@ -70,7 +69,7 @@ class MLflow(Tracker):
         return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=0)
 
     def log(self, values, step):
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # the track extra; only when mlflow is a tracker
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(_key(k), v, now, step) for k, v in values.items()])
@@ -110,7 +109,7 @@ def finish_study(study_dir: Path, report_dir: Path) -> None:
     if not record:
         return
     try:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # the track extra; only when mlflow is a tracker
 
         client = MlflowClient(tracking_uri=record["uri"])
         for path in sorted(Path(report_dir).iterdir()):

@@ -14,7 +14,7 @@ class WandB(Tracker):
     remembers = True  # an offline run cannot be asked what it holds
 
     def start(self, view, record, study):
-        import wandb
+        import wandb  # the track extra; seconds to import, only when wandb is a tracker
 
         cfg, mine = view.config, record.get(self.name, {})
         fresh = "id" not in mine
