@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import ddplab
+from ddplab.errors import ExitCode
 
 SCRIPT = Path(__file__).resolve()
 
@@ -102,8 +103,6 @@ class Faults(ddplab.Callback):
 
 
 def main(argv: list[str]) -> int:
-    from ddplab.engine.preemption import EXIT_PREEMPTED
-
     spec, args = argv[0], argv[1:]
     if args[:1] == ["train"]:
         args = args[1:]
@@ -115,7 +114,7 @@ def main(argv: list[str]) -> int:
     except ddplab.UserError as err:  # as `ddplab train` says it
         print(f"ddplab: error: {err}", file=sys.stderr)
         return err.exit_code
-    return EXIT_PREEMPTED if summary["status"] == "preempted" else 0
+    return ExitCode.PREEMPTED if summary["status"] == "preempted" else 0
 
 
 if __name__ == "__main__":
