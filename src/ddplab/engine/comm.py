@@ -26,11 +26,8 @@ POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
 def link_delay_s(nbytes: int, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
-    """Seconds a wide-area link adds to one all-reduce of `nbytes` per rank.
-
-    A propagation delay per message, plus serialisation at the link's bandwidth of what a
-    ring all-reduce sends per rank: 2 (N - 1) / N times the payload.
-    """
+    """Seconds a wide-area link adds to one all-reduce of `nbytes` per rank: a propagation delay per
+    message, plus serialisation of what a ring all-reduce sends per rank (2 (N - 1) / N times the payload)."""
     delay = latency_ms / 1000.0
     if bandwidth_mbps:
         sent = 2 * (world_size - 1) / world_size * nbytes
