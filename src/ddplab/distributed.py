@@ -133,21 +133,18 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
 
     Teardown drops every reference it can and collects garbage before destroying the
     group: with gloo, a DDP model or optimizer still alive at destroy time makes about one
-    two-process run in four abort at exit.
-    """
+    two-process run in four abort at exit."""
     launch = detect_launch()
     cuda = torch.cuda.is_available()
     chosen = pick_backend(backend, cuda) if launch.world_size > 1 else None
     if chosen == "nccl":
         check_one_gpu_per_process(launch.local_world_size, torch.cuda.device_count())
+    device = torch.device("cuda", launch.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         # TF32 tensor cores for fp32 matmuls and convolutions (Ampere and later; ignored before).
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
     if chosen is not None:
         if launch.launcher == "slurm":
             os.environ.setdefault("MASTER_ADDR", launch.master_addr or "localhost")
@@ -177,8 +174,7 @@ def attempt_store(launch: LaunchInfo, timeout_s: float):
     """torchrun's own store, under a prefix per restart attempt (None outside torchrun).
 
     The agent's store outlives a `--max-restarts` restart; without the prefix, workers of
-    the new attempt can read the dead attempt's peer addresses and fail to connect.
-    """
+    the new attempt can read the dead attempt's peer addresses and fail to connect."""
     if launch.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

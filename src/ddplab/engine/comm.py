@@ -43,8 +43,7 @@ class CommMonitor:
     of earlier layers, so the union of these intervals is counted, never their sum: it is
     the wall time spent communicating, whether or not compute hid part of it. On CUDA the
     future completes on the host once the result is ready for the stream, so times there
-    are host-side.
-    """
+    are host-side."""
 
     def __init__(self, dcfg, world_size: int, inner, inner_state) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
@@ -145,8 +144,7 @@ class StepTimer:
     evaluation is left out). Backward: from the moment the output's gradient is computed to
     the last parameter gradient accumulated; with DDP, the all-reduce still in flight after
     that is `exposed`, the part of communication that the backward pass did not hide. Times are
-    host-side: exact on CPU, the launch times of the kernels on CUDA.
-    """
+    host-side: exact on CPU, the launch times of the kernels on CUDA."""
 
     def __init__(self, model: torch.nn.Module, monitor: CommMonitor | None = None) -> None:
         self.monitor = monitor
@@ -208,8 +206,7 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
 
     compute_time_s is the epoch's training time not spent in all-reduces; with one process
     there is nothing to communicate and all of it is compute. With a StepTimer, the row also
-    holds forward and backward time, and the all-reduce time left after the backward pass.
-    """
+    holds forward and backward time, and the all-reduce time left after the backward pass."""
     timed = timer.take_epoch() if timer is not None else {}
     if monitor is None:
         return {"comm_time_s": 0.0, "compute_time_s": epoch_time, **timed}
