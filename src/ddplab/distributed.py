@@ -17,9 +17,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab.errors import UserError
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 @dataclass(frozen=True)
@@ -40,30 +40,20 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
-        return LaunchInfo(
-            launcher="torchrun",
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
-        )
+        return LaunchInfo("torchrun", rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
+                          local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), master_addr=env.get("MASTER_ADDR"),
+                          master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None)
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         world = int(env["SLURM_NTASKS"])
         nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
         job = int(env.get("SLURM_JOB_ID", "0"))
-        return LaunchInfo(
-            launcher="slurm",
-            rank=int(env["SLURM_PROCID"]),
-            world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(re.match(r"\d+", per_node).group()),
-            master_addr=env.get("MASTER_ADDR") or nodes[0],
-            # A job-dependent port lets two jobs share a first node.
-            master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000),
-        )
+        return LaunchInfo("slurm", rank=int(env["SLURM_PROCID"]), world_size=world,
+                          local_rank=int(env.get("SLURM_LOCALID", 0)),
+                          local_world_size=int(re.match(r"\d+", per_node).group()),
+                          master_addr=env.get("MASTER_ADDR") or nodes[0],
+                          # A job-dependent port lets two jobs share a first node.
+                          master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000))
     return LaunchInfo(launcher="none")
 
 
@@ -76,11 +66,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
             continue
         for part in ranges.split(","):
             lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            for i in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
     return hosts
 
 
@@ -92,25 +78,11 @@ class DistContext:
     backend: str | None
     device: torch.device
 
-    @property
-    def rank(self) -> int:
-        return self.launch.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.launch.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.launch.local_rank
-
-    @property
-    def is_main(self) -> bool:
-        return self.launch.rank == 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.backend is not None
+    rank = property(lambda self: self.launch.rank)
+    world_size = property(lambda self: self.launch.world_size)
+    local_rank = property(lambda self: self.launch.local_rank)
+    is_main = property(lambda self: self.launch.rank == 0)
+    is_distributed = property(lambda self: self.backend is not None)
 
     def barrier(self) -> None:
         if self.is_distributed:
@@ -145,9 +117,7 @@ class DistContext:
 
 
 def pick_backend(requested: str, cuda: bool) -> str:
-    if requested == "auto":
-        return "nccl" if cuda else "gloo"
-    return requested
+    return ("nccl" if cuda else "gloo") if requested == "auto" else requested
 
 
 def check_one_gpu_per_process(processes_per_node: int, gpus: int) -> None:
@@ -163,23 +133,19 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
 
     Teardown drops every reference it can and collects garbage before destroying the
     group: with gloo, a DDP model or optimizer still alive at destroy time makes about one
-    two-process run in four abort at exit.
-    """
+    two-process run in four abort at exit."""
     launch = detect_launch()
     cuda = torch.cuda.is_available()
-    if launch.world_size > 1 and pick_backend(backend, cuda) == "nccl":
+    chosen = pick_backend(backend, cuda) if launch.world_size > 1 else None
+    if chosen == "nccl":
         check_one_gpu_per_process(launch.local_world_size, torch.cuda.device_count())
+    device = torch.device("cuda", launch.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         # TF32 tensor cores for fp32 matmuls and convolutions (Ampere and later; ignored before).
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
-    chosen = None
-    if launch.world_size > 1:
-        chosen = pick_backend(backend, cuda)
+    if chosen is not None:
         if launch.launcher == "slurm":
             os.environ.setdefault("MASTER_ADDR", launch.master_addr or "localhost")
             os.environ.setdefault("MASTER_PORT", str(launch.master_port))
@@ -187,24 +153,16 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
         store = attempt_store(launch, timeout_s)
         if store is not None:
             kwargs["store"] = store
-        dist.init_process_group(
-            backend=chosen,
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
-        )
-    ctx = DistContext(launch=launch, backend=chosen, device=device)
-    failed = False
+        dist.init_process_group(backend=chosen, rank=launch.rank, world_size=launch.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    ok = False
     try:
-        yield ctx
-    except BaseException:
-        failed = True
-        raise
+        yield DistContext(launch=launch, backend=chosen, device=device)
+        ok = True
     finally:
         gc.collect()
         if dist.is_available() and dist.is_initialized():
-            if not failed:
+            if ok:
                 # Let every rank finish its last collective before the group goes away.
                 with contextlib.suppress(Exception):
                     dist.barrier()
@@ -216,8 +174,7 @@ def attempt_store(launch: LaunchInfo, timeout_s: float):
     """torchrun's own store, under a prefix per restart attempt (None outside torchrun).
 
     The agent's store outlives a `--max-restarts` restart; without the prefix, workers of
-    the new attempt can read the dead attempt's peer addresses and fail to connect.
-    """
+    the new attempt can read the dead attempt's peer addresses and fail to connect."""
     if launch.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -232,11 +189,5 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float
     model.to(ctx.device)
     if not ctx.is_distributed:
         return model
-
-    return DDP(
-        model,
-        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=bucket_cap_mb,
-        gradient_as_bucket_view=True,
-        find_unused_parameters=find_unused_parameters,
-    )
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
+               gradient_as_bucket_view=True, find_unused_parameters=find_unused_parameters)

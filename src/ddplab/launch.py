@@ -17,6 +17,7 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -28,9 +29,9 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.errors import ExitCode, Preempted, UserError
-import atexit
 from ddplab.engine.lock import LOCKED_ENV
+from ddplab.engine.preemption import StopSignals
+from ddplab.errors import ExitCode, Preempted, UserError
 
 REPORT_ENV = "DDPLAB_REPORT_DIR"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -79,13 +80,10 @@ def quick_exit(code: int = 0) -> None:
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
     writes is closed by then (a file a user's callback leaves open is not flushed: close it in
     on_train_end). Used only after a run completed, never on an error path."""
-
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
@@ -122,30 +120,22 @@ class Ended(NamedTuple):
     stopped: bool  # a signal asked the job to stop
 
 
-class _Job:
+class _Job(StopSignals):
     """Agents started together (one per node; on loopback, several) and stopped together.
 
     Its signal handlers: the first SIGTERM, SIGINT or SIGUSR1 asks every agent to stop cleanly
     (SIGTERM: the agent passes it to its workers and waits for them; SIGUSR1 would kill it), a
     second kills them."""
 
+    SIGNALS = FORWARDED
+
     def __init__(self, report: Path, log) -> None:
+        super().__init__()
         self.report, self.log = report, log
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        self.received: list[int] = []
+        self.received: list[int] = []  # every signal, in order
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
-        self._previous: dict = {}
-
-    def install(self) -> "_Job":
-        if threading.current_thread() is threading.main_thread():
-            for sig in FORWARDED:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
     def start(self, cmd: list[str], env: dict) -> None:
         if self.received:
@@ -258,7 +248,6 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
 def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes; the job's exit code. Raises Preempted when the
     workers saved a snapshot, UserError when one reported bad input."""
-
     ended = run([torchrun_command(nproc, args, **kwargs)], env={LOCKED_ENV: str(locked_run)} if locked_run else None)
     if ended.error:
         raise UserError(ended.error)

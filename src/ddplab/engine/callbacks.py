@@ -5,15 +5,15 @@ points, on every rank, in list order. ddplab's own progress bar, console lines, 
 TensorBoard and MFU / communication / GPU columns are callbacks; user callbacks go through the
 same hooks (`ddplab.train(callbacks=[...])`).
 
-A hook gets a read-only `TrainView` of the run, never the trainer itself: `view.step`,
-`view.epoch`, `view.history` (epoch rows so far), `view.log_rows`, `view.model` (the unwrapped
-module), `view.optimizer`, `view.run` (the run folder: `.path`, `.log(msg)`), `view.config`,
-`view.rank`, `view.world_size`, `view.is_main`, `view.device`. Hooks run on every rank; a hook
-that calls a collective must do so on all ranks, and one that writes files should check
-`view.is_main`. A callback observes: changing the model or the optimizer breaks exact resume.
+A hook gets a read-only `TrainView` of the run (below), never the trainer itself. Hooks run on
+every rank; a hook that calls a collective must do so on all ranks, and one that writes files
+should check `view.is_main`. A callback observes: changing the model or the optimizer breaks
+exact resume.
 """
 
 from __future__ import annotations
+
+import operator
 
 from ddplab.errors import UserError
 
@@ -47,16 +47,11 @@ class Callback:
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 
-def _read(path: str, doc: str) -> property:
-    """A read-only attribute of the trainer, by its dotted path (`state.step`)."""
-    names = path.split(".")
-
-    def get(view):
-        obj = view._t
-        for name in names:
-            obj = getattr(obj, name)
-        return obj
-    return property(get, doc=doc)
+def _read(path: str, doc: str, then=lambda value: value) -> property:
+    """A read-only attribute of the trainer by its dotted path (`state.step`), passed through `then`
+    (tuple, dict: a copy, so that a callback cannot change the run through it)."""
+    get = operator.attrgetter(path)
+    return property(lambda view: then(get(view._t)), doc=doc)
 
 
 class TrainView:
@@ -88,30 +83,15 @@ class TrainView:
     comm = _read("comm", "The gradient all-reduce monitor (None in a one-process run).")
     evaluator = _read("evaluator", "The last evaluation's evaluator (classification: its global confusion matrix).")
     phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
-
-    @property
-    def history(self) -> tuple:
-        """One row per epoch so far (metrics.csv)."""
-        return tuple(self._t.state.history)
-
-    @property
-    def log_rows(self) -> tuple:
-        """One row per log interval so far: step, epoch, loss, lr, elapsed_s."""
-        return tuple(self._t.state.steps)
+    history = _read("state.history", "One row per epoch so far (metrics.csv).", tuple)
+    log_rows = _read("state.steps", "One row per log interval so far: step, epoch, loss, lr, elapsed_s.", tuple)
+    batch = _read("batch", "ddplab.config.batch_arithmetic of this run: per_process, global, steps_per_epoch...", dict)
+    steps_per_epoch = _read("batch", "Optimizer steps in a whole epoch.", operator.itemgetter("steps_per_epoch"))
 
     @property
     def best(self) -> tuple[float, int | None]:
         """(lowest validation loss, its epoch); (inf, None) before any validation."""
         return self._t.state.best_val_loss, self._t.state.best_epoch
-
-    @property
-    def batch(self) -> dict:
-        """ddplab.config.batch_arithmetic of this run: per_process, global, steps_per_epoch..."""
-        return dict(self._t.batch)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self._t.batch["steps_per_epoch"]
 
     @property
     def epoch_samples(self) -> int:

@@ -34,15 +34,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, fsync, rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
+def _write_synced(path: Path, write) -> None:
+    """`write(file)` into a new file whose data is on disk when this returns."""
+    with open(path, "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def load_file(path: str | Path) -> dict:
@@ -70,12 +67,7 @@ def _why(message: str) -> str:
 
 def write_marker(folder: Path, info: dict) -> None:
     """The COMPLETE marker, written last, once the snapshot's data is on disk."""
-    fd = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, json.dumps(info).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(folder / MARKER, lambda f: f.write(json.dumps(info).encode()))
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -111,8 +103,7 @@ class Checkpointer:
         return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
     def latest(self) -> Path | None:
-        snaps = self.snapshots()
-        return snaps[-1] if snaps else None
+        return (self.snapshots() or [None])[-1]
 
     def clean_incomplete(self) -> list[str]:
         """Remove what a kill during a save left behind; returns the names removed."""
@@ -134,10 +125,7 @@ class Checkpointer:
         tmp = self.root / f".tmp-step-{step:09d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with open(tmp / STATE, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(tmp / STATE, lambda f: torch.save(state, f))
         write_marker(tmp, info)
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (a step snapshot that ends an epoch)
@@ -167,7 +155,15 @@ class Checkpointer:
                 log(f"skipping snapshot {snap.name}: {err}")
         return None
 
-    def save_best(self, payload: dict) -> None:
-        if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            atomic_save(payload, self.root / BEST)
+    def save_best(self, model, cfg, data, epoch: int, step: int, **extra) -> None:
+        """best.pt, what `generate` / `predict` need (weights, config, task, tokenizer or labels), renamed
+        over the previous one."""
+        if not self.is_main:
+            return
+        payload = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "config": cfg.to_dict(),
+                   "meta": data.meta, "task": data.task.describe(), "epoch": epoch, "step": step, **extra}
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{BEST}.tmp"
+        _write_synced(tmp, lambda f: torch.save(payload, f))
+        os.replace(tmp, self.root / BEST)
+        _fsync_dir(self.root)

@@ -20,15 +20,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
 _WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "powersgd": None}
+_HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+          "bf16": default_hooks.bf16_compress_hook, "powersgd": powerSGD_hook.powerSGD_hook}
 POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
 def link_delay_s(nbytes: int, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
-    """Seconds a wide-area link adds to one all-reduce of `nbytes` per rank.
-
-    A propagation delay per message, plus serialisation at the link's bandwidth of what a
-    ring all-reduce sends per rank: 2 (N - 1) / N times the payload.
-    """
+    """Seconds a wide-area link adds to one all-reduce of `nbytes` per rank: a propagation delay per
+    message, plus serialisation of what a ring all-reduce sends per rank (2 (N - 1) / N times the payload)."""
     delay = latency_ms / 1000.0
     if bandwidth_mbps:
         sent = 2 * (world_size - 1) / world_size * nbytes
@@ -44,16 +43,14 @@ class CommMonitor:
     of earlier layers, so the union of these intervals is counted, never their sum: it is
     the wall time spent communicating, whether or not compute hid part of it. On CUDA the
     future completes on the host once the result is ready for the stream, so times there
-    are host-side.
-    """
+    are host-side."""
 
-    def __init__(self, dcfg, world_size: int, inner=None, inner_state=None) -> None:
+    def __init__(self, dcfg, world_size: int, inner, inner_state) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
         self.bandwidth_mbps = dcfg.simulated_bandwidth_mbps
         self.wire_bytes = _WIRE_BYTES[dcfg.comm_hook]
         self.world_size = world_size
-        self.inner = inner or default_hooks.allreduce_hook
-        self.inner_state = inner_state if inner_state is not None else dist.group.WORLD
+        self.inner, self.inner_state = inner, inner_state
         self._lock = threading.Lock()  # futures complete on the backend's threads
         self.layout: list[dict] = []  # the buckets of the last recorded step, in the order DDP hands them over
         self._recording: list[dict] = []
@@ -63,11 +60,8 @@ class CommMonitor:
 
     def reset(self) -> None:
         with self._lock:
-            self.comm_s = 0.0
-            self.delay_s = 0.0
-            self.buckets = 0
-            self._in_flight = 0
-            self._since = 0.0
+            self.comm_s = self.delay_s = self._since = 0.0
+            self.buckets = self._in_flight = 0
 
     def take_epoch(self) -> dict:
         """This rank's totals since the last call; the counters start again from zero."""
@@ -98,11 +92,8 @@ class CommMonitor:
         if self._recorded_steps >= 3:
             return
         buffer = bucket.buffer()
-        # PowerSGD views each gradient as (rows, rest) and compresses it when it is a matrix.
-        matrices = [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in bucket.parameters() if p.dim() > 1]
-        self._recording.append({"index": bucket.index(), "numel": buffer.numel(), "bytes": buffer.numel() * buffer.element_size(),
-                                "dtype": str(buffer.dtype).replace("torch.", ""), "params": len(bucket.parameters()),
-                                "matrices": matrices})
+        self._recording.append(_bucket_info(bucket.index(), bucket.parameters(), buffer.numel(),
+                                            buffer.numel() * buffer.element_size(), buffer.dtype))
         if bucket.is_last():
             self.layout, self._recording = self._recording, []
             self._recorded_steps += 1
@@ -127,25 +118,22 @@ class CommMonitor:
         return fut.then(done)
 
 
-def _monitor_hook(monitor: CommMonitor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    return monitor(bucket)
+def _bucket_info(index: int, params, numel: int, nbytes: int, dtype: torch.dtype) -> dict:
+    # PowerSGD views each gradient as (rows, rest) and compresses it when it is a matrix.
+    matrices = [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in params if p.dim() > 1]
+    return {"index": index, "numel": numel, "bytes": nbytes, "dtype": str(dtype).replace("torch.", ""),
+            "params": len(params), "matrices": matrices}
 
 
 def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
     """Register the timed (and optionally delayed) hook on a DDP model; returns its state,
     which the trainer keeps alive and asks for per-epoch communication time."""
-    group = dist.group.WORLD
-    inner, inner_state = default_hooks.allreduce_hook, group
-    if dcfg.comm_hook == "fp16":
-        inner = default_hooks.fp16_compress_hook
-    elif dcfg.comm_hook == "bf16":
-        inner = default_hooks.bf16_compress_hook
-    elif dcfg.comm_hook == "powersgd":
-        inner = powerSGD_hook.powerSGD_hook
-        inner_state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
-                                                  start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
-    monitor = CommMonitor(dcfg, ctx.world_size, inner, inner_state)
-    model.register_comm_hook(monitor, _monitor_hook)
+    state = dist.group.WORLD
+    if dcfg.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=state, matrix_approximation_rank=POWERSGD_RANK,
+                                            start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
+    monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook], state)
+    model.register_comm_hook(monitor, CommMonitor.__call__)
     return monitor
 
 
@@ -156,8 +144,7 @@ class StepTimer:
     evaluation is left out). Backward: from the moment the output's gradient is computed to
     the last parameter gradient accumulated; with DDP, the all-reduce still in flight after
     that is `exposed`, the part of communication that the backward pass did not hide. Times are
-    host-side: exact on CPU, the launch times of the kernels on CUDA.
-    """
+    host-side: exact on CPU, the launch times of the kernels on CUDA."""
 
     def __init__(self, model: torch.nn.Module, monitor: CommMonitor | None = None) -> None:
         self.monitor = monitor
@@ -190,9 +177,8 @@ class StepTimer:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._begin_backward)
 
-    def _begin_backward(self, grad):
+    def _begin_backward(self, grad) -> None:
         self._bwd_start = time.perf_counter()
-        return None
 
     def _grad(self, param) -> None:
         self._last_grad = time.perf_counter()
@@ -212,9 +198,7 @@ class StepTimer:
 
 def attach_step_timer(model: torch.nn.Module, monitor: CommMonitor | None, cfg) -> StepTimer | None:
     """A StepTimer on the unwrapped model; none under torch.compile, whose graphs hooks would break."""
-    if cfg.training.compile:
-        return None
-    return StepTimer(model, monitor)
+    return None if cfg.training.compile else StepTimer(model, monitor)
 
 
 def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: StepTimer | None = None) -> dict:
@@ -222,22 +206,16 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
 
     compute_time_s is the epoch's training time not spent in all-reduces; with one process
     there is nothing to communicate and all of it is compute. With a StepTimer, the row also
-    holds forward and backward time, and the all-reduce time left after the backward pass.
-    """
+    holds forward and backward time, and the all-reduce time left after the backward pass."""
     timed = timer.take_epoch() if timer is not None else {}
     if monitor is None:
         return {"comm_time_s": 0.0, "compute_time_s": epoch_time, **timed}
-    mine = monitor.take_epoch()
-    keys = ["comm_time_s", "simulated_delay_s", "comm_buckets", *timed]
-    totals = torch.tensor([mine["comm_time_s"], mine["simulated_delay_s"], mine["comm_buckets"], *timed.values()],
-                          dtype=torch.float64, device=ctx.device)
-    mean = dict(zip(keys, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist()))
+    mine = {**monitor.take_epoch(), **timed}
+    totals = torch.tensor(list(mine.values()), dtype=torch.float64, device=ctx.device)
+    mean = dict(zip(mine, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist()))
     row = {"comm_time_s": mean["comm_time_s"], "compute_time_s": max(epoch_time - mean["comm_time_s"], 0.0),
            "simulated_delay_s": mean["simulated_delay_s"], "comm_calls": round(mean["comm_buckets"])}
-    row.update({k: mean[k] for k in timed})
-    if "timed_micro_steps" in row:
-        row["timed_micro_steps"] = round(row["timed_micro_steps"])
-    return row
+    return row | {k: round(mean[k]) if k == "timed_micro_steps" else mean[k] for k in timed}
 
 
 def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]:
@@ -249,21 +227,17 @@ def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]
         return []
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
     groups, _ = dist._compute_bucket_assignment_by_size(params, limits)
-    layout = []
-    for i, group in enumerate(groups):
-        members = [params[j] for j in group]
-        numel = sum(p.numel() for p in members)
-        layout.append({"index": i, "numel": numel, "bytes": sum(p.numel() * p.element_size() for p in members),
-                       "dtype": str(members[0].dtype).replace("torch.", ""), "params": len(members),
-                       "matrices": [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in members if p.dim() > 1]})
-    return layout
+    members = [[params[j] for j in group] for group in groups]
+    return [_bucket_info(i, ps, sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps), ps[0].dtype)
+            for i, ps in enumerate(members)]
 
 
 def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:
     """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP
     handed them to the hook), else the buckets DDP would make."""
-    layout = monitor.layout if monitor is not None and monitor.layout else _computed_layout(model, dcfg.bucket_cap_mb)
-    return {"bucket_source": "reducer" if monitor is not None and monitor.layout else "computed",
+    reducer = monitor is not None and bool(monitor.layout)
+    layout = monitor.layout if reducer else _computed_layout(model, dcfg.bucket_cap_mb)
+    return {"bucket_source": "reducer" if reducer else "computed",
             "grad_dtype": layout[0]["dtype"] if layout else None,
             "grad_bytes": sum(b["bytes"] for b in layout), "buckets": layout,
             "comm_hook": dcfg.comm_hook, "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.errors import UserError
 import yaml
+
+from ddplab.errors import UserError
 
 # Dotted fields, or whole sections ending in ".". Kept in one place; docs/config.md is generated from it.
 SAFE_TO_CHANGE = (
@@ -62,7 +63,6 @@ def check_resume(run_dir: Path, new: dict) -> None:
     stored = Path(run_dir) / "config.yaml"
     if not stored.is_file():
         return  # a folder without a recorded config holds no run to protect
-
     try:
         old = yaml.safe_load(stored.read_text())
     except (OSError, yaml.YAMLError):
@@ -87,8 +87,7 @@ def check_resume_path(cfg, model) -> None:
     from ddplab.engine.checkpoint import Checkpointer  # torch: only when resuming from a named snapshot
 
     snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path))
-    mine = model.state_dict()
-    theirs = snap["model"]
+    mine, theirs = model.state_dict(), snap["model"]
     missing = [k for k in mine if k not in theirs]
     extra = [k for k in theirs if k not in mine]
     if missing or extra:

@@ -38,9 +38,7 @@ def finished(run_dir: Path) -> bool:
 def resolve_run_dir(cfg) -> tuple[Path, str | None]:
     """experiments/<name>; a folder holding a finished run is kept, and the new run gets <name>-2, -3, ..."""
     base = Path(cfg.experiment.output_dir) / cfg.run_name()
-    if cfg.checkpoint.resume != "never" and not finished(base):
-        return base, None
-    if not base.exists():
+    if not base.exists() or (cfg.checkpoint.resume != "never" and not finished(base)):
         return base, None
     i = 2
     while Path(f"{base}-{i}").exists() and (finished(Path(f"{base}-{i}")) or cfg.checkpoint.resume == "never"):
@@ -120,12 +118,6 @@ def holder(path: Path) -> str:
         return "another ddplab job that is still starting"
 
 
-def held_by_launcher(path: Path) -> bool:
-    """True when the ddplab launcher that started this worker already holds `path`."""
-    held = os.environ.get(LOCKED_ENV)
-    return bool(held) and Path(held).resolve() == Path(path).resolve()
-
-
 def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple]:
     """Rank 0: lock the resolved run folder (unless the launcher holds it) and check that an
     unfinished run there may be continued under `cfg`. Returns the lock and, for every rank,
@@ -133,9 +125,10 @@ def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple
     from ddplab.engine.fingerprint import check_resume  # keeps the launcher's import of lock.py light
 
     run_dir, note = resolved
+    held = os.environ.get(LOCKED_ENV)  # the run folder the ddplab launcher that started this worker holds
     lock = None
     try:
-        if not held_by_launcher(run_dir):
+        if not (held and Path(held).resolve() == Path(run_dir).resolve()):
             lock = RunLock(run_dir).acquire()
         if cfg.checkpoint.resume == "auto":
             check_resume(run_dir, cfg.to_dict())

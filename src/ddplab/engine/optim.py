@@ -86,8 +86,7 @@ def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
     included, as the budget counts them)."""
     if step <= 0 or elapsed_s <= 0:
         raise ValueError("no step measured yet")
-    per_step = elapsed_s / step
-    return step + max(0, math.ceil((budget_s - elapsed_s) / per_step))
+    return step + max(0, math.ceil((budget_s - elapsed_s) / (elapsed_s / step)))
 
 
 def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:

@@ -11,10 +11,9 @@ import signal
 import threading
 
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
 class StopSignals:
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
     def __init__(self) -> None:
         self.received: str | None = None
         self._previous: dict = {}
@@ -22,7 +21,7 @@ class StopSignals:
     def install(self) -> "StopSignals":
         # Signals can only be handled by the main thread (tests may call fit() from others).
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -1,15 +1,35 @@
 """The contract of a resume, as the trainer keeps it: state_dict() / load_state_dict() hold
 everything a run needs to continue exactly (weights, optimizer, schedule, scaler, progress and
-position in the epoch, every rank's RNG streams, world size); snapshots are those dicts written
-to files (engine/snapshots.py), and nothing else reads or restores a run's state."""
+position in the epoch, every rank's RNG streams, world size); a snapshot is that dict written by
+rank 0 (engine/checkpoint.py), and nothing else reads or restores a run's state."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import math
+from dataclasses import asdict, dataclass, field
 
-from ddplab.engine import snapshots
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
-from ddplab.engine.state import TrainState
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that a snapshot must bring back."""
+
+    epoch: int = 0  # epochs fully completed
+    step: int = 0  # optimizer steps taken
+    consumed: int = 0  # samples of the current epoch's global order already trained on
+    elapsed: float = 0.0  # seconds inside fit() (training, evaluation, snapshots), across restarts
+    best_val_loss: float = math.inf
+    best_epoch: int | None = None
+    epoch_loss_sum: float = 0.0  # global, for the epoch in progress
+    epoch_samples: float = 0.0
+    epoch_tokens: float = 0.0
+    epoch_time: float = 0.0
+    epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
+    history: list = field(default_factory=list)  # one dict per epoch
+    steps: list = field(default_factory=list)  # one dict per log interval
+    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted
+    resumes: int = 0  # how many times this run was resumed from a snapshot
 
 
 class Resumable:
@@ -43,17 +63,26 @@ class Resumable:
                      f"repeated or lost); dropout streams are reseeded, so the run is no longer bit-identical")
 
     def snapshot(self) -> None:
-        """A collective: the loss since the last log is reduced, then rank 0 writes (engine/snapshots.py)."""
+        """A collective: the loss since the last log is reduced, then rank 0 writes the snapshot of its step."""
         self.log_interval()
         self._tick()
-        path = snapshots.save(self.checkpoints, self.state_dict())
+        state, s = self.state_dict(), self.state
+        info = {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, "world_size": self.ctx.world_size}
+        path = self.checkpoints.save_snapshot(state, s.step, info)
         self.ctx.barrier()
         self.callbacks.on_snapshot(self.view, path)
 
     def resume(self) -> None:
-        """Continue from the snapshot checkpoint.resume names (auto: the newest complete one), if any."""
+        """Continue from the snapshot checkpoint.resume names (auto: the newest complete one; never:
+        none), after rank 0 cleaned what an interrupted save left behind."""
         self._resumed = True
-        found = snapshots.find(self.checkpoints, self.cfg.checkpoint.resume, self.run.log, self.ctx.barrier)
+        how = self.cfg.checkpoint.resume
+        if how == "never":
+            return
+        for name in self.checkpoints.clean_incomplete():
+            self.run.log(f"removed incomplete snapshot {name} (a save was interrupted)")
+        self.ctx.barrier()
+        found = self.checkpoints.load_latest(self.run.log) if how == "auto" else (how, self.checkpoints.load_snapshot(how))
         if found is None:
             return
         where, sd = found

@@ -7,6 +7,7 @@ tensorboard/ and trackers.json (ddplab.trackers), checkpoints/ (SPEC section 4).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -19,12 +20,6 @@ EPOCH_COLUMNS = [
     "val_f1", "val_perplexity", "val_mae", "val_rmse", "val_r2", "epoch_time_s", "eval_time_s", "elapsed_s", "samples_per_s", "tokens_per_s", "lr",
     "peak_mem_mb", "mfu", "gpu_util", "gpu_mem_mb", "comm_time_s", "compute_time_s", "data_wait_s",
 ]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _clean(value):
@@ -71,24 +66,22 @@ class RunFolder:
     # -- files --------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
-            _write_atomic(self.path / name, text)
+            tmp = self.path / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.path / name)
 
     def write_json(self, name: str, obj) -> None:
         self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")
 
     def write_epochs(self, rows: list[dict]) -> None:
         """Rewrite metrics.csv from the full history (so a resumed run never duplicates rows)."""
-        if not self.is_main:
-            return
         extra = sorted({k for r in rows for k in r} - set(EPOCH_COLUMNS))
         columns = [c for c in EPOCH_COLUMNS if any(c in r for r in rows)] + extra
-        tmp = self.path / f".{self.METRICS_CSV}.tmp"
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
-        os.replace(tmp, self.path / self.METRICS_CSV)
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: ("" if r.get(k) is None else r.get(k)) for k in columns} for r in rows)
+        self.write_text(self.METRICS_CSV, out.getvalue())
 
     def close(self) -> None:
         if not self.is_main:

@@ -18,22 +18,16 @@ from ddplab.engine.comm import install_comm_hook
 def distribute(model: torch.nn.Module, cfg, ctx):
     """(the model to train, the gradient all-reduce monitor or None): DDP-wrapped, with the comm
     hook when distributed, compiled when asked."""
-
     ddp = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                      find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
-    comm = None
-    if ctx.is_distributed:
-
-        comm = install_comm_hook(ddp, cfg.distributed, ctx)
+    comm = install_comm_hook(ddp, cfg.distributed, ctx) if ctx.is_distributed else None
     return (torch.compile(ddp) if cfg.training.compile else ddp), comm
 
 
 def autocast(amp: str, device: torch.device):
     """A factory of autocast contexts for training.amp (a null context for none)."""
     dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext if dtype is None else lambda: torch.autocast(device.type, dtype=dtype)
 
 
 def _call(fn, where: str, *args):

@@ -24,7 +24,6 @@ from ddplab.config import Config, batch_arithmetic
 from ddplab.config_io import parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.distributed import DistContext
-from ddplab.engine import snapshots
 from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import BEST, Checkpointer, load_file
 from ddplab.engine.evaluation import evaluate
@@ -32,10 +31,9 @@ from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
 from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
-from ddplab.engine.resume import Resumable
+from ddplab.engine.resume import Resumable, TrainState
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
-from ddplab.engine.state import TrainState
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
 
@@ -51,7 +49,6 @@ class Trainer(Resumable):
         self.task = data.task
         self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, ctx.world_size, len(data.train))
         self.raw = model
-        # DDP (with the gradient all-reduce monitor, `comm`, when distributed) and torch.compile
         self.model, self.comm = distribute(model, cfg, ctx)
         self.lr = scaled_lr(t.lr, t.lr_scaling, ctx.world_size)
         self.optimizer = build_optimizer(self.raw, t, self.lr, ctx.device)
@@ -142,7 +139,7 @@ class Trainer(Resumable):
 
     def train_step(self, micro: list) -> None:
         """One optimizer step over `micro` batches, syncing gradients only on the last."""
-        s, n = self.state, len(micro)
+        s, t, n = self.state, self.cfg.training, len(micro)
         step = s.step + 1
         for i, (inputs, target) in enumerate(micro):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
@@ -152,18 +149,16 @@ class Trainer(Resumable):
                     loss = self.task.loss(call_model(self.model, inputs), target)
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
-        if self.cfg.training.clip_grad_norm:
+        if t.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.training.clip_grad_norm)
-        if self.cfg.training.nonfinite == "skip" and not self._all_finite(self.ledger.step_loss(step)):
-            # Every rank agrees (reduced flag), so all skip the same step and stay identical.
+            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), t.clip_grad_norm)
+        # Every rank agrees (reduced flag), so all skip the same step and stay identical. A non-finite
+        # loss under training.nonfinite=stop is found by the ledger at the next log interval.
+        skip = t.nonfinite == "skip" and not self._all_finite(self.ledger.step_loss(step))
+        if skip:
             self.run.log(f"step {step}: non-finite loss on some rank; step skipped (training.nonfinite=skip)")
-            if self.scaler.is_enabled():  # the scaler skips non-finite gradients itself and lowers its scale
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
             self.ledger.drop_step(step)
-        else:
-            # A non-finite loss (training.nonfinite=stop) is found by the ledger at the next log interval.
+        if not skip or self.scaler.is_enabled():  # the scaler skips non-finite gradients itself and lowers its scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -254,9 +249,8 @@ class Trainer(Resumable):
             row["partial"] = True
         s.history.append(row)
         self.callbacks.on_epoch_end(self.view, row)
-        if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss) and self.ctx.is_main:
-            self.checkpoints.save_best(snapshots.inference_payload(self.raw, self.cfg, self.data, s.epoch + 1, s.step,
-                                                                   val_loss=val.get("loss")))
+        if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss):
+            self.checkpoints.save_best(self.raw, self.cfg, self.data, s.epoch + 1, s.step, val_loss=val.get("loss"))
         if val and val["loss"] < s.best_val_loss:
             s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
