@@ -15,14 +15,10 @@ import torch
 import torch.nn.functional as F
 
 
-def _identity(output):
-    return output
-
-
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(self, device: torch.device, logits: Callable = _identity) -> None:
+    def __init__(self, device: torch.device, logits: Callable = lambda output: output) -> None:
         self.logits = logits  # the model's output -> its logits (Task.logits)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
@@ -43,7 +39,7 @@ class LMEvaluator:
 class ClassificationEvaluator:
     """Loss, accuracy, top-5 accuracy, macro precision / recall / F1 from a global confusion matrix."""
 
-    def __init__(self, num_classes: int, device: torch.device, logits: Callable = _identity) -> None:
+    def __init__(self, num_classes: int, device: torch.device, logits: Callable = lambda output: output) -> None:
         self.num_classes = num_classes
         self.logits = logits  # the model's output -> its logits (Task.logits)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
@@ -74,16 +70,20 @@ class ClassificationEvaluator:
         return out
 
 
-def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
-    """Precision, recall and F1 of each class and its support, as scikit-learn's
-    precision_recall_fscore_support(average=None, zero_division=0) gives them."""
-    confusion = confusion.double()
-    tp = confusion.diag()
-    predicted, actual = confusion.sum(0), confusion.sum(1)
+def _per_class(confusion: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Precision, recall, F1 of each class, predicted and actual counts (zero_division=0)."""
+    tp, predicted, actual = confusion.diag(), confusion.sum(0), confusion.sum(1)
     precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
     recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
     denom = precision + recall
     f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
+    return precision, recall, f1, predicted, actual
+
+
+def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
+    """Precision, recall and F1 of each class and its support, as scikit-learn's
+    precision_recall_fscore_support(average=None, zero_division=0) gives them."""
+    precision, recall, f1, _, actual = _per_class(confusion.double())
     return {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
             "support": [int(x) for x in actual.tolist()]}
 
@@ -91,20 +91,10 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
 def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
     """Accuracy and macro precision / recall / F1 as scikit-learn defines them
     (zero_division=0; macro averages over the classes present in targets or predictions)."""
-    tp = confusion.diag()
-    predicted = confusion.sum(0)
-    actual = confusion.sum(1)
+    precision, recall, f1, predicted, actual = _per_class(confusion)
     present = (predicted + actual) > 0
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    denom = precision + recall
-    f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
-    return {
-        "accuracy": (tp.sum() / confusion.sum()).item(),
-        "precision": precision[present].mean().item(),
-        "recall": recall[present].mean().item(),
-        "f1": f1[present].mean().item(),
-    }
+    return {"accuracy": (confusion.diag().sum() / confusion.sum()).item(),
+            **{name: s[present].mean().item() for name, s in (("precision", precision), ("recall", recall), ("f1", f1))}}
 
 
 class RegressionEvaluator:

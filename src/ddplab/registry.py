@@ -133,7 +133,6 @@ def check_config(cfg: Config) -> None:
             entry.require(f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     if model is not None and data is not None and model.inputs == data.inputs == "image":
-
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)
 

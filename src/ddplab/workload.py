@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ddplab.errors import UserError
-import inspect
+from ddplab.errors import UserError, first_line
 
 
 @dataclass
@@ -125,12 +125,8 @@ def _import_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code is the user's to see
         del sys.modules[key]
-        raise UserError(f"importing {path} raised {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"importing {path} raised {type(exc).__name__}: {first_line(exc)}") from None
     return module
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def resolve(reference: str, field_name: str) -> Callable:
@@ -150,9 +146,9 @@ def resolve(reference: str, field_name: str) -> Callable:
         except ModuleNotFoundError as exc:
             if exc.name and where.startswith(exc.name):
                 raise UserError(f"{field_name}: no module named '{where}' (from '{reference}')") from None
-            raise UserError(f"{field_name}: importing {where} raised ModuleNotFoundError: {_first_line(exc)}") from None
+            raise UserError(f"{field_name}: importing {where} raised ModuleNotFoundError: {first_line(exc)}") from None
         except Exception as exc:  # noqa: BLE001 - any failure of user code is the user's to see
-            raise UserError(f"{field_name}: importing {where} raised {type(exc).__name__}: {_first_line(exc)}") from None
+            raise UserError(f"{field_name}: importing {where} raised {type(exc).__name__}: {first_line(exc)}") from None
     target = module
     for part in name.split("."):
         target = getattr(target, part, None)

@@ -187,10 +187,8 @@ def check_text_classes(cfg) -> None:
                         f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
                         f"use data.tokenizer={wanted} (or leave it unset)")
     if d.name == "synthetic_reviews":
-
         k = d.num_classes or 2
         if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
             raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
     if d.name == "text_files":
-
         text_sources.check_files(cfg)

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 
 # Words (letters, digits, underscore; any script) and single punctuation marks.
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -21,6 +21,16 @@ _TOKEN = re.compile(r"\w+|[^\w\s]")
 def id_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every id: halves the cache for vocabularies < 65,536."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+def padded(seqs: list, width: int, pad_id: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (N, width) padded with pad_id, lengths (N,)): the token cache's layout."""
+    ids = np.full((len(seqs), width), pad_id, dtype=dtype)
+    lengths = np.empty(len(seqs), dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = seq
+        lengths[i] = len(seq)
+    return ids, lengths
 
 
 class HashTokenizer:
@@ -75,14 +85,7 @@ class HashTokenizer:
         return [self.CLS] + [memo[w] if w in memo else bucket(w) for w in self.words(text)]
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(ids (N, max_len) padded with 0, lengths (N,))."""
-        ids = np.zeros((len(texts), self.max_len), dtype=self.dtype)
-        lengths = np.empty(len(texts), dtype=np.int32)
-        for i, text in enumerate(texts):
-            seq = self.encode(text)
-            ids[i, : len(seq)] = seq
-            lengths[i] = len(seq)
-        return ids, lengths
+        return padded([self.encode(text) for text in texts], self.max_len, self.PAD, self.dtype)
 
 
 class HFTokenizer:
@@ -94,9 +97,8 @@ class HFTokenizer:
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"model.pretrained: cannot load a tokenizer from '{pretrained}' ({first[:160]}); "
-                            f"give a local model folder, or a hub name on a connected machine") from None
+            raise UserError(f"model.pretrained: cannot load a tokenizer from '{pretrained}' "
+                            f"({first_line(exc, 160) or type(exc).__name__}); give a local model folder, or a hub name on a connected machine") from None
         self.pretrained = pretrained
         limit = self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len
         self.max_len = min(max_len, limit)
@@ -114,12 +116,7 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
-        ids = np.full((len(texts), self.max_len), self.pad_id, dtype=self.dtype)
-        lengths = np.empty(len(texts), dtype=np.int32)
-        for i, seq in enumerate(encoded):
-            ids[i, : len(seq)] = seq
-            lengths[i] = len(seq)
-        return ids, lengths
+        return padded(encoded, self.max_len, self.pad_id, self.dtype)
 
 
 def tokenizer_from_meta(meta: dict):

@@ -85,12 +85,6 @@ class ImageFile:
         return self.transform(read_image(path, pil_mode(self.meta))).as_subclass(torch.Tensor)
 
 
-def encode_images(meta: dict, items: list[str]) -> torch.Tensor:
-    """Image files -> one batch (what `ddplab predict` reads until it calls `Data.preprocess`)."""
-    one = ImageFile(meta)
-    return torch.stack([one(item) for item in items])
-
-
 def image_meta(spec: ImageSpec, label_names: list[str], mean: list[float], std: list[float]) -> dict:
     """What a checkpoint keeps to rebuild the transform and name the labels."""
     if spec.channels != len(mean):  # grey statistics serve each of the repeated channels

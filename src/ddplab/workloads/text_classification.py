@@ -10,6 +10,7 @@ Parquet) and synthetic_reviews (generated); every one is tokenised once into a t
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from torch import nn
 import ddplab
 from ddplab.data import text_cache
 from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_cls import SOURCES, PadCollate, cache_root, make_tokenizer, splits, tokenizer_description
+from ddplab.data.text_cls import SOURCES, make_tokenizer, pad_collate, splits, tokenizer_description
 from ddplab.data.text_tokenize import tokenizer_from_meta
 from ddplab.errors import UserError
 from ddplab.models.checks import check_pretrained, looks_like_path
@@ -30,7 +31,7 @@ def data(cfg) -> ddplab.Data:
     c = cfg.config
     read, describe = SOURCES[c.data.name]
     description = {"source": describe(c), "tokenizer": tokenizer_description(c)}
-    folder = text_cache.cache_folder(cache_root(c), description)
+    folder = text_cache.cache_folder(text_cache.cache_root(c), description)
 
     def write() -> None:
         tokenizer = make_tokenizer(c)
@@ -47,7 +48,7 @@ def data(cfg) -> ddplab.Data:
     train, val, test = splits(c, cache)
     meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
     return ddplab.Data(train=train, val=val, test=test, task=ddplab.Classification(k, names), meta=meta,
-                       collate_fn=PadCollate(meta["pad_id"]), preprocess=Encoder(meta))
+                       collate_fn=partial(pad_collate, pad_id=meta["pad_id"]), preprocess=Encoder(meta))
 
 
 class Encoder:
