@@ -36,10 +36,6 @@ class FolderImages(NamedTuple):
     sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN
     count: int
 
-    @property
-    def mixed(self) -> bool:
-        return len(self.sizes) > 1
-
 
 SIZES_SHOWN = 3
 
@@ -80,7 +76,7 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
     get FOLDER_SIDE, since any one image's size would be arbitrary."""
     if found is None or not found.count:
         return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
-    if not found.mixed:
+    if len(found.sizes) == 1:
         (w, h), = found.sizes
         if w == h:
             return w, f"every image is {w}x{h}: kept at {w}x{h}"

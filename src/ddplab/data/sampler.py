@@ -55,9 +55,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         rest = max(len(self.dataset) - self.start, 0)
-        if self.drop_last:
-            return rest // self.num_replicas
-        return math.ceil(rest / self.num_replicas)
+        return rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
 
 
 class ShardSampler(Sampler[int]):

@@ -105,12 +105,11 @@ class GPT(nn.Module):
             logits = self(idx[:, -self.config.context :])[:, -1, :]
             if temperature == 0:  # the limit of sampling as temperature -> 0: the most likely token
                 nxt = logits.argmax(dim=-1, keepdim=True)
-                idx = torch.cat([idx, nxt], dim=1)
-                continue
-            logits = logits / temperature
-            if top_k:  # None or 0: no top-k filter
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            else:
+                logits = logits / temperature
+                if top_k:  # None or 0: no top-k filter
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
