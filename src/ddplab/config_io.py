@@ -65,8 +65,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
             raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            if value is None:
-                value = {}
+            value = {} if value is None else value
             if not isinstance(value, dict):
                 raise UserError(f"'{dotted}' must be a section (mapping), got {value!r}")
             kwargs[key] = from_dict(value, hint, dotted + ".")
@@ -166,8 +165,6 @@ def validate(cfg: Config) -> None:
     for name in ("val_fraction", "test_fraction"):
         if not 0 <= getattr(cfg.data, name) < 1:
             raise UserError(f"data.{name} must be in [0, 1), got {getattr(cfg.data, name)}")
-    # Names (built-in or code references) and which model fits which data are the registry's
-    # checks: ddplab.registry.check_config, called by ddplab.registry.load_config.
 
 
 def _check_fields(node: Any, prefix: str) -> None:
@@ -204,5 +201,3 @@ def parse_duration(text: str | None, dotted: str = "duration") -> float | None:
     if seconds <= 0:
         raise UserError(f"'{dotted}' must be positive; got {text!r}")
     return seconds
-
-

@@ -53,8 +53,7 @@ class ClassificationEvaluator:
         pred = logits.argmax(-1)
         c = self.num_classes
         self.confusion += torch.bincount(target * c + pred, minlength=c * c).view(c, c).double()
-        k = min(5, c)
-        top5 = (logits.topk(k, dim=-1).indices == target[:, None]).any(-1).sum()
+        top5 = (logits.topk(min(5, c), dim=-1).indices == target[:, None]).any(-1).sum()
         self.sums += torch.stack([loss.double(), torch.tensor(len(target), device=loss.device, dtype=torch.float64), top5.double()])
 
     def compute(self, ctx) -> dict[str, float]:
@@ -105,12 +104,10 @@ class RegressionEvaluator:
         self.sums = torch.zeros(6, task.outputs, dtype=torch.float64, device=device)
 
     def update(self, output, target) -> None:
-        out, tgt = self.task._shaped(output, target)
-        out, tgt = out.double(), tgt.double()
+        out, tgt = (t.double() for t in self.task._shaped(output, target))
         err = out - tgt
-        ones = torch.ones_like(tgt)
-        self.sums += torch.stack([ones.sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0), tgt.sum(0),
-                                  (tgt ** 2).sum(0)])
+        self.sums += torch.stack([torch.ones_like(tgt).sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0),
+                                  tgt.sum(0), (tgt ** 2).sum(0)])
 
     def compute(self, ctx) -> dict[str, float]:
         n, _, abs_err, sq_err, y, y2 = ctx.all_reduce(self.sums.clone())

@@ -186,11 +186,7 @@ def reference_of(fn: Callable) -> str:
     if source is None:
         raise UserError(f"{qualname}: cannot tell which file defines it")
     path = Path(source).resolve()
-    try:
-        shown = path.relative_to(Path.cwd())
-    except ValueError:
-        shown = path
-    return f"{shown}:{qualname}"
+    return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{qualname}"
 
 
 def check_trusted(reference: str, trust_code: bool, field_name: str) -> Path | None:

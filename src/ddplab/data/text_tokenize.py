@@ -58,10 +58,6 @@ class HashTokenizer:
                 "lowercase": self.lowercase, "split": _TOKEN.pattern, "hash": "crc32",
                 "pad_id": self.PAD, "cls_id": self.CLS}
 
-    @classmethod
-    def from_meta(cls, meta: dict) -> "HashTokenizer":
-        return cls(meta["vocab_size"], meta["max_len"], meta.get("lowercase", True))
-
     def words(self, text: str) -> list[str]:
         keep = self.max_len - 1
         # Scan only a prefix long enough for `keep` words; fall back to the whole text if it was not.
@@ -110,14 +106,13 @@ class HFTokenizer:
         return {"tokenizer": "hf", "pretrained": self.pretrained, "max_len": self.max_len,
                 "vocab_size": self.vocab_size, "pad_id": self.pad_id, "class": type(self.tok).__name__}
 
-    @classmethod
-    def from_meta(cls, meta: dict) -> "HFTokenizer":
-        return cls(meta["pretrained"], meta["max_len"])
-
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
         return padded(encoded, self.max_len, self.pad_id, self.dtype)
 
 
 def tokenizer_from_meta(meta: dict):
-    return HashTokenizer.from_meta(meta) if meta["tokenizer"] == "hash" else HFTokenizer.from_meta(meta)
+    """The tokenizer that `describe()` gave this meta."""
+    if meta["tokenizer"] == "hash":
+        return HashTokenizer(meta["vocab_size"], meta["max_len"], meta.get("lowercase", True))
+    return HFTokenizer(meta["pretrained"], meta["max_len"])

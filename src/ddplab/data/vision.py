@@ -254,6 +254,5 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
         tf = transform(meta)
         for ds in (full, *fixed.values()):
             ds.transform = tf
-    val_set = fixed.get("val", Subset(full, val))
-    test_set = fixed.get("test", Subset(full, test))
-    return _splits(cfg, meta, Subset(full, train), val_set, test_set)
+    return _splits(cfg, meta, Subset(full, train), fixed.get("val", Subset(full, val)),
+                   fixed.get("test", Subset(full, test)))

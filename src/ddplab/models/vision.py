@@ -125,16 +125,13 @@ def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, nam
 # Each takes the config's model section and the images' shape; `ddplab.workloads.images` reads
 # that shape from the Data (or, at predict time, from the checkpoint's meta).
 
-def _tv_kwargs(name: str, side: int) -> dict:
-    if name.startswith("vit_"):
-        return {"image_size": side}  # position embeddings are sized for the input
-    if name in ("googlenet", "inception_v3"):
-        return {"aux_logits": False, "init_weights": True}  # one output; training mode returns a tuple otherwise
-    return {}
-
-
 def _torchvision(name: str, side: int) -> nn.Module:
-    return models.get_model(name, weights=None, **_tv_kwargs(name, side))
+    kwargs = {}
+    if name.startswith("vit_"):
+        kwargs = {"image_size": side}  # position embeddings are sized for the input
+    elif name in ("googlenet", "inception_v3"):
+        kwargs = {"aux_logits": False, "init_weights": True}  # one output; training mode returns a tuple otherwise
+    return models.get_model(name, weights=None, **kwargs)
 
 
 def _pretrained(name: str, side: int, path: str) -> nn.Module:
