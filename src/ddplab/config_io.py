@@ -77,8 +77,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
 def apply_override(cfg: Config, item: str) -> None:
     if "=" not in item:
         raise UserError(f"override '{item}' is not of the form key=value (e.g. training.lr=3e-4)")
-    dotted, raw = item.split("=", 1)
-    dotted = dotted.strip()
+    dotted, raw = (part.strip() for part in item.split("=", 1))
     parts = dotted.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):
@@ -87,7 +86,7 @@ def apply_override(cfg: Config, item: str) -> None:
                 node = node.setdefault(key, {})
                 if not isinstance(node, dict):
                     raise UserError(f"'{dotted}': {key} already holds a value, not a mapping")
-            node[parts[-1]] = _yaml_value(raw.strip(), dotted)
+            node[parts[-1]] = _yaml_value(raw, dotted)
             return
         if not dataclasses.is_dataclass(node):
             raise UserError(f"unknown config key '{dotted}'")
@@ -99,7 +98,7 @@ def apply_override(cfg: Config, item: str) -> None:
             hint = typing.get_type_hints(type(node))[part]
             if dataclasses.is_dataclass(hint):
                 raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
-            setattr(node, part, coerce(raw.strip(), hint, dotted))
+            setattr(node, part, coerce(raw, hint, dotted))
         else:
             node = getattr(node, part)
 

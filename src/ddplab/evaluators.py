@@ -62,8 +62,7 @@ class ClassificationEvaluator:
         loss_sum, count, top5 = ctx.all_reduce(self.sums.clone()).tolist()
         if count == 0:
             return {}
-        out = {"loss": loss_sum / count, "samples": count}
-        out.update(scores_from_confusion(confusion))
+        out = {"loss": loss_sum / count, "samples": count, **scores_from_confusion(confusion)}
         if self.num_classes > 5:
             out["top5_accuracy"] = top5 / count
         return out

@@ -101,11 +101,6 @@ def reference(name: str, field_name: str) -> str:
     return entry.ref if entry else name
 
 
-def function(name: str, field_name: str) -> Callable:
-    """A built-in name or a code reference -> its workload function, through the one resolver."""
-    return resolve(reference(name, field_name), field_name)
-
-
 def image_needs(model_name: str) -> tuple[int | None, int | None]:
     """(channels, default side) the model wants of images; (None, None): whatever the data has."""
     entry = model_entry(model_name)
@@ -190,6 +185,6 @@ def absolute_references(cfg: Config) -> None:
 
 def workload(cfg: Config, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
     """The config's workload; functions handed to ddplab.train() are used as given."""
-    return Workload(data_fn or function(cfg.data.name, "data.name"),
-                    model_fn or function(cfg.model.name, "model.name"),
-                    {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")})
+    refs = {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")}
+    return Workload(data_fn or resolve(refs["data"], "data.name"), model_fn or resolve(refs["model"], "model.name"),
+                    refs)

@@ -194,8 +194,7 @@ class Regression(Task):
         n, shape = len(target), tuple(self.logits(output).shape)
         if shape != (n, self.outputs) and not (self.outputs == 1 and shape == (n,)):
             want = f"({n}, {self.outputs})" + (f" or ({n},)" if self.outputs == 1 else "")
-            raise UserError(f"the model's output has shape {shape} but Regression(outputs={self.outputs}) "
-                            f"needs {want}")
+            raise UserError(f"the model's output has shape {shape} but Regression(outputs={self.outputs}) needs {want}")
         if target.numel() != n * self.outputs:
             raise UserError(f"targets of shape {tuple(target.shape)} do not hold {self.outputs} value(s) per sample "
                             f"for Regression(outputs={self.outputs})")

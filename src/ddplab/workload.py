@@ -191,9 +191,7 @@ def reference_of(fn: Callable) -> str:
 
 def check_trusted(reference: str, trust_code: bool, field_name: str) -> Path | None:
     """Code a run folder names runs only from inside the current directory tree, or when trusted."""
-    if not is_reference(reference):
-        return None
-    path = reference_file(reference)
+    path = reference_file(reference) if is_reference(reference) else None
     if path is None:
         return None
     inside = Path.cwd().resolve() in path.parents or path.parent == Path.cwd().resolve()

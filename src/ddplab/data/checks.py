@@ -138,7 +138,7 @@ def check_image_files(cfg) -> None:
             raise UserError(f"data.root: no such folder: {root}")
         for split in folder_layout(root).values():
             if split is not None:
-                classes = class_folders(split)
+                classes = sorted(p.name for p in split.iterdir() if p.is_dir() and not p.name.startswith("."))
                 if len(classes) < 2:
                     raise UserError(f"data.root: {split} holds {len(classes)} class folder(s) "
                                     f"({', '.join(classes) or 'none'}); image_folder needs at least 2, one per class")
@@ -149,10 +149,6 @@ def folder_layout(root: Path) -> dict[str, Path | None]:
     if (root / "train").is_dir():
         return {s: (root / s if (root / s).is_dir() else None) for s in ("train", "val", "test")}
     return {"train": root, "val": None, "test": None}
-
-
-def class_folders(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 # ---------------------------------------------------------------------------- text

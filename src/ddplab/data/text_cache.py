@@ -96,9 +96,9 @@ def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
     n = split.size
     fields = {"ids": (tokenizer.dtype, (n, tokenizer.max_len)), "lengths": (np.int32, (n,)), "labels": (np.int64, (n,))}
     headers = {field: npy_offset(folder / f"{name}.{field}.npy", *spec) for field, spec in fields.items()}
-    handles = {field: open(folder / f"{name}.{field}.npy", "r+b") for field in headers}
     row = 0
-    try:
+    with contextlib.ExitStack() as files:
+        handles = {field: files.enter_context(open(folder / f"{name}.{field}.npy", "r+b")) for field in headers}
         for texts, labels in split.chunks(CHUNK):
             ids, lengths = tokenizer.encode_batch(texts)
             if row + len(texts) > n:
@@ -108,9 +108,6 @@ def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
                 f.seek(headers[field] + row * block[0:1].nbytes)
                 f.write(np.ascontiguousarray(block).tobytes())
             row += len(texts)
-    finally:
-        for f in handles.values():
-            f.close()
     if row != n:
         raise RuntimeError(f"the {name} split yielded {row} rows, expected {n}")
     return n

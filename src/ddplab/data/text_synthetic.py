@@ -48,10 +48,6 @@ def lexicons(num_classes: int) -> list[list[str]]:
     return [pool[c * size:(c + 1) * size] for c in range(num_classes)]
 
 
-def label_names(num_classes: int) -> list[str]:
-    return ["negative", "positive"] if num_classes == 2 else [f"rating_{c + 1}" for c in range(num_classes)]
-
-
 def generate(seed: int, start: int, count: int, num_classes: int) -> tuple[list[str], np.ndarray]:
     """Reviews start .. start+count-1; chunk-aligned calls give the same rows whatever the chunking."""
     texts: list[str] = []
@@ -103,7 +99,8 @@ def source(cfg) -> TextSource:
         for start in range(0, n, size):
             yield generate(seed, start, min(size, n - start), k)
 
-    return TextSource(splits={"train": TextSplit(n, chunks)}, label_names=label_names(k))
+    names = ["negative", "positive"] if k == 2 else [f"rating_{c + 1}" for c in range(k)]
+    return TextSource(splits={"train": TextSplit(n, chunks)}, label_names=names)
 
 
 def describe(cfg) -> dict:

@@ -150,11 +150,7 @@ def stack_images(batch) -> tuple[torch.Tensor, torch.Tensor]:
 def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
     """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
-    return ImageSplits(train_view, _non_empty(val), _non_empty(test), meta)
-
-
-def _non_empty(dataset):
-    return dataset if dataset is not None and len(dataset) else None
+    return ImageSplits(train_view, *(s if s is not None and len(s) else None for s in (val, test)), meta)
 
 
 def _augmented(dataset, augment):
