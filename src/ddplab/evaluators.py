@@ -50,9 +50,8 @@ class ClassificationEvaluator:
     def update(self, output, target: torch.Tensor) -> None:
         logits = self.logits(output).float()
         loss = F.cross_entropy(logits, target, reduction="sum")
-        pred = logits.argmax(-1)
         c = self.num_classes
-        self.confusion += torch.bincount(target * c + pred, minlength=c * c).view(c, c).double()
+        self.confusion += torch.bincount(target * c + logits.argmax(-1), minlength=c * c).view(c, c).double()
         top5 = (logits.topk(min(5, c), dim=-1).indices == target[:, None]).any(-1).sum()
         self.sums += torch.stack([loss.double(), torch.tensor(len(target), device=loss.device, dtype=torch.float64), top5.double()])
 

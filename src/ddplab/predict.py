@@ -67,7 +67,6 @@ def encoder(data) -> Callable[[str], object]:
 
 def _open_image(item: str, loader: Callable | None):
     from PIL import Image, UnidentifiedImageError  # the vision extra: only for image inputs
-
     if not Path(item).is_file():
         raise UserError(f"no such image file: {item}")
     try:

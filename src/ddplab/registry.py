@@ -33,10 +33,6 @@ class Builtin:
     check_files: str | None = None  # (cfg) -> None, the files the config names
     extra: str | None = None  # the optional part of ddplab it needs (ddplab.extras)
 
-    def require(self, what: str) -> None:
-        if self.extra:
-            require(self.extra, what)
-
     def call(self, what: str, cfg) -> None:
         reference = getattr(self, what)
         if reference:
@@ -80,7 +76,6 @@ def model_entry(name: str) -> Builtin | None:
         raise UserError(f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS)}, a torchvision "
                         f"classifier (pip install 'ddplab[vision]'), or your own file.py:function")
     from ddplab.models import vision  # imports torchvision: only for a name that is none of ddplab's own
-
     if vision.is_torchvision(name):
         return TORCHVISION
     raise UserError(vision.unknown_model(name, list(MODELS)))
@@ -125,7 +120,8 @@ def check_config(cfg: Config) -> None:
             raise UserError(_mismatch(cfg, model, data))
     for entry, section in ((model, "model"), (data, "data")):
         if entry is not None:
-            entry.require(f"{section}.name={getattr(cfg, section).name}")
+            if entry.extra:
+                require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     if model is not None and data is not None and model.inputs == data.inputs == "image":
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))

@@ -47,9 +47,8 @@ def _kind(output) -> str:
 
 
 def to_device(obj, device: torch.device):
-    non_blocking = device.type == "cuda"
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
+        return obj.to(device, non_blocking=device.type == "cuda")
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -194,14 +194,11 @@ def check_trusted(reference: str, trust_code: bool, field_name: str) -> Path | N
     path = reference_file(reference) if is_reference(reference) else None
     if path is None:
         return None
-    inside = Path.cwd().resolve() in path.parents or path.parent == Path.cwd().resolve()
-    if not inside and not trust_code and not _installed(path):
+    inside = path.is_relative_to(Path.cwd().resolve())
+    # An installed package (site-packages) is code the user already chose to run.
+    installed = any(part in ("site-packages", "dist-packages") for part in path.parts)
+    if not inside and not trust_code and not installed:
         raise UserError(f"{field_name}: this run's code is {path}, outside the current directory; "
                         f"pass --trust-code to import it")
     print(f"ddplab: importing {field_name} code from {path}", file=sys.stderr)
     return path
-
-
-def _installed(path: Path) -> bool:
-    """Installed packages (site-packages) are code the user already chose to run."""
-    return any(part in ("site-packages", "dist-packages") for part in path.parts)

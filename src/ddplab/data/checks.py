@@ -93,7 +93,6 @@ def folder_images(root: str) -> FolderImages:
     Stops early once the images are known to differ in size and to hold colour: nothing more
     could change the choice. An unreadable file is skipped here and named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
-
     grey, sizes, count = True, [], 0
     for folder, dirs, files in os.walk(root, followlinks=True):
         dirs.sort()

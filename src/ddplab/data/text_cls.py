@@ -75,8 +75,7 @@ def splits(cfg, cache: text_cache.TokenCache):
     """Train rows shuffled with the seed (so data.limit takes a random subset of label-sorted data
     such as IMDB's), validation from the data or carved from train, everything capped by data.limit."""
     d = cfg.data
-    rng = np.random.default_rng(cfg.experiment.seed)
-    rows = rng.permutation(cache.size("train"))
+    rows = np.random.default_rng(cfg.experiment.seed).permutation(cache.size("train"))
     if cache.size("val"):
         val = TokenizedTexts(cache, "val", np.arange(cache.size("val")))
     elif d.val_fraction > 0:

@@ -34,7 +34,6 @@ def _offline():
     Both libraries read their offline flag at import time; it is flipped for this call only."""
     import datasets  # the text extra, only when a hub dataset is read
     import huggingface_hub.constants as hub  # comes with datasets (the text extra)
-
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
     try:
@@ -45,7 +44,6 @@ def _offline():
 
 def hub_source(cfg) -> TextSource:
     import datasets  # the text extra, only when a hub dataset is read
-
     name, fields = HUB[cfg.data.name]
     try:
         with contextlib.nullcontext() if cfg.data.download else _offline():
@@ -86,7 +84,6 @@ def _files(cfg) -> dict[str, str]:
 
 def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | None = None):
     import pandas as pd  # the text extra, only when a table is read
-
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
@@ -109,7 +106,6 @@ def header(path: str | Path) -> list[str] | None:
         return list(read_table(p, nrows=0).columns)
     if suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq  # the text extra, only for Parquet
-
         return list(pq.read_schema(p).names)
     if suffix == ".jsonl":
         with open(p, encoding="utf-8") as f:
@@ -148,7 +144,6 @@ def check_files(cfg) -> None:
 def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
     """Label names, and a value -> id mapping for non-integer labels (None: the values are the ids)."""
     import pandas as pd  # the text extra, only when a table is read
-
     labels = pd.concat(parts)
     if labels.isna().any():
         raise UserError(f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})")

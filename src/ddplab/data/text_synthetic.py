@@ -85,10 +85,8 @@ def _block(seed: int, b: int, num_classes: int, size: int = 1000) -> tuple[list[
     punct[ends - lengths] = 1.0  # no review opens with a punctuation mark
     words = np.where(punct < 0.07, len(vocab) - 2, np.where(punct < 0.10, len(vocab) - 1, words))
     tokens = vocab[words]
-    texts = []
-    for i in range(size):
-        sentence = tokens[ends[i] - lengths[i]:ends[i]]
-        texts.append(" ".join(sentence).replace(" .", ".").replace(" ,", ",").capitalize() + ".")
+    texts = [" ".join(tokens[end - n:end]).replace(" .", ".").replace(" ,", ",").capitalize() + "."
+             for end, n in zip(ends, lengths)]
     return texts, labels
 
 

@@ -61,9 +61,7 @@ class HashTokenizer:
     def words(self, text: str) -> list[str]:
         keep = self.max_len - 1
         # Scan only a prefix long enough for `keep` words; fall back to the whole text if it was not.
-        prefix = text[: keep * 24]
-        if self.lowercase:
-            prefix = prefix.lower()
+        prefix = text[: keep * 24].lower() if self.lowercase else text[: keep * 24]
         words = _TOKEN.findall(prefix)
         if len(words) < keep and len(prefix) < len(text):
             words = _TOKEN.findall(text.lower() if self.lowercase else text)
@@ -89,7 +87,6 @@ class HFTokenizer:
 
     def __init__(self, pretrained: str, max_len: int) -> None:
         from transformers import AutoTokenizer  # the text extra; seconds to import
-
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)
         except (OSError, ValueError) as exc:

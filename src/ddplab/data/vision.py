@@ -66,8 +66,7 @@ def augmentation(meta: dict):
 
 
 def read_image(path: str, mode: str = "RGB"):
-    """torchvision's loader, in `mode`, with an unreadable file named in one line (found mid-training
-    or at predict time)."""
+    """torchvision's loader, in `mode`, with an unreadable file named in one line (mid-training or at predict)."""
     try:
         with open(path, "rb") as f, Image.open(f) as img:
             return img.convert(mode)
@@ -123,8 +122,7 @@ def image_tensors(images: torch.Tensor, labels: torch.Tensor, meta: dict) -> Ima
     """uint8 images under the validation transform: applied once to the whole set when the result
     is small (a per-item transform costs more than a small model's step), else item by item."""
     tf = transform(meta)
-    c, side = meta["channels"], meta["image_size"]
-    if len(images) * c * side * side * 4 <= PRECOMPUTE_BYTES:
+    if len(images) * meta["channels"] * meta["image_size"] ** 2 * 4 <= PRECOMPUTE_BYTES:
         return ImageTensors(torch.cat([tf(chunk).as_subclass(torch.Tensor) for chunk in images.split(4096)]), labels)
     return ImageTensors(images, labels, tf)
 
@@ -177,7 +175,6 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
         table = np.loadtxt(path, delimiter=",")
         return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits as sklearn_digits  # the slow import, only where the file is missing
-
     digits = sklearn_digits()
     return digits.images, digits.target
 

@@ -150,14 +150,12 @@ def _pretrained(name: str, side: int, path: str) -> nn.Module:
 
 def find_head(model: nn.Module) -> str:
     """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
-    found = None
-    for name, m in model.named_modules():
-        if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES) or \
-                (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES):
-            found = name
-    if found is None:
+    heads = [name for name, m in model.named_modules()
+             if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES)
+             or (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES)]
+    if not heads:
         raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
-    return found
+    return heads[-1]
 
 
 def _freeze_all_but(model: nn.Module, head: nn.Module) -> None:
@@ -170,10 +168,8 @@ def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
     model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
     head_name = find_head(model)
     old = model.get_submodule(head_name)
-    if isinstance(old, nn.Linear):
-        head = nn.Linear(old.in_features, num_classes)
-    else:
-        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
+    head = (nn.Linear(old.in_features, num_classes) if isinstance(old, nn.Linear)
+            else nn.Conv2d(old.in_channels, num_classes, kernel_size=1))
     model.set_submodule(head_name, head)
     if m.freeze:
         _freeze_all_but(model, head)

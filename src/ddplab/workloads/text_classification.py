@@ -75,7 +75,6 @@ def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
 def hf(cfg, data: ddplab.Data) -> nn.Module:
     """A pretrained encoder with a fresh head sized to this data's labels."""
     from transformers import AutoModelForSequenceClassification  # seconds to import: only for model.name=hf
-
     m = cfg.config.model
     check_pretrained(m.pretrained)
     names = data.meta.get("label_names") or [str(i) for i in range(data.num_classes)]
@@ -89,6 +88,5 @@ def hf(cfg, data: ddplab.Data) -> nn.Module:
         raise UserError(f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier ({first}); "
                         f"give a local model folder, or a hub name on a connected machine") from None
     if m.freeze:
-        for p in model.base_model.parameters():
-            p.requires_grad_(False)
+        model.base_model.requires_grad_(False)
     return model
