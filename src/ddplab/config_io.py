@@ -65,8 +65,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
             raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            if value is None:
-                value = {}
+            value = {} if value is None else value
             if not isinstance(value, dict):
                 raise UserError(f"'{dotted}' must be a section (mapping), got {value!r}")
             kwargs[key] = from_dict(value, hint, dotted + ".")
@@ -78,8 +77,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
 def apply_override(cfg: Config, item: str) -> None:
     if "=" not in item:
         raise UserError(f"override '{item}' is not of the form key=value (e.g. training.lr=3e-4)")
-    dotted, raw = item.split("=", 1)
-    dotted = dotted.strip()
+    dotted, raw = (part.strip() for part in item.split("=", 1))
     parts = dotted.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):
@@ -88,7 +86,7 @@ def apply_override(cfg: Config, item: str) -> None:
                 node = node.setdefault(key, {})
                 if not isinstance(node, dict):
                     raise UserError(f"'{dotted}': {key} already holds a value, not a mapping")
-            node[parts[-1]] = _yaml_value(raw.strip(), dotted)
+            node[parts[-1]] = _yaml_value(raw, dotted)
             return
         if not dataclasses.is_dataclass(node):
             raise UserError(f"unknown config key '{dotted}'")
@@ -100,7 +98,7 @@ def apply_override(cfg: Config, item: str) -> None:
             hint = typing.get_type_hints(type(node))[part]
             if dataclasses.is_dataclass(hint):
                 raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
-            setattr(node, part, coerce(raw.strip(), hint, dotted))
+            setattr(node, part, coerce(raw, hint, dotted))
         else:
             node = getattr(node, part)
 
@@ -115,49 +113,31 @@ def _yaml_value(raw: str, dotted: str) -> Any:
 
 # Null on the command line, for optional fields only: `training.amp=none` stays the choice "none".
 NULL_WORDS = ("null", "none", "~")
-
-
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
 def coerce(value: Any, hint: Any, dotted: str) -> Any:
     """Convert YAML or command-line values to the field's declared type, or explain why not."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None or text in NULL_WORDS:
             return None
-        if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
-            return None
-        hint = args[0]
-    if value is None or (hint is not str and isinstance(value, str) and value.strip().lower() in NULL_WORDS):
-        raise UserError(f"'{dotted}' may not be null; expected {_type_name(hint)}")
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if value is None or (hint is not str and text in NULL_WORDS):
+        raise UserError(f"'{dotted}' may not be null; expected {getattr(hint, '__name__', hint)}")
     if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
-            return value.strip().lower() in ("true", "yes", "on", "1")
+        if isinstance(value, bool) or text in TRUE_WORDS + FALSE_WORDS:
+            return value if isinstance(value, bool) else text in TRUE_WORDS
         raise UserError(f"'{dotted}' must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool):
-            raise UserError(f"'{dotted}' must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and _NUMBER.match(value.strip()):
-            number = float(value)
-            if number.is_integer():
+    if hint in (int, float):
+        number = float(value) if text is not None and _NUMBER.match(text) else value
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            if hint is float:
+                return float(number)
+            if isinstance(number, int) or number.is_integer():
                 return int(number)
-        raise UserError(f"'{dotted}' must be an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, bool):
-            raise UserError(f"'{dotted}' must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str) and _NUMBER.match(value.strip()):
-            return float(value)
-        raise UserError(f"'{dotted}' must be a number, got {value!r}")
+        raise UserError(f"'{dotted}' must be {'an integer' if hint is int else 'a number'}, got {value!r}")
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -176,10 +156,6 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
     raise UserError(f"'{dotted}' has an unsupported type {hint}")
 
 
-def _type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", str(hint))
-
-
 # ---------------------------------------------------------------------------- validation
 
 def validate(cfg: Config) -> None:
@@ -192,12 +168,9 @@ def validate(cfg: Config) -> None:
         raise UserError(f"model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
     if cfg.model.dropout >= 1:
         raise UserError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
-    if not 0 <= cfg.data.val_fraction < 1:
-        raise UserError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
-    if not 0 <= cfg.data.test_fraction < 1:
-        raise UserError(f"data.test_fraction must be in [0, 1), got {cfg.data.test_fraction}")
-    # Names (built-in or code references) and which model fits which data are the registry's
-    # checks: ddplab.registry.check_config, called by ddplab.registry.load_config.
+    for name in ("val_fraction", "test_fraction"):
+        if not 0 <= getattr(cfg.data, name) < 1:
+            raise UserError(f"data.{name} must be in [0, 1), got {getattr(cfg.data, name)}")
 
 
 def _check_fields(node: Any, prefix: str) -> None:
@@ -235,5 +208,3 @@ def parse_duration(text: str | None, dotted: str = "duration") -> float | None:
     if seconds <= 0:
         raise UserError(f"'{dotted}' must be positive; got {text!r}")
     return seconds
-
-

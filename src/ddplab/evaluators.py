@@ -15,14 +15,10 @@ import torch
 import torch.nn.functional as F
 
 
-def _identity(output):
-    return output
-
-
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(self, device: torch.device, logits: Callable = _identity) -> None:
+    def __init__(self, device: torch.device, logits: Callable = lambda output: output) -> None:
         self.logits = logits  # the model's output -> its logits (Task.logits)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
@@ -43,7 +39,7 @@ class LMEvaluator:
 class ClassificationEvaluator:
     """Loss, accuracy, top-5 accuracy, macro precision / recall / F1 from a global confusion matrix."""
 
-    def __init__(self, num_classes: int, device: torch.device, logits: Callable = _identity) -> None:
+    def __init__(self, num_classes: int, device: torch.device, logits: Callable = lambda output: output) -> None:
         self.num_classes = num_classes
         self.logits = logits  # the model's output -> its logits (Task.logits)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
@@ -54,11 +50,9 @@ class ClassificationEvaluator:
     def update(self, output, target: torch.Tensor) -> None:
         logits = self.logits(output).float()
         loss = F.cross_entropy(logits, target, reduction="sum")
-        pred = logits.argmax(-1)
         c = self.num_classes
-        self.confusion += torch.bincount(target * c + pred, minlength=c * c).view(c, c).double()
-        k = min(5, c)
-        top5 = (logits.topk(k, dim=-1).indices == target[:, None]).any(-1).sum()
+        self.confusion += torch.bincount(target * c + logits.argmax(-1), minlength=c * c).view(c, c).double()
+        top5 = (logits.topk(min(5, c), dim=-1).indices == target[:, None]).any(-1).sum()
         self.sums += torch.stack([loss.double(), torch.tensor(len(target), device=loss.device, dtype=torch.float64), top5.double()])
 
     def compute(self, ctx) -> dict[str, float]:
@@ -67,23 +61,26 @@ class ClassificationEvaluator:
         loss_sum, count, top5 = ctx.all_reduce(self.sums.clone()).tolist()
         if count == 0:
             return {}
-        out = {"loss": loss_sum / count, "samples": count}
-        out.update(scores_from_confusion(confusion))
+        out = {"loss": loss_sum / count, "samples": count, **scores_from_confusion(confusion)}
         if self.num_classes > 5:
             out["top5_accuracy"] = top5 / count
         return out
 
 
-def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
-    """Precision, recall and F1 of each class and its support, as scikit-learn's
-    precision_recall_fscore_support(average=None, zero_division=0) gives them."""
-    confusion = confusion.double()
-    tp = confusion.diag()
-    predicted, actual = confusion.sum(0), confusion.sum(1)
+def _per_class(confusion: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Precision, recall, F1 of each class, predicted and actual counts (zero_division=0)."""
+    tp, predicted, actual = confusion.diag(), confusion.sum(0), confusion.sum(1)
     precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
     recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
     denom = precision + recall
     f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
+    return precision, recall, f1, predicted, actual
+
+
+def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
+    """Precision, recall and F1 of each class and its support, as scikit-learn's
+    precision_recall_fscore_support(average=None, zero_division=0) gives them."""
+    precision, recall, f1, _, actual = _per_class(confusion.double())
     return {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
             "support": [int(x) for x in actual.tolist()]}
 
@@ -91,20 +88,10 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
 def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
     """Accuracy and macro precision / recall / F1 as scikit-learn defines them
     (zero_division=0; macro averages over the classes present in targets or predictions)."""
-    tp = confusion.diag()
-    predicted = confusion.sum(0)
-    actual = confusion.sum(1)
+    precision, recall, f1, predicted, actual = _per_class(confusion)
     present = (predicted + actual) > 0
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    denom = precision + recall
-    f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
-    return {
-        "accuracy": (tp.sum() / confusion.sum()).item(),
-        "precision": precision[present].mean().item(),
-        "recall": recall[present].mean().item(),
-        "f1": f1[present].mean().item(),
-    }
+    return {"accuracy": (confusion.diag().sum() / confusion.sum()).item(),
+            **{name: s[present].mean().item() for name, s in (("precision", precision), ("recall", recall), ("f1", f1))}}
 
 
 class RegressionEvaluator:
@@ -115,12 +102,10 @@ class RegressionEvaluator:
         self.sums = torch.zeros(6, task.outputs, dtype=torch.float64, device=device)
 
     def update(self, output, target) -> None:
-        out, tgt = self.task._shaped(output, target)
-        out, tgt = out.double(), tgt.double()
+        out, tgt = (t.double() for t in self.task._shaped(output, target))
         err = out - tgt
-        ones = torch.ones_like(tgt)
-        self.sums += torch.stack([ones.sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0), tgt.sum(0),
-                                  (tgt ** 2).sum(0)])
+        self.sums += torch.stack([torch.ones_like(tgt).sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0),
+                                  tgt.sum(0), (tgt ** 2).sum(0)])
 
     def compute(self, ctx) -> dict[str, float]:
         n, _, abs_err, sq_err, y, y2 = ctx.all_reduce(self.sums.clone())

@@ -13,17 +13,17 @@ Samples are batched with `Data.collate_fn` (or torch's default_collate), as trai
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 from ddplab.inference import load_model, read_checkpoint, recorded_task
 from ddplab.tasks import CONTINUES_TEXT, call_model
-import numpy as np
-import csv
-import json
 
 
 def expand(items: list[str]) -> list[str]:
@@ -67,7 +67,6 @@ def encoder(data) -> Callable[[str], object]:
 
 def _open_image(item: str, loader: Callable | None):
     from PIL import Image, UnidentifiedImageError  # the vision extra: only for image inputs
-
     if not Path(item).is_file():
         raise UserError(f"no such image file: {item}")
     try:
@@ -87,7 +86,6 @@ def read_numbers(item: str) -> torch.Tensor:
         try:
             if item.endswith(".pt"):
                 return torch.as_tensor(torch.load(item, weights_only=True))
-
             return torch.from_numpy(np.load(item, allow_pickle=False))
         except Exception as exc:  # noqa: BLE001 - an unreadable file is the user's to fix
             raise UserError(f"cannot read {item}: {type(exc).__name__}") from None
@@ -95,10 +93,6 @@ def read_numbers(item: str) -> torch.Tensor:
         return torch.tensor([float(x) for x in item.split(",")])
     except ValueError:
         raise UserError(f"input '{item[:40]}' is not comma-separated numbers nor a .npy/.pt file") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:120]
 
 
 def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None = None,
@@ -119,11 +113,11 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
             try:
                 inputs = collate(samples)[0]
             except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
-                raise UserError(f"the inputs do not batch together ({type(exc).__name__}: {_first_line(exc)})") from None
+                raise UserError(f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})") from None
             try:
                 output = call_model(model, inputs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-                raise UserError(f"the inputs do not fit the model ({_first_line(exc)})") from None
+                raise UserError(f"the inputs do not fit the model ({first_line(exc, 120)})") from None
             where = f"{type(task).__name__}.predict(output)"
             values = _user(task.predict, where, output) if top_k is None else _user(task.predict, where, output, top_k)
             rows += [{"input": item, **row} for item, row in zip(chunk, values)]
@@ -138,7 +132,7 @@ def _user(fn: Callable, where: str, *args):
         raise
     except Exception as exc:  # noqa: BLE001
         shown = f" '{args[0][:60]}'" if isinstance(args[0], str) else ""
-        raise UserError(f"{where}{shown} raised {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"{where}{shown} raised {type(exc).__name__}: {first_line(exc, 120)}") from None
 
 
 def _shown(value) -> str:
@@ -166,7 +160,6 @@ def output_format(path: str) -> str:
 
 def write(rows: list[dict], path: str) -> None:
     """Every row with its input, as CSV (lists as comma-separated text) or JSON lines."""
-
     kind = output_format(path)
     with open(path, "w", encoding="utf-8", newline="") as f:
         if kind == "jsonl":

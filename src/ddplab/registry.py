@@ -33,10 +33,6 @@ class Builtin:
     check_files: str | None = None  # (cfg) -> None, the files the config names
     extra: str | None = None  # the optional part of ddplab it needs (ddplab.extras)
 
-    def require(self, what: str) -> None:
-        if self.extra:
-            require(self.extra, what)
-
     def call(self, what: str, cfg) -> None:
         reference = getattr(self, what)
         if reference:
@@ -80,7 +76,6 @@ def model_entry(name: str) -> Builtin | None:
         raise UserError(f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS)}, a torchvision "
                         f"classifier (pip install 'ddplab[vision]'), or your own file.py:function")
     from ddplab.models import vision  # imports torchvision: only for a name that is none of ddplab's own
-
     if vision.is_torchvision(name):
         return TORCHVISION
     raise UserError(vision.unknown_model(name, list(MODELS)))
@@ -99,11 +94,6 @@ def reference(name: str, field_name: str) -> str:
     """A built-in name's function reference; a code reference as given."""
     entry = model_entry(name) if field_name == "model.name" else data_entry(name)
     return entry.ref if entry else name
-
-
-def function(name: str, field_name: str) -> Callable:
-    """A built-in name or a code reference -> its workload function, through the one resolver."""
-    return resolve(reference(name, field_name), field_name)
 
 
 def image_needs(model_name: str) -> tuple[int | None, int | None]:
@@ -130,13 +120,13 @@ def check_config(cfg: Config) -> None:
             raise UserError(_mismatch(cfg, model, data))
     for entry, section in ((model, "model"), (data, "data")):
         if entry is not None:
-            entry.require(f"{section}.name={getattr(cfg, section).name}")
+            if entry.extra:
+                require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
         if tracker != "tensorboard":
             require("track", f"logging.trackers={tracker}", (tracker,))
     if model is not None and data is not None and model.inputs == data.inputs == "image":
-
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)
 
@@ -194,6 +184,6 @@ def absolute_references(cfg: Config) -> None:
 
 def workload(cfg: Config, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
     """The config's workload; functions handed to ddplab.train() are used as given."""
-    return Workload(data_fn or function(cfg.data.name, "data.name"),
-                    model_fn or function(cfg.model.name, "model.name"),
-                    {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")})
+    refs = {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")}
+    return Workload(data_fn or resolve(refs["data"], "data.name"), model_fn or resolve(refs["model"], "model.name"),
+                    refs)

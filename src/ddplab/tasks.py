@@ -47,9 +47,8 @@ def _kind(output) -> str:
 
 
 def to_device(obj, device: torch.device):
-    non_blocking = device.type == "cuda"
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
+        return obj.to(device, non_blocking=device.type == "cuda")
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -131,15 +130,12 @@ class Classification(Task):
             raise UserError(f"--top-k {top_k}: this classifier has {self.num_classes} classes")
         names = self.class_names or [str(i) for i in range(self.num_classes)]
         probs, idx = torch.softmax(self.logits(output).float(), dim=-1).topk(top_k, dim=-1)
-        rows = []
-        for p, i in zip(probs.tolist(), idx.tolist()):
-            if top_k == 1:
-                rows.append({"label": names[i[0]], "probability": p[0]})
-            else:
-                row = {}
-                for r in range(top_k):
-                    row[f"label_{r + 1}"], row[f"probability_{r + 1}"] = names[i[r]], p[r]
-                rows.append(row)
+        if top_k == 1:
+            return [{"label": names[i[0]], "probability": p[0]} for p, i in zip(probs.tolist(), idx.tolist())]
+        rows = [{} for _ in idx]
+        for row, p, i in zip(rows, probs.tolist(), idx.tolist()):
+            for r in range(top_k):
+                row[f"label_{r + 1}"], row[f"probability_{r + 1}"] = names[i[r]], p[r]
         return rows
 
     def describe(self):
@@ -191,16 +187,13 @@ class Regression(Task):
         return self.logits(output).float().reshape(len(target), -1), target.float().reshape(len(target), -1)
 
     def loss(self, output, target):
-        out, tgt = self._shaped(output, target)
-        return F.mse_loss(out, tgt)
+        return F.mse_loss(*self._shaped(output, target))
 
     def check_output(self, output, target):
         n, shape = len(target), tuple(self.logits(output).shape)
-        fits = shape in ((n, self.outputs),) + (((n,),) if self.outputs == 1 else ())
-        if not fits:
+        if shape != (n, self.outputs) and not (self.outputs == 1 and shape == (n,)):
             want = f"({n}, {self.outputs})" + (f" or ({n},)" if self.outputs == 1 else "")
-            raise UserError(f"the model's output has shape {shape} but Regression(outputs={self.outputs}) "
-                            f"needs {want}")
+            raise UserError(f"the model's output has shape {shape} but Regression(outputs={self.outputs}) needs {want}")
         if target.numel() != n * self.outputs:
             raise UserError(f"targets of shape {tuple(target.shape)} do not hold {self.outputs} value(s) per sample "
                             f"for Regression(outputs={self.outputs})")

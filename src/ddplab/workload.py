@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ddplab.errors import UserError
-import inspect
+from ddplab.errors import UserError, first_line
 
 
 @dataclass
@@ -125,12 +125,8 @@ def _import_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code is the user's to see
         del sys.modules[key]
-        raise UserError(f"importing {path} raised {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"importing {path} raised {type(exc).__name__}: {first_line(exc)}") from None
     return module
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def resolve(reference: str, field_name: str) -> Callable:
@@ -150,9 +146,9 @@ def resolve(reference: str, field_name: str) -> Callable:
         except ModuleNotFoundError as exc:
             if exc.name and where.startswith(exc.name):
                 raise UserError(f"{field_name}: no module named '{where}' (from '{reference}')") from None
-            raise UserError(f"{field_name}: importing {where} raised ModuleNotFoundError: {_first_line(exc)}") from None
+            raise UserError(f"{field_name}: importing {where} raised ModuleNotFoundError: {first_line(exc)}") from None
         except Exception as exc:  # noqa: BLE001 - any failure of user code is the user's to see
-            raise UserError(f"{field_name}: importing {where} raised {type(exc).__name__}: {_first_line(exc)}") from None
+            raise UserError(f"{field_name}: importing {where} raised {type(exc).__name__}: {first_line(exc)}") from None
     target = module
     for part in name.split("."):
         target = getattr(target, part, None)
@@ -190,28 +186,19 @@ def reference_of(fn: Callable) -> str:
     if source is None:
         raise UserError(f"{qualname}: cannot tell which file defines it")
     path = Path(source).resolve()
-    try:
-        shown = path.relative_to(Path.cwd())
-    except ValueError:
-        shown = path
-    return f"{shown}:{qualname}"
+    return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{qualname}"
 
 
 def check_trusted(reference: str, trust_code: bool, field_name: str) -> Path | None:
     """Code a run folder names runs only from inside the current directory tree, or when trusted."""
-    if not is_reference(reference):
-        return None
-    path = reference_file(reference)
+    path = reference_file(reference) if is_reference(reference) else None
     if path is None:
         return None
-    inside = Path.cwd().resolve() in path.parents or path.parent == Path.cwd().resolve()
-    if not inside and not trust_code and not _installed(path):
+    inside = path.is_relative_to(Path.cwd().resolve())
+    # An installed package (site-packages) is code the user already chose to run.
+    installed = any(part in ("site-packages", "dist-packages") for part in path.parts)
+    if not inside and not trust_code and not installed:
         raise UserError(f"{field_name}: this run's code is {path}, outside the current directory; "
                         f"pass --trust-code to import it")
     print(f"ddplab: importing {field_name} code from {path}", file=sys.stderr)
     return path
-
-
-def _installed(path: Path) -> bool:
-    """Installed packages (site-packages) are code the user already chose to run."""
-    return any(part in ("site-packages", "dist-packages") for part in path.parts)

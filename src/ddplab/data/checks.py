@@ -36,10 +36,6 @@ class FolderImages(NamedTuple):
     sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN
     count: int
 
-    @property
-    def mixed(self) -> bool:
-        return len(self.sizes) > 1
-
 
 SIZES_SHOWN = 3
 
@@ -80,7 +76,7 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
     get FOLDER_SIDE, since any one image's size would be arbitrary."""
     if found is None or not found.count:
         return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
-    if not found.mixed:
+    if len(found.sizes) == 1:
         (w, h), = found.sizes
         if w == h:
             return w, f"every image is {w}x{h}: kept at {w}x{h}"
@@ -97,7 +93,6 @@ def folder_images(root: str) -> FolderImages:
     Stops early once the images are known to differ in size and to hold colour: nothing more
     could change the choice. An unreadable file is skipped here and named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
-
     grey, sizes, count = True, [], 0
     for folder, dirs, files in os.walk(root, followlinks=True):
         dirs.sort()
@@ -142,7 +137,7 @@ def check_image_files(cfg) -> None:
             raise UserError(f"data.root: no such folder: {root}")
         for split in folder_layout(root).values():
             if split is not None:
-                classes = class_folders(split)
+                classes = sorted(p.name for p in split.iterdir() if p.is_dir() and not p.name.startswith("."))
                 if len(classes) < 2:
                     raise UserError(f"data.root: {split} holds {len(classes)} class folder(s) "
                                     f"({', '.join(classes) or 'none'}); image_folder needs at least 2, one per class")
@@ -153,10 +148,6 @@ def folder_layout(root: Path) -> dict[str, Path | None]:
     if (root / "train").is_dir():
         return {s: (root / s if (root / s).is_dir() else None) for s in ("train", "val", "test")}
     return {"train": root, "val": None, "test": None}
-
-
-def class_folders(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 # ---------------------------------------------------------------------------- text
@@ -187,10 +178,8 @@ def check_text_classes(cfg) -> None:
                         f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
                         f"use data.tokenizer={wanted} (or leave it unset)")
     if d.name == "synthetic_reviews":
-
         k = d.num_classes or 2
         if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
             raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
     if d.name == "text_files":
-
         text_sources.check_files(cfg)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -29,7 +30,6 @@ from torchvision.transforms import v2
 from ddplab.data import text_cache
 from ddplab.errors import UserError
 
-META = "meta.json"
 VERSION = 1  # bump when the layout or the decode steps change
 CHUNK = 256  # images decoded per write
 
@@ -39,11 +39,6 @@ class ImageBatch(NamedTuple):
 
     images: torch.Tensor
     labels: torch.Tensor
-
-
-def cache_root(cfg) -> Path:
-    """The token cache's folder: data.cache_dir, else <output_dir>/.cache."""
-    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.experiment.output_dir) / ".cache"
 
 
 def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict) -> dict:
@@ -62,10 +57,6 @@ def cache_folder(cache_dir: str | Path, description: dict) -> Path:
     return Path(cache_dir) / f"images-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
-def is_complete(folder: Path) -> bool:
-    return (folder / META).is_file()
-
-
 def pil_mode(meta: dict) -> str:
     """Images are read as stored: grey stays one channel (a model that needs RGB repeats it later)."""
     return "L" if meta["source_channels"] == 1 else "RGB"
@@ -80,16 +71,9 @@ def decode_steps(meta: dict):
 def on_the_fly(meta: dict):
     """uint8 (..., C, S, S) -> normalised float: the tail of `vision.transform`, batch or item;
     grey becomes RGB here when the model needs 3 channels."""
-    steps = [v2.ToImage()]
-    if meta["channels"] == 3:
-        steps.append(v2.RGB())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(meta["mean"], meta["std"])]
-    return v2.Compose(steps)
-
-
-def estimate_bytes(n: int, meta: dict) -> int:
-    channels = 1 if pil_mode(meta) == "L" else 3
-    return n * channels * meta["image_size"] ** 2
+    rgb = [v2.RGB()] if meta["channels"] == 3 else []
+    return v2.Compose([v2.ToImage(), *rgb, v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(meta["mean"], meta["std"])])
 
 
 def write(folder: Path, samples: list[tuple[str, int]], meta: dict, log: Callable[[str], None] = print) -> None:
@@ -97,20 +81,15 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, log: Callabl
     n, side = len(samples), meta["image_size"]
     channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
-    need = estimate_bytes(n, meta) + 8 * n
+    need = n * channels * side * side + 8 * n
     free = shutil.disk_usage(folder.parent).free
     log(f"image cache: decoding {n} images to {channels}x{side}x{side} uint8, about {_size(need)} on disk "
         f"({_size(free)} free), into {folder}")
     if need > free:
         raise UserError(f"data.cache: the image cache needs about {_size(need)} but {folder.parent} has "
                         f"{_size(free)} free; set data.cache_dir=<bigger disk> or data.cache=false")
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        images = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(n, channels, side, side))
-        offset = images.offset
-        del images  # rows go through a file handle: the writer does not keep the whole array resident
+    with text_cache.building(folder) as tmp:
+        offset = text_cache.npy_offset(tmp / "images.npy", np.uint8, (n, channels, side, side))
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
         steps = decode_steps(meta)
         with open(tmp / "images.npy", "r+b") as f:
@@ -124,22 +103,15 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, log: Callabl
                     except (UnidentifiedImageError, OSError):
                         raise UserError(f"data.root: cannot read {path} as an image") from None
                 f.write(np.ascontiguousarray(np.stack(block)).tobytes())
-        (tmp / META).write_text(json.dumps({"size": n, "shape": [channels, side, side], "version": VERSION}))
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not is_complete(folder):  # another node's builder won the race: its copy serves as well
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / text_cache.META).write_text(json.dumps({"size": n, "shape": [channels, side, side], "version": VERSION}))
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} GiB"
 
 
 class CachedImages(Dataset):
@@ -183,10 +155,8 @@ class CachedImages(Dataset):
 def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
     """An ImageFolder's samples, decoded once into the cache: by the first rank of each node while
     the others wait (`dist`, the job), or here and now outside a job (dist=None, e.g. predict)."""
-    folder = cache_folder(cache_root(cfg), describe(dataset.samples, dataset.root, meta))
+    folder = cache_folder(text_cache.cache_root(cfg), describe(dataset.samples, dataset.root, meta))
 
-    def build() -> None:
-        write(folder, dataset.samples, meta, log=lambda line: print(line, flush=True))
-
-    text_cache.ensure(dist, folder, build, what="image cache")
+    text_cache.ensure(dist, folder, lambda: write(folder, dataset.samples, meta, log=partial(print, flush=True)),
+                      what="image cache")
     return CachedImages(folder, meta)

@@ -17,11 +17,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=drop_last)
-        self.start = 0
+    start = 0  # samples of the epoch's global order already consumed
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Begin `epoch`, skipping the first `start` samples of its global order."""
@@ -30,12 +26,10 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def global_order(self) -> list[int]:
         """The epoch's permutation of the whole dataset (identical on every rank)."""
-        n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(n, generator=g).tolist()
-        return list(range(n))
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
 
     def _remaining(self) -> list[int]:
         # Pad (or cut) what is left, not the whole epoch, so that a world size that changed
@@ -55,9 +49,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         rest = max(len(self.dataset) - self.start, 0)
-        if self.drop_last:
-            return rest // self.num_replicas
-        return math.ceil(rest / self.num_replicas)
+        return rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
 
 
 class ShardSampler(Sampler[int]):

@@ -9,6 +9,7 @@ Ranks hold no token lists of their own: their memory stays flat however large th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,42 +50,55 @@ def is_complete(folder: Path) -> bool:
     return (folder / META).is_file()
 
 
-def write(folder: Path, source: TextSource, tokenizer, description: dict, log: Callable[[str], None] = print) -> None:
-    """Tokenise every split of `source` into `folder`, atomically."""
+def cache_root(cfg) -> Path:
+    """Where caches live: data.cache_dir, else <output_dir>/.cache."""
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.experiment.output_dir) / ".cache"
+
+
+@contextlib.contextmanager
+def building(folder: Path) -> Iterator[Path]:
+    """A temporary folder that becomes `folder` once written (meta.json last), so a half-written
+    cache is never read. The image cache builds through it too."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        yield tmp
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not is_complete(folder):  # another node's builder won the race: its copy serves as well
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def npy_offset(path: Path, dtype, shape: tuple) -> int:
+    """Create an .npy file and return where its rows start. The rows then go through a plain file
+    handle, so the writer does not keep the whole array resident in its own address space."""
+    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).offset
+
+
+def write(folder: Path, source: TextSource, tokenizer, description: dict, log: Callable[[str], None] = print) -> None:
+    """Tokenise every split of `source` into `folder`, atomically."""
+    with building(folder) as tmp:
         sizes = {}
         for name, split in source.splits.items():
             sizes[name] = _write_split(tmp, name, split, tokenizer)
             log(f"token cache: {name} split, {sizes[name]} texts tokenised")
         meta = {"label_names": source.label_names, "sizes": sizes, "tokenizer": tokenizer.describe(),
                 "source": description, "dtype": tokenizer.dtype.name, "version": VERSION}
-        (tmp / META).write_text(json.dumps(meta, indent=1))  # last: its presence marks a complete cache
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not is_complete(folder):  # another node's rank 0 did not win the race either
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
 
 
 def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
-    n, width = split.size, tokenizer.max_len
-    # Headers come from open_memmap; the rows are written through a plain file handle, so the
-    # writing rank does not keep the whole matrix resident in its own address space.
-    headers = {}
-    for field, dtype, shape in (("ids", tokenizer.dtype, (n, width)), ("lengths", np.int32, (n,)),
-                                ("labels", np.int64, (n,))):
-        arr = np.lib.format.open_memmap(folder / f"{name}.{field}.npy", mode="w+", dtype=dtype, shape=shape)
-        headers[field] = arr.offset
-        del arr
-    handles = {field: open(folder / f"{name}.{field}.npy", "r+b") for field in headers}
+    n = split.size
+    fields = {"ids": (tokenizer.dtype, (n, tokenizer.max_len)), "lengths": (np.int32, (n,)), "labels": (np.int64, (n,))}
+    headers = {field: npy_offset(folder / f"{name}.{field}.npy", *spec) for field, spec in fields.items()}
     row = 0
-    try:
+    with contextlib.ExitStack() as files:
+        handles = {field: files.enter_context(open(folder / f"{name}.{field}.npy", "r+b")) for field in headers}
         for texts, labels in split.chunks(CHUNK):
             ids, lengths = tokenizer.encode_batch(texts)
             if row + len(texts) > n:
@@ -94,9 +108,6 @@ def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
                 f.seek(headers[field] + row * block[0:1].nbytes)
                 f.write(np.ascontiguousarray(block).tobytes())
             row += len(texts)
-    finally:
-        for f in handles.values():
-            f.close()
     if row != n:
         raise RuntimeError(f"the {name} split yielded {row} rows, expected {n}")
     return n

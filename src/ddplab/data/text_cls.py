@@ -26,6 +26,8 @@ SOURCES = {
     "text_files": (text_sources.files_source, text_sources.files_describe),
     "synthetic_reviews": (text_synthetic.source, text_synthetic.describe),
 }
+
+
 def make_tokenizer(cfg):
     if tokenizer_kind(cfg) == "hf":
         return HFTokenizer(cfg.model.pretrained, cfg.data.max_len)
@@ -40,10 +42,6 @@ def tokenizer_description(cfg) -> dict:
         return {"tokenizer": "hf", "pretrained": str(p.resolve()) if p.is_dir() else cfg.model.pretrained,
                 "files": stamp, "max_len": cfg.data.max_len}
     return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len).describe()
-
-
-def cache_root(cfg) -> Path:
-    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.experiment.output_dir) / ".cache"
 
 
 # ---------------------------------------------------------------------------- datasets
@@ -64,26 +62,20 @@ class TokenizedTexts(Dataset):
         return {"input_ids": ids}, int(self.cache.array(self.split, "labels")[r])
 
 
-class PadCollate:
+def pad_collate(items, pad_id: int):
     """Pads a batch to its longest text (not max_len): short reviews cost short sequences."""
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, items):
-        seqs = [inputs["input_ids"] for inputs, _ in items]
-        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=self.pad_id)
-        lengths = torch.tensor([len(s) for s in seqs])
-        mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-        return {"input_ids": ids, "attention_mask": mask}, torch.tensor([t for _, t in items], dtype=torch.long)
+    seqs = [inputs["input_ids"] for inputs, _ in items]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
+    lengths = torch.tensor([len(s) for s in seqs])
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask}, torch.tensor([t for _, t in items], dtype=torch.long)
 
 
 def splits(cfg, cache: text_cache.TokenCache):
     """Train rows shuffled with the seed (so data.limit takes a random subset of label-sorted data
     such as IMDB's), validation from the data or carved from train, everything capped by data.limit."""
     d = cfg.data
-    rng = np.random.default_rng(cfg.experiment.seed)
-    rows = rng.permutation(cache.size("train"))
+    rows = np.random.default_rng(cfg.experiment.seed).permutation(cache.size("train"))
     if cache.size("val"):
         val = TokenizedTexts(cache, "val", np.arange(cache.size("val")))
     elif d.val_fraction > 0:

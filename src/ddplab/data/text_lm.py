@@ -52,8 +52,7 @@ class CharTokenizer:
     """Characters of the corpus (sorted), or all 256 bytes. Its state lives in checkpoints."""
 
     def __init__(self, kind: str, chars: str = "") -> None:
-        self.kind = kind
-        self.chars = chars
+        self.kind, self.chars = kind, chars
         self.index = {c: i for i, c in enumerate(chars)}
 
     @classmethod

@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 
 from ddplab.data.text_cache import TextSource, TextSplit
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 
 # data.name -> (hub name, text fields joined into one text)
 HUB = {
@@ -34,7 +34,6 @@ def _offline():
     Both libraries read their offline flag at import time; it is flipped for this call only."""
     import datasets  # the text extra, only when a hub dataset is read
     import huggingface_hub.constants as hub  # comes with datasets (the text extra)
-
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
     try:
@@ -45,13 +44,12 @@ def _offline():
 
 def hub_source(cfg) -> TextSource:
     import datasets  # the text extra, only when a hub dataset is read
-
     name, fields = HUB[cfg.data.name]
     try:
         with contextlib.nullcontext() if cfg.data.download else _offline():
             ds = datasets.load_dataset(name, cache_dir=cfg.data.cache_dir)
     except Exception as exc:  # noqa: BLE001 - every way of not finding the data gets the same advice
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        reason = first_line(exc, 120) or type(exc).__name__
         how = ("the hub is unreachable" if cfg.data.download else "data.download=false and it is not in the HF cache")
         raise UserError(f"data.name={cfg.data.name}: cannot load '{name}' with datasets.load_dataset ({how}: {reason}); "
                         f"run once with data.download=true on a connected machine (data.cache_dir=<folder> to keep it), "
@@ -84,14 +82,13 @@ def _files(cfg) -> dict[str, str]:
                                             ("test", cfg.data.test)) if path is not None}
 
 
-def read_table(path: str | Path, columns: list[str] | None = None):
+def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | None = None):
     import pandas as pd  # the text extra, only when a table is read
-
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
         return pd.read_csv(p, sep="\t" if suffix == ".tsv" else ",", usecols=columns, keep_default_na=False,
-                           na_values=[""])
+                           na_values=[""], nrows=nrows)
     if suffix in (".parquet", ".pq"):
         return pd.read_parquet(p, columns=columns)
     try:
@@ -103,15 +100,12 @@ def read_table(path: str | Path, columns: list[str] | None = None):
 
 def header(path: str | Path) -> list[str] | None:
     """Column names, read cheaply (None where that would mean reading a large JSON file)."""
-    import pandas as pd  # the text extra, only when a table is read
-
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        return list(pd.read_csv(p, sep="\t" if suffix == ".tsv" else ",", nrows=0).columns)
+        return list(read_table(p, nrows=0).columns)
     if suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq  # the text extra, only for Parquet
-
         return list(pq.read_schema(p).names)
     if suffix == ".jsonl":
         with open(p, encoding="utf-8") as f:
@@ -136,23 +130,21 @@ def check_files(cfg) -> None:
         try:
             columns = header(p)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the file's, not ours
-            raise UserError(f"data.{split}: cannot read {path}: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}") from None
+            raise UserError(f"data.{split}: cannot read {path}: {first_line(exc, 160) or type(exc).__name__}") from None
         if columns is None:
             continue
         for field, column in (("text_column", d.text_column), ("label_column", d.label_column)):
             if column not in columns:
                 raise UserError(f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}")
     if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
-        import pandas as pd  # the text extra, only when a table is read
-
-        labels = pd.concat([read_table(p, [d.label_column])[d.label_column] for p in files.values()])
-        label_mapping(labels, d.num_classes, d.label_column)
+        label_mapping([read_table(p, [d.label_column])[d.label_column] for p in files.values()], d.num_classes,
+                      d.label_column)
 
 
-def label_mapping(labels, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
+def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
     """Label names, and a value -> id mapping for non-integer labels (None: the values are the ids)."""
     import pandas as pd  # the text extra, only when a table is read
-
+    labels = pd.concat(parts)
     if labels.isna().any():
         raise UserError(f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})")
     if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
@@ -176,12 +168,10 @@ def label_mapping(labels, num_classes: int | None, column: str) -> tuple[list[st
 
 
 def files_source(cfg) -> TextSource:
-    import pandas as pd  # the text extra, only when a table is read
-
     d = cfg.data
     check_files(cfg)
     frames = {split: read_table(path, [d.text_column, d.label_column]) for split, path in _files(cfg).items()}
-    names, mapping = label_mapping(pd.concat([f[d.label_column] for f in frames.values()]), d.num_classes, d.label_column)
+    names, mapping = label_mapping([f[d.label_column] for f in frames.values()], d.num_classes, d.label_column)
 
     def split_of(frame) -> TextSplit:
         def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:

@@ -48,10 +48,6 @@ def lexicons(num_classes: int) -> list[list[str]]:
     return [pool[c * size:(c + 1) * size] for c in range(num_classes)]
 
 
-def label_names(num_classes: int) -> list[str]:
-    return ["negative", "positive"] if num_classes == 2 else [f"rating_{c + 1}" for c in range(num_classes)]
-
-
 def generate(seed: int, start: int, count: int, num_classes: int) -> tuple[list[str], np.ndarray]:
     """Reviews start .. start+count-1; chunk-aligned calls give the same rows whatever the chunking."""
     texts: list[str] = []
@@ -89,10 +85,8 @@ def _block(seed: int, b: int, num_classes: int, size: int = 1000) -> tuple[list[
     punct[ends - lengths] = 1.0  # no review opens with a punctuation mark
     words = np.where(punct < 0.07, len(vocab) - 2, np.where(punct < 0.10, len(vocab) - 1, words))
     tokens = vocab[words]
-    texts = []
-    for i in range(size):
-        sentence = tokens[ends[i] - lengths[i]:ends[i]]
-        texts.append(" ".join(sentence).replace(" .", ".").replace(" ,", ",").capitalize() + ".")
+    texts = [" ".join(tokens[end - n:end]).replace(" .", ".").replace(" ,", ",").capitalize() + "."
+             for end, n in zip(ends, lengths)]
     return texts, labels
 
 
@@ -103,7 +97,8 @@ def source(cfg) -> TextSource:
         for start in range(0, n, size):
             yield generate(seed, start, min(size, n - start), k)
 
-    return TextSource(splits={"train": TextSplit(n, chunks)}, label_names=label_names(k))
+    names = ["negative", "positive"] if k == 2 else [f"rating_{c + 1}" for c in range(k)]
+    return TextSource(splits={"train": TextSplit(n, chunks)}, label_names=names)
 
 
 def describe(cfg) -> dict:

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 
 # Words (letters, digits, underscore; any script) and single punctuation marks.
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -21,6 +21,16 @@ _TOKEN = re.compile(r"\w+|[^\w\s]")
 def id_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every id: halves the cache for vocabularies < 65,536."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+def padded(seqs: list, width: int, pad_id: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (N, width) padded with pad_id, lengths (N,)): the token cache's layout."""
+    ids = np.full((len(seqs), width), pad_id, dtype=dtype)
+    lengths = np.empty(len(seqs), dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = seq
+        lengths[i] = len(seq)
+    return ids, lengths
 
 
 class HashTokenizer:
@@ -48,16 +58,10 @@ class HashTokenizer:
                 "lowercase": self.lowercase, "split": _TOKEN.pattern, "hash": "crc32",
                 "pad_id": self.PAD, "cls_id": self.CLS}
 
-    @classmethod
-    def from_meta(cls, meta: dict) -> "HashTokenizer":
-        return cls(meta["vocab_size"], meta["max_len"], meta.get("lowercase", True))
-
     def words(self, text: str) -> list[str]:
         keep = self.max_len - 1
         # Scan only a prefix long enough for `keep` words; fall back to the whole text if it was not.
-        prefix = text[: keep * 24]
-        if self.lowercase:
-            prefix = prefix.lower()
+        prefix = text[: keep * 24].lower() if self.lowercase else text[: keep * 24]
         words = _TOKEN.findall(prefix)
         if len(words) < keep and len(prefix) < len(text):
             words = _TOKEN.findall(text.lower() if self.lowercase else text)
@@ -75,14 +79,7 @@ class HashTokenizer:
         return [self.CLS] + [memo[w] if w in memo else bucket(w) for w in self.words(text)]
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(ids (N, max_len) padded with 0, lengths (N,))."""
-        ids = np.zeros((len(texts), self.max_len), dtype=self.dtype)
-        lengths = np.empty(len(texts), dtype=np.int32)
-        for i, text in enumerate(texts):
-            seq = self.encode(text)
-            ids[i, : len(seq)] = seq
-            lengths[i] = len(seq)
-        return ids, lengths
+        return padded([self.encode(text) for text in texts], self.max_len, self.PAD, self.dtype)
 
 
 class HFTokenizer:
@@ -90,13 +87,11 @@ class HFTokenizer:
 
     def __init__(self, pretrained: str, max_len: int) -> None:
         from transformers import AutoTokenizer  # the text extra; seconds to import
-
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"model.pretrained: cannot load a tokenizer from '{pretrained}' ({first[:160]}); "
-                            f"give a local model folder, or a hub name on a connected machine") from None
+            raise UserError(f"model.pretrained: cannot load a tokenizer from '{pretrained}' "
+                            f"({first_line(exc, 160) or type(exc).__name__}); give a local model folder, or a hub name on a connected machine") from None
         self.pretrained = pretrained
         limit = self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len
         self.max_len = min(max_len, limit)
@@ -108,19 +103,13 @@ class HFTokenizer:
         return {"tokenizer": "hf", "pretrained": self.pretrained, "max_len": self.max_len,
                 "vocab_size": self.vocab_size, "pad_id": self.pad_id, "class": type(self.tok).__name__}
 
-    @classmethod
-    def from_meta(cls, meta: dict) -> "HFTokenizer":
-        return cls(meta["pretrained"], meta["max_len"])
-
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
-        ids = np.full((len(texts), self.max_len), self.pad_id, dtype=self.dtype)
-        lengths = np.empty(len(texts), dtype=np.int32)
-        for i, seq in enumerate(encoded):
-            ids[i, : len(seq)] = seq
-            lengths[i] = len(seq)
-        return ids, lengths
+        return padded(encoded, self.max_len, self.pad_id, self.dtype)
 
 
 def tokenizer_from_meta(meta: dict):
-    return HashTokenizer.from_meta(meta) if meta["tokenizer"] == "hash" else HFTokenizer.from_meta(meta)
+    """The tokenizer that `describe()` gave this meta."""
+    if meta["tokenizer"] == "hash":
+        return HashTokenizer(meta["vocab_size"], meta["max_len"], meta.get("lowercase", True))
+    return HFTokenizer(meta["pretrained"], meta["max_len"])

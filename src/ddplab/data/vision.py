@@ -66,8 +66,7 @@ def augmentation(meta: dict):
 
 
 def read_image(path: str, mode: str = "RGB"):
-    """torchvision's loader, in `mode`, with an unreadable file named in one line (found mid-training
-    or at predict time)."""
+    """torchvision's loader, in `mode`, with an unreadable file named in one line (mid-training or at predict)."""
     try:
         with open(path, "rb") as f, Image.open(f) as img:
             return img.convert(mode)
@@ -83,12 +82,6 @@ class ImageFile:
 
     def __call__(self, path: str) -> torch.Tensor:
         return self.transform(read_image(path, pil_mode(self.meta))).as_subclass(torch.Tensor)
-
-
-def encode_images(meta: dict, items: list[str]) -> torch.Tensor:
-    """Image files -> one batch (what `ddplab predict` reads until it calls `Data.preprocess`)."""
-    one = ImageFile(meta)
-    return torch.stack([one(item) for item in items])
 
 
 def image_meta(spec: ImageSpec, label_names: list[str], mean: list[float], std: list[float]) -> dict:
@@ -129,8 +122,7 @@ def image_tensors(images: torch.Tensor, labels: torch.Tensor, meta: dict) -> Ima
     """uint8 images under the validation transform: applied once to the whole set when the result
     is small (a per-item transform costs more than a small model's step), else item by item."""
     tf = transform(meta)
-    c, side = meta["channels"], meta["image_size"]
-    if len(images) * c * side * side * 4 <= PRECOMPUTE_BYTES:
+    if len(images) * meta["channels"] * meta["image_size"] ** 2 * 4 <= PRECOMPUTE_BYTES:
         return ImageTensors(torch.cat([tf(chunk).as_subclass(torch.Tensor) for chunk in images.split(4096)]), labels)
     return ImageTensors(images, labels, tf)
 
@@ -156,11 +148,7 @@ def stack_images(batch) -> tuple[torch.Tensor, torch.Tensor]:
 def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
     """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
-    return ImageSplits(train_view, _non_empty(val), _non_empty(test), meta)
-
-
-def _non_empty(dataset):
-    return dataset if dataset is not None and len(dataset) else None
+    return ImageSplits(train_view, *(s if s is not None and len(s) else None for s in (val, test)), meta)
 
 
 def _augmented(dataset, augment):
@@ -187,7 +175,6 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
         table = np.loadtxt(path, delimiter=",")
         return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits as sklearn_digits  # the slow import, only where the file is missing
-
     digits = sklearn_digits()
     return digits.images, digits.target
 
@@ -260,6 +247,5 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
         tf = transform(meta)
         for ds in (full, *fixed.values()):
             ds.transform = tf
-    val_set = fixed.get("val", Subset(full, val))
-    test_set = fixed.get("test", Subset(full, test))
-    return _splits(cfg, meta, Subset(full, train), val_set, test_set)
+    return _splits(cfg, meta, Subset(full, train), fixed.get("val", Subset(full, val)),
+                   fixed.get("test", Subset(full, test)))

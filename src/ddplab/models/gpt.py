@@ -36,8 +36,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -75,12 +74,10 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, vocab) logits."""
@@ -105,12 +102,11 @@ class GPT(nn.Module):
             logits = self(idx[:, -self.config.context :])[:, -1, :]
             if temperature == 0:  # the limit of sampling as temperature -> 0: the most likely token
                 nxt = logits.argmax(dim=-1, keepdim=True)
-                idx = torch.cat([idx, nxt], dim=1)
-                continue
-            logits = logits / temperature
-            if top_k:  # None or 0: no top-k filter
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            else:
+                logits = logits / temperature
+                if top_k:  # None or 0: no top-k filter
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx

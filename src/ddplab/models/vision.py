@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torchvision import models
 from torchvision.models import VisionTransformer
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 from ddplab.models.checks import CNN_MIN_SIDE
 
 IMAGENET_CLASSES = 1000  # torchvision builds every classifier with this head first
@@ -98,8 +98,8 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise UserError(f"model.weights: no such file: {path}") from None
     except Exception as exc:  # noqa: BLE001 - anything unreadable is the user's file, not a bug
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"model.weights: cannot read {path} as a state dict ({first[:120]})") from None
+        raise UserError(f"model.weights: cannot read {path} as a state dict "
+                        f"({first_line(exc, 120) or type(exc).__name__})") from None
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -108,42 +108,30 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in obj.items()}  # saved from a DDP-wrapped model
 
 
-def weights_mismatch(model: nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
-    """Why `weights` cannot load into `model` strictly, in a few words; None if it can."""
+def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, name: str) -> None:
+    """`weights` load into `model` strictly, or a UserError says why in a few words."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
     shapes = [f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]]
-    if not (missing or unexpected or shapes):
-        return None
     parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
              f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
              f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else ""]
-    return "; ".join(p for p in parts if p)
-
-
-def load_weights(model: nn.Module, path: str, name: str) -> None:
-    weights = read_weights(path)
-    problem = weights_mismatch(model, weights)
-    if problem:
-        raise UserError(f"model.weights: {path} does not fit {name}: {problem}")
-    model.load_state_dict(weights)
+    if missing or unexpected or shapes:
+        raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(p for p in parts if p)}")
 
 
 # ---------------------------------------------------------------------------- builders
 # Each takes the config's model section and the images' shape; `ddplab.workloads.images` reads
 # that shape from the Data (or, at predict time, from the checkpoint's meta).
 
-def _tv_kwargs(name: str, side: int) -> dict:
-    if name.startswith("vit_"):
-        return {"image_size": side}  # position embeddings are sized for the input
-    if name in ("googlenet", "inception_v3"):
-        return {"aux_logits": False, "init_weights": True}  # one output; training mode returns a tuple otherwise
-    return {}
-
-
 def _torchvision(name: str, side: int) -> nn.Module:
-    return models.get_model(name, weights=None, **_tv_kwargs(name, side))
+    kwargs = {}
+    if name.startswith("vit_"):
+        kwargs = {"image_size": side}  # position embeddings are sized for the input
+    elif name in ("googlenet", "inception_v3"):
+        kwargs = {"aux_logits": False, "init_weights": True}  # one output; training mode returns a tuple otherwise
+    return models.get_model(name, weights=None, **kwargs)
 
 
 def _pretrained(name: str, side: int, path: str) -> nn.Module:
@@ -152,9 +140,7 @@ def _pretrained(name: str, side: int, path: str) -> nn.Module:
     weights = read_weights(path)
     with torch.device("meta"):
         model = _torchvision(name, side)
-    problem = weights_mismatch(model, weights)
-    if problem:
-        raise UserError(f"model.weights: {path} does not fit {name}: {problem}")
+    check_fit(model, weights, path, name)
     model.load_state_dict(weights, assign=True)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
         model = _torchvision(name, side)
@@ -164,26 +150,17 @@ def _pretrained(name: str, side: int, path: str) -> nn.Module:
 
 def find_head(model: nn.Module) -> str:
     """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
-    found = None
-    for name, m in model.named_modules():
-        if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES) or \
-                (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES):
-            found = name
-    if found is None:
+    heads = [name for name, m in model.named_modules()
+             if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES)
+             or (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES)]
+    if not heads:
         raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
-    return found
-
-
-def _replace(model: nn.Module, dotted: str, layer: nn.Module) -> None:
-    parent, _, leaf = dotted.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    return heads[-1]
 
 
 def _freeze_all_but(model: nn.Module, head: nn.Module) -> None:
-    for p in model.parameters():
-        p.requires_grad = False
-    for p in head.parameters():
-        p.requires_grad = True
+    model.requires_grad_(False)
+    head.requires_grad_(True)
 
 
 def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
@@ -191,11 +168,9 @@ def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
     model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
     head_name = find_head(model)
     old = model.get_submodule(head_name)
-    if isinstance(old, nn.Linear):
-        head = nn.Linear(old.in_features, num_classes)
-    else:
-        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
-    _replace(model, head_name, head)
+    head = (nn.Linear(old.in_features, num_classes) if isinstance(old, nn.Linear)
+            else nn.Conv2d(old.in_channels, num_classes, kernel_size=1))
+    model.set_submodule(head_name, head)
     if m.freeze:
         _freeze_all_but(model, head)
     return model
@@ -226,7 +201,9 @@ def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
 
 def _own_weights(m, model: nn.Module, head: nn.Module) -> None:
     if m.weights:
-        load_weights(model, m.weights, m.name)
+        weights = read_weights(m.weights)
+        check_fit(model, weights, m.weights, m.name)
+        model.load_state_dict(weights)
     if m.freeze:
         _freeze_all_but(model, head)
 
@@ -241,9 +218,8 @@ def check_input(cfg) -> None:
         with torch.device("meta"):
             _torchvision(name, side).eval()(torch.empty(1, 3, side, side))
     except (RuntimeError, ValueError, AssertionError) as exc:
-        problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
-                        f"set another data.image_size") from None
+        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} "
+                        f"({first_line(exc, 120) or type(exc).__name__}); set another data.image_size") from None
 
 
 def check_files(cfg) -> None:
@@ -253,6 +229,4 @@ def check_files(cfg) -> None:
     weights = read_weights(cfg.model.weights)
     with torch.device("meta"):  # shapes without memory or init time
         model = _torchvision(cfg.model.name, cfg.data.image_size or IMAGENET_SIDE)
-    problem = weights_mismatch(model, weights)
-    if problem:
-        raise UserError(f"model.weights: {cfg.model.weights} does not fit {cfg.model.name}: {problem}")
+    check_fit(model, weights, cfg.model.weights, cfg.model.name)

@@ -24,8 +24,7 @@ def data(cfg) -> ddplab.Data:
     val = TokenChunks(tokens[len(tokens) - n_val:], context) if n_val > context else None
     if len(train) == 0:
         raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
-    return ddplab.Data(train=train, val=val, task=ddplab.LanguageModeling(tokenizer.vocab_size),
-                       meta=tokenizer.meta())
+    return ddplab.Data(train=train, val=val, task=ddplab.LanguageModeling(tokenizer.vocab_size), meta=tokenizer.meta())
 
 
 def gpt(cfg, data: ddplab.Data) -> GPT:

@@ -33,13 +33,11 @@ def data(cfg: ddplab.BuildConfig) -> ddplab.Data:
 
 
 def cnn(cfg: ddplab.BuildConfig, data: ddplab.Data):
-    channels, side = _shape(data)
-    return models.build_cnn(cfg.config.model, channels, side, data.num_classes)
+    return models.build_cnn(cfg.config.model, *_shape(data), data.num_classes)
 
 
 def vit(cfg: ddplab.BuildConfig, data: ddplab.Data):
-    channels, side = _shape(data)
-    return models.build_vit(cfg.config.model, channels, side, data.num_classes)
+    return models.build_vit(cfg.config.model, *_shape(data), data.num_classes)
 
 
 def torchvision_model(cfg: ddplab.BuildConfig, data: ddplab.Data):

@@ -10,6 +10,7 @@ Parquet) and synthetic_reviews (generated); every one is tokenised once into a t
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from torch import nn
 import ddplab
 from ddplab.data import text_cache
 from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_cls import SOURCES, PadCollate, cache_root, make_tokenizer, splits, tokenizer_description
+from ddplab.data.text_cls import SOURCES, make_tokenizer, pad_collate, splits, tokenizer_description
 from ddplab.data.text_tokenize import tokenizer_from_meta
 from ddplab.errors import UserError
 from ddplab.models.checks import check_pretrained, looks_like_path
@@ -30,7 +31,7 @@ def data(cfg) -> ddplab.Data:
     c = cfg.config
     read, describe = SOURCES[c.data.name]
     description = {"source": describe(c), "tokenizer": tokenizer_description(c)}
-    folder = text_cache.cache_folder(cache_root(c), description)
+    folder = text_cache.cache_folder(text_cache.cache_root(c), description)
 
     def write() -> None:
         tokenizer = make_tokenizer(c)
@@ -47,7 +48,7 @@ def data(cfg) -> ddplab.Data:
     train, val, test = splits(c, cache)
     meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
     return ddplab.Data(train=train, val=val, test=test, task=ddplab.Classification(k, names), meta=meta,
-                       collate_fn=PadCollate(meta["pad_id"]), preprocess=Encoder(meta))
+                       collate_fn=partial(pad_collate, pad_id=meta["pad_id"]), preprocess=Encoder(meta))
 
 
 class Encoder:
@@ -74,7 +75,6 @@ def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
 def hf(cfg, data: ddplab.Data) -> nn.Module:
     """A pretrained encoder with a fresh head sized to this data's labels."""
     from transformers import AutoModelForSequenceClassification  # seconds to import: only for model.name=hf
-
     m = cfg.config.model
     check_pretrained(m.pretrained)
     names = data.meta.get("label_names") or [str(i) for i in range(data.num_classes)]
@@ -88,6 +88,5 @@ def hf(cfg, data: ddplab.Data) -> nn.Module:
         raise UserError(f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier ({first}); "
                         f"give a local model folder, or a hub name on a connected machine") from None
     if m.freeze:
-        for p in model.base_model.parameters():
-            p.requires_grad_(False)
+        model.base_model.requires_grad_(False)
     return model
