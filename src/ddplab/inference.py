@@ -16,7 +16,7 @@ import torch
 from ddplab.config_io import from_dict
 from ddplab.engine.checkpoint import find_checkpoint, load_file
 from ddplab.engine.setup import build_data, build_model
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 from ddplab.registry import workload
 from ddplab.tasks import restore
 from ddplab.workload import Data, build_config, check_trusted
@@ -57,8 +57,8 @@ def load_model(path: str | Path, trust_code: bool = False, rebuild_data: bool = 
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
-        first = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise UserError(f"{path}: the checkpoint's weights do not fit the model its config builds ({first})") from None
+        raise UserError(f"{path}: the checkpoint's weights do not fit the model its config builds "
+                        f"({first_line(exc, 160)})") from None
     model.eval()
     return model, ckpt, data
 
@@ -70,7 +70,7 @@ def _rebuilt(cfg, build) -> torch.nn.Module:
         raise
     except Exception as exc:  # noqa: BLE001 - reported in one line
         raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
-                        f"({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]})") from None
+                        f"({type(exc).__name__}: {first_line(exc, 160)})") from None
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
     return model

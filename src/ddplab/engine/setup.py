@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
@@ -37,7 +37,7 @@ def _call(fn, where: str, *args):
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{where} raised {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}") from None
+        raise UserError(f"{where} raised {type(exc).__name__}: {first_line(exc)}") from None
 
 
 def build_data(cfg, ctx, work: Workload) -> Data:
@@ -82,7 +82,7 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
         inputs, target = collate(items)
     except Exception as exc:  # noqa: BLE001 - the user's data: say what broke, in one line
         raise UserError(f"data: two items do not collate into a batch ({type(exc).__name__}: "
-                        f"{(str(exc).splitlines() or [''])[0][:160]}); give Data(collate_fn=...)") from None
+                        f"{first_line(exc, 160)}); give Data(collate_fn=...)") from None
     was_training = model.training
     model.eval()
     try:
@@ -90,7 +90,7 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
             output = call_model(model, inputs)
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"model: a forward pass on a batch of {len(target)} failed ({type(exc).__name__}: "
-                        f"{(str(exc).splitlines() or [''])[0][:160]})") from None
+                        f"{first_line(exc, 160)})") from None
     finally:
         model.train(was_training)
     task = data.task
