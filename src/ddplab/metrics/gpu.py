@@ -6,10 +6,11 @@ monitor is inactive and reports nothing; training never depends on it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 
 import torch
-import os
 
 
 class GpuMonitor:
@@ -18,9 +19,7 @@ class GpuMonitor:
         self._samples: list[tuple[float, float]] = []  # (utilisation %, memory used MiB)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = None
-        self._nvml = None
-        self._handle = None
+        self._thread = self._nvml = self._handle = None
         self.active = False  # True once NVML answered; stays True after close for the last epoch
         if device.type != "cuda":
             return
@@ -31,7 +30,6 @@ class GpuMonitor:
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device.index or 0))
             self._nvml = pynvml
         except Exception:  # noqa: BLE001 - any NVML failure means: no monitoring
-            self._nvml = None
             return
         self.active = True
         self._thread = threading.Thread(target=self._run, name="ddplab-gpu-monitor", daemon=True)
@@ -45,10 +43,8 @@ class GpuMonitor:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(Exception):  # a failed read skips one sample
                 self.sample()
-            except Exception:  # noqa: BLE001 - a failed read skips one sample
-                pass
             self._stop.wait(self.interval_s)
 
     def take_epoch(self) -> dict:
@@ -67,19 +63,12 @@ class GpuMonitor:
             self._thread.join(timeout=5)
             self._thread = None
         if self._nvml is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
-                pass
             self._nvml = None
 
 
 def _physical_index(index: int) -> int:
     """NVML counts all GPUs; CUDA counts those in CUDA_VISIBLE_DEVICES."""
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(ids) and ids[index].isdigit():
-            return int(ids[index])
-    return index
+    ids = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return int(ids[index]) if index < len(ids) and ids[index].isdigit() else index
