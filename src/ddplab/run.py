@@ -45,7 +45,7 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
 
 def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     phases = Phases()
-    kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
+    kept = keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
     work = workload(cfg, data_fn, model_fn)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
@@ -65,7 +65,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, dump_yaml(cfg))
-            run.write_json(RunFolder.ENV, {**env_info.collect(ctx), "host_memory_kept_below_bytes": kept})  # 0: glibc defaults
+            run.write_json(RunFolder.ENV, {**env_info.collect(ctx), "host_memory_kept_below_bytes": kept})
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,

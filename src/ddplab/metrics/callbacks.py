@@ -1,5 +1,4 @@
-"""ddplab's own callbacks: the columns an epoch row gains beyond the loop's core numbers, the
-files and console lines it becomes, and the progress bar."""
+"""ddplab's own callbacks: the columns an epoch row gains, the files and console lines it becomes, the progress bar."""
 
 from __future__ import annotations
 
@@ -16,16 +15,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class EpochColumns(Callback):
-    """peak_mem_mb: the largest of any rank (a collective: every rank takes part); mfu (model FLOPs
-    utilisation) where the device's peak and the model's FLOPs are known; comm_time_s / compute_time_s
-    from the gradient all-reduce monitor (distributed runs); gpu_util / gpu_mem_mb sampled through NVML
-    on rank 0 (nothing without a GPU)."""
+    """peak_mem_mb, the largest of any rank (a collective: every rank takes part); mfu where it is known;
+    comm_time_s / compute_time_s from the gradient all-reduce monitor (distributed runs); gpu_util /
+    gpu_mem_mb sampled through NVML on rank 0 (nothing without a GPU)."""
 
-    def __init__(self) -> None:
-        self.timer = self.monitor = None
+    timer = monitor = None
 
     def on_train_start(self, view):
-        self.timer = attach_step_timer(view.model, view.comm, view.config)  # forward/backward time for `ddplab forecast`
+        self.timer = attach_step_timer(view.model, view.comm, view.config)  # compute time for `ddplab forecast`
         if view.is_main and view.device.type == "cuda" and self.monitor is None:
             self.monitor = GpuMonitor(view.device)
 
@@ -87,8 +84,7 @@ def _bar_shown(view) -> bool:
 class ProgressBar(Callback):
     """A rich progress bar on rank 0, in terminals only (train.log gets the periodic lines instead)."""
 
-    def __init__(self) -> None:
-        self.progress = None
+    progress = None
 
     def on_epoch_start(self, view):
         if not _bar_shown(view):

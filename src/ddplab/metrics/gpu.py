@@ -1,8 +1,7 @@
 """GPU utilisation and memory of this process's GPU, sampled in the background via NVML.
 
-Without CUDA, or where NVML cannot start (no driver, a container without it), the
-monitor is inactive and reports nothing; training never depends on it.
-"""
+Without CUDA, or where NVML cannot start (no driver, a container without it), the monitor is
+inactive and reports nothing; training never depends on it."""
 
 from __future__ import annotations
 
@@ -27,7 +26,11 @@ class GpuMonitor:
             import pynvml  # NVIDIA's library: only on a CUDA device
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device.index or 0))
+            ids = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            index = device.index or 0  # CUDA counts the GPUs in CUDA_VISIBLE_DEVICES, NVML counts them all
+            if index < len(ids) and ids[index].isdigit():
+                index = int(ids[index])
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self._nvml = pynvml
         except Exception:  # noqa: BLE001 - any NVML failure means: no monitoring
             return
@@ -35,22 +38,17 @@ class GpuMonitor:
         self._thread = threading.Thread(target=self._run, name="ddplab-gpu-monitor", daemon=True)
         self._thread.start()
 
-    def sample(self) -> None:
-        util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-        used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
-        with self._lock:
-            self._samples.append((float(util), float(used)))
-
     def _run(self) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(Exception):  # a failed read skips one sample
-                self.sample()
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+                with self._lock:
+                    self._samples.append((float(util), float(used)))
             self._stop.wait(self.interval_s)
 
     def take_epoch(self) -> dict:
         """Mean utilisation (%) and peak memory used (MiB) since the last call; {} when inactive."""
-        if not self.active:
-            return {}
         with self._lock:
             samples, self._samples = self._samples, []
         if not samples:
@@ -66,9 +64,3 @@ class GpuMonitor:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
             self._nvml = None
-
-
-def _physical_index(index: int) -> int:
-    """NVML counts all GPUs; CUDA counts those in CUDA_VISIBLE_DEVICES."""
-    ids = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return int(ids[index]) if index < len(ids) and ids[index].isdigit() else index

@@ -1,10 +1,8 @@
 """Where a run's wall time goes before, around and after training: one mark per phase.
 
-`imports_s` reaches back to the process's creation (from /proc), so Python's start and the imports
-are counted; under `ddplab train --nproc-per-node`, the launcher leaves its own start time in
-DDPLAB_LAUNCHED_AT and `launcher_s` runs from there to the worker's creation (the launcher's checks,
-torch's agent, the spawn). The first optimizer step (DDP's first iteration builds its buckets) is
-split off the rest of training.
+`imports_s` reaches back to the process's creation (from /proc), so Python's start and the imports are counted;
+`launcher_s` runs from the start of `ddplab train --nproc-per-node` (DDPLAB_LAUNCHED_AT) to the worker's creation.
+The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training.
 """
 
 from __future__ import annotations
@@ -62,7 +60,6 @@ class Phases:
         """Time the end of the first optimizer step, through a hook that removes itself."""
         if not hasattr(optimizer, "register_step_post_hook"):
             return
-        handle = None
 
         def hook(*_):
             if self._first_step_at is None:
@@ -72,9 +69,7 @@ class Phases:
         handle = optimizer.register_step_post_hook(hook)
 
     def as_dict(self) -> dict:
-        out = {k: round(v, 3) for k, v in self.seconds.items()}
-        out["total_s"] = round(sum(self.seconds.values()), 3)
-        return out
+        return {**{k: round(v, 3) for k, v in self.seconds.items()}, "total_s": round(sum(self.seconds.values()), 3)}
 
     def line(self) -> str:
         parts = [f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in self.seconds.items()]

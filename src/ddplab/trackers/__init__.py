@@ -1,14 +1,11 @@
 """Experiment trackers (logging.trackers): TensorBoard, MLflow and W&B, fed from the run's own rows.
 
-Rank 0 alone talks to a tracker. It gets every log interval's training row (view.log_rows, as
-train/loss and train/lr) and every metrics.csv row (view.history), each at its global step, from
-beyond the last step it already holds: a resumed run, which replays the steps since its snapshot,
-sends each step once and in order, and a tracker added on resume gets the rows it lacks.
-
-trackers.json in a run folder holds each tracker's run id, so every attempt of a run (kill,
-pre-emption, elastic restart, another world size) continues the same MLflow and W&B run; a study
-point's MLflow run is a child of its study's. A tracker that fails prints one warning and is
-dropped: training goes on and nothing in the run folder depends on it.
+Rank 0 alone sends each tracker the log rows (view.log_rows, as train/loss and train/lr) and metrics.csv rows
+(view.history) beyond the last step it holds, each at its global step: a resumed run, which replays the steps
+since its snapshot, sends each step once and in order; a tracker added on resume gets the rows it lacks.
+trackers.json keeps each tracker's run id, so every attempt of a run (kill, pre-emption, elastic restart,
+another world size) continues one MLflow and W&B run; a study point's MLflow run is a child of its study's.
+A tracker that fails prints one warning and is dropped: training goes on and nothing in the run folder needs it.
 """
 
 from __future__ import annotations
@@ -47,12 +44,6 @@ class Trackers(Callback):
             view.run.write_json(RunFolder.TRACKERS, self.record)
         self._push(view)
 
-    def on_log(self, view, values):
-        self._push(view)
-
-    def on_epoch_end(self, view, row):
-        self._push(view)
-
     def on_snapshot(self, view, path):
         self._each(view, lambda tracker: tracker.flush())
 
@@ -65,7 +56,7 @@ class Trackers(Callback):
         self._each(self.view, lambda tracker: tracker.finish(self.view, status))
         self.live = []
 
-    def _push(self, view) -> None:
+    def _push(self, view, _=None) -> None:
         remembered = False
         for entry in list(self.live):
             tracker, train_done, epoch_done = entry
@@ -85,6 +76,8 @@ class Trackers(Callback):
                 remembered = True
         if remembered:
             view.run.write_json(RunFolder.TRACKERS, self.record)
+
+    on_log = on_epoch_end = _push  # each brings new rows
 
     def _each(self, view, call) -> None:
         for entry in list(self.live):

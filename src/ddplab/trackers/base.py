@@ -24,17 +24,6 @@ def numbers(row: dict, skip=()) -> dict:
             and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    """{'training': {'lr': 1e-3}} -> {'training.lr': 1e-3}."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 class Tracker:
     name = ""
     remembers = False  # keeps what it holds in trackers.json (a tracker that cannot be asked)

@@ -9,13 +9,13 @@ import re
 import time
 from pathlib import Path
 
+from ddplab.engine.fingerprint import flatten
 from ddplab.engine.run_folder import RunFolder
-from ddplab.trackers.base import Tracker, flat, read_json
+from ddplab.trackers.base import Tracker, read_json
 
 
 def mlflow_uri(cfg, run_dir: Path, study: dict | None) -> str:
-    """logging.mlflow_uri, else $MLFLOW_TRACKING_URI, else the local store in the folder holding the
-    run folders (a study point's: the one holding its study folder)."""
+    """logging.mlflow_uri, else $MLFLOW_TRACKING_URI, else mlflow/ beside the run folder (a point's: its study's)."""
     uri = cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
@@ -45,7 +45,7 @@ class MLflow(Tracker):
         uri = mlflow_uri(cfg, run_dir, study)
         self.client = client = MlflowClient(tracking_uri=uri)
         mine, params = record.get(self.name, {}), []
-        env = flat(read_json(run_dir / RunFolder.ENV))
+        env = flatten(read_json(run_dir / RunFolder.ENV))
         tags = [RunTag(_key(f"env.{k}"), str(v)[:500]) for k, v in env.items() if k != "ranks" and v is not None]
         if mine.get("uri") == uri:
             self.run_id = mine["run_id"]
@@ -58,7 +58,7 @@ class MLflow(Tracker):
                          *(RunTag(k, str(study[k])) for k in ("study", "point", "setup", "repeat", "processes")),
                          *(RunTag(_key(k), str(v)) for k, v in study.get("swept", {}).items())]
             self.run_id = client.create_run(experiment, run_name=cfg.run_name()).info.run_id
-            params = [Param(_key(k), str(v)[:6000]) for k, v in flat(cfg.to_dict()).items()]
+            params = [Param(_key(k), str(v)[:6000]) for k, v in flatten(cfg.to_dict()).items()]
             record[self.name] = {"uri": uri, "run_id": self.run_id}
         for i in range(0, max(len(params), len(tags)), 100):  # MLflow's limit per batch, for each
             client.log_batch(self.run_id, params=params[i:i + 100], tags=tags[i:i + 100])
