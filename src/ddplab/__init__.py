@@ -12,24 +12,15 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "Data": "ddplab.workload",
-    "BuildConfig": "ddplab.workload",
-    "Task": "ddplab.tasks",
-    "Classification": "ddplab.tasks",
-    "Regression": "ddplab.tasks",
-    "LanguageModeling": "ddplab.tasks",
-    "Callback": "ddplab.engine.callbacks",
-    "TrainView": "ddplab.engine.callbacks",
-    "train": "ddplab.api",
-    "UserError": "ddplab.errors",
-    "ExitCode": "ddplab.errors",
+    "Data": "ddplab.workload", "BuildConfig": "ddplab.workload",
+    "Task": "ddplab.tasks", "Classification": "ddplab.tasks", "Regression": "ddplab.tasks",
+    "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.engine.callbacks", "TrainView": "ddplab.engine.callbacks",
+    "train": "ddplab.api", "UserError": "ddplab.errors", "ExitCode": "ddplab.errors",
 }
-
 __all__ = list(_PUBLIC)
 
 
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'ddplab' has no attribute '{name}'")
-
     return getattr(importlib.import_module(_PUBLIC[name]), name)

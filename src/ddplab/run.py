@@ -32,12 +32,10 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
 
     `data_fn` / `model_fn` take the place of data.name / model.name (ddplab.train() passes them);
     `callbacks` run after ddplab's own column makers and before the recorder.
-
-    What is alive when the run starts (torch's, torchvision's and every other module's objects:
-    some 350,000 of them) is left out of garbage collection while it runs: a full collection then
-    takes microseconds instead of 0.2 s, both the ones the runtime makes while training and the
-    ones the teardown needs (with gloo, the DDP model must be collected before the group goes).
     """
+    # The ~350,000 objects alive at the start (torch's and every other module's) are left out of garbage
+    # collection while the run lasts: a full collection, in training or at teardown (with gloo, the DDP
+    # model must be collected before the group goes), then takes microseconds instead of 0.2 s.
     gc.freeze()
     try:
         return _train(cfg, data_fn, model_fn, callbacks)
@@ -47,7 +45,7 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
 
 def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     phases = Phases()
-    kept = keep_freed_memory() if cfg.training.keep_host_memory else 0
+    kept = keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
     work = workload(cfg, data_fn, model_fn)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
@@ -67,14 +65,11 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, dump_yaml(cfg))
-            environment = env_info.collect(ctx)
-            environment["host_memory_kept_below_bytes"] = kept  # 0: glibc's defaults
-            run.write_json(RunFolder.ENV, environment)
+            run.write_json(RunFolder.ENV, {**env_info.collect(ctx), "host_memory_kept_below_bytes": kept})
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), ClassReports(), *callbacks, RunRecorder(),
-                                         trackers])
+                              callbacks=[*column_callbacks(), ClassReports(), *callbacks, RunRecorder(), trackers])
             view = trainer.view
             trainer.resume()
             phases.mark("trainer")
@@ -93,19 +88,17 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             if len(set(digests)) > 1:
                 run.log(f"WARNING: parameters differ between ranks after training: {digests}")
             result = summary(view, "complete", code, test=trainer.test())
-            result["ddp"]["parameter_digests"] = digests
-            result["ddp"]["ranks_identical"] = len(set(digests)) == 1
+            result["ddp"].update(parameter_digests=digests, ranks_identical=len(set(digests)) == 1)
             result["wall_time_s"] = time.time() - start
             phases.mark("end_of_run")
             result["phases"] = phases.as_dict()
             run.write_json(RunFolder.METRICS_JSON, result)
             partial = bool(state.history and state.history[-1].get("partial"))
-            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of "
-                                                f"data)" if partial else "")
+            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
+                                                if partial else "")
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             if ctx.is_main and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
-
                 text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
                               cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)
                 run.write_text(RunFolder.SAMPLE, text)

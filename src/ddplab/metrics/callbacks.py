@@ -1,5 +1,4 @@
-"""ddplab's own callbacks: the columns an epoch row gains beyond the loop's core numbers, the
-files and console lines it becomes, and the progress bar."""
+"""ddplab's own callbacks: the columns an epoch row gains, the files and console lines it becomes, the progress bar."""
 
 from __future__ import annotations
 
@@ -9,62 +8,33 @@ import sys
 import torch
 
 from ddplab.engine.callbacks import Callback
-from ddplab.metrics.throughput import mfu
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
+from ddplab.metrics.throughput import mfu
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+class EpochColumns(Callback):
+    """peak_mem_mb, the largest of any rank (a collective: every rank takes part); mfu where it is known;
+    comm_time_s / compute_time_s from the gradient all-reduce monitor (distributed runs); gpu_util /
+    gpu_mem_mb sampled through NVML on rank 0 (nothing without a GPU)."""
 
-
-class PeakMemory(Callback):
-    """peak_mem_mb: the largest of any rank (a collective: every rank takes part)."""
-
-    def on_epoch_end(self, view, row):
-        row["peak_mem_mb"] = view.dist.all_reduce(torch.tensor([peak_memory_mb(view.device)], device=view.device),
-                                                  "max").item()
-
-
-class ModelFlops(Callback):
-    """mfu: model FLOPs utilisation, where the device's peak and the model's FLOPs are known."""
-
-    def on_epoch_end(self, view, row):
-
-        value = mfu(view.model, row.get("tokens_per_s"), view.device, view.world_size)
-        if value is not None:
-            row["mfu"] = value
-
-
-class CommColumns(Callback):
-    """comm_time_s / compute_time_s from the gradient all-reduce monitor (distributed runs)."""
-
-    timer = None
+    timer = monitor = None
 
     def on_train_start(self, view):
-
-        self.timer = attach_step_timer(view.model, view.comm, view.config)  # forward/backward time for `ddplab forecast`
-
-    def on_epoch_end(self, view, row):
-
-        row.update(epoch_comm_row(view.comm, view.dist, row["epoch_time_s"], self.timer))
-
-
-class GpuColumns(Callback):
-    """gpu_util / gpu_mem_mb sampled through NVML on rank 0 (nothing without a GPU)."""
-
-    def __init__(self) -> None:
-        self.monitor = None
-
-    def on_train_start(self, view):
+        self.timer = attach_step_timer(view.model, view.comm, view.config)  # compute time for `ddplab forecast`
         if view.is_main and view.device.type == "cuda" and self.monitor is None:
-
             self.monitor = GpuMonitor(view.device)
 
     def on_epoch_end(self, view, row):
+        device = view.device
+        peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # ru_maxrss: KiB on Linux
+        row["peak_mem_mb"] = view.dist.all_reduce(torch.tensor([peak], device=device), "max").item()
+        value = mfu(view.model, row.get("tokens_per_s"), device, view.world_size)
+        if value is not None:
+            row["mfu"] = value
+        row.update(epoch_comm_row(view.comm, view.dist, row["epoch_time_s"], self.timer))
         if self.monitor is not None:
             row.update(self.monitor.take_epoch())
 
@@ -95,7 +65,8 @@ class RunRecorder(Callback):
     def on_eval_end(self, view, split, metrics):
         every = view.config.training.eval_every
         if split == "val" and every and view.step % every == 0 and view.phase == "train":
-            view.run.log(f"step {view.step}: " + format_metrics(metrics))
+            view.run.log(f"step {view.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
+                                                            if isinstance(v, float)))
 
     def on_epoch_end(self, view, row):
         run, per_epoch = view.run, view.steps_per_epoch
@@ -106,10 +77,6 @@ class RunRecorder(Callback):
         run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None))
 
 
-def format_metrics(m: dict) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float))
-
-
 def _bar_shown(view) -> bool:
     return view.is_main and view.config.logging.progress and sys.stdout.isatty()
 
@@ -117,13 +84,11 @@ def _bar_shown(view) -> bool:
 class ProgressBar(Callback):
     """A rich progress bar on rank 0, in terminals only (train.log gets the periodic lines instead)."""
 
-    def __init__(self) -> None:
-        self.progress = None
+    progress = None
 
     def on_epoch_start(self, view):
         if not _bar_shown(view):
             return
-
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), console=view.run.console, transient=True)
         self.progress.add_task(f"epoch {view.epoch + 1}", total=view.epoch_samples)
@@ -139,17 +104,13 @@ class ProgressBar(Callback):
                                  f"loss {values['loss']:.4f} lr {values['lr']:.2e}")
 
     def on_epoch_end(self, view, row):
-        self._stop()
-
-    def on_train_end(self, view, summary):
-        self._stop()
-
-    def _stop(self):
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
 
+    on_train_end = on_epoch_end  # a run stopped mid-epoch ends the bar too
+
 
 def column_callbacks() -> list[Callback]:
     """The columns ddplab adds to every epoch row; they run before user callbacks and the recorder."""
-    return [PeakMemory(), ModelFlops(), CommColumns(), GpuColumns(), ProgressBar()]
+    return [EpochColumns(), ProgressBar()]

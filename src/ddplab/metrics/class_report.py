@@ -1,9 +1,6 @@
-"""Per-class scores and the global confusion matrix of a classification run, written to the
-run folder: confusion_matrix_<split>.csv and .png, and a dict for metrics.json.
-
-The matrix is the evaluator's own, all-reduced once across ranks (every sample counted once);
-nothing is recomputed here.
-"""
+"""Per-class scores and the global confusion matrix of a classification run: confusion_matrix_<split>.csv
+and .png in the run folder, and a dict for metrics.json. The matrix is the evaluator's own, all-reduced
+once across ranks (every sample counted once); nothing is recomputed here."""
 
 from __future__ import annotations
 
@@ -32,21 +29,14 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
                                     for i, c in enumerate(classes)},
                       "confusion_matrix": matrix}
         if write:
-            write_confusion_csv(folder / f"confusion_matrix_{split}.csv", classes, matrix)
+            with open(folder / f"confusion_matrix_{split}.csv", "w", newline="") as f:
+                csv.writer(f).writerows([["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix))])
             if plots:
                 confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)
     return out
 
 
-def write_confusion_csv(path: Path, classes: list[str], matrix: list[list[int]]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["true \\ predicted", *classes])
-        for name, row in zip(classes, matrix):
-            writer.writerow([name, *row])
-
-
-def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> Path:
+def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: a third of the import time, and no global state
 
     counts = np.asarray(matrix, dtype=float)
@@ -58,17 +48,15 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
     ax = fig.subplots()
     image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     if n <= 30:  # counts stay readable up to about 30 classes
-        for i in range(n):
-            for j in range(n):
-                ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=7,
-                        color="white" if share[i, j] > 0.5 else "black")
+        for i, j in np.ndindex(n, n):
+            ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=7,
+                    color="white" if share[i, j] > 0.5 else "black")
     ax.set_xticks(range(n), classes, rotation=90 if n > 10 else 0, fontsize=7)
     ax.set_yticks(range(n), classes, fontsize=7)
     ax.set(xlabel="predicted", ylabel="true", title=f"Confusion matrix, {split} ({int(counts.sum())} samples)")
     fig.colorbar(image, ax=ax, label="share of the true class")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    return path
 
 
 class ClassReports(Callback):
@@ -83,9 +71,7 @@ class ClassReports(Callback):
             self.evaluators[split] = view.evaluator
 
     def on_train_end(self, view, summary) -> None:
-        if not self.evaluators:
-            return
-        run = view.run
-        summary["classes"] = class_reports(self.evaluators, run.path, view.data.meta.get("label_names"),
-                                           view.is_main, view.config.logging.plots)
-        run.write_json(run.METRICS_JSON, summary)
+        if self.evaluators:
+            summary["classes"] = class_reports(self.evaluators, view.run.path, view.data.meta.get("label_names"),
+                                               view.is_main, view.config.logging.plots)
+            view.run.write_json(view.run.METRICS_JSON, summary)

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
 import torch
-from concurrent.futures import ThreadPoolExecutor
 
 
 def _version(dist_name: str) -> str | None:
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(dist_name)
-    except metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def git_commit() -> str | None:
@@ -35,7 +35,6 @@ def git_commit() -> str | None:
 
 
 def local_info(device: torch.device) -> dict:
-    """This process's host and device."""
     info = {"host": socket.gethostname(), "pid": os.getpid(), "device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -50,36 +49,19 @@ def local_info(device: torch.device) -> dict:
 def collect(ctx) -> dict:
     """Call on every rank (it gathers); use the result on rank 0, the only one that asks git:
     in a thread, so its two subprocesses overlap the gather instead of following it."""
-
-    pool = ThreadPoolExecutor(max_workers=1) if ctx.is_main else None
-    commit = pool.submit(git_commit) if pool is not None else None
-    per_rank = ctx.gather_objects(local_info(ctx.device))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # no thread starts until a task is submitted
+        commit = pool.submit(git_commit) if ctx.is_main else None
+        per_rank = ctx.gather_objects(local_info(ctx.device))
+        git = commit.result() if commit is not None else None
     nccl = None
-    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
-        try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001 - a build without NCCL
-            nccl = None
-    out = {
-        "ddplab": _version("ddplab"),
-        "git_commit": commit.result() if commit is not None else None,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torchvision": _version("torchvision"),
-        "transformers": _version("transformers"),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-        "nccl": nccl,
-        "platform": platform.platform(),
-        "launcher": ctx.launch.launcher,
-        "backend": ctx.backend,
-        "world_size": ctx.world_size,
-        "hosts": sorted({r["host"] for r in per_rank}),
-        "ranks": per_rank,
-        "command": sys.argv,
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID",
-                                           "MASTER_ADDR", "MASTER_PORT") if k in os.environ},
+    with contextlib.suppress(Exception):  # a build without NCCL
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.cuda.is_available() else None
+    return {
+        "ddplab": _version("ddplab"), "git_commit": git, "python": sys.version.split()[0], "torch": torch.__version__,
+        "torchvision": _version("torchvision"), "transformers": _version("transformers"), "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None, "nccl": nccl,
+        "platform": platform.platform(), "launcher": ctx.launch.launcher, "backend": ctx.backend, "world_size": ctx.world_size,
+        "hosts": sorted({r["host"] for r in per_rank}), "ranks": per_rank, "command": sys.argv,
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID",
+                                           "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT") if k in os.environ},
     }
-    if pool is not None:
-        pool.shutdown(wait=False)
-    return out

@@ -1,15 +1,15 @@
 """GPU utilisation and memory of this process's GPU, sampled in the background via NVML.
 
-Without CUDA, or where NVML cannot start (no driver, a container without it), the
-monitor is inactive and reports nothing; training never depends on it.
-"""
+Without CUDA, or where NVML cannot start (no driver, a container without it), the monitor is
+inactive and reports nothing; training never depends on it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 
 import torch
-import os
 
 
 class GpuMonitor:
@@ -18,9 +18,7 @@ class GpuMonitor:
         self._samples: list[tuple[float, float]] = []  # (utilisation %, memory used MiB)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = None
-        self._nvml = None
-        self._handle = None
+        self._thread = self._nvml = self._handle = None
         self.active = False  # True once NVML answered; stays True after close for the last epoch
         if device.type != "cuda":
             return
@@ -28,33 +26,29 @@ class GpuMonitor:
             import pynvml  # NVIDIA's library: only on a CUDA device
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device.index or 0))
+            ids = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            index = device.index or 0  # CUDA counts the GPUs in CUDA_VISIBLE_DEVICES, NVML counts them all
+            if index < len(ids) and ids[index].isdigit():
+                index = int(ids[index])
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self._nvml = pynvml
         except Exception:  # noqa: BLE001 - any NVML failure means: no monitoring
-            self._nvml = None
             return
         self.active = True
         self._thread = threading.Thread(target=self._run, name="ddplab-gpu-monitor", daemon=True)
         self._thread.start()
 
-    def sample(self) -> None:
-        util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-        used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
-        with self._lock:
-            self._samples.append((float(util), float(used)))
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.sample()
-            except Exception:  # noqa: BLE001 - a failed read skips one sample
-                pass
+            with contextlib.suppress(Exception):  # a failed read skips one sample
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+                with self._lock:
+                    self._samples.append((float(util), float(used)))
             self._stop.wait(self.interval_s)
 
     def take_epoch(self) -> dict:
         """Mean utilisation (%) and peak memory used (MiB) since the last call; {} when inactive."""
-        if not self.active:
-            return {}
         with self._lock:
             samples, self._samples = self._samples, []
         if not samples:
@@ -67,19 +61,6 @@ class GpuMonitor:
             self._thread.join(timeout=5)
             self._thread = None
         if self._nvml is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
-                pass
             self._nvml = None
-
-
-def _physical_index(index: int) -> int:
-    """NVML counts all GPUs; CUDA counts those in CUDA_VISIBLE_DEVICES."""
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(ids) and ids[index].isdigit():
-            return int(ids[index])
-    return index

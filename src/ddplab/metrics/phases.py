@@ -1,16 +1,13 @@
 """Where a run's wall time goes before, around and after training: one mark per phase.
 
-`Phases()` is made when `run.train` starts; its first phase, `imports_s`, reaches back to the
-moment the process was created (from /proc), so Python's start and the imports of torch and
-ddplab are counted. Under `ddplab train --nproc-per-node`, the launcher leaves its own start
-time in DDPLAB_LAUNCHED_AT and `launcher_s` is the time from there to this worker's creation
-(the launcher's checks, torch's agent, the worker spawn). Each `mark(name)` closes the phase
-that ran since the previous mark. `watch_first_step(optimizer)` splits the first optimizer
-step (DDP's first iteration builds its buckets) off the rest of training.
+`imports_s` reaches back to the process's creation (from /proc), so Python's start and the imports are counted;
+`launcher_s` runs from the start of `ddplab train --nproc-per-node` (DDPLAB_LAUNCHED_AT) to the worker's creation.
+The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -44,13 +41,9 @@ class Phases:
         now = time.time()
         self.seconds: dict[str, float] = {}
         started = process_started_at()
-        launched = os.environ.get(LAUNCHED_AT)
-        if started is not None and launched:
-            try:
-                self.seconds["launcher_s"] = max(started - float(launched), 0.0)
-            except ValueError:
-                pass
         if started is not None:
+            with contextlib.suppress(ValueError, TypeError):  # not launched by ddplab, or a value not its own
+                self.seconds["launcher_s"] = max(started - float(os.environ.get(LAUNCHED_AT)), 0.0)
             self.seconds["imports_s"] = max(now - started, 0.0)
         self._last = now
         self._first_step_at: float | None = None
@@ -67,7 +60,6 @@ class Phases:
         """Time the end of the first optimizer step, through a hook that removes itself."""
         if not hasattr(optimizer, "register_step_post_hook"):
             return
-        handle = None
 
         def hook(*_):
             if self._first_step_at is None:
@@ -77,9 +69,7 @@ class Phases:
         handle = optimizer.register_step_post_hook(hook)
 
     def as_dict(self) -> dict:
-        out = {k: round(v, 3) for k, v in self.seconds.items()}
-        out["total_s"] = round(sum(self.seconds.values()), 3)
-        return out
+        return {**{k: round(v, 3) for k, v in self.seconds.items()}, "total_s": round(sum(self.seconds.values()), 3)}
 
     def line(self) -> str:
         parts = [f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in self.seconds.items()]
@@ -88,15 +78,12 @@ class Phases:
     def add_teardown(self, run_dir: Path) -> None:
         """After the process group is gone: the teardown phase, appended to train.log and metrics.json."""
         self.mark("teardown")
-        log = Path(run_dir) / RunFolder.LOG
         metrics = Path(run_dir) / RunFolder.METRICS_JSON
-        try:
-            with open(log, "a") as f:
+        with contextlib.suppress(OSError, ValueError):  # the run itself is recorded; only the breakdown is missing
+            with open(Path(run_dir) / RunFolder.LOG, "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.line()}\n")
             summary = json.loads(metrics.read_text())
             summary["phases"] = self.as_dict()
             tmp = metrics.with_name(f".{metrics.name}.tmp")
             tmp.write_text(json.dumps(summary, indent=2) + "\n")
             os.replace(tmp, metrics)
-        except (OSError, ValueError):
-            pass  # the run itself is recorded; only the breakdown is missing

@@ -28,25 +28,22 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
     best_val_loss, best_epoch = view.best
     aggregates = {
         "epochs_completed": view.epoch, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
-        "time_budget_s": view.time_budget_s,
-        "mean_epoch_time_s": sum(times) / len(times) if times else None,
+        "time_budget_s": view.time_budget_s, "mean_epoch_time_s": sum(times) / len(times) if times else None,
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
         "best_val_loss": best_val_loss if best_epoch else None, "best_epoch": best_epoch,
         "final_train_loss": last.get("train_loss"), "final_val_loss": last.get("val_loss"),
         "final_val_accuracy": last.get("val_accuracy"),
     }
     model = view.model
-    params = sum(p.numel() for p in model.parameters())
     flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
-    task = data.task.describe()
     return {
-        "status": status, "stop_reason": view.stop_reason, "config": cfg.to_dict(),
-        "workload": workload or {},
-        "dataset": {"name": cfg.data.name, "task": task["kind"], "train": len(data.train),
+        "status": status, "stop_reason": view.stop_reason, "config": cfg.to_dict(), "workload": workload or {},
+        "dataset": {"name": cfg.data.name, "task": data.task.describe()["kind"], "train": len(data.train),
                     "val": len(data.val) if data.val is not None else 0,
                     "test": len(data.test) if data.test is not None else 0,
                     "num_classes": data.num_classes, "vocab_size": data.vocab_size},
-        "model": {"name": cfg.model.name, "parameters": params, "flops_per_token": flops},
+        "model": {"name": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
+                  "flops_per_token": flops},
         "ddp": {**view.batch, "backend": dist.backend, "launcher": dist.launch.launcher,
                 "lr": view.lr, "lr_scaling": cfg.training.lr_scaling,
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook},

@@ -1,8 +1,7 @@
 """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak.
 
-Peaks are dense bf16/fp16 tensor-core figures from the vendors' data sheets (the usual MFU
-reference, as in the PaLM paper); the model's FLOPs per token are its own estimate
-(`flops_per_token()`, forward + backward). Unknown devices and CPUs get no MFU.
+Peaks are dense bf16/fp16 tensor-core figures from the vendors' data sheets (the usual MFU reference, as in
+the PaLM paper); FLOPs per token are the model's own `flops_per_token()` (forward + backward).
 """
 
 from __future__ import annotations
@@ -20,14 +19,11 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return None
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
 
 
 def mfu(model: torch.nn.Module, tokens_per_s: float | None, device: torch.device, world_size: int) -> float | None:
-    """Global tokens/s x FLOPs per token over (peak x processes); None where unknown."""
+    """Global tokens/s x FLOPs per token over (peak x processes); None for CPUs and unknown devices."""
     peak = peak_flops(device)
     if not peak or not tokens_per_s or not hasattr(model, "flops_per_token"):
         return None

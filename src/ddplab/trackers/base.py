@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from ddplab.engine.run_folder import RunFolder
@@ -20,26 +19,9 @@ def read_json(path: Path) -> dict:
         return {}
 
 
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def numbers(row: dict, skip=()) -> dict:
     return {k: float(v) for k, v in row.items() if k not in skip and isinstance(v, (int, float))
             and not isinstance(v, bool) and math.isfinite(v)}
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-    """{'training': {'lr': 1e-3}} -> {'training.lr': 1e-3}."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 class Tracker:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import time
 from pathlib import Path
 
+from ddplab.engine.fingerprint import flatten
 from ddplab.engine.run_folder import RunFolder
-from ddplab.trackers.base import Tracker, flat, read_json, write_json
-import logging
+from ddplab.trackers.base import Tracker, read_json
 
 
 def mlflow_uri(cfg, run_dir: Path, study: dict | None) -> str:
-    """logging.mlflow_uri, else $MLFLOW_TRACKING_URI, else the local store in the folder holding the
-    run folders (a study point's: the one holding its study folder)."""
+    """logging.mlflow_uri, else $MLFLOW_TRACKING_URI, else mlflow/ beside the run folder (a point's: its study's)."""
     uri = cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
@@ -43,8 +44,8 @@ class MLflow(Tracker):
         cfg, run_dir = view.config, view.run.path
         uri = mlflow_uri(cfg, run_dir, study)
         self.client = client = MlflowClient(tracking_uri=uri)
-        mine = record.get(self.name, {})
-        env = flat(read_json(run_dir / RunFolder.ENV))
+        mine, params = record.get(self.name, {}), []
+        env = flatten(read_json(run_dir / RunFolder.ENV))
         tags = [RunTag(_key(f"env.{k}"), str(v)[:500]) for k, v in env.items() if k != "ranks" and v is not None]
         if mine.get("uri") == uri:
             self.run_id = mine["run_id"]
@@ -57,12 +58,10 @@ class MLflow(Tracker):
                          *(RunTag(k, str(study[k])) for k in ("study", "point", "setup", "repeat", "processes")),
                          *(RunTag(_key(k), str(v)) for k, v in study.get("swept", {}).items())]
             self.run_id = client.create_run(experiment, run_name=cfg.run_name()).info.run_id
-            params = [Param(_key(k), str(v)[:6000]) for k, v in flat(cfg.to_dict()).items()]
-            for i in range(0, len(params), 100):  # MLflow's limit per batch
-                client.log_batch(self.run_id, params=params[i:i + 100])
+            params = [Param(_key(k), str(v)[:6000]) for k, v in flatten(cfg.to_dict()).items()]
             record[self.name] = {"uri": uri, "run_id": self.run_id}
-        for i in range(0, len(tags), 100):
-            client.log_batch(self.run_id, tags=tags[i:i + 100])
+        for i in range(0, max(len(params), len(tags)), 100):  # MLflow's limit per batch, for each
+            client.log_batch(self.run_id, params=params[i:i + 100], tags=tags[i:i + 100])
         return self._last_step("train/loss"), self._last_step("epoch")
 
     def _last_step(self, key: str) -> int:
@@ -86,9 +85,8 @@ def _experiment(client, name: str, uri: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    where = None
-    if uri.startswith("sqlite:///"):
-        where = (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
+    local = uri.startswith("sqlite:///")
+    where = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri() if local else None
     return client.create_experiment(name, artifact_location=where)
 
 
@@ -99,7 +97,9 @@ def _parent(client, experiment: str, uri: str, study_dir: Path, study: dict) -> 
     if record.get("mlflow", {}).get("uri") != uri:
         run = client.create_run(experiment, run_name=study["study"], tags={"ddplab.study_folder": str(study_dir.resolve())})
         record["mlflow"] = {"uri": uri, "run_id": run.info.run_id}
-        write_json(path, record)
+        tmp = path.with_name(f".{path.name}.tmp")  # a crash mid-write keeps the old record whole
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
     return record["mlflow"]["run_id"]
 
 

@@ -17,12 +17,11 @@ class WandB(Tracker):
         import wandb  # the track extra; seconds to import, only when wandb is a tracker
 
         cfg, mine = view.config, record.get(self.name, {})
-        fresh = "id" not in mine
         run_id = mine.get("id") or uuid.uuid4().hex[:12]
         config = {**cfg.to_dict(), **({"study_point": study} if study else {})}
         self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.run_name(), id=run_id, resume="allow",
                               dir=str(view.run.path), group=study["study"] if study else None,
-                              config=config if fresh else None, settings=wandb.Settings(console="off"))
+                              config=None if "id" in mine else config, settings=wandb.Settings(console="off"))
         record[self.name] = {"id": run_id, "project": cfg.logging.wandb_project, "train": mine.get("train", 0),
                              "epoch": mine.get("epoch", 0)}
         # Online, a resumed run knows its last step; offline, trackers.json does.
