@@ -104,11 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     # Overrides may come after options too: `ddplab train --nproc-per-node 2 training.lr=1e-3`.
-    if extra:
-        if hasattr(ns, "args") and not any(e.startswith("-") for e in extra):
-            ns.args += extra
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and hasattr(ns, "args") and not any(e.startswith("-") for e in extra):
+        ns.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return resolve(f"ddplab.commands.{COMMANDS[ns.command]}", "command")(ns)
     except UserError as err:
