@@ -1,6 +1,5 @@
-"""One module per group of `ddplab` commands. Each imports only what it runs, so `ddplab status`
-and the launcher side of `ddplab train` start without torch; ddplab.cli imports a command's
-module only when that command is asked for."""
+"""One module per group of `ddplab` commands, imported by ddplab.cli only when asked for. Each imports
+only what it runs, so `ddplab status` and the launcher side of `ddplab train` start without torch."""
 
 from __future__ import annotations
 
@@ -20,6 +19,6 @@ def split_args(items: list[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
-def positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise UserError(f"{name} must be >= 1, got {value}")
+def at_least(name: str, value: float | None, least: float = 1, note: str = "") -> None:
+    if value is not None and not value >= least:  # NaN too
+        raise UserError(f"{name} must be >= {least}{note}, got {value}")

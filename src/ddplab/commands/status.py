@@ -1,5 +1,4 @@
-"""`ddplab status RUN`: for requeue scripts under plain torchrun, whose own exit code cannot say
-'pre-empted'."""
+"""`ddplab status RUN`: for requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'."""
 
 from __future__ import annotations
 

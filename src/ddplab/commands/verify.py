@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ddplab.commands import positive, split_args
+from ddplab.commands import at_least, split_args
 from ddplab.verify import verify
 
 
 def main(ns) -> int:
-    positive("--nproc", ns.nproc)
+    at_least("--nproc", ns.nproc)
     config, overrides = split_args(ns.args)
     return verify(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
