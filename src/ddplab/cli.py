@@ -94,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# command -> its function; each module imports only what its command runs (ddplab.commands).
+# command -> its function; a command's module is imported only when it is asked for (ddplab.commands).
 COMMANDS = {"train": "train:main", "generate": "inference:generate", "predict": "inference:predict",
-            "verify": "verify:main", "study": "scaling:study", "report": "scaling:report",
-            "forecast": "scaling:forecast", "status": "status:main"}
+            "verify": "train:verify", "study": "scaling:study", "report": "scaling:report",
+            "forecast": "scaling:forecast", "status": "train:status"}
 
 
 def main(argv: list[str] | None = None) -> int:

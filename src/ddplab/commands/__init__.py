@@ -1,5 +1,5 @@
-"""One module per group of `ddplab` commands, imported by ddplab.cli only when asked for. Each imports
-only what it runs, so `ddplab status` and the launcher side of `ddplab train` start without torch."""
+"""One module per group of `ddplab` commands (a training job's, a trained model's, many runs'), imported by
+ddplab.cli only when asked for. None imports torch at its top: `ddplab status` and the launcher start without it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
-"""`ddplab train`: the launcher (with --nproc-per-node or --max-restarts) or one process of a job."""
+"""A training job's commands: `ddplab train` (the launcher with --nproc-per-node or --max-restarts,
+or one process of a job), `ddplab verify` and `ddplab status`."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from ddplab.commands import at_least, split_args
 from ddplab.engine.lock import claim, resolve_run_dir
@@ -65,3 +69,24 @@ def preflight(cfg) -> None:
     ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
     work = workload(cfg)
     build_model(cfg, ctx, work, build_data(cfg, ctx, work))
+
+
+def verify(ns) -> int:
+    """N-process DDP against one process with N x the batch (ddplab.verify)."""
+    at_least("--nproc", ns.nproc)
+    config, overrides = split_args(ns.args)
+    from ddplab.verify import verify as compare  # torch: never the launcher's import
+    return compare(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
+
+
+def status(ns) -> int:
+    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'."""
+    path = Path(ns.run) / "metrics.json"
+    if not path.is_file():
+        raise UserError(f"no run folder at {ns.run} (no metrics.json)")
+    try:
+        status = json.loads(path.read_text()).get("status", "unknown")
+    except (OSError, ValueError, AttributeError):
+        raise UserError(f"{path} is not a ddplab metrics.json") from None
+    print(status)
+    return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
