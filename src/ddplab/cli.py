@@ -21,9 +21,8 @@ class _Parser(argparse.ArgumentParser):
 def _config_help() -> str:
     models, data = builtin_names()
     lines = ["built-in workloads (or your own file.py:function; see the docs, 'Your own workload'):",
-             f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "",
-             "config fields (key=value):"]
-    lines += [f"  {name} = {default}  {help}" for name, default, help in describe_fields()]
+             f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "", "config fields (key=value):",
+             *(f"  {name} = {default}  {help}" for name, default, help in describe_fields())]
     return "\n".join(lines)
 
 

@@ -6,9 +6,8 @@ Field names are public (command line, YAML files, tests, docs). Each field's `he
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -155,7 +154,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
     def run_name(self) -> str:
         return self.experiment.name or f"{_short(self.model.name)}-{_short(self.data.name)}"
@@ -174,9 +173,9 @@ def dump_yaml(cfg: Config) -> str:
 def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted name, default, help) for every field, for --help texts and docs."""
     rows, section = [], section or Config()
-    for f in dataclasses.fields(section):
+    for f in fields(section):
         value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value):
+        if is_dataclass(value):
             rows += describe_fields(value, f"{prefix}{f.name}.")
         else:
             rows.append((f"{prefix}{f.name}", repr(value), f.metadata.get("help", "")))
@@ -184,11 +183,9 @@ def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, st
 
 
 def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, train_samples: int | None = None) -> dict:
-    """The one place where batches are counted: global = per process x accumulation x world size.
-
-    With `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every
-    rank to ceil(N / world size) samples, the loader keeps the last short batch, and accumulation
-    groups micro-batches into steps."""
+    """The one place where batches are counted: global = per process x accumulation x world size. With
+    `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every rank to
+    ceil(N / world size) samples, the loader keeps the last short batch, accumulation groups micro-batches."""
     out = {"per_process": batch_size, "grad_accum_steps": grad_accum_steps, "world_size": world_size,
            "global": batch_size * grad_accum_steps * world_size}
     if train_samples is not None:

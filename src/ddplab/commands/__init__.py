@@ -8,15 +8,10 @@ from ddplab.errors import UserError
 
 def split_args(items: list[str]) -> tuple[str | None, list[str]]:
     """`[CONFIG.yaml] [key=value ...]`: the first item without '=' is the config file."""
-    config, overrides = None, []
-    for item in items:
-        if "=" in item:
-            overrides.append(item)
-        elif config is None:
-            config = item
-        else:
-            raise UserError(f"unexpected argument '{item}': only one config file, then key=value overrides")
-    return config, overrides
+    configs = [item for item in items if "=" not in item]
+    if len(configs) > 1:
+        raise UserError(f"unexpected argument '{configs[1]}': only one config file, then key=value overrides")
+    return (configs[0] if configs else None), [item for item in items if "=" in item]
 
 
 def at_least(name: str, value: float | None, least: float = 1, note: str = "") -> None:

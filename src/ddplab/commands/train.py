@@ -1,5 +1,4 @@
-"""A training job's commands: `ddplab train` (the launcher with --nproc-per-node or --max-restarts,
-or one process of a job), `ddplab verify` and `ddplab status`."""
+"""A training job's commands: `ddplab train` (its launcher, or one of its processes), `verify` and `status`."""
 
 from __future__ import annotations
 
@@ -11,12 +10,11 @@ from ddplab.engine.lock import claim, resolve_run_dir
 from ddplab.errors import ExitCode, UserError
 from ddplab.launch import die_with_parent, quick_exit, report_preempted, run_workers, under_agent
 from ddplab.metrics.phases import note_launch
-from ddplab.registry import check_files, checked_without_torch, load_config
+from ddplab.registry import check_files, checked_without_torch, load_config, workload
 
 
 def main(ns) -> int:
-    config, overrides = split_args(ns.args)
-    cfg = load_config(config, overrides)
+    cfg = load_config(*split_args(ns.args))
     check_files(cfg)
     at_least("--nproc-per-node", ns.nproc_per_node)
     at_least("--max-restarts", ns.max_restarts, 0)
@@ -63,7 +61,6 @@ def preflight(cfg) -> None:
     from ddplab.distributed import DistContext, LaunchInfo
     from ddplab.engine.rng import seed_everything
     from ddplab.engine.setup import build_data, build_model
-    from ddplab.registry import workload
 
     seed_everything(cfg.experiment.seed)
     ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
@@ -74,9 +71,8 @@ def preflight(cfg) -> None:
 def verify(ns) -> int:
     """N-process DDP against one process with N x the batch (ddplab.verify)."""
     at_least("--nproc", ns.nproc)
-    config, overrides = split_args(ns.args)
     from ddplab.verify import verify as compare  # torch: never the launcher's import
-    return compare(config, overrides, ns.nproc, ns.tolerance, ns.weight_tolerance)
+    return compare(*split_args(ns.args), ns.nproc, ns.tolerance, ns.weight_tolerance)
 
 
 def status(ns) -> int:

@@ -2,8 +2,7 @@
 
 Locally through torch's launcher (several nodes: one agent each on loopback, the code path of a
 real multi-node job), in a SLURM allocation through `srun`. A complete point is skipped, so the
-same command resumes a study; a signal stops the point's workers with a snapshot (exit 75).
-"""
+same command resumes a study; a signal stops the point's workers with a snapshot (exit 75)."""
 
 from __future__ import annotations
 
