@@ -21,9 +21,8 @@ class _Parser(argparse.ArgumentParser):
 def _config_help() -> str:
     models, data = builtin_names()
     lines = ["built-in workloads (or your own file.py:function; see the docs, 'Your own workload'):",
-             f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "",
-             "config fields (key=value):"]
-    lines += [f"  {name} = {default}  {help}" for name, default, help in describe_fields()]
+             f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "", "config fields (key=value):",
+             *(f"  {name} = {default}  {help}" for name, default, help in describe_fields())]
     return "\n".join(lines)
 
 
@@ -94,21 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# command -> its function; each module imports only what its command runs (ddplab.commands).
+# command -> its function; a command's module is imported only when it is asked for (ddplab.commands).
 COMMANDS = {"train": "train:main", "generate": "inference:generate", "predict": "inference:predict",
-            "verify": "verify:main", "study": "scaling:study", "report": "scaling:report",
-            "forecast": "scaling:forecast", "status": "status:main"}
+            "verify": "train:verify", "study": "scaling:study", "report": "scaling:report",
+            "forecast": "scaling:forecast", "status": "train:status"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     # Overrides may come after options too: `ddplab train --nproc-per-node 2 training.lr=1e-3`.
-    if extra:
-        if hasattr(ns, "args") and not any(e.startswith("-") for e in extra):
-            ns.args += extra
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and hasattr(ns, "args") and not any(e.startswith("-") for e in extra):
+        ns.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return resolve(f"ddplab.commands.{COMMANDS[ns.command]}", "command")(ns)
     except UserError as err:

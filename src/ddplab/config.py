@@ -1,22 +1,17 @@
 """One typed config tree, loaded from YAML and `key=value` overrides.
 
-Field names are public: users type them on the command line and in YAML files, tests and
-docs use them. Each field's `help` becomes documentation (`ddplab train --help`, the docs'
-config reference); `choices` and `min` are checked by ddplab.config_io.validate, which names
-the dotted field in its one-line error.
+Field names are public (command line, YAML files, tests, docs). Each field's `help` becomes
+`ddplab train --help` and the docs' config reference; config_io.validate checks `choices`, `min`, `positive`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-
 
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
@@ -159,7 +154,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
     def run_name(self) -> str:
         return self.experiment.name or f"{_short(self.model.name)}-{_short(self.data.name)}"
@@ -167,35 +162,30 @@ class Config:
 
 def _short(name: str) -> str:
     """A folder-safe name: `path/to/my_file.py:model` -> `my_file.model`."""
-    if ":" not in name:
-        return name
-    where, _, function = name.rpartition(":")
-    return f"{Path(where).stem if where.endswith('.py') else where}.{function}"
+    where, colon, function = name.rpartition(":")
+    return f"{Path(where).stem if where.endswith('.py') else where}.{function}" if colon else name
 
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def describe_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted name, default, help) for every field, for --help texts and docs."""
-    rows = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            rows += describe_fields(hints[f.name], f"{prefix}{f.name}.")
+    rows, section = [], section or Config()
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            rows += describe_fields(value, f"{prefix}{f.name}.")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+            rows.append((f"{prefix}{f.name}", repr(value), f.metadata.get("help", "")))
     return rows
 
 
 def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, train_samples: int | None = None) -> dict:
-    """The one place where batches are counted: global = per process x accumulation x world size.
-
-    With `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every
-    rank to ceil(N / world size) samples, the loader keeps the last short batch, and accumulation
-    groups micro-batches into steps."""
+    """The one place where batches are counted: global = per process x accumulation x world size. With
+    `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every rank to
+    ceil(N / world size) samples, the loader keeps the last short batch, accumulation groups micro-batches."""
     out = {"per_process": batch_size, "grad_accum_steps": grad_accum_steps, "world_size": world_size,
            "global": batch_size * grad_accum_steps * world_size}
     if train_samples is not None:

@@ -1,8 +1,5 @@
-"""What every ddplab command may exit with, and the one exception that means bad input.
-
-The command line turns `UserError` into a single line on stderr and exit code 2; anything
-else is a bug and keeps its traceback.
-"""
+"""What every ddplab command may exit with, and the one exception that means bad input: the command
+line prints a `UserError` as one line on stderr and exits 2; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -13,9 +10,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILED = 1
     USAGE = 2  # bad input: one line on stderr, before any process group starts
-    # sysexits.h EX_TEMPFAIL, "the user is invited to retry": a snapshot was saved and the
-    # same command continues, so a requeue script may simply run it again.
-    PREEMPTED = 75
+    PREEMPTED = 75  # sysexits.h EX_TEMPFAIL ("the user is invited to retry"): a requeue script reruns the command
     INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 

@@ -1,8 +1,5 @@
-"""Optional parts of ddplab and the libraries each one needs (pyproject.toml's extras).
-
-The core install trains any workload of plain tensors; a command or a built-in workload that
-needs more says which extra to install, in one line, before any process starts.
-"""
+"""Optional parts of ddplab and the libraries each one needs (pyproject.toml's extras). The core install
+trains any workload of plain tensors; what needs more names its extra in one line before any process starts."""
 
 from __future__ import annotations
 
@@ -10,12 +7,8 @@ import importlib.util
 
 from ddplab.errors import UserError
 
-EXTRAS = {
-    "text": ("transformers", "datasets", "pandas", "pyarrow"),
-    "vision": ("torchvision", "PIL", "sklearn"),
-    "report": ("matplotlib", "scipy"),
-    "track": ("mlflow", "wandb"),
-}
+EXTRAS = {"text": ("transformers", "datasets", "pandas", "pyarrow"), "vision": ("torchvision", "PIL", "sklearn"),
+          "report": ("matplotlib", "scipy"), "track": ("mlflow", "wandb")}
 
 
 def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:
@@ -25,6 +18,5 @@ def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:
 
 def require(extra: str, what: str, modules: tuple[str, ...] | None = None) -> None:
     """One line naming the extra when `what` (a command, a config value) cannot run without it."""
-    gone = missing(extra, modules)
-    if gone:
+    if gone := missing(extra, modules):
         raise UserError(f"{what} needs {', '.join(gone)}: pip install 'ddplab[{extra}]'")

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.commands import positive
+from ddplab.commands import at_least
 from ddplab.errors import ExitCode, UserError
 from ddplab.inference import load_model, sample
 from ddplab.predict import expand, line, output_format, predict as predict_rows, write
 
 
 def generate(ns) -> int:
-    positive("--max-new-tokens", ns.max_new_tokens)
-    # temperature 0 is greedy decoding and top-k 0 means no top-k; negative values are refused.
-    if not ns.temperature >= 0:  # NaN too
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {ns.temperature}")
-    if ns.top_k is not None and ns.top_k < 0:
-        raise UserError(f"--top-k must be >= 0 (0 = no top-k), got {ns.top_k}")
+    at_least("--max-new-tokens", ns.max_new_tokens)
+    at_least("--temperature", ns.temperature, 0, " (0 = greedy)")
+    at_least("--top-k", ns.top_k, 0, " (0 = no top-k)")
     model, ckpt, _ = load_model(ns.run, ns.trust_code)
     print(sample(model, ckpt.get("meta", {}), ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed))
     return ExitCode.OK
@@ -30,8 +27,8 @@ def predict(ns) -> int:
         items += [text.rstrip("\n") for text in open(ns.file, encoding="utf-8") if text.strip()]
     if not items:
         raise UserError("predict: give inputs on the command line or --file")
-    positive("--batch-size", ns.batch_size)
-    positive("--top-k", ns.top_k)
+    at_least("--batch-size", ns.batch_size)
+    at_least("--top-k", ns.top_k)
     if ns.output:
         output_format(ns.output)  # a wrong name is refused before the model is built
     rows = predict_rows(ns.run, expand(items), ns.batch_size, ns.top_k, ns.trust_code)

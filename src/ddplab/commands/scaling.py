@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.commands import positive, split_args
+from ddplab.commands import at_least, split_args
 from ddplab.config_io import parse_duration
 from ddplab.engine.lock import RunLock
 from ddplab.errors import ExitCode
@@ -18,9 +18,9 @@ from ddplab.trackers import finish_study
 def study(ns) -> int:
     require("report", "ddplab study")  # it ends with a report
     config, common = split_args(ns.args)
-    positive("--nnodes", ns.nnodes)
+    at_least("--nnodes", ns.nnodes)
     budget = parse_duration(ns.budget, "--budget")
-    positive("--repeat", ns.repeat)
+    at_least("--repeat", ns.repeat)
     repeat = ns.repeat or load_config(config, common).experiment.repeats
     name = ns.name or (Path(config).stem if config else "study")
     study_dir = Path(ns.output_dir) / name
@@ -30,7 +30,8 @@ def study(ns) -> int:
     with RunLock(study_dir, what="study folder", names="--output-dir or --name"):
         print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
         run_study(study_dir, config, points)
-        report_path = _make_report([study_dir], study_dir, budget)
+        from ddplab.report.build import make_report  # matplotlib: the report extra, required above
+        report_path = make_report([study_dir], study_dir, budget)
         finish_study(study_dir, study_dir)  # the points' parent MLflow run gets the report, then ends
     print(f"report: {report_path}")
     return ExitCode.OK
@@ -38,9 +39,11 @@ def study(ns) -> int:
 
 def report(ns) -> int:
     require("report", "ddplab report")
+    from ddplab.report.build import make_report  # matplotlib: the report extra, required above
+
     budget = parse_duration(ns.budget, "--budget")
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
-    print(f"report: {_make_report(ns.dirs, out, budget)}")
+    print(f"report: {make_report(ns.dirs, out, budget)}")
     return ExitCode.OK
 
 
@@ -51,12 +54,6 @@ def forecast(ns) -> int:
     opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
     path = make_forecast(ns.dirs, out, opts)
-    print(path.read_text(), end="")
-    print(f"forecast: {path}")
+    print(f"{path.read_text()}forecast: {path}")
     return ExitCode.OK
 
-
-def _make_report(dirs, out, budget) -> Path:
-    from ddplab.report.build import make_report  # matplotlib: the report extra, checked by the caller
-
-    return make_report(dirs, out, budget)

@@ -1,33 +1,32 @@
-"""`ddplab train`: the launcher (with --nproc-per-node or --max-restarts) or one process of a job."""
+"""A training job's commands: `ddplab train` (its launcher, or one of its processes), `verify` and `status`."""
 
 from __future__ import annotations
 
-from ddplab.commands import positive, split_args
+import json
+from pathlib import Path
+
+from ddplab.commands import at_least, split_args
 from ddplab.engine.lock import claim, resolve_run_dir
 from ddplab.errors import ExitCode, UserError
 from ddplab.launch import die_with_parent, quick_exit, report_preempted, run_workers, under_agent
 from ddplab.metrics.phases import note_launch
-from ddplab.registry import check_files, checked_without_torch, load_config
+from ddplab.registry import check_files, checked_without_torch, load_config, workload
 
 
 def main(ns) -> int:
-    config, overrides = split_args(ns.args)
-    cfg = load_config(config, overrides)
+    cfg = load_config(*split_args(ns.args))
     check_files(cfg)
-    positive("--nproc-per-node", ns.nproc_per_node)
-    if ns.max_restarts < 0:
-        raise UserError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    at_least("--nproc-per-node", ns.nproc_per_node)
+    at_least("--max-restarts", ns.max_restarts, 0)
     if ns.nproc_per_node or ns.max_restarts:
         return launch(cfg, ns)
     if under_agent():
         die_with_parent()  # a worker never outlives its torchrun agent
     # A worker, or a plain process: only now is torch imported (the launcher never needs it).
     from torch.distributed.elastic.multiprocessing.errors import record
+    from ddplab.run import train
 
-    from ddplab.run import train  # torch: a worker's import, never the launcher's
-
-    # record(): under torchrun, the failing rank's exception is written where the launcher
-    # prints it in its failure summary.
+    # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
     summary = record(train)(cfg)
     if summary["status"] == "preempted":
         report_preempted()
@@ -57,15 +56,33 @@ def launch(cfg, ns) -> int:
 def preflight(cfg) -> None:
     """For a workload without torch-free checks: build its data and model once on the CPU, so that
     bad code fails in one line before any worker starts."""
-    import torch  # the launcher imports torch only for such a workload
-
-    # The engine's builders import torch too: same reason.
+    # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
+    import torch
     from ddplab.distributed import DistContext, LaunchInfo
     from ddplab.engine.rng import seed_everything
     from ddplab.engine.setup import build_data, build_model
-    from ddplab.registry import workload
 
     seed_everything(cfg.experiment.seed)
     ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
     work = workload(cfg)
     build_model(cfg, ctx, work, build_data(cfg, ctx, work))
+
+
+def verify(ns) -> int:
+    """N-process DDP against one process with N x the batch (ddplab.verify)."""
+    at_least("--nproc", ns.nproc)
+    from ddplab.verify import verify as compare  # torch: never the launcher's import
+    return compare(*split_args(ns.args), ns.nproc, ns.tolerance, ns.weight_tolerance)
+
+
+def status(ns) -> int:
+    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'."""
+    path = Path(ns.run) / "metrics.json"
+    if not path.is_file():
+        raise UserError(f"no run folder at {ns.run} (no metrics.json)")
+    try:
+        status = json.loads(path.read_text()).get("status", "unknown")
+    except (OSError, ValueError, AttributeError):
+        raise UserError(f"{path} is not a ddplab metrics.json") from None
+    print(status)
+    return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)

@@ -1,12 +1,8 @@
 """Run a study's points one after another, each as its own `ddplab train` job.
 
-Locally a point runs through torch's launcher: one agent for one node, or one agent per
-node on loopback with c10d rendezvous (the code path of a real multi-node job). Inside a
-SLURM allocation it runs through `srun`, one agent per node. A point whose run folder is
-complete is skipped, so running the same study again resumes it. Jobs start through
-`ddplab.launch.run`: a signal stops the point's workers with a snapshot, and the study exits
-75 (the same command continues it).
-"""
+Locally through torch's launcher (several nodes: one agent each on loopback, the code path of a
+real multi-node job), in a SLURM allocation through `srun`. A complete point is skipped, so the
+same command resumes a study; a signal stops the point's workers with a snapshot (exit 75)."""
 
 from __future__ import annotations
 
@@ -36,22 +32,14 @@ class PointFailed(UserError):
     exit_code = ExitCode.FAILED
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def in_slurm(env=None) -> bool:
-    return "SLURM_JOB_ID" in (os.environ if env is None else env)
-
-
 def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]]:
     """One torchrun agent per node; several nodes meet on loopback through c10d rendezvous,
     which assigns node ranks itself (a fixed --node-rank is ignored by c10d)."""
     if setup.nodes == 1:
         return [torchrun_command(setup.per_node, args)]
-    endpoint = f"127.0.0.1:{free_port()}"
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
     return [torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=endpoint, run_id=run_id)
             for _ in range(setup.nodes)]
 
@@ -59,21 +47,11 @@ def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]
 def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=None) -> list[str]:
     """`srun` starts one agent per node of the allocation; they meet at the first node."""
     env = os.environ if env is None else env
-    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", "localhost"))
+    host = expand_nodelist(env.get("SLURM_JOB_NODELIST", "localhost"))[0]
     job = int(env.get("SLURM_JOB_ID", "0"))
     port = 20000 + (job * 31 + index) % 30000  # distinct per point and per job sharing a node
-    agent = torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=f"{hosts[0]}:{port}",
-                             run_id=run_id)
+    agent = torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=f"{host}:{port}", run_id=run_id)
     return ["srun", f"--nodes={setup.nodes}", f"--ntasks={setup.nodes}", "--ntasks-per-node=1", *agent]
-
-
-def check_allocation(points: list[Point], env=None) -> None:
-    env = os.environ if env is None else env
-    have = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    need = max(p.setup.nodes for p in points)
-    if need > have:
-        raise UserError(f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
-                        f"use sbatch --nodes={need} or fewer nodes per point")
 
 
 def _failure_lines(path: Path, lines: int = 12) -> str:
@@ -86,34 +64,32 @@ def _failure_lines(path: Path, lines: int = 12) -> str:
     return "\n".join(errors[:5] + ["..."] + text[-lines:])
 
 
-def run_study(study_dir: Path, config: str | None, points: list[Point], console: Console | None = None) -> list[Path]:
-    """Run every point not yet complete; returns the point folders in grid order."""
-    console = console or Console(highlight=False)
-    slurm = in_slurm()
-    if slurm:
-        check_allocation(points)
-    study_dir.mkdir(parents=True, exist_ok=True)
-    base = [config] if config else []
-    folders = []
+def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
+    """Run every point not yet complete, in grid order, in the study folder (which the caller has locked)."""
+    if slurm := "SLURM_JOB_ID" in os.environ:
+        have = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        need = max(p.setup.nodes for p in points)
+        if need > have:
+            raise UserError(f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
+                            f"use sbatch --nodes={need} or fewer nodes per point")
+    console = Console(highlight=False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("study", total=len(points))
         for index, point in enumerate(points):
             folder = study_dir / point.name
-            folders.append(folder)
-            label = f"{point.name} ({point.setup.processes} processes)"
+            label = f"[{index + 1}/{len(points)}] {point.name} ({point.setup.processes} processes)"
             if finished(folder):
-                console.print(f"[{index + 1}/{len(points)}] {label}: complete, skipped")
+                console.print(f"{label}: complete, skipped")
                 progress.advance(task)
                 continue
-            progress.update(task, description=f"[{index + 1}/{len(points)}] {label}")
+            progress.update(task, description=label)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / POINT_FILE).write_text(json.dumps(
                 {"study": study_dir.name, "point": point.point, "run": point.name, "repeat": point.repeat,
-                 "nodes": point.setup.nodes,
-                 "per_node": point.setup.per_node, "processes": point.setup.processes,
+                 "nodes": point.setup.nodes, "per_node": point.setup.per_node, "processes": point.setup.processes,
                  "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")
-            args = ["train", *base, *point.overrides]
+            args = ["train", *([config] if config else []), *point.overrides]
             run_id = f"{study_dir.name}-{point.name}"
             commands = [slurm_command(point.setup, args, run_id, index)] if slurm else local_commands(point.setup, args, run_id)
             start = time.perf_counter()
@@ -124,14 +100,11 @@ def run_study(study_dir: Path, config: str | None, points: list[Point], console:
                                 f"the same command continues the study")
             code = ended.code
             if code != 0 or not finished(folder):
-                tail = _failure_lines(folder / LOG_FILE)
-                if tail:
+                if tail := _failure_lines(folder / LOG_FILE):
                     print(tail, file=sys.stderr)
                 raise PointFailed(f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
                                   f"finished points are kept and the same command resumes the study")
-            summary = json.loads((folder / "metrics.json").read_text())
-            rate = summary.get("aggregates", {}).get("mean_samples_per_s")
-            console.print(f"[{index + 1}/{len(points)}] {label}: done in {time.perf_counter() - start:.1f} s"
+            rate = json.loads((folder / "metrics.json").read_text()).get("aggregates", {}).get("mean_samples_per_s")
+            console.print(f"{label}: done in {time.perf_counter() - start:.1f} s"
                           + (f", {rate:,.0f} samples/s" if rate else ""))
             progress.advance(task)
-    return folders
