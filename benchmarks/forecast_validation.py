@@ -99,7 +99,8 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "src"))
     from ddplab.forecast.fit import comm_of, fit_link
     from ddplab.forecast.links import Link, parse_bandwidth
-    from ddplab.forecast.model import fit_compute, predict_step, steps_per_epoch
+    from ddplab.config import batch_arithmetic
+    from ddplab.forecast.model import fit_compute, predict_step
 
     out = Path(ns.out) / ns.workload
     out.mkdir(parents=True, exist_ok=True)
@@ -153,7 +154,7 @@ def main() -> int:
             inter = Link(fit.link.alpha, 1 / (1 / fit.link.bandwidth + 1 / parse_bandwidth(s["rate"])))
         step = predict_step(compute, comm, nodes, s["procs"] // nodes, s["b"], inter, fit.link, ms[0].accum,
                             fit.compute_scale, s.get("lat", 0.0), s.get("bw"))
-        predicted = step.step_s * steps_per_epoch(ms[0].train_samples, s["procs"], s["b"], ms[0].accum)
+        predicted = step.step_s * batch_arithmetic(s["b"], ms[0].accum, s["procs"], ms[0].train_samples)["steps_per_epoch"]
         epochs = [m.epoch_s for m in ms]
         median = statistics.median(epochs)
         err = predicted / median - 1

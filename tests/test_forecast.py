@@ -12,7 +12,8 @@ import torch
 from conftest import OneRankCtx
 from ddplab.cli import main
 from ddplab.forecast.links import Link, allreduce_s, parse_bandwidth, parse_latency, ring_allreduce_s, wire_messages
-from ddplab.forecast.model import overlapped_backward, steps_per_epoch
+from ddplab.config import batch_arithmetic
+from ddplab.forecast.model import overlapped_backward
 
 STUDY = Path(__file__).parent / "data" / "forecast_study"
 
@@ -84,8 +85,8 @@ def test_units_and_steps_per_epoch():
     assert parse_bandwidth("200GB/s") == pytest.approx(200e9)
     assert parse_latency("50us") == pytest.approx(50e-6)
     # The sampler pads ranks to ceil(N/p): 1687 samples on 2 ranks at 8 -> 844 per rank -> 106 steps.
-    assert steps_per_epoch(1687, 2, 8) == 106
-    assert steps_per_epoch(1687, 1, 8, accum=2) == 106
+    assert batch_arithmetic(8, 1, 2, 1687)["steps_per_epoch"] == 106
+    assert batch_arithmetic(8, 2, 1, 1687)["steps_per_epoch"] == 106
 
 
 def _forecast(tmp_path, *extra):

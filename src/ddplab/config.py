@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
        positive: bool = False) -> Any:
@@ -164,10 +162,6 @@ def _short(name: str) -> str:
     """A folder-safe name: `path/to/my_file.py:model` -> `my_file.model`."""
     where, colon, function = name.rpartition(":")
     return f"{Path(where).stem if where.endswith('.py') else where}.{function}" if colon else name
-
-
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:

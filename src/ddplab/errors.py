@@ -25,9 +25,6 @@ class Preempted(Exception):
 
     exit_code = ExitCode.PREEMPTED
 
-    def __init__(self, message: str = "pre-empted; a snapshot was saved and the same command continues") -> None:
-        super().__init__(message)
-
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """An exception's first line of text ("" if it has none), for a one-line UserError about it."""

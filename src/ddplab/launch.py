@@ -87,6 +87,16 @@ def quick_exit(code: int = 0) -> None:
     os._exit(code)
 
 
+def log_tail(path: Path, lines: int = 12) -> str:
+    """A failed job's log in brief: the workers' own error lines, then its end (the launcher's summary)."""
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in dict.fromkeys(text) if line.startswith("ddplab: error") or "Error: " in line]
+    return "\n".join(errors[:5] + ["..."] + text[-lines:])
+
+
 def under_agent() -> bool:
     """This process is a worker started by a torchrun agent."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
@@ -252,7 +262,7 @@ def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, *
     if ended.error:
         raise UserError(ended.error)
     if ended.code == ExitCode.PREEMPTED:
-        raise Preempted()
+        raise Preempted("pre-empted; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:
         print("ddplab: interrupted", file=sys.stderr)
     return ended.code

@@ -6,8 +6,10 @@ import gc
 import sys
 import time
 
+import yaml
+
 from ddplab import distributed
-from ddplab.config import Config, dump_yaml
+from ddplab.config import Config
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.hostmem import keep_freed_memory
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
@@ -64,7 +66,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             run = RunFolder(run_dir, ctx.is_main)
             if note:
                 run.log(note)
-            run.write_text(RunFolder.CONFIG, dump_yaml(cfg))
+            run.write_text(RunFolder.CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             run.write_json(RunFolder.ENV, {**env_info.collect(ctx), "host_memory_kept_below_bytes": kept})
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}

@@ -25,7 +25,7 @@ from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, Preempted, UserError
-from ddplab.launch import run, torchrun_command
+from ddplab.launch import log_tail, run, torchrun_command
 
 LOG_FILE = "verify.log"
 
@@ -37,8 +37,7 @@ def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
     if ended.error:
         raise UserError(ended.error)
     if ended.code != 0:
-        tail = "\n".join((work / LOG_FILE).read_text(errors="replace").strip().splitlines()[-15:])
-        print(tail, file=sys.stderr)
+        print(log_tail(work / LOG_FILE), file=sys.stderr)
         raise UserError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
 
 

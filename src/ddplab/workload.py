@@ -100,9 +100,8 @@ class Workload:
 def build_config(cfg, section: str, ctx=None) -> BuildConfig:
     """What a workload function of `section` ("data", "model") is given, in the job `ctx` (or none)."""
     options = Options(getattr(cfg, section).options or {})
-    if ctx is None:
-        return BuildConfig(options, cfg)
-    return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
+    job = () if ctx is None else (ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
+    return BuildConfig(options, cfg, *job)
 
 
 # ---------------------------------------------------------------------------- code references

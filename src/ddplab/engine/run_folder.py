@@ -45,6 +45,7 @@ class RunFolder:
     CHECKPOINTS = "checkpoints"
     SAMPLE = "sample.txt"
     TRACKERS = "trackers.json"  # the MLflow / W&B run each tracker continues (ddplab.trackers)
+    POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
 
     def __init__(self, path: Path, is_main: bool) -> None:
         from rich.console import Console  # only rank 0 prints

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ddplab.config import batch_arithmetic
 from ddplab.errors import UserError
 from ddplab.forecast.links import Link, allreduce_s, wire_messages
 from ddplab.report.runs import Run
@@ -78,11 +77,6 @@ def measure(run: Run) -> Measured | None:
         latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
         bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),
         hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none", buckets=comm.get("buckets", []))
-
-
-def steps_per_epoch(train_samples: int, processes: int, batch: int, accum: int = 1) -> int:
-    """As the trainer counts them (ddplab.config.batch_arithmetic)."""
-    return batch_arithmetic(batch, accum, processes, train_samples)["steps_per_epoch"]
 
 
 def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:

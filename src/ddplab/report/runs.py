@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddplab.errors import UserError
+from ddplab.engine.run_folder import RunFolder
 
-POINT_FILE = "study_point.json"
 # Sections that name or present a run but do not change what it computes.
 _NOT_THE_EXPERIMENT = ("experiment", "logging", "checkpoint", "generate")
 
@@ -100,7 +100,7 @@ def find_runs(dirs: list[str | Path], command: str = "report") -> tuple[list[Run
             if summary.get("status") != "complete":
                 unfinished.append(folder)
                 continue
-            point = json.loads((folder / POINT_FILE).read_text()) if (folder / POINT_FILE).is_file() else {}
+            point = json.loads((folder / RunFolder.POINT).read_text()) if (folder / RunFolder.POINT).is_file() else {}
             runs.append(Run(folder, summary, point))
     if not runs:
         where = ", ".join(str(d) for d in dirs)

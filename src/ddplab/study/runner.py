@@ -18,11 +18,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from ddplab.distributed import expand_nodelist
 from ddplab.errors import ExitCode, Preempted, UserError
-from ddplab.launch import run, torchrun_command
+from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.engine.lock import finished
 from ddplab.study.grid import Point, Setup
+from ddplab.engine.run_folder import RunFolder
 
-POINT_FILE = "study_point.json"  # the point's place in the grid, beside its run files
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 
 
@@ -54,16 +54,6 @@ def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=No
     return ["srun", f"--nodes={setup.nodes}", f"--ntasks={setup.nodes}", "--ntasks-per-node=1", *agent]
 
 
-def _failure_lines(path: Path, lines: int = 12) -> str:
-    """The workers' own error lines, then the end of the log (the launcher's summary)."""
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    errors = [line for line in dict.fromkeys(text) if line.startswith("ddplab: error") or "Error: " in line]
-    return "\n".join(errors[:5] + ["..."] + text[-lines:])
-
-
 def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
     """Run every point not yet complete, in grid order, in the study folder (which the caller has locked)."""
     if slurm := "SLURM_JOB_ID" in os.environ:
@@ -85,7 +75,7 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                 continue
             progress.update(task, description=label)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / POINT_FILE).write_text(json.dumps(
+            (folder / RunFolder.POINT).write_text(json.dumps(
                 {"study": study_dir.name, "point": point.point, "run": point.name, "repeat": point.repeat,
                  "nodes": point.setup.nodes, "per_node": point.setup.per_node, "processes": point.setup.processes,
                  "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")
@@ -100,7 +90,7 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                                 f"the same command continues the study")
             code = ended.code
             if code != 0 or not finished(folder):
-                if tail := _failure_lines(folder / LOG_FILE):
+                if tail := log_tail(folder / LOG_FILE):
                     print(tail, file=sys.stderr)
                 raise PointFailed(f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
                                   f"finished points are kept and the same command resumes the study")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ddplab.engine.run_folder import RunFolder
 
-POINT_FILE = "study_point.json"  # written by ddplab.study.runner in each point's run folder
 LOG_ROW_SKIP = ("step", "epoch", "elapsed_s")  # a log row's bookkeeping, not a training metric
 
 
