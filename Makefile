@@ -30,13 +30,15 @@ docs: $(STAMP)
 	$(PY) docs/gen_config.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-# The core install alone (no extras), in a fresh environment: it trains the embedded default, and
-# a workload that needs an extra says which in one line (exit 2).
+# The core install alone (no extras), in a fresh environment: it trains the embedded default and a
+# workload of plain tensors (2 processes), and a workload that needs an extra says which in one line (exit 2).
 CORE := .venv-core
 core-check:
 	rm -rf $(CORE) && $(PYTHON) -m venv $(CORE)
 	$(CORE)/bin/python -m pip install -q -c constraints.txt .
 	cd $$(mktemp -d) && OMP_NUM_THREADS=1 $(CURDIR)/$(CORE)/bin/ddplab train training.max_steps=5 generate.max_new_tokens=20 \
+		&& OMP_NUM_THREADS=1 $(CURDIR)/$(CORE)/bin/ddplab train model.name=$(CURDIR)/examples/my_workload.py:model \
+			data.name=$(CURDIR)/examples/my_workload.py:data training.epochs=2 training.warmup_steps=0 --nproc-per-node 2 \
 		&& ! $(CURDIR)/$(CORE)/bin/ddplab train data.name=synthetic_reviews model.name=transformer 2> err.txt \
 		&& grep -q "pip install 'ddplab\[text\]'" err.txt && echo "core install: OK"
 
