@@ -49,7 +49,7 @@ def test_a_launched_run_records_its_phases(tmp_path):
     assert_ok(proc)
     run = tmp_path / "experiments" / "p"
     got = json.loads((run / "metrics.json").read_text())["phases"]
-    for key in ("launcher_s", "imports_s", "rendezvous_s", "data_s", "model_s", "run_folder_s", "trainer_s",
+    for key in ("launcher_s", "imports_s", "workload_s", "rendezvous_s", "data_s", "model_s", "run_folder_s", "trainer_s",
                 "first_step_s", "training_s", "end_of_run_s",
                 "teardown_s"):
         assert got[key] >= 0, key

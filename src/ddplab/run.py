@@ -49,6 +49,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     phases = Phases()
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
     work = workload(cfg, data_fn, model_fn)
+    phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
         phases.mark("rendezvous")
