@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from ddplab.config import describe_fields
 from ddplab.errors import ExitCode, Preempted, UserError
 from ddplab.launch import report_error
 from ddplab.registry import builtin_names
-from ddplab.workload import resolve
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,9 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # command -> its function; a command's module is imported only when it is asked for (ddplab.commands).
-COMMANDS = {"train": "train:main", "generate": "inference:generate", "predict": "inference:predict",
-            "verify": "train:verify", "study": "scaling:study", "report": "scaling:report",
-            "forecast": "scaling:forecast", "status": "train:status"}
+COMMANDS = {"train": "train", "verify": "train", "status": "train", "generate": "inference", "predict": "inference",
+            "study": "scaling", "report": "scaling", "forecast": "scaling"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return resolve(f"ddplab.commands.{COMMANDS[ns.command]}", "command")(ns)
+        return getattr(importlib.import_module(f"ddplab.commands.{COMMANDS[ns.command]}"), ns.command)(ns)
     except UserError as err:
         if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
             print(f"ddplab: error: {err}", file=sys.stderr)

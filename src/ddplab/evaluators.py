@@ -44,7 +44,6 @@ class ClassificationEvaluator:
         self.logits = logits  # the model's output -> its logits (Task.logits)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, count, top5 correct
-        self.predictions: list[torch.Tensor] = []
         self.global_confusion: torch.Tensor | None = None  # rows: true class, columns: predicted; set by compute()
 
     def update(self, output, target: torch.Tensor) -> None:

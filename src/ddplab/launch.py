@@ -94,7 +94,7 @@ def log_tail(path: Path, lines: int = 12) -> str:
     except OSError:
         return ""
     errors = [line for line in dict.fromkeys(text) if line.startswith("ddplab: error") or "Error: " in line]
-    return "\n".join(errors[:5] + ["..."] + text[-lines:])
+    return "\n".join((errors[:5] + ["..."] if errors else []) + text[-lines:])
 
 
 def under_agent() -> bool:
@@ -180,8 +180,7 @@ class _Job(StopSignals):
             codes = [p.poll() for p in self.procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                self.stop()
-                return failed[0]
+                return failed[0]  # run() stops the others
             if None not in codes:
                 return 0
             try:  # one agent: wait for it, no polling delay
@@ -247,8 +246,8 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
                 job.start(cmd, env)
             code = job.wait()
         finally:
+            job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
-            job.stop()  # nothing is left running, whatever happened here
         code, line = outcome(report, code, bool(job.received))
         if out and line:
             out.write(f"ddplab: error: {line}\n")

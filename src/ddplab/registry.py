@@ -109,12 +109,13 @@ def builtin_names() -> tuple[list[str], list[str]]:
 
 # ---------------------------------------------------------------------------- checks
 
-def check_config(cfg: Config) -> None:
-    """Names, references and which model fits which data, before any process starts."""
+def check_config(cfg: Config, given: tuple = ()) -> None:
+    """Names, references and which model fits which data, before any process starts; `given`: sections
+    whose function ddplab.train() was handed, which is not imported again by its reference."""
     model, data = model_entry(cfg.model.name), data_entry(cfg.data.name)
-    for entry, section in ((model, cfg.model), (data, cfg.data)):
-        if entry is None:
-            resolve(section.name, f"{'model' if section is cfg.model else 'data'}.name")
+    for entry, section in ((model, "model"), (data, "data")):
+        if entry is None and section not in given:
+            resolve(getattr(cfg, section).name, f"{section}.name")
     if model is not None and data is not None:
         if data.inputs not in ("any", model.inputs) or data.task not in ("any", model.task):
             raise UserError(_mismatch(cfg, model, data))
@@ -166,7 +167,7 @@ def load_config(source: str | Path | dict | Config | None = None, overrides=(), 
         cfg.model.name = reference_of(model)
     if data is not None:
         cfg.data.name = reference_of(data)
-    check_config(cfg)
+    check_config(cfg, tuple(s for s, fn in (("model", model), ("data", data)) if fn is not None))
     absolute_references(cfg)
     return cfg
 

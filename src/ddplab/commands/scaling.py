@@ -49,6 +49,7 @@ def report(ns) -> int:
 
 def forecast(ns) -> int:
     require("report", "ddplab forecast")
+    at_least("--batch-size", ns.batch_size)
     from ddplab.forecast import Options, make_forecast  # scipy and matplotlib: the report extra
 
     opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)

@@ -13,7 +13,7 @@ from ddplab.metrics.phases import note_launch
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
 
 
-def main(ns) -> int:
+def train(ns) -> int:
     cfg = load_config(*split_args(ns.args))
     check_files(cfg)
     at_least("--nproc-per-node", ns.nproc_per_node)

@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from ddplab.errors import UserError
-from ddplab.data import text_synthetic
-from ddplab.data import text_sources
 
 # data.name -> (channels, side) of the images as stored; an image_folder tree's are read from its files.
 NATIVE = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32)}
@@ -178,8 +176,10 @@ def check_text_classes(cfg) -> None:
                         f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
                         f"use data.tokenizer={wanted} (or leave it unset)")
     if d.name == "synthetic_reviews":
+        from ddplab.data import text_synthetic  # numpy: kept off every command's start, as text_sources
         k = d.num_classes or 2
         if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
             raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
     if d.name == "text_files":
+        from ddplab.data import text_sources  # numpy: only for this source
         text_sources.check_files(cfg)

@@ -19,9 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
-_WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "powersgd": None}
-_HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-          "bf16": default_hooks.bf16_compress_hook, "powersgd": powerSGD_hook.powerSGD_hook}
+_HOOKS = {"none": (default_hooks.allreduce_hook, None), "fp16": (default_hooks.fp16_compress_hook, 2),
+          "bf16": (default_hooks.bf16_compress_hook, 2), "powersgd": (powerSGD_hook.powerSGD_hook, None)}
 POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
@@ -48,7 +47,7 @@ class CommMonitor:
     def __init__(self, dcfg, world_size: int, inner, inner_state) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
         self.bandwidth_mbps = dcfg.simulated_bandwidth_mbps
-        self.wire_bytes = _WIRE_BYTES[dcfg.comm_hook]
+        self.wire_bytes = _HOOKS[dcfg.comm_hook][1]
         self.world_size = world_size
         self.inner, self.inner_state = inner, inner_state
         self._lock = threading.Lock()  # futures complete on the backend's threads
@@ -132,7 +131,7 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
     if dcfg.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=state, matrix_approximation_rank=POWERSGD_RANK,
                                             start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
-    monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook], state)
+    monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state)
     model.register_comm_hook(monitor, CommMonitor.__call__)
     return monitor
 

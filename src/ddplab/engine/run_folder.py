@@ -76,6 +76,8 @@ class RunFolder:
 
     def write_epochs(self, rows: list[dict]) -> None:
         """Rewrite metrics.csv from the full history (so a resumed run never duplicates rows)."""
+        if not self.is_main:
+            return
         extra = sorted({k for r in rows for k in r} - set(EPOCH_COLUMNS))
         columns = [c for c in EPOCH_COLUMNS if any(c in r for r in rows)] + extra
         out = io.StringIO()

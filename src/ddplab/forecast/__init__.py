@@ -65,8 +65,6 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     intra_bw = parse_bandwidth(opts.intra_bandwidth, "--intra-bandwidth") if opts.intra_bandwidth is not None else None
     budget = parse_duration(opts.budget, "--budget")
     hook, rank = parse_hook(opts.comm_hook)
-    if opts.batch_size is not None and opts.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {opts.batch_size}")
 
     label, measured = load(dirs)
     singles = [m for m in measured if m.processes == 1]

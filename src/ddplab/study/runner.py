@@ -16,7 +16,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ddplab.distributed import expand_nodelist
 from ddplab.errors import ExitCode, Preempted, UserError
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.engine.lock import finished
@@ -46,6 +45,7 @@ def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]
 
 def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=None) -> list[str]:
     """`srun` starts one agent per node of the allocation; they meet at the first node."""
+    from ddplab.distributed import expand_nodelist  # torch: only under SLURM, never for report/forecast
     env = os.environ if env is None else env
     host = expand_nodelist(env.get("SLURM_JOB_NODELIST", "localhost"))[0]
     job = int(env.get("SLURM_JOB_ID", "0"))

@@ -10,6 +10,8 @@ A tracker that fails prints one warning and is dropped: training goes on and not
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 from ddplab.engine.callbacks import Callback
 from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import LOG_ROW_SKIP, TensorBoard, numbers, read_json
@@ -61,7 +63,7 @@ class Trackers(Callback):
         for entry in list(self.live):
             tracker, train_done, epoch_done = entry
             # In step order across both kinds of row: W&B ignores a step below one it was given.
-            rows = sorted([(r["step"], 1, r) for r in view.log_rows if r["step"] > train_done]
+            rows = sorted([(r["step"], 1, r) for r in takewhile(lambda r: r["step"] > train_done, reversed(view.log_rows))]
                           + [(r["step"], 2, r) for r in view.history if r["step"] > epoch_done], key=lambda t: t[:2])
             try:
                 for step, kind, row in rows:

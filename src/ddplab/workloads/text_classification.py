@@ -22,7 +22,7 @@ from ddplab.data import text_cache
 from ddplab.data.checks import tokenizer_kind
 from ddplab.data.text_cls import SOURCES, make_tokenizer, pad_collate, splits, tokenizer_description
 from ddplab.data.text_tokenize import tokenizer_from_meta
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 from ddplab.models.checks import check_pretrained, looks_like_path
 from ddplab.models.transformer import TransformerClassifier, TransformerConfig
 
@@ -84,8 +84,8 @@ def hf(cfg, data: ddplab.Data) -> nn.Module:
             source, num_labels=data.num_classes, id2label=dict(enumerate(names)),
             label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
     except (OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise UserError(f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier ({first}); "
+        raise UserError(f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier "
+                        f"({first_line(exc, 160) or type(exc).__name__}); "
                         f"give a local model folder, or a hub name on a connected machine") from None
     if m.freeze:
         model.base_model.requires_grad_(False)
