@@ -22,7 +22,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/overhead.py
 
 # The config reference is regenerated from the config's own help, then the site is built into site/.
