@@ -86,18 +86,3 @@ def test_mfu_only_for_known_gpus():
             return 1e9
 
     assert mfu(M(), 1000.0, torch.device("cpu"), 1) is None
-
-
-def test_data_workers_default_to_none_on_cpu_and_some_on_cuda():
-    import os
-
-    import torch
-
-    from ddplab.engine.loaders import data_workers
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert data_workers(None, cpu, 1) == 0
-    assert data_workers(3, cpu, 1) == 3 and data_workers(0, cuda, 1) == 0
-    cores = len(os.sched_getaffinity(0))
-    assert data_workers(None, cuda, 1) == max(0, min(4, cores - 1))
-    assert data_workers(None, cuda, 2 * cores) == 0  # never more processes than cores

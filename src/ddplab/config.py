@@ -52,7 +52,8 @@ class DataConfig:
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
     cache_dir: Optional[str] = _f(None, "cache folder for HF datasets, token caches and image caches")
     cache: bool = _f(True, "decode image_folder trees once into a memory-mapped cache (false: decode every epoch)")
-    num_workers: Optional[int] = _f(None, "DataLoader worker processes per rank; default: 0 on CPU, up to 4 on CUDA", min=0)
+    num_workers: Optional[int] = _f(None, "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
+                                        "rank may use (CPU affinity / processes on the node) less one", min=0)
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
 
 
@@ -91,7 +92,10 @@ class TrainingConfig:
     lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
     clip_grad_norm: Optional[float] = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
     amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
-    compile: bool = _f(False, "torch.compile the model")
+    compile: bool = _f(False, "torch.compile the model (the batch dimension dynamic: one compile, whatever the last "
+                              "batch's size; evaluation runs the model uncompiled)")
+    channels_last: str = _f("auto", "channels_last memory format for 4-D convolution weights and image batches; auto: "
+                                    "on for convolutional models on CUDA", choices=("auto", "true", "false"))
     eval_every: Optional[int] = _f(None, "also evaluate every N optimizer steps", positive=True)
     nonfinite: str = _f("stop", "on a non-finite loss on any rank: stop or skip the step", choices=("stop", "skip"))
     keep_host_memory: bool = _f(True, "glibc keeps freed host memory for the next step instead of returning it to "

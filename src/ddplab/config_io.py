@@ -139,7 +139,9 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
                 return int(number)
         raise UserError(f"'{dotted}' must be {'an integer' if hint is int else 'a number'}, got {value!r}")
     if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):  # YAML's `true` in a field of words (training.channels_last=auto|true|false)
+            return str(value).lower()
+        if isinstance(value, (str, int, float)):
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
     if hint is list:  # names: `[a, b]` (YAML), `a,b` or `[]` on the command line

@@ -76,7 +76,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             view = trainer.view
             trainer.resume()
             phases.mark("trainer")
-            phases.watch_first_step(view.optimizer)
+            phases.watch_first_step(view.optimizer, compiles=cfg.training.compile)
             run.write_json(RunFolder.METRICS_JSON, summary(view, "running", code))
             start = time.time()
             state = trainer.fit()

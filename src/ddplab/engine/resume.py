@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ddplab.engine.clock import timed
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 
 
@@ -24,7 +25,9 @@ class TrainState:
     epoch_loss_sum: float = 0.0  # global, for the epoch in progress
     epoch_samples: float = 0.0
     epoch_tokens: float = 0.0
-    epoch_time: float = 0.0
+    epoch_time: float = 0.0  # the epoch's wall time so far: training, evaluation and snapshots
+    epoch_eval_time: float = 0.0
+    epoch_snapshot_time: float = 0.0
     epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
     history: list = field(default_factory=list)  # one dict per epoch
     steps: list = field(default_factory=list)  # one dict per log interval
@@ -66,11 +69,12 @@ class Resumable:
         """A collective: the loss since the last log is reduced, then rank 0 writes the snapshot of its step."""
         self.log_interval()
         self._tick()
-        state, s = self.state_dict(), self.state
-        info = {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, "world_size": self.ctx.world_size}
-        path = self.checkpoints.save_snapshot(state, s.step, info)
-        self.ctx.barrier()
-        self.callbacks.on_snapshot(self.view, path)
+        with timed(self, "snapshot"):  # a snapshot holds the clock up to its own start
+            state, s = self.state_dict(), self.state
+            info = {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, "world_size": self.ctx.world_size}
+            path = self.checkpoints.save_snapshot(state, s.step, info)
+            self.ctx.barrier()
+            self.callbacks.on_snapshot(self.view, path)
 
     def resume(self) -> None:
         """Continue from the snapshot checkpoint.resume names (auto: the newest complete one; never:

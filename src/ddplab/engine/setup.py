@@ -16,12 +16,50 @@ from ddplab.engine.comm import install_comm_hook
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
-    """(the model to train, the gradient all-reduce monitor or None): DDP-wrapped, with the comm
-    hook when distributed, compiled when asked."""
+    """(the model to train, the gradient all-reduce monitor or None): in channels_last where it pays,
+    DDP-wrapped, with the comm hook when distributed, compiled when asked."""
+    if wants_channels_last(model, cfg.training.channels_last, ctx.device):
+        # Before DDP, which lays out its gradient buckets by the parameters' strides. A state dict holds the
+        # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
+        model.to(memory_format=torch.channels_last)
+        model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
     ddp = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                      find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
     comm = install_comm_hook(ddp, cfg.distributed, ctx) if ctx.is_distributed else None
-    return (torch.compile(ddp) if cfg.training.compile else ddp), comm
+    if not cfg.training.compile:
+        return ddp, comm
+    compiled = torch.compile(ddp)
+    # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
+    # every batch size, so the ragged last batch of each epoch finds it instead of compiling again.
+    compiled.register_forward_pre_hook(_batch_dynamic, with_kwargs=True)
+    return compiled, comm
+
+
+def wants_channels_last(model: torch.nn.Module, setting: str, device: torch.device) -> bool:
+    """training.channels_last: true, false, or auto (convolutional models on CUDA, where cuDNN's NHWC
+    kernels run the tensor cores without transposes)."""
+    if setting != "auto":
+        return setting == "true"
+    return device.type == "cuda" and any(p.dim() == 4 for m in model.modules()
+                                         if isinstance(m, torch.nn.Conv2d) for p in m.parameters())
+
+
+def _each_tensor(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
+    return tuple(change(a) for a in args), {k: change(v) for k, v in kwargs.items()}
+
+
+def _inputs_channels_last(module, args, kwargs):
+    """Image batches (4-D float tensors) in the weights' format, converted where they already are (the device)."""
+    return _each_tensor(args, kwargs, lambda t: t.contiguous(memory_format=torch.channels_last)
+                        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() else t)
+
+
+def _batch_dynamic(module, args, kwargs):
+    def mark(t):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return t
+    return _each_tensor(args, kwargs, mark)
 
 
 def autocast(amp: str, device: torch.device):

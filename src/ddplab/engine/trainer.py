@@ -26,6 +26,7 @@ from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import BEST, Checkpointer, load_file
+from ddplab.engine.clock import timed
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
@@ -69,6 +70,7 @@ class Trainer(Resumable):
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
+        self.activity = "train"  # train | eval | snapshot: what the loop is doing now
         self._resumed = False
         self._mark = time.perf_counter()
 
@@ -106,7 +108,6 @@ class Trainer(Resumable):
         batches = iter(self.train_loader)
         left = len(self.sampler)  # samples still to come on this rank
         self.callbacks.on_epoch_start(self.view)
-        start = time.perf_counter()
         while left > 0:
             waited = time.perf_counter()
             micro = list(islice(batches, t.grad_accum_steps))
@@ -116,22 +117,15 @@ class Trainer(Resumable):
             self.train_step(micro)
             left -= self.last_step_samples
             self.callbacks.on_step_end(self.view)
-            s.epoch_time += time.perf_counter() - start
-            self._tick()
             if s.step % self.cfg.logging.log_every == 0:
                 self.log_interval()
             if self.cfg.checkpoint.every and s.step % self.cfg.checkpoint.every == 0:
                 self.snapshot()
             if t.eval_every and s.step % t.eval_every == 0:
                 self.evaluate(self.data.val, "val")
-            start = time.perf_counter()
+            self._tick()  # after the log interval's sync: the time budget sees the device's work
             if self._should_stop():
                 break
-        if self.ctx.device.type == "cuda":
-            # Kernels are queued ahead of the host: the epoch's time must include its last steps.
-            waited = time.perf_counter()
-            torch.cuda.synchronize(self.ctx.device)
-            s.epoch_time += time.perf_counter() - waited
         if left > 0 and s.stop_reason is not None:
             return False
         s.consumed = 0
@@ -231,17 +225,17 @@ class Trainer(Resumable):
         s, ctx = self.state, self.ctx
         self.log_interval()
         self.phase = "epoch_end"
-        t0 = time.perf_counter()
         val = self.evaluate(self.data.val, "val")
-        eval_time = time.perf_counter() - t0
         self.phase = "train"
         # The slowest rank's wait is what holds the others at the next all-reduce.
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
-        took = s.epoch_time
+        self._tick()
+        took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
         row = {"epoch": s.epoch + 1, "step": s.step,
                "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
                **{f"val_{k}": v for k, v in val.items() if k != "samples"},
-               "epoch_time_s": took, "eval_time_s": eval_time, "elapsed_s": s.elapsed,
+               "epoch_time_s": took, "eval_time_s": s.epoch_eval_time, "snapshot_time_s": s.epoch_snapshot_time,
+               "elapsed_s": s.elapsed,
                "samples_per_s": s.epoch_samples / took if took else None,
                "tokens_per_s": s.epoch_tokens / took if took and s.epoch_tokens else None,
                "lr": self.scheduler.get_last_lr()[0], "data_wait_s": data_wait}
@@ -249,27 +243,35 @@ class Trainer(Resumable):
             row["partial"] = True
         s.history.append(row)
         self.callbacks.on_epoch_end(self.view, row)
-        if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss):
-            self.checkpoints.save_best(self.raw, self.cfg, self.data, s.epoch + 1, s.step, val_loss=val.get("loss"))
-        if val and val["loss"] < s.best_val_loss:
+        improved = bool(val) and val["loss"] < s.best_val_loss
+        if improved:
             s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
             s.epoch += 1
-            # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers.
-            s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_time = s.epoch_data_wait = 0.0
+            # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers. The clock runs on:
+            # what follows this row (its files, the best model, the snapshot) is counted in the next epoch's.
+            s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = s.epoch_time = 0.0
+            s.epoch_eval_time = s.epoch_snapshot_time = 0.0
+        if self.cfg.checkpoint.save_best and (not val or improved):
+            with timed(self, "snapshot"):
+                self.checkpoints.save_best(self.raw, self.cfg, self.data, row["epoch"], s.step, val_loss=val.get("loss"))
         return row
 
     def _tick(self) -> None:
+        """One continuous clock: the epoch's wall time and the run's elapsed time lose nothing between ticks."""
         now = time.perf_counter()
         self.state.elapsed += now - self._mark
+        self.state.epoch_time += now - self._mark
         self._mark = now
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or len(dataset) == 0:
             return {}
-        metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx, self.autocast)
-        self.callbacks.on_eval_end(self.view, split, metrics)
+        with timed(self, "eval"):
+            metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
+                                               self.autocast)
+            self.callbacks.on_eval_end(self.view, split, metrics)
         return metrics
 
     def test(self) -> dict:

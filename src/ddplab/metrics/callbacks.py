@@ -17,14 +17,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 class EpochColumns(Callback):
     """peak_mem_mb, the largest of any rank (a collective: every rank takes part); mfu where it is known;
     comm_time_s / compute_time_s from the gradient all-reduce monitor (distributed runs); gpu_util /
-    gpu_mem_mb sampled through NVML on rank 0 (nothing without a GPU)."""
+    gpu_mem_mb sampled through NVML on rank 0 while training steps run (nothing without a GPU)."""
 
     timer = monitor = None
 
     def on_train_start(self, view):
         self.timer = attach_step_timer(view.model, view.comm, view.config)  # compute time for `ddplab forecast`
         if view.is_main and view.device.type == "cuda" and self.monitor is None:
-            self.monitor = GpuMonitor(view.device)
+            self.monitor = GpuMonitor(view.device, gate=lambda: view.activity == "train")
 
     def on_epoch_end(self, view, row):
         device = view.device
@@ -55,7 +55,7 @@ class RunRecorder(Callback):
         run.log(f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
                 f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
                 f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
-                f"{b['steps_per_epoch']} steps per epoch")
+                f"{b['steps_per_epoch']} steps per epoch; {view.data_workers} data workers per process")
 
     def on_log(self, view, values):
         step, every = view.step, view.config.logging.log_every

@@ -1,5 +1,9 @@
 """GPU utilisation and memory of this process's GPU, sampled in the background via NVML.
 
+NVML's utilisation is the share of its last sample period (1/6 s to 1 s, by GPU) in which a kernel ran.
+Samples are taken every 0.5 s while `gate()` says the loop is training, so evaluation and snapshots,
+where the GPU idles or works differently, do not dilute the figure.
+
 Without CUDA, or where NVML cannot start (no driver, a container without it), the monitor is
 inactive and reports nothing; training never depends on it."""
 
@@ -13,8 +17,8 @@ import torch
 
 
 class GpuMonitor:
-    def __init__(self, device: torch.device, interval_s: float = 0.5) -> None:
-        self.interval_s = interval_s
+    def __init__(self, device: torch.device, interval_s: float = 0.5, gate=lambda: True) -> None:
+        self.interval_s, self.gate = interval_s, gate
         self._samples: list[tuple[float, float]] = []  # (utilisation %, memory used MiB)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -40,12 +44,16 @@ class GpuMonitor:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(Exception):  # a failed read skips one sample
-                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
-                with self._lock:
-                    self._samples.append((float(util), float(used)))
+            if self.gate():
+                self._sample()
             self._stop.wait(self.interval_s)
+
+    def _sample(self) -> None:
+        with contextlib.suppress(Exception):  # a failed read skips one sample
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+            with self._lock:
+                self._samples.append((float(util), float(used)))
 
     def take_epoch(self) -> dict:
         """Mean utilisation (%) and peak memory used (MiB) since the last call; {} when inactive."""

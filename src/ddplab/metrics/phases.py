@@ -2,7 +2,8 @@
 
 `imports_s` reaches back to the process's creation (from /proc), so Python's start and the imports are counted;
 `launcher_s` runs from the start of `ddplab train --nproc-per-node` (DDPLAB_LAUNCHED_AT) to the worker's creation.
-The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training.
+The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training, and
+under training.compile the time torch.compile spends compiling (dynamo's frames, the lazy backward) is `compile_s`.
 """
 
 from __future__ import annotations
@@ -47,23 +48,35 @@ class Phases:
             self.seconds["imports_s"] = max(now - started, 0.0)
         self._last = now
         self._first_step_at: float | None = None
+        self._compiling = CompileClock()
+        self._compiled_by_first_step = 0.0
 
     def mark(self, name: str) -> None:
         now = time.time()
-        if name == "training" and self._first_step_at is not None:
-            self.seconds["first_step_s"] = self._first_step_at - self._last
-            self._last = self._first_step_at
+        if name == "training":
+            compiled = self._compiling.stop()
+            if self._first_step_at is not None:
+                self.seconds["first_step_s"] = self._first_step_at - self._last - self._compiled_by_first_step
+                self._last = self._first_step_at
+                compiled -= self._compiled_by_first_step
+            if self._compiling.seconds:
+                self.seconds["compile_s"] = self._compiling.seconds
+            self._last += compiled  # the rest of training, without its recompiles
         self.seconds[f"{name}_s"] = self.seconds.get(f"{name}_s", 0.0) + now - self._last
         self._last = now
 
-    def watch_first_step(self, optimizer) -> None:
-        """Time the end of the first optimizer step, through a hook that removes itself."""
+    def watch_first_step(self, optimizer, compiles: bool = False) -> None:
+        """Time the end of the first optimizer step, through a hook that removes itself; with `compiles`,
+        time torch.compile's compilations too."""
+        if compiles:
+            self._compiling.start()
         if not hasattr(optimizer, "register_step_post_hook"):
             return
 
         def hook(*_):
             if self._first_step_at is None:
                 self._first_step_at = time.time()
+                self._compiled_by_first_step = self._compiling.seconds
             handle.remove()
 
         handle = optimizer.register_step_post_hook(hook)
@@ -87,3 +100,33 @@ class Phases:
             tmp = metrics.with_name(f".{metrics.name}.tmp")
             tmp.write_text(json.dumps(summary, indent=2) + "\n")
             os.replace(tmp, metrics)
+
+
+class CompileClock:
+    """Seconds torch.compile spends compiling, from dynamo's own start / end callbacks (a new frame, a
+    recompile, and the backward pass compiled lazily at the first backward)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._began, self._handler = 0.0, 0.0, None
+
+    def start(self) -> None:
+        # Imported here: only a compiled run pays for dynamo's import.
+        from torch._dynamo.callback import callback_handler
+
+        self._handler = callback_handler
+        callback_handler.register_start_callback(self._begin)
+        callback_handler.register_end_callback(self._end)
+
+    def _begin(self, _args) -> None:
+        self._began = time.time()
+
+    def _end(self, _args) -> None:
+        self.seconds += time.time() - self._began
+
+    def stop(self) -> float:
+        """Unhooked (a notebook's next run starts from zero); the seconds so far."""
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._begin)
+            self._handler.remove_end_callback(self._end)
+            self._handler = None
+        return self.seconds

@@ -1,0 +1,24 @@
+"""Evaluation and snapshots clocked apart from training, on the trainer's one continuous clock."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+@contextlib.contextmanager
+def timed(trainer, activity: str):
+    """Adds the block's seconds to state.epoch_<activity>_time (eval, snapshot); the epoch's training time is the
+    rest of its wall clock. On CUDA the clock starts once the training work queued before is done, so each
+    holds its own device time."""
+    if trainer.ctx.device.type == "cuda":
+        torch.cuda.synchronize(trainer.ctx.device)  # once per evaluation or snapshot, never per step
+    trainer.activity, started = activity, time.perf_counter()
+    try:
+        yield
+    finally:
+        name = f"epoch_{activity}_time"
+        setattr(trainer.state, name, getattr(trainer.state, name) + time.perf_counter() - started)
+        trainer.activity = "train"

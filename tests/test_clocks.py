@@ -1,0 +1,137 @@
+"""Clocks that tell the truth: an epoch's training, evaluation and snapshot times cover its whole wall time,
+time spent in callbacks included; channels_last; the default data workers; compile costs once."""
+
+import functools
+import json
+import time
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import ddplab
+from ddplab.engine.checkpoint import load_file
+from ddplab.engine.loaders import data_workers
+from ddplab.engine.setup import wants_channels_last
+
+FAST = ["logging.trackers=[]", "logging.progress=false", "logging.plots=false", "training.batch_size=8",
+        "training.warmup_steps=0", "experiment.seed=3"]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 3, 8, 8) -> (B, 3)
+        return self.head(self.conv(x).relu().mean(dim=(2, 3)))
+
+
+def model(cfg, data):
+    return Net()
+
+
+def data(cfg):
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(100, 3, 8, 8, generator=g), torch.randint(0, 3, (100,), generator=g)
+    val = TensorDataset(images[:20], labels[:20]) if cfg.options.get("val", True) else None
+    return ddplab.Data(train=TensorDataset(images, labels), val=val, task=ddplab.Classification(3))
+
+
+class Stopwatch(ddplab.Callback):
+    """A continuous clock read at the hooks; sleeps at each log, as a slow logger or tracker would."""
+
+    def __init__(self, sleep_s: float) -> None:
+        self.sleep_s, self.starts, self.ends = sleep_s, [], []
+
+    def on_train_start(self, view):
+        self.ends.append(time.perf_counter())  # the first epoch's clock starts here
+
+    def on_epoch_start(self, view):
+        self.starts.append(time.perf_counter())
+
+    def on_log(self, view, values):
+        time.sleep(self.sleep_s)
+
+    def on_epoch_end(self, view, row):
+        self.ends.append(time.perf_counter())
+
+
+def _train(tmp_path, *overrides, callbacks=()):
+    return ddplab.train(None, [*FAST, f"experiment.output_dir={tmp_path}", "experiment.name=run", *overrides],
+                        model=model, data=data, callbacks=callbacks)
+
+
+def test_time_spent_in_callbacks_is_counted_in_the_epoch(tmp_path):
+    watch = Stopwatch(0.02)
+    rows = _train(tmp_path, "data.options.val=false", "checkpoint.save_best=false", "logging.log_every=1",
+                  "training.epochs=2", callbacks=[watch])["epochs"]
+    for row, start, end in zip(rows, watch.starts, watch.ends[1:]):
+        real = end - start  # the same steps, on a clock that never stops
+        assert row["eval_time_s"] == 0  # and the snapshot after the previous row lies before on_epoch_start
+        assert 0.97 <= row["epoch_time_s"] / real <= 1.03, (row["epoch_time_s"], real)
+        assert row["samples_per_s"] == pytest.approx(100 / row["epoch_time_s"])
+
+
+def test_training_evaluation_and_snapshots_add_up_to_the_wall_clock(tmp_path):
+    watch = Stopwatch(0.01)
+    rows = _train(tmp_path, "checkpoint.every=4", "training.eval_every=5", "logging.log_every=2",
+                  "training.epochs=2", callbacks=[watch])["epochs"]
+    for row, begun, end in zip(rows, watch.ends, watch.ends[1:]):
+        wall = end - begun  # from the previous row (or the start) to this one
+        parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]
+        assert abs(parts - wall) / wall < 0.02, (row, wall)
+        assert row["eval_time_s"] > 0 and row["snapshot_time_s"] > 0
+    header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
+    assert "snapshot_time_s" in header
+
+
+def test_channels_last_trains_and_its_checkpoint_loads_into_a_plain_model(tmp_path):
+    summary = _train(tmp_path, "training.channels_last=true", "training.epochs=1")
+    assert summary["status"] == "complete" and summary["epochs"][0]["train_loss"] > 0
+    weights = load_file(tmp_path / "run" / "checkpoints" / "best.pt")["model"]
+    assert weights["conv.weight"].is_contiguous(memory_format=torch.channels_last)
+    plain = Net()
+    plain.load_state_dict(weights)
+    assert plain.conv.weight.is_contiguous() and torch.equal(plain.conv.weight, weights["conv.weight"])
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.allclose(plain(x), plain(x.contiguous(memory_format=torch.channels_last)), atol=1e-6)
+
+
+def test_channels_last_auto_means_convolutions_on_cuda():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert wants_channels_last(Net(), "auto", cuda) and not wants_channels_last(Net(), "auto", cpu)
+    assert not wants_channels_last(torch.nn.Linear(2, 2), "auto", cuda)
+    assert wants_channels_last(torch.nn.Linear(2, 2), "true", cpu) and not wants_channels_last(Net(), "false", cuda)
+
+
+def test_default_data_workers_come_from_the_cores_this_rank_may_use(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert data_workers(None, cuda, 1) == 15  # one core kept for the training process
+    assert data_workers(None, cuda, 4) == 3
+    assert data_workers(None, cuda, 32) == 0  # never more processes than cores
+    assert data_workers(None, cpu, 1) == 0 and data_workers(6, cuda, 1) == 6
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)  # taskset -c 0-3
+    assert data_workers(None, cuda, 2) == 1
+
+
+def test_compile_costs_once_the_ragged_last_batch_included(tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    # aot_eager traces and guards as inductor does (forward and lazy backward) without generating C++: 2 s, not 40.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    graphs = []
+
+    class Graphs(ddplab.Callback):
+        def on_epoch_end(self, view, row):
+            graphs.append(counters["stats"]["unique_graphs"])
+
+    # 100 samples in batches of 8: each epoch ends with a batch of 4; evaluation runs uncompiled.
+    summary = _train(tmp_path, "training.compile=true", "training.epochs=2", callbacks=[Graphs()])
+    assert graphs == [1, 1]  # one graph for batches of 8 and of 4, in every epoch
+    assert summary["phases"]["compile_s"] > 0
+    phases = json.loads((tmp_path / "run" / "metrics.json").read_text())["phases"]
+    assert phases["first_step_s"] < phases["compile_s"]
