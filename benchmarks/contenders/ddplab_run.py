@@ -6,11 +6,13 @@ ddplab picks the device itself (CUDA when present), as `ddplab train` does.
 """
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import contender_args, overrides, report  # noqa: E402
 
+from ddplab import Callback  # noqa: E402
 from ddplab.registry import load_config  # noqa: E402
 from ddplab.run import train  # noqa: E402
 
@@ -27,8 +29,27 @@ def train_and_report(args, callbacks=(), extra=dict) -> None:
             "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows], **extra()})
 
 
+class RealClock(Callback):
+    """A continuous clock beside metrics.csv's: from each epoch's start to its last log interval (where the
+    loop has synced with the device), over the same steps epoch_time_s covers."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_epoch_start(self, view):
+        self.started = time.perf_counter()
+
+    def on_log(self, view, values):
+        if view.activity == "train" and view.phase == "train":
+            self.last_log = time.perf_counter()
+
+    def on_epoch_end(self, view, row):
+        self.times.append(self.last_log - self.started)
+
+
 def main() -> None:
-    train_and_report(contender_args())
+    clock = RealClock()
+    train_and_report(contender_args(), [clock], lambda: {"real_epoch_times": clock.times})
 
 
 if __name__ == "__main__":
