@@ -135,3 +135,15 @@ def test_compile_costs_once_the_ragged_last_batch_included(tmp_path, monkeypatch
     assert summary["phases"]["compile_s"] > 0
     phases = json.loads((tmp_path / "run" / "metrics.json").read_text())["phases"]
     assert phases["first_step_s"] < phases["compile_s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_channels_last_is_automatic_and_the_times_still_add_up(tmp_path):
+    watch = Stopwatch(0.01)
+    rows = _train(tmp_path, "training.epochs=2", "checkpoint.every=4", callbacks=[watch])["epochs"]
+    weights = load_file(tmp_path / "run" / "checkpoints" / "best.pt")["model"]
+    assert weights["conv.weight"].is_contiguous(memory_format=torch.channels_last)
+    for row, begun, end in zip(rows, watch.ends, watch.ends[1:]):
+        parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]
+        assert abs(parts - (end - begun)) / (end - begun) < 0.02
