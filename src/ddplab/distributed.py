@@ -119,6 +119,15 @@ class DistContext:
                 dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked in rank order (world_size x ...)."""
+        if not self.is_distributed:
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self.beat.inside("all_gather"):
+            dist.all_gather(out, tensor)
+        return torch.stack(out)
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.is_distributed:
             return obj

@@ -82,6 +82,7 @@ class TrainView:
     time_budget_s = _read("budget", "training.time_budget in seconds, or None.")
     comm = _read("comm", "The gradient all-reduce monitor (None in a one-process run).")
     evaluator = _read("evaluator", "The last evaluation's evaluator (classification: its global confusion matrix).")
+    data_wait = _read("state.epoch_data_wait", "This rank's seconds waiting for batches in the epoch so far.")
     phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
     history = _read("state.history", "One row per epoch so far (metrics.csv).", tuple)
     log_rows = _read("state.steps", "One row per log interval so far: step, epoch, loss, lr, elapsed_s.", tuple)

@@ -113,14 +113,17 @@ class Heartbeat:
                     return
                 self.store = None
 
-    def _tick(self) -> None:
+    def _describe(self) -> dict:
         now, b = time.monotonic(), self.beat
         if b.ticks != self._ticks:
             self._ticks, self._since = b.ticks, now
         frame = sys._current_frames().get(self._main)
-        self.mine = {"rank": self.ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": b.step,
-                     "phase": b.phase, "collective": b.collective, "waiting": b.waiting, "ticks": b.ticks,
-                     "still_s": round(now - self._since, 1), "where": where(frame) if frame is not None else None}
+        return {"rank": self.ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": b.step,
+                "phase": b.phase, "collective": b.collective, "waiting": b.waiting, "ticks": b.ticks,
+                "still_s": round(now - self._since, 1), "where": where(frame) if frame is not None else None}
+
+    def _tick(self) -> None:
+        b, self.mine = self.beat, self._describe()
         self._count += 1
         if self.store is None:
             self.seen[self.ctx.rank] = self.mine
@@ -172,8 +175,9 @@ class Heartbeat:
                 return None
             self._ended = True
         self._dump(f"rank {self.ctx.rank} failed", exc)
-        error = {"error": gist(exc), "where": where_raised(exc),
-                 "beat": self.mine or {}}
+        # A rank that timed out in a collective is described as it stood while it waited there.
+        waited = self.mine is not None and self.mine["waiting"]
+        error = {"error": gist(exc), "where": where_raised(exc), "beat": self.mine if waited else self._describe()}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         try:
