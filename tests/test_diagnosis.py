@@ -4,6 +4,8 @@ function, within the timeout plus a margin; `ddplab status` says failed; a rank 
 step is named a straggler; the ETA made at the end of epoch 1 of 3 is close to the actual end."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -146,3 +148,22 @@ def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path):
     assert live.stdout.startswith("running: step 7 (2s ago), elapsed 1m05s, ETA 2m10s"), live.stdout
     dead = ddplab("status", str(run))  # the lock's owner is gone, and no report was written
     assert (dead.returncode, dead.stdout.split(":")[0]) == (1, "failed")
+
+
+def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path):
+    """The terminal's SIGINT reaches the agent and both workers (one process group), and the agent
+    forwards it once more: the workers stop at the next step, snapshot, and exit 75."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
+           *_args(tmp_path, "int", "model.options.delay=0.05", "training.epochs=20", "logging.log_every=1")]
+    out = tmp_path / "out.txt"
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=open(out, "w"), stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while "step 2:" not in out.read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    status = ddplab("status", str(tmp_path / "experiments" / "int"), cwd=tmp_path)
+    assert (status.returncode, status.stdout.strip()) == (75, "preempted"), err[-2000:]
+    assert list((tmp_path / "experiments" / "int" / "checkpoints").glob("step-*/COMPLETE"))

@@ -70,6 +70,9 @@ def where_raised(exc: BaseException) -> dict | None:
 def gist(exc: BaseException) -> str:
     """An error in one line: a gloo timeout comes wrapped in DDP's callback errors and a C++ source path."""
     text = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(exc).strip())
+    if "Original Traceback" in text:  # raised in a DataLoader worker: its own message, and where in the dataset
+        file, line, function = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)[-1]
+        return f"{text.splitlines()[-1][:200]} (in a DataLoader worker, at {file}:{line} in {function})"
     line = re.sub(r"^\[[^\]]*:\d+\] ", "", (text.splitlines() or [""])[0])
     return f"{type(exc).__name__}: {line[:200]}"
 
