@@ -114,6 +114,7 @@ class CheckpointConfig:
 class DistributedConfig:
     backend: str = _f("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
     timeout: float = _f(600.0, "seconds before a stuck collective fails the job", positive=True)
+    stall_warning: float = _f(60.0, "seconds without progress before rank 0 names the stalled rank", positive=True)
     bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size", positive=True)
     comm_hook: str = _f("none", "DDP communication hook", choices=("none", "fp16", "bf16", "powersgd"))
     simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0)
@@ -132,6 +133,8 @@ class LoggingConfig:
     wandb_project: str = _f("ddplab", "W&B project (WANDB_MODE=offline: files in the run folder's wandb/)")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
     log_every: int = _f(10, "optimizer steps between train-loss logs", positive=True)
+    straggler_threshold: float = _f(0.2, "a rank slower than the median by this share, log after log, is named a straggler",
+                                    positive=True)
     plots: bool = _f(True, "draw confusion_matrix_<split>.png at the end of a classification run (about a second "
                            "and a half, matplotlib's import included; the .csv is always written)")
 

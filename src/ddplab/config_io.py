@@ -210,3 +210,9 @@ def parse_duration(text: str | None, dotted: str = "duration") -> float | None:
     if seconds <= 0:
         raise UserError(f"'{dotted}' must be positive; got {text!r}")
     return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """1h02m, 3m10s, 42s: elapsed times and ETAs as people read them."""
+    s = max(int(round(seconds)), 0)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

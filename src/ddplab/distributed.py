@@ -12,7 +12,7 @@ import datetime
 import gc
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -70,6 +70,28 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+class Beat:
+    """Where this rank stands, for the heartbeat thread (engine/heartbeat.py) to publish: set by plain
+    attribute writes (no sync, no collective), so marking a phase costs next to nothing."""
+
+    step, phase, collective, waiting, ticks = 0, "start", None, False, 0
+    progress: dict | None = None  # rank 0: elapsed and ETA at the last log (metrics.callbacks), for `ddplab status`
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        self.phase, self.ticks = phase, self.ticks + 1
+        if step is not None:
+            self.step = step
+
+    @contextlib.contextmanager
+    def inside(self, collective: str):
+        """The last collective entered, and whether this rank is still waiting in it."""
+        self.collective, self.waiting, self.ticks = collective, True, self.ticks + 1
+        try:
+            yield
+        finally:
+            self.waiting, self.ticks = False, self.ticks + 1
+
+
 @dataclass
 class DistContext:
     """This process's view of the job, with the reductions the trainer needs."""
@@ -77,6 +99,7 @@ class DistContext:
     launch: LaunchInfo
     backend: str | None
     device: torch.device
+    beat: Beat = field(default_factory=Beat)
 
     rank = property(lambda self: self.launch.rank)
     world_size = property(lambda self: self.launch.world_size)
@@ -86,19 +109,31 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.is_distributed:
-            dist.barrier()
+            with self.beat.inside("barrier"):
+                dist.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place, and returned; a no-op with one process."""
         if self.is_distributed:
-            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+            with self.beat.inside(f"all_reduce ({op})"):
+                dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked in rank order (world_size x ...)."""
+        if not self.is_distributed:
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self.beat.inside("all_gather"):
+            dist.all_gather(out, tensor)
+        return torch.stack(out)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.is_distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self.beat.inside("broadcast_object"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def broadcast_buffers(self, module: torch.nn.Module, src: int = 0) -> None:
@@ -112,7 +147,8 @@ class DistContext:
         if not self.is_distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self.beat.inside("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
 

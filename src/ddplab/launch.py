@@ -119,6 +119,11 @@ def report_error(message: str) -> bool:
     return _report("error", message)
 
 
+def report_failure(report: str) -> bool:
+    """A failed job's report (engine/heartbeat.py), for the launcher to print instead of tracebacks."""
+    return _report("failure", report)
+
+
 def report_preempted() -> None:
     _report("preempted", "")
 
@@ -126,7 +131,7 @@ def report_preempted() -> None:
 # ------------------------------------------------------------------ launcher side
 class Ended(NamedTuple):
     code: int  # ExitCode.PREEMPTED when a worker saved a snapshot, USAGE when one reported bad input
-    error: str | None  # that user error, one line
+    error: str | None  # that user error, one line (USAGE), or the failure report (FAILED)
     stopped: bool  # a signal asked the job to stop
 
 
@@ -218,6 +223,8 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
         return ExitCode.USAGE, errors[0].read_text().strip()
     if any(report.glob("preempted-rank*")):
         return ExitCode.PREEMPTED, None
+    if failures := sorted(report.glob("failure-rank*")):
+        return ExitCode.FAILED, failures[0].read_text().strip()
     if stopped and agent_code:
         return ExitCode.INTERRUPTED, None  # stopped before the workers could save anything
     return (128 - agent_code if agent_code < 0 else agent_code), None  # killed by signal N: 128 + N, as a shell says
@@ -250,7 +257,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
             job.restore()
         code, line = outcome(report, code, bool(job.received))
         if out and line:
-            out.write(f"ddplab: error: {line}\n")
+            out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
     return Ended(code, line, bool(job.received))
 
 
@@ -258,8 +265,10 @@ def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, *
     """Run `ddplab <args>` in `nproc` processes; the job's exit code. Raises Preempted when the
     workers saved a snapshot, UserError when one reported bad input."""
     ended = run([torchrun_command(nproc, args, **kwargs)], env={LOCKED_ENV: str(locked_run)} if locked_run else None)
-    if ended.error:
+    if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
+    if ended.error:
+        print(f"ddplab: {ended.error}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:

@@ -11,13 +11,15 @@ import yaml
 from ddplab import distributed
 from ddplab.config import Config
 from ddplab.engine.fingerprint import check_resume_path
+from ddplab.engine.heartbeat import Heartbeat, gist
 from ddplab.engine.hostmem import keep_freed_memory
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.trainer import Trainer
-from ddplab.errors import UserError
+from ddplab.errors import ExitCode, UserError
+from ddplab.launch import report_failure
 from ddplab.metrics import env as env_info
 from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports
@@ -53,7 +55,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
         phases.mark("rendezvous")
-        trainer = run = view = None
+        trainer = run = view = beat = None
         trackers = Trackers(cfg.logging.trackers)
         try:
             # Data and model first: a start that fails here writes nothing to the run folder.
@@ -65,6 +67,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
             phases.mark("model")
             run = RunFolder(run_dir, ctx.is_main)
+            beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, _announce).start()
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -107,11 +110,18 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 run.write_text(RunFolder.SAMPLE, text)
                 run.log("sample:\n" + text)
             trainer.end(result)
+            ctx.beat.mark("end")
         except Exception as exc:
             if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
-                print(f"ddplab: rank {ctx.rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                print(f"ddplab: rank {ctx.rank} failed: {gist(exc)}", file=sys.stderr, flush=True)
+            if beat is not None and not isinstance(exc, UserError):
+                beat.fail(exc)  # the report; the traceback went to logs/rank<N>.log
+                if ctx.is_distributed:
+                    raise SystemExit(ExitCode.FAILED) from None
             raise
         finally:
+            if beat is not None:
+                beat.stop()
             trackers.close()  # after a failure: the trackers' runs end as failed, their files flushed
             if trainer is not None:
                 trainer.close()
@@ -122,3 +132,9 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
         phases.add_teardown(run_dir)
     return result
 
+
+
+def _announce(report: str) -> None:
+    """The terminal's copy of a failure report: once, by the ddplab launcher when one listens."""
+    if not report_failure(report):
+        print(f"ddplab: {report}", file=sys.stderr, flush=True)

@@ -34,7 +34,7 @@ def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
     ended = run([torchrun_command(nproc, args)], log=work / LOG_FILE, report_in=work)
     if ended.stopped or ended.code == ExitCode.PREEMPTED:
         raise Preempted("verify pre-empted; the same command continues it")
-    if ended.error:
+    if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.code != 0:
         print(log_tail(work / LOG_FILE), file=sys.stderr)

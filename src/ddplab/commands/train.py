@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from ddplab.commands import at_least, split_args
-from ddplab.engine.lock import claim, resolve_run_dir
+from ddplab.config_io import format_duration
+from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.errors import ExitCode, UserError
 from ddplab.launch import die_with_parent, quick_exit, report_preempted, run_workers, under_agent
 from ddplab.metrics.phases import note_launch
@@ -76,13 +78,40 @@ def verify(ns) -> int:
 
 
 def status(ns) -> int:
-    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'."""
-    path = Path(ns.run) / "metrics.json"
+    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'; and for a
+    person: a dead job (its lock's owner gone) says failed and why, a live one its step and ETA."""
+    run = Path(ns.run)
+    path = run / "metrics.json"
     if not path.is_file():
         raise UserError(f"no run folder at {ns.run} (no metrics.json)")
     try:
-        status = json.loads(path.read_text()).get("status", "unknown")
+        summary = json.loads(path.read_text())
+        status = summary.get("status", "unknown")
     except (OSError, ValueError, AttributeError):
         raise UserError(f"{path} is not a ddplab metrics.json") from None
-    print(status)
+    if status in ("running", "failed") and held(run):
+        print(f"running: {_progress(run)}")
+    elif status in ("running", "failed"):
+        failure = summary.get("failure") or {}
+        print("failed: " + (failure.get("summary", "").removeprefix("job failed: ")
+                            or "the job ended without a report (killed?); see train.log"))
+        status = "failed"
+    else:
+        print(status)
     return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
+
+
+def _progress(run: Path) -> str:
+    """The last step and its age, elapsed time and ETA, from rank 0's heartbeat.json."""
+    try:
+        beat = json.loads((run / "heartbeat.json").read_text())
+    except (OSError, ValueError):
+        return "starting (no heartbeat yet)"
+    now, first = time.time(), beat["ranks"].get("0", {})
+    text = f"step {first.get('step')} ({format_duration(now - beat['time'] + first.get('still_s', 0))} ago)"
+    if progress := beat.get("progress"):
+        since = now - progress["at"]
+        text += f", elapsed {format_duration(progress['elapsed_s'] + since)}"
+        if progress.get("eta_s") is not None:
+            text += f", ETA {format_duration(max(progress['eta_s'] - since, 0))}"
+    return text

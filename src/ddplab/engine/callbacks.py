@@ -84,6 +84,7 @@ class TrainView:
     evaluator = _read("evaluator", "The last evaluation's evaluator (classification: its global confusion matrix).")
     data_workers = _read("loaders.workers", "DataLoader worker processes per rank (data.num_workers or its default).")
     activity = _read("activity", "What the loop is doing now: train, eval or snapshot.")
+    data_wait = _read("state.epoch_data_wait", "This rank's seconds waiting for batches in the epoch so far.")
     phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
     history = _read("state.history", "One row per epoch so far (metrics.csv).", tuple)
     log_rows = _read("state.steps", "One row per log interval so far: step, epoch, loss, lr, elapsed_s.", tuple)

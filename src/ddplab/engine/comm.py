@@ -55,6 +55,7 @@ class CommMonitor:
         self._recording: list[dict] = []
         self._recorded_steps = 0
         self.last_done = 0.0  # perf_counter when the latest all-reduce completed
+        self.beat = None  # the rank's heartbeat (distributed.Beat): a gradient all-reduce is a collective too
         self.reset()
 
     def reset(self) -> None:
@@ -73,6 +74,8 @@ class CommMonitor:
         with self._lock:
             if self._in_flight == 0:
                 self._since = time.perf_counter()
+                if self.beat is not None:
+                    self.beat.collective, self.beat.waiting = "DDP gradient all_reduce", True
             self._in_flight += 1
 
     def _end(self, delay: float) -> None:
@@ -81,6 +84,8 @@ class CommMonitor:
             now = time.perf_counter()
             if self._in_flight == 0:
                 self.comm_s += now - self._since
+                if self.beat is not None:
+                    self.beat.waiting = False
             self.last_done = now
             self.delay_s += delay
             self.buckets += 1
@@ -132,6 +137,7 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
         state = powerSGD_hook.PowerSGDState(process_group=state, matrix_approximation_rank=POWERSGD_RANK,
                                             start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
     monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state)
+    monitor.beat = getattr(ctx, "beat", None)
     model.register_comm_hook(monitor, CommMonitor.__call__)
     return monitor
 

@@ -109,6 +109,22 @@ class RunLock:
         self.release()
 
 
+def held(path: Path) -> bool:
+    """Some live process holds the run folder's lock (the kernel dropped it if its holder died)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def holder(path: Path) -> str:
     """'host H, PID P' from the holder's file, or a vaguer phrase while it is still starting."""
     try:

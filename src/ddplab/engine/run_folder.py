@@ -46,6 +46,8 @@ class RunFolder:
     SAMPLE = "sample.txt"
     TRACKERS = "trackers.json"  # the MLflow / W&B run each tracker continues (ddplab.trackers)
     POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
+    HEARTBEAT = "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status` (engine/heartbeat.py)
+    LOGS = "logs"  # rank<N>.log: a failed rank's traceback and every thread's stack
 
     def __init__(self, path: Path, is_main: bool) -> None:
         from rich.console import Console  # only rank 0 prints
@@ -58,10 +60,11 @@ class RunFolder:
             self._log = open(self.path / self.LOG, "a", buffering=1)
 
     # -- what rank 0 prints -------------------------------------------------------------
-    def log(self, message: str) -> None:
+    def log(self, message: str, echo: bool = True) -> None:
         if not self.is_main:
             return
-        self.console.print(message, markup=False)
+        if echo:
+            self.console.print(message, markup=False)
         self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
     # -- files --------------------------------------------------------------------------
@@ -73,6 +76,13 @@ class RunFolder:
 
     def write_json(self, name: str, obj) -> None:
         self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")
+
+    def update_json(self, name: str, **fields) -> None:
+        try:
+            obj = json.loads((self.path / name).read_text())
+        except (OSError, ValueError):
+            obj = {}
+        self.write_json(name, {**obj, **fields})
 
     def write_epochs(self, rows: list[dict]) -> None:
         """Rewrite metrics.csv from the full history (so a resumed run never duplicates rows)."""

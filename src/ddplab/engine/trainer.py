@@ -110,6 +110,7 @@ class Trainer(Resumable):
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
             waited = time.perf_counter()
+            self.ctx.beat.mark("data", s.step + 1)
             micro = list(islice(batches, t.grad_accum_steps))
             s.epoch_data_wait += time.perf_counter() - waited
             if not micro:
@@ -133,16 +134,19 @@ class Trainer(Resumable):
 
     def train_step(self, micro: list) -> None:
         """One optimizer step over `micro` batches, syncing gradients only on the last."""
-        s, t, n = self.state, self.cfg.training, len(micro)
+        s, t, n, mark = self.state, self.cfg.training, len(micro), self.ctx.beat.mark
         step = s.step + 1
         for i, (inputs, target) in enumerate(micro):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
             sync = contextlib.nullcontext() if i == n - 1 or not self.ctx.is_distributed else self.model.no_sync()
             with sync:
+                mark("forward")
                 with self.autocast():
                     loss = self.task.loss(call_model(self.model, inputs), target)
+                mark("backward")
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
+        mark("optimizer")
         if t.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), t.clip_grad_norm)
@@ -268,6 +272,7 @@ class Trainer(Resumable):
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or len(dataset) == 0:
             return {}
+        self.ctx.beat.mark("evaluation")
         with timed(self, "eval"):
             metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
                                                self.autocast)

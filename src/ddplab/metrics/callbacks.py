@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 
 import torch
 
+from ddplab.config_io import format_duration
 from ddplab.engine.callbacks import Callback
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
+from ddplab.metrics.stragglers import Stragglers
 from ddplab.metrics.throughput import mfu
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -59,6 +62,8 @@ class RunRecorder(Callback):
 
     def on_log(self, view, values):
         step, every = view.step, view.config.logging.log_every
+        if view.is_main:  # for `ddplab status`, through rank 0's heartbeat
+            view.dist.beat.progress = {"elapsed_s": view.elapsed, "eta_s": eta_s(view), "at": time.time()}
         if not _bar_shown(view) and (step % (every * 10) == 0 or every == 1):
             view.run.log(f"epoch {view.epoch + 1} step {step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
 
@@ -70,11 +75,28 @@ class RunRecorder(Callback):
 
     def on_epoch_end(self, view, row):
         run, per_epoch = view.run, view.steps_per_epoch
+        elapsed = view.elapsed + (row.get("eval_time_s") or 0)  # the clock last ticked at the epoch's last step
+        row["eta_s"] = eta = eta_s(view, elapsed)
+        row["predicted_end_s"] = elapsed + eta if eta is not None else None
         run.write_epochs(view.history)
         head = f"epoch {row['epoch']}"
         if row.get("partial"):  # a run stopped mid-epoch (max_steps, time budget): say how far it got
             head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"
-        run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None))
+        run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
+                + f"; elapsed {format_duration(elapsed)}" + (f", ETA {format_duration(eta)}" if eta is not None else ""))
+
+
+def eta_s(view, elapsed: float | None = None) -> float | None:
+    """Seconds of training left at the run's measured pace (steps, evaluations and snapshots so far),
+    to the first stop condition it meets: epochs, training.max_steps or training.time_budget."""
+    t, elapsed = view.config.training, view.elapsed if elapsed is None else elapsed
+    if view.step == 0 or elapsed <= 0:
+        return None
+    total = min(view.steps_per_epoch * t.epochs, t.max_steps or float("inf"))
+    left = max(total - view.step, 0) * elapsed / view.step
+    if view.time_budget_s is not None:
+        left = min(left, max(view.time_budget_s - elapsed, 0.0))
+    return left
 
 
 def _bar_shown(view) -> bool:
@@ -100,8 +122,10 @@ class ProgressBar(Callback):
 
     def on_log(self, view, values):
         if self.progress is not None:
+            eta = eta_s(view)
             self.progress.update(self.progress.task_ids[0], description=f"epoch {view.epoch + 1} "
-                                 f"loss {values['loss']:.4f} lr {values['lr']:.2e}")
+                                 f"loss {values['loss']:.4f} lr {values['lr']:.2e} elapsed {format_duration(view.elapsed)}"
+                                 + (f" ETA {format_duration(eta)}" if eta is not None else ""))
 
     def on_epoch_end(self, view, row):
         if self.progress is not None:
@@ -113,4 +137,4 @@ class ProgressBar(Callback):
 
 def column_callbacks() -> list[Callback]:
     """The columns ddplab adds to every epoch row; they run before user callbacks and the recorder."""
-    return [EpochColumns(), ProgressBar()]
+    return [EpochColumns(), Stragglers(), ProgressBar()]

@@ -49,4 +49,13 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook},
         "comm": comm_summary(model, view.comm, cfg.distributed),
         "epochs": list(history), "steps": list(view.log_rows), "aggregates": aggregates, "test": test or {},
+        "eta": eta_record(history, view.elapsed),
     }
+
+
+def eta_record(history, actual_end_s: float) -> dict:
+    """Each epoch's estimate of the end of training beside the actual end: how far off the ETA was."""
+    estimates = [{"epoch": r["epoch"], "eta_s": r["eta_s"], "predicted_end_s": r["predicted_end_s"],
+                  "error": r["predicted_end_s"] / actual_end_s - 1 if actual_end_s else None}
+                 for r in history if r.get("predicted_end_s") is not None]
+    return {"actual_end_s": actual_end_s, "estimates": estimates}

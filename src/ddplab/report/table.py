@@ -18,7 +18,7 @@ from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
 TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
-          "compute_ms_per_step", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
+          "compute_ms_per_step", "rank_spread", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
 SCORES = ("loss", "accuracy", "precision", "recall", "f1")
 QUALITY = ["best_val_loss", *(f"{split}_{score}" for split in ("val", "test") for score in SCORES)]
 SPREAD = TIMING + QUALITY
@@ -30,12 +30,12 @@ TIMING_COLUMNS = [
     ("lr", "lr"), ("steps_per_epoch", "steps / epoch"), ("epochs", "epochs"), ("repeats", "repeats"),
     ("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "samples/s"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("comm_ms_per_step", "comm ms/step"), ("compute_ms_per_step", "compute ms/step"),
-    ("epochs_at_budget", "epochs @ budget"),
+    ("rank_spread", "rank spread"), ("epochs_at_budget", "epochs @ budget"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
 # The last epoch's val loss is left out of the table: the best one is there.
 QUALITY_COLUMNS = [(k, k.replace("_", " ").replace("f1", "F1")) for k in QUALITY if k != "val_loss"]
-PERCENT = {"val_accuracy", "test_accuracy"}
+PERCENT = {"val_accuracy", "test_accuracy", "rank_spread"}
 
 
 def _mean(values) -> float | None:
@@ -104,6 +104,8 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
             "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
             "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
+            # (slowest - fastest) / median of the ranks' own step time (metrics.stragglers)
+            "rank_spread": _mean(r.get("rank_spread") for r in run.full_epochs or run.epochs),
             "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
             "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
             "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),

@@ -1,0 +1,256 @@
+"""Heartbeats: which rank stalled, where, and the job's last word when it fails.
+
+Each rank's trainer marks its phase and step on its `Beat` (distributed.py) and DistContext
+records the collective it entered. A daemon thread per rank publishes that beat, with where
+the main thread stands (file, line, function: the innermost frame outside Python's and
+torch's own files), to the process group's c10d store every second: the store is reachable
+from every node and answers while the ranks' collectives are stuck. Rank 0's thread reads
+every beat, warns once per stall, and keeps `heartbeat.json` in the run folder for
+`ddplab status`.
+
+When a rank fails (a collective timed out, a peer vanished, an exception), it dumps its
+Python stack into logs/rank<N>.log and raises a failure count in the store; every other
+rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code)
+and ends its process, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
+of the failure, writes the report: train.log, metrics.json's `failure`, the terminal.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import socket
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+_FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
+_OURS = str(Path(__file__).resolve().parents[1])
+_LIBRARIES = tuple({str(Path(p).resolve()) for p in (*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
+                    "purelib", "platlib")), Path(torch.__file__).parent)})
+
+
+def _library(filename: str) -> bool:
+    return not filename.startswith(_OURS) and (filename.startswith(_LIBRARIES) or filename.startswith("<"))
+
+
+def _place(frame_or_summary) -> dict:
+    code = getattr(frame_or_summary, "f_code", None)
+    if code is not None:
+        return {"file": code.co_filename, "line": frame_or_summary.f_lineno, "function": code.co_name}
+    return {"file": frame_or_summary.filename, "line": frame_or_summary.lineno, "function": frame_or_summary.name}
+
+
+def where(frame) -> dict | None:
+    """The innermost frame of the user's (or ddplab's) code: a stall inside torch is reported where
+    the user's code called it."""
+    innermost = frame
+    while frame is not None:
+        if not _library(frame.f_code.co_filename):
+            return _place(frame)
+        frame = frame.f_back
+    return _place(innermost) if innermost is not None else None
+
+
+def where_raised(exc: BaseException) -> dict | None:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library(f.filename)]
+    return _place(frames[-1]) if frames else None
+
+
+def gist(exc: BaseException) -> str:
+    """An error in one line: a gloo timeout comes wrapped in DDP's callback errors and a C++ source path."""
+    text = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(exc).strip())
+    if "Original Traceback" in text:  # raised in a DataLoader worker: its own message, and where in the dataset
+        file, line, function = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)[-1]
+        return f"{text.splitlines()[-1][:200]} (in a DataLoader worker, at {file}:{line} in {function})"
+    line = re.sub(r"^\[[^\]]*:\d+\] ", "", (text.splitlines() or [""])[0])
+    return f"{type(exc).__name__}: {line[:200]}"
+
+
+def _at(place: dict | None) -> str:
+    return f"{place['file']}:{place['line']} in {place['function']}" if place else "an unknown place"
+
+
+class Heartbeat:
+    """One per rank, for the whole run: start(), then fail(exc) on an error, stop() at the end."""
+
+    def __init__(self, ctx, run, stall_warning: float, announce, interval: float = 1.0) -> None:
+        self.ctx, self.beat, self.run = ctx, ctx.beat, run
+        self.stall_warning, self.announce, self.interval = stall_warning, announce, interval
+        self.store = dist.distributed_c10d._get_default_store() if ctx.is_distributed else None
+        self.log_path = Path(run.path) / run.LOGS / f"rank{ctx.rank}.log"
+        self.seen: dict[int, dict] = {}  # rank 0: every rank's last beat
+        self.mine: dict | None = None
+        self._main = threading.get_ident()  # the thread that trains
+        self._ticks, self._since, self._warned, self._count = -1, time.monotonic(), {}, 0
+        self._ending = threading.Lock()
+        self._ended = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._tick()
+            except Exception:  # the store went with a dead rank: this rank's own collectives will fail
+                if self.store is None or self._ended:
+                    return
+                self.store = None
+
+    def _describe(self) -> dict:
+        now, b = time.monotonic(), self.beat
+        if b.ticks != self._ticks:
+            self._ticks, self._since = b.ticks, now
+        frame = sys._current_frames().get(self._main)
+        return {"rank": self.ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": b.step,
+                "phase": b.phase, "collective": b.collective, "waiting": b.waiting, "ticks": b.ticks,
+                "still_s": round(now - self._since, 1), "where": where(frame) if frame is not None else None}
+
+    def _tick(self) -> None:
+        b, self.mine = self.beat, self._describe()
+        self._count += 1
+        if self.store is None:
+            self.seen[self.ctx.rank] = self.mine
+        else:
+            self.store.set(f"ddplab/beat/{self.ctx.rank}", json.dumps(self.mine))
+            if self.ctx.is_main:
+                self._read_all()
+            if self.store.add(_FAILED, 0) and not self._ended:
+                self._end_rank()
+        if self.ctx.is_main:
+            self._warn()
+            if self._count % 5 == 1:
+                self.run.write_json(self.run.HEARTBEAT, {"time": time.time(), "ranks": self.seen,
+                                                         "progress": b.progress})
+
+    def _read_all(self) -> None:
+        for rank in range(self.ctx.world_size):
+            key = f"ddplab/beat/{rank}"
+            if self.store.check([key]):
+                self.seen[rank] = json.loads(self.store.get(key))
+
+    def _warn(self) -> None:
+        for rank, b in self.seen.items():
+            if not b["waiting"] and b["still_s"] >= self.stall_warning and self._warned.get(rank) != b["ticks"]:
+                self._warned[rank] = b["ticks"]
+                self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s "
+                             f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
+                             + "".join(f"; rank {r} waits in {o['collective']}" for r, o in self.seen.items()
+                                       if o["waiting"]))
+
+    def _end_rank(self) -> None:
+        """Another rank failed: report it (rank 0), dump this rank's stack and end the process."""
+        with self._ending:
+            if self._ended:
+                return
+            self._ended = True
+        if self.ctx.is_main:
+            self._report(self._failures())
+        else:
+            self._wait_reported()
+        self._dump("another rank failed; this rank's stacks when the job ended")
+        os._exit(1)
+
+    # ------------------------------------------------------------------ failure
+    def fail(self, exc: BaseException) -> dict | None:
+        """This rank's training raised: dump, tell every rank, and (rank 0) write the report."""
+        with self._ending:
+            if self._ended:
+                return None
+            self._ended = True
+        self._dump(f"rank {self.ctx.rank} failed", exc)
+        # A rank that timed out in a collective is described as it stood while it waited there.
+        waited = self.mine is not None and self.mine["waiting"]
+        error = {"error": gist(exc), "where": where_raised(exc), "beat": self.mine if waited else self._describe()}
+        if self.store is None:
+            return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
+        try:
+            self.store.set(f"{_FAILED}/{self.ctx.rank}", json.dumps(error))
+            self.store.add(_FAILED, 1)
+            if self.ctx.is_main:
+                return self._report(self._failures())
+            self._wait_reported()
+        except Exception:  # the store is gone with rank 0: nothing more to tell
+            pass
+        return None
+
+    def _failures(self) -> dict[int, dict]:
+        keys = [f"{_FAILED}/{r}" for r in range(self.ctx.world_size)]
+        return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
+
+    def _wait_reported(self) -> None:
+        try:
+            self.store.wait([_REPORTED], timedelta(seconds=10))
+        except Exception:  # rank 0 could not report: end anyway
+            pass
+
+    def _report(self, errors: dict[int, dict]) -> dict:
+        failure = compose(self.seen, errors, self.ctx.world_size, self.run.path)
+        self.run.log(failure["report"], echo=False)
+        self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
+        self.announce(failure["report"])
+        if self.store is not None:
+            self.store.set(_REPORTED, "1")
+        return failure
+
+    def _dump(self, reason: str, exc: BaseException | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as f:
+            f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {socket.gethostname()}, "
+                    f"pid {os.getpid()}: {reason}\n")
+            if exc is not None:
+                f.write("".join(traceback.format_exception(exc)))
+            f.write("-- Python stacks of every thread (faulthandler):\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+
+
+def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir) -> dict:
+    """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
+    beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
+    # Still for 2 s while not in a collective: the rank the others waited for (a rank still moving is not).
+    stalled = sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
+                     key=lambda b: -b["still_s"])
+    if stalled:
+        b = stalled[0]
+        culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
+        head = (f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
+                f"{b['still_s']:.0f} s): {_at(b['where'])}")
+    else:
+        rank = min(errors) if errors else 0
+        e, b = errors.get(rank, {}), beats.get(rank, {})
+        culprit = {"rank": rank, "host": b.get("host"), "phase": b.get("phase"), "step": b.get("step"),
+                   "where": e.get("where") or b.get("where"), "error": e.get("error")}
+        head = (f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
+                f"at {_at(culprit['where'])}")
+    waits = {r: b["collective"] for r, b in beats.items() if b["waiting"]}
+    lines = [f"job failed: {head}"]
+    for r in sorted(set(beats) | set(errors)):
+        if r == culprit["rank"]:
+            continue
+        b, e = beats.get(r, {}), errors.get(r, {})
+        said = f"waited in {waits[r]}" if r in waits else f"was in {b.get('phase')} at {_at(b.get('where'))}"
+        lines.append(f"  rank {r} {said} (step {b.get('step')})" + (f": {e['error']}" if e.get("error") else ""))
+    logs = Path(run_dir).resolve() / "logs"
+    lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
+    return {"summary": lines[0], "culprit": culprit, "waiting": waits, "errors": {r: e.get("error") for r, e in errors.items()},
+            "ranks_heard": sorted(beats), "world_size": world_size, "logs": str(logs), "report": "\n".join(lines)}

@@ -1,0 +1,169 @@
+"""When a job goes wrong: real 2-process gloo jobs with user workloads written for the test. A rank
+that stalls in its forward or in its dataset's __getitem__ is named, with the user's file and
+function, within the timeout plus a margin; `ddplab status` says failed; a rank 2x slower per
+step is named a straggler; the ETA made at the end of epoch 1 of 3 is close to the actual end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import _env, ddplab
+
+WORKLOAD = textwrap.dedent('''
+    import os, time
+    import torch
+    import ddplab
+
+    RANK = int(os.environ.get("RANK", 0))
+    CALLS = {"forward": 0, "getitem": 0}
+
+
+    class Items(torch.utils.data.Dataset):
+        def __init__(self, stall_rank, stall_call):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(256, 8, generator=g)
+            self.y = (self.x[:, 0] > 0).long()
+            self.stall_rank, self.stall_call = stall_rank, stall_call
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            CALLS["getitem"] += 1
+            if RANK == self.stall_rank and CALLS["getitem"] == self.stall_call:
+                time.sleep(300)
+            return self.x[i], self.y[i]
+
+
+    class Net(torch.nn.Module):
+        def __init__(self, o):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 2)
+            self.o = o
+
+        def forward(self, x):
+            if self.training:
+                CALLS["forward"] += 1
+                if RANK == int(self.o.get("stall_rank", -1)) and CALLS["forward"] == int(self.o.get("stall_call", 0)):
+                    time.sleep(300)
+                # Rank 1 takes twice rank 0's time every step.
+                time.sleep(float(self.o.get("delay", 0)) * (2 if RANK == 1 else 1))
+            return self.lin(x)
+
+
+    def data(cfg):
+        o = cfg.options
+        items = Items(int(o.get("stall_rank", -1)), int(o.get("stall_call", 0)))
+        return ddplab.Data(train=items, val=items, task=ddplab.Classification(2))
+
+
+    def model(cfg, data):
+        return Net(cfg.options)
+''')
+TIMEOUT = 8  # distributed.timeout of the stalling jobs
+MARGIN = 30  # start-up of two workers on a loaded 2-core machine, and the ranks' teardown
+
+
+def _args(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    (tmp_path / "hang.py").write_text(WORKLOAD)
+    return ["train", "model.name=hang.py:model", "data.name=hang.py:data", "training.batch_size=16",
+            "logging.trackers=[]", "logging.progress=false", f"experiment.name={name}", *extra]
+
+
+def _stalled_job(tmp_path, name, cmd_head, *extra):
+    t0 = time.time()
+    proc = subprocess.run([*cmd_head, *_args(tmp_path, name, f"distributed.timeout={TIMEOUT}",
+                                             "distributed.stall_warning=3", "training.epochs=1", *extra)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT + 120)
+    return proc, time.time() - t0, tmp_path / "experiments" / name
+
+
+def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends(tmp_path):
+    proc, took, run = _stalled_job(tmp_path, "fwd", [sys.executable, "-m", "ddplab"], "--nproc-per-node", "2",
+                                   "model.options.stall_rank=1", "model.options.stall_call=5")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert took < TIMEOUT + MARGIN
+    head = "rank 1 stalled in forward at step 5"
+    assert head in proc.stderr and f"{tmp_path / 'hang.py'}:" in proc.stderr and "in forward" in proc.stderr
+    assert "waited in DDP gradient all_reduce" in proc.stderr  # what rank 0 was doing meanwhile
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) < 15, proc.stderr
+    log = (run / "train.log").read_text()
+    assert "WARNING: rank 1" in log and "phase forward, step 5" in log  # while the job still ran
+    assert head in log
+    failure = json.loads((run / "metrics.json").read_text())["failure"]
+    assert failure["culprit"]["rank"] == 1 and failure["culprit"]["where"]["function"] == "forward"
+    assert "hang.py" in (run / "logs" / "rank1.log").read_text()  # the stalled rank's stack, dumped
+    status = ddplab("status", str(run), cwd=tmp_path)
+    assert status.returncode == 1 and status.stdout.startswith(f"failed: {head}"), status.stdout
+
+
+def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab"]
+    proc, took, run = _stalled_job(tmp_path, "data", torchrun, "data.options.stall_rank=0",
+                                   "data.options.stall_call=40")
+    assert proc.returncode != 0
+    assert took < TIMEOUT + MARGIN
+    failure = json.loads((run / "metrics.json").read_text())["failure"]
+    culprit = failure["culprit"]
+    assert (culprit["rank"], culprit["phase"], culprit["where"]["function"]) == (0, "data", "__getitem__"), failure
+    assert culprit["where"]["file"] == str(tmp_path / "hang.py")
+    # The workers print the report and no traceback; what follows it is torchrun's own failure summary.
+    ours = proc.stderr.split("Traceback (most recent call last)")[0]
+    assert "rank 0 stalled in data" in ours and "File " not in ours, proc.stderr
+    status = ddplab("status", str(run), cwd=tmp_path)
+    assert status.returncode == 1 and status.stdout.startswith("failed: rank 0 stalled in data")
+
+
+def test_a_slow_rank_is_named_a_straggler_and_the_eta_is_close(tmp_path):
+    proc = ddplab(*_args(tmp_path, "slow", "--nproc-per-node", "2", "model.options.delay=0.03", "training.epochs=3",
+                         "logging.log_every=2"), cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "experiments" / "slow"
+    lines = [line for line in (run / "train.log").read_text().splitlines() if "straggler" in line]
+    assert len(lines) == 1 and "straggler: rank 1 " in lines[0] and "compute" in lines[0], lines
+    rows = (run / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert {row.split(",")[header.index("slowest_rank")] for row in rows[1:]} == {"1"}
+    summary = json.loads((run / "metrics.json").read_text())
+    first = summary["eta"]["estimates"][0]
+    assert first["epoch"] == 1 and abs(first["error"]) < 0.25, summary["eta"]
+    assert "ETA" in [line for line in proc.stdout.splitlines() if line.startswith("epoch 1:")][0]
+
+
+def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path):
+    from ddplab.engine.lock import RunLock
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"status": "running"}))
+    (run / "heartbeat.json").write_text(json.dumps({"time": time.time(), "ranks": {"0": {"step": 7, "still_s": 2}},
+                                                    "progress": {"elapsed_s": 65, "eta_s": 130, "at": time.time()}}))
+    with RunLock(run):
+        live = ddplab("status", str(run))
+    assert live.stdout.startswith("running: step 7 (2s ago), elapsed 1m05s, ETA 2m10s"), live.stdout
+    dead = ddplab("status", str(run))  # the lock's owner is gone, and no report was written
+    assert (dead.returncode, dead.stdout.split(":")[0]) == (1, "failed")
+
+
+def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path):
+    """The terminal's SIGINT reaches the agent and both workers (one process group), and the agent
+    forwards it once more: the workers stop at the next step, snapshot, and exit 75."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
+           *_args(tmp_path, "int", "model.options.delay=0.05", "training.epochs=20", "logging.log_every=1")]
+    out = tmp_path / "out.txt"
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=open(out, "w"), stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while "step 2:" not in out.read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    status = ddplab("status", str(tmp_path / "experiments" / "int"), cwd=tmp_path)
+    assert (status.returncode, status.stdout.strip()) == (75, "preempted"), err[-2000:]
+    assert list((tmp_path / "experiments" / "int" / "checkpoints").glob("step-*/COMPLETE"))
