@@ -15,6 +15,7 @@ def timed(trainer, activity: str):
     holds its own device time."""
     if trainer.ctx.device.type == "cuda":
         torch.cuda.synchronize(trainer.ctx.device)  # once per evaluation or snapshot, never per step
+    trainer.ctx.beat.mark("evaluation" if activity == "eval" else activity)  # the heartbeat's phase too
     trainer.activity, started = activity, time.perf_counter()
     try:
         yield

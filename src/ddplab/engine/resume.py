@@ -69,7 +69,6 @@ class Resumable:
         """A collective: the loss since the last log is reduced, then rank 0 writes the snapshot of its step."""
         self.log_interval()
         self._tick()
-        self.ctx.beat.mark("snapshot")
         with timed(self, "snapshot"):  # a snapshot holds the clock up to its own start
             state, s = self.state_dict(), self.state
             info = {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, "world_size": self.ctx.world_size}

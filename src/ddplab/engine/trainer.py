@@ -272,7 +272,6 @@ class Trainer(Resumable):
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or len(dataset) == 0:
             return {}
-        self.ctx.beat.mark("evaluation")
         with timed(self, "eval"):
             metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
                                                self.autocast)
