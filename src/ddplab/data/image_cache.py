@@ -16,6 +16,7 @@ What stays per epoch: conversion to float, normalisation, and the random augment
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -26,6 +27,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -156,19 +158,9 @@ def host_cores() -> int:
 def _pool(workers: int):
     """Forked like the DataLoader's workers (no re-import of torch per worker); one thread each."""
     if workers == 1:
-        return _InProcess()
+        return contextlib.nullcontext(SimpleNamespace(map=map))
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                initializer=torch.set_num_threads, initargs=(1,))
-
-
-class _InProcess:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    map = staticmethod(map)
 
 
 def _bar(total: int) -> Progress:
