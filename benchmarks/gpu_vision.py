@@ -46,13 +46,13 @@ CUDA = torch.cuda.is_available()
 def arguments(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--classes", type=int, default=10 if CUDA else 4)
-    p.add_argument("--per-class", type=int, default=1100 if CUDA else 64, help="images per class")
+    p.add_argument("--per-class", type=int, default=1100 if CUDA else 32, help="images per class")
     p.add_argument("--side", type=int, default=320 if CUDA else 96, help="side of the JPEG files")
-    p.add_argument("--image-size", type=int, default=224 if CUDA else 64, help="training side (data.image_size)")
+    p.add_argument("--image-size", type=int, default=224 if CUDA else 32, help="training side (data.image_size)")
     p.add_argument("--model", default="resnet50" if CUDA else "resnet18", help="a torchvision classifier")
     p.add_argument("--batch-size", type=int, default=128 if CUDA else 32)
     p.add_argument("--epochs", type=int, default=3, help="epoch 1 is the warm-up; 2+ are timed")
-    p.add_argument("--runs", type=int, default=3, help="alternating rounds of every contender")
+    p.add_argument("--runs", type=int, default=3 if CUDA else 2, help="alternating rounds of every contender")
     p.add_argument("--workers", type=int, default=None, help="the hand loop's DataLoader workers; default: cores - 1, "
                    "at most 12")
     p.add_argument("--only", default="ceiling,hand,raw,jpeg,nocache,gpu,build", help="comma-separated subset")
@@ -181,11 +181,11 @@ def run_ddplab(args, tree: Path, kind: str) -> dict:
     ddplab.train(None, overrides, callbacks=[clock])
     n = args.classes * args.per_class
     rows = list(csv.DictReader(open(out / name / "metrics.csv")))
+    shutil.rmtree(out / name)  # a run folder per run: its snapshots would add up on disk
     if len(rows) < 2:  # the run that builds the cache before the timed ones
         return {}
     reported = statistics.mean(float(r["samples_per_s"]) for r in rows[1:])
     real = n * (args.epochs - 1) / (clock.ends[-1] - clock.ends[0])
-    shutil.rmtree(out / name)  # a run folder per run: its snapshots would add up on disk
     return {"real": real, "reported": reported, "epoch1": n / (clock.ends[0] - clock.start)}
 
 
