@@ -138,6 +138,7 @@ def test_the_package_shrinks_as_it_gains():
     """The one-door redesign landed at no more Python than the two paths it replaced (8,815 lines):
     a new capability makes room for itself, or the raise is named here: +128 for honest clocks,
     channels_last, worker defaults and compile (engine/clock.py); +522 for diagnosis (heartbeats,
-    failure reports, stragglers, ETA: engine/heartbeat.py, metrics/stragglers.py)."""
+    failure reports, stragglers, ETA: engine/heartbeat.py, metrics/stragglers.py);
+    +164 for the image cache's parallel build, its jpeg format and data.decode=gpu."""
     total = sum(len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py"))
-    assert total <= 9465, f"src/ddplab holds {total} lines of Python; make room before adding"
+    assert total <= 9629, f"src/ddplab holds {total} lines of Python; make room before adding"

@@ -51,7 +51,13 @@ class DataConfig:
     augment: bool = _f(False, "random crop + horizontal flip for training images")
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
     cache_dir: Optional[str] = _f(None, "cache folder for HF datasets, token caches and image caches")
-    cache: bool = _f(True, "decode image_folder trees once into a memory-mapped cache (false: decode every epoch)")
+    cache: str = _f("raw", "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
+                           "(re-encoded at the training size, quality 90, decoded each epoch; a fifth of raw's disk) "
+                           "or false (each file decoded every epoch); true still means raw",
+                    choices=("raw", "jpeg", "false"))
+    decode: str = _f("cpu", "where JPEG images are decoded: cpu (in the loader workers) or gpu (nvJPEG on the rank's "
+                            "GPU, in batches, after the loader; image_folder with data.cache=jpeg or false)",
+                     choices=("cpu", "gpu"))
     num_workers: Optional[int] = _f(None, "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
                                         "rank may use (CPU affinity / processes on the node) less one", min=0)
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")

@@ -139,8 +139,8 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
                 return int(number)
         raise UserError(f"'{dotted}' must be {'an integer' if hint is int else 'a number'}, got {value!r}")
     if hint is str:
-        if isinstance(value, bool):  # YAML's `true` in a field of words (training.channels_last=auto|true|false)
-            return str(value).lower()
+        if isinstance(value, bool):  # YAML's true/false in a field of words; data.cache was a bool: true meant raw
+            return ("raw" if value else "false") if dotted == "data.cache" else str(value).lower()
         if isinstance(value, (str, int, float)):
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
@@ -162,6 +162,7 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
 
 def validate(cfg: Config) -> None:
     """Range and choice checks for every field, then cross-field checks."""
+    cfg.data.cache = {"true": "raw"}.get(cfg.data.cache, cfg.data.cache)  # data.cache=true: as before jpeg existed
     _check_fields(cfg, "")
     parse_duration(cfg.training.time_budget, "training.time_budget")
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():

@@ -124,12 +124,28 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
             if entry.extra:
                 require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
+    check_decode(cfg)
     for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
         if tracker != "tensorboard":
             require("track", f"logging.trackers={tracker}", (tracker,))
     if model is not None and data is not None and model.inputs == data.inputs == "image":
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)
+
+
+def check_decode(cfg: Config) -> None:
+    """data.decode=gpu: JPEGs of an image_folder tree (files or a jpeg cache), on a machine with CUDA."""
+    if cfg.data.decode != "gpu":
+        return
+    if cfg.data.name != "image_folder":
+        raise UserError(f"data.decode=gpu decodes the JPEG files of data.name=image_folder; {cfg.data.name} has none")
+    if cfg.data.cache == "raw":
+        raise UserError("data.decode=gpu needs data.cache=jpeg or data.cache=false: a raw cache holds decoded pixels")
+    import torch  # only for data.decode=gpu: whether this machine has a GPU to decode on
+
+    if not torch.cuda.is_available():
+        raise UserError("data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; "
+                        "use data.decode=cpu")
 
 
 def checked_without_torch(cfg: Config) -> bool:

@@ -53,6 +53,8 @@ def to_device(obj, device: torch.device):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
+    if callable(getattr(obj, "to", None)):  # a batch that moves itself, e.g. JPEG bytes decoded on the GPU
+        return obj.to(device, non_blocking=device.type == "cuda")
     return obj
 
 

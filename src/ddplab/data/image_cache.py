@@ -1,37 +1,49 @@
-"""The on-disk image cache: decode an image tree once, then every rank memory-maps it read-only.
+"""The on-disk image cache: decode an image tree once, then every rank reads it.
 
 Decoding a PNG or JPEG and resizing it costs far more than a small model's step, and an
 ImageFolder pays it for every image of every epoch. Here the tree is decoded once, after the
-deterministic part of the validation transform (resize + centre crop to `data.image_size`),
-into `images-<key>/images.npy`, an (N, C, S, S) uint8 array, with `labels.npy` and `meta.json`.
-The key hashes every file's path, size and modification time, and the transform settings, so an
-edited, added or removed image, or another image size, gives a new cache. Like the token cache,
-the folder is written under a temporary name and renamed into place (`meta.json` last), built by
-one rank while the others wait. What stays per epoch: conversion to float, normalisation, and
-the random augmentations (`data.augment`), on the cached uint8 images.
+deterministic part of the validation transform (resize + centre crop to `data.image_size`), in a
+pool of processes over the host's cores, into `images-<key>/`: with `data.cache=raw`, `images.npy`,
+an (N, C, S, S) uint8 array memory-mapped by the ranks; with `data.cache=jpeg`, each image
+re-encoded at quality 90 into `images.bin` (`offsets.npy` says where each starts), a fifth of the
+disk or less, decoded again per epoch by the loader workers (or on the GPU, `data.decode=gpu`).
+Both hold `labels.npy` and `meta.json`. The key hashes every file's path, size and modification
+time, and the transform settings and format, so an edited, added or removed image, or another
+size, gives a new cache. Like the token cache, the folder is written under a temporary name and
+renamed into place (`meta.json` last), built by one rank per node while the others wait.
+What stays per epoch: conversion to float, normalisation, and the random augmentations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 from torchvision.transforms import v2
 
 from ddplab.data import text_cache
 from ddplab.errors import UserError
 
-VERSION = 1  # bump when the layout or the decode steps change
-CHUNK = 256  # images decoded per write
+VERSION = 2  # bump when the layout or the decode steps change
+QUALITY = 90  # data.cache=jpeg: visually lossless, about 0.1-0.2x raw on photographs
+MARGIN = 1.1  # a raw cache must leave a tenth of itself free besides
 
 
 class ImageBatch(NamedTuple):
@@ -41,7 +53,7 @@ class ImageBatch(NamedTuple):
     labels: torch.Tensor
 
 
-def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict) -> dict:
+def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict, kind: str = "raw") -> dict:
     """What the key hashes: each file's path (relative to the tree), size, mtime and class, and the decode settings."""
     root = Path(root)
     files = []
@@ -49,7 +61,8 @@ def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict) -> di
         st = os.stat(path)
         files.append((str(Path(path).relative_to(root)), st.st_size, st.st_mtime_ns, int(label)))
     return {"version": VERSION, "root": str(root.resolve()), "files": files, "image_size": meta["image_size"],
-            "mode": pil_mode(meta), "steps": "to_image,resize(antialias),center_crop"}
+            "mode": pil_mode(meta), "steps": "to_image,resize(antialias),center_crop", "format": kind,
+            "quality": QUALITY if kind == "jpeg" else None}
 
 
 def cache_folder(cache_dir: str | Path, description: dict) -> Path:
@@ -76,34 +89,86 @@ def on_the_fly(meta: dict):
                        v2.Normalize(meta["mean"], meta["std"])])
 
 
-def write(folder: Path, samples: list[tuple[str, int]], meta: dict, log: Callable[[str], None] = print) -> None:
-    """Decode `samples` (path, label) into `folder`, atomically."""
+def free_space(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def write(folder: Path, samples: list[tuple[str, int]], meta: dict, kind: str = "raw", workers: int | None = None,
+          log: Callable[[str], None] = print) -> None:
+    """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over
+    `workers` processes (default: this process's cores), written in order as they come back."""
     n, side = len(samples), meta["image_size"]
     channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
-    need = n * channels * side * side + 8 * n
-    free = shutil.disk_usage(folder.parent).free
-    log(f"image cache: decoding {n} images to {channels}x{side}x{side} uint8, about {_size(need)} on disk "
-        f"({_size(free)} free), into {folder}")
-    if need > free:
-        raise UserError(f"data.cache: the image cache needs about {_size(need)} but {folder.parent} has "
-                        f"{_size(free)} free; set data.cache_dir=<bigger disk> or data.cache=false")
-    with text_cache.building(folder) as tmp:
-        offset = text_cache.npy_offset(tmp / "images.npy", np.uint8, (n, channels, side, side))
+    raw, free = n * channels * side * side + 8 * n, free_space(folder.parent)
+    if kind == "raw" and raw * MARGIN > free:
+        raise UserError(f"data.cache=raw: {n} images need about {_size(raw)} at {channels}x{side}x{side} but "
+                        f"{folder.parent} has {_size(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
+                        f"the size or less) or data.cache_dir=<bigger disk>")
+    workers = workers or host_cores()
+    chunk = max(8, min(256, n // (4 * workers) or 1))  # several chunks per worker, so the pool stays busy
+    chunks = [[path for path, _ in samples[i:i + chunk]] for i in range(0, n, chunk)]
+    workers = max(1, min(workers, len(chunks)))
+    log(f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {_size(raw)}; "
+        f"{_size(free)} free) with {workers} processes, into {folder}")
+    began, size = time.perf_counter(), 0
+    with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
-        steps = decode_steps(meta)
-        with open(tmp / "images.npy", "r+b") as f:
+        lengths = []
+        name = "images.npy" if kind == "raw" else "images.bin"
+        offset = text_cache.npy_offset(tmp / name, np.uint8, (n, channels, side, side)) if kind == "raw" else 0
+        with open(tmp / name, "r+b" if kind == "raw" else "wb") as f:
             f.seek(offset)
-            for start in range(0, n, CHUNK):
-                block = []
-                for path, _ in samples[start:start + CHUNK]:
-                    try:
-                        with Image.open(path) as img:
-                            block.append(steps(img.convert(pil_mode(meta))).numpy())
-                    except (UnidentifiedImageError, OSError):
-                        raise UserError(f"data.root: cannot read {path} as an image") from None
-                f.write(np.ascontiguousarray(np.stack(block)).tobytes())
-        (tmp / text_cache.META).write_text(json.dumps({"size": n, "shape": [channels, side, side], "version": VERSION}))
+            for paths, blobs in zip(chunks, pool.map(partial(decode_chunk, meta=meta, kind=kind), chunks)):
+                if isinstance(blobs, str):
+                    raise UserError(f"data.root: cannot read {blobs} as an image")
+                f.write(b"".join(blobs))
+                lengths += [len(b) for b in blobs]
+                bar.advance(bar.task_ids[0], len(paths))
+            size = f.tell() - offset
+        if kind == "jpeg":
+            np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        took = time.perf_counter() - began
+        (tmp / text_cache.META).write_text(json.dumps({"size": n, "shape": [channels, side, side], "format": kind,
+                                                       "quality": QUALITY if kind == "jpeg" else None,
+                                                       "bytes": size, "raw_bytes": raw, "version": VERSION}))
+    log(f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {_size(size)}"
+        + (f", {size / raw:.2f}x raw" if kind == "jpeg" else ""))
+
+
+def decode_chunk(paths: list[str], meta: dict, kind: str) -> list[bytes] | str:
+    """Files -> the cache's bytes: one block of rows (raw) or one JPEG per file; a path that
+    is no image comes back as itself (an exception may not survive the trip between processes)."""
+    steps, mode, out = decode_steps(meta), pil_mode(meta), []
+    for path in paths:
+        try:
+            with Image.open(path) as img:
+                out.append(steps(img.convert(mode)).as_subclass(torch.Tensor))
+        except (UnidentifiedImageError, OSError):
+            return path
+    if kind == "raw":
+        return [torch.stack(out).numpy().tobytes()]
+    return [encode_jpeg(x, quality=QUALITY).numpy().tobytes() for x in out]
+
+
+def host_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _pool(workers: int):
+    """Forked like the DataLoader's workers (no re-import of torch per worker); one thread each."""
+    if workers == 1:
+        return contextlib.nullcontext(SimpleNamespace(map=map))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=torch.set_num_threads, initargs=(1,))
+
+
+def _bar(total: int) -> Progress:
+    """The build's progress and ETA, in terminals (a log gets the lines before and after)."""
+    bar = Progress(TextColumn("image cache"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   transient=True, disable=not sys.stdout.isatty())
+    bar.add_task("decode", total=total)
+    return bar
 
 
 def _size(n: float) -> str:
@@ -114,16 +179,43 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def read_mode(meta: dict) -> ImageReadMode:
+    return ImageReadMode.GRAY if pil_mode(meta) == "L" else ImageReadMode.RGB
+
+
+class EncodedImages:
+    """A batch still JPEG-encoded (data.decode=gpu): the loader hands it over as bytes, and moving
+    it to the device (`tasks.to_device`) decodes it there with nvJPEG in one call, then runs the
+    validation transform (and any augmentation) on the device. Batches keep the sampler's order,
+    so exact resume holds; random augmentation draws from the process's saved generator."""
+
+    def __init__(self, blobs: list[torch.Tensor], meta: dict, transform, batched: bool) -> None:
+        self.blobs, self.meta, self.transform, self.batched = blobs, meta, transform, batched
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def to(self, device, non_blocking: bool = False) -> torch.Tensor:
+        images = decode_jpeg(self.blobs, mode=read_mode(self.meta), device=device)
+        steps = decode_steps(self.meta)  # per image: files differ in size (a jpeg cache's do not: no resize)
+        x = torch.stack([steps(img).as_subclass(torch.Tensor) for img in images])  # (N, C, S, S) uint8
+        if self.batched:
+            return self.transform(x).as_subclass(torch.Tensor)
+        return torch.stack([self.transform(img).as_subclass(torch.Tensor) for img in x])
+
+
 class CachedImages(Dataset):
     """Read-only view of a complete cache: items are (normalised float (C, S, S), label).
 
     `transform` starts as the batch-safe normalisation, so whole batches are fetched in one
     indexing op; once augmentation is composed in (a per-item random crop), items go one by one.
-    The array is opened lazily, so pickling (DataLoader workers) sends the path, not the pixels.
+    `encoded` (a jpeg cache under data.decode=gpu): batches leave as `EncodedImages`.
+    The files are opened lazily, so pickling (DataLoader workers) sends the path, not the pixels.
     """
 
-    def __init__(self, folder: str | Path, meta: dict) -> None:
-        self.folder = Path(folder)
+    def __init__(self, folder: str | Path, meta: dict, encoded: bool = False) -> None:
+        self.folder, self.meta, self.encoded = Path(folder), meta, encoded
+        self.format = json.loads((self.folder / text_cache.META).read_text())["format"]
         self.labels = torch.from_numpy(np.load(self.folder / "labels.npy"))
         self.transform = self.batch_transform = on_the_fly(meta)
         self._images: np.ndarray | None = None
@@ -131,32 +223,49 @@ class CachedImages(Dataset):
     @property
     def images(self) -> np.ndarray:
         if self._images is None:
-            self._images = np.load(self.folder / "images.npy", mmap_mode="r")
+            raw = self.format == "raw"
+            self._images = np.load(self.folder / "images.npy", mmap_mode="r") if raw else \
+                np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
+            self._offsets = None if raw else np.load(self.folder / "offsets.npy")
         return self._images
+
+    def blob(self, i: int) -> torch.Tensor:
+        """Image i's JPEG bytes (a jpeg cache), copied out of the map."""
+        images = self.images
+        return torch.from_numpy(np.array(images[self._offsets[i]:self._offsets[i + 1]]))
+
+    def pixels(self, at: np.ndarray) -> torch.Tensor:
+        """uint8 (N, C, S, S) of the images at `at`: rows of the map, or JPEGs decoded here."""
+        if self.format == "raw":
+            return torch.from_numpy(self.images[at])  # fancy indexing copies the rows out of the map
+        return torch.stack([decode_jpeg(self.blob(i), mode=read_mode(self.meta)) for i in at])
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
-        x = torch.from_numpy(np.array(self.images[i]))
-        return self.transform(x).as_subclass(torch.Tensor), int(self.labels[i])
+        return self.transform(self.pixels(np.asarray([i]))[0]).as_subclass(torch.Tensor), int(self.labels[i])
 
     def __getitems__(self, indices: list[int]):
-        if self.transform is not self.batch_transform:
-            return [self[i] for i in indices]
+        batched = self.transform is self.batch_transform
         at = np.asarray(indices, dtype=np.int64)
-        x = torch.from_numpy(self.images[at])  # fancy indexing copies the rows out of the map
-        return ImageBatch(self.batch_transform(x).as_subclass(torch.Tensor), self.labels[torch.from_numpy(at)])
+        labels = self.labels[torch.from_numpy(at)]
+        if self.encoded:
+            return ImageBatch(EncodedImages([self.blob(i) for i in at], self.meta, self.transform, batched), labels)
+        if not batched:
+            return [self[i] for i in indices]
+        return ImageBatch(self.batch_transform(self.pixels(at)).as_subclass(torch.Tensor), labels)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_images": None}
 
 
 def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
-    """An ImageFolder's samples, decoded once into the cache: by the first rank of each node while
-    the others wait (`dist`, the job), or here and now outside a job (dist=None, e.g. predict)."""
-    folder = cache_folder(text_cache.cache_root(cfg), describe(dataset.samples, dataset.root, meta))
-
-    text_cache.ensure(dist, folder, lambda: write(folder, dataset.samples, meta, log=partial(print, flush=True)),
+    """An ImageFolder's samples, decoded once into the cache (data.cache=raw|jpeg): by the first rank
+    of each node, over the host's cores, while the others wait (`dist`, the job), or here and now
+    outside a job (dist=None, e.g. predict)."""
+    kind = cfg.data.cache
+    folder = cache_folder(text_cache.cache_root(cfg), describe(dataset.samples, dataset.root, meta, kind))
+    text_cache.ensure(dist, folder, lambda: write(folder, dataset.samples, meta, kind, log=partial(print, flush=True)),
                       what="image cache")
-    return CachedImages(folder, meta)
+    return CachedImages(folder, meta, encoded=cfg.data.decode == "gpu")

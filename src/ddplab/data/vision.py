@@ -118,6 +118,32 @@ class ImageTensors(Dataset):
         return ImageBatch(self.images[at], self.labels[at])
 
 
+class EncodedFiles(Dataset):
+    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as
+    `EncodedImages`, decoded and transformed on the rank's GPU; single items decode here."""
+
+    def __init__(self, folder: ImageFolder, meta: dict) -> None:
+        other = next((p for p, _ in folder.samples if Path(p).suffix.lower() not in (".jpg", ".jpeg")), None)
+        if other is not None:
+            raise UserError(f"data.decode=gpu decodes JPEG files only, and {other} is not one; set "
+                            f"data.cache=jpeg (the tree re-encoded once) or data.decode=cpu")
+        self.samples, self.meta = folder.samples, meta
+        self.transform = self.batch_transform = on_the_fly(meta)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        x, y = self.__getitems__([i])
+        return x.to("cpu")[0], int(y[0])
+
+    def __getitems__(self, indices: list[int]):
+        batched = self.transform is self.batch_transform
+        blobs = [torchvision.io.read_file(self.samples[i][0]) for i in indices]
+        return ImageBatch(image_cache.EncodedImages(blobs, self.meta, self.transform, batched),
+                          torch.tensor([self.samples[i][1] for i in indices]))
+
+
 def image_tensors(images: torch.Tensor, labels: torch.Tensor, meta: dict) -> ImageTensors:
     """uint8 images under the validation transform: applied once to the whole set when the result
     is small (a per-item transform costs more than a small model's step), else item by item."""
@@ -219,7 +245,7 @@ def torchvision_set(cfg, dist, spec: ImageSpec) -> ImageSplits:
 
 def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
     """An ImageFolder tree: train/ (+ val/, test/) or one tree split by seed; decoded once into the
-    image cache (data.cache) or every epoch."""
+    image cache (data.cache=raw|jpeg), or every epoch (on the GPU with data.decode=gpu)."""
     layout = folder_layout(Path(cfg.data.root))
     meta = image_meta(spec, [], *FOLDER_STATS[spec.channels])
     loader = partial(read_image, mode=pil_mode(meta))
@@ -240,9 +266,11 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
     val_fraction = 0.0 if "val" in fixed else cfg.data.val_fraction
     test_fraction = 0.0 if "test" in fixed else cfg.data.test_fraction
     train, val, test = split_indices(len(full), val_fraction, test_fraction, cfg.experiment.seed)
-    if cfg.data.cache:  # decoded once into a memory-mapped uint8 array shared by the node's ranks
+    if cfg.data.cache != "false":  # decoded once into a cache shared by the node's ranks
         full = image_cache.cached_folder(cfg, dist, full, meta)
         fixed = {s: image_cache.cached_folder(cfg, dist, ds, meta) for s, ds in fixed.items()}
+    elif cfg.data.decode == "gpu":
+        full, fixed = EncodedFiles(full, meta), {s: EncodedFiles(ds, meta) for s, ds in fixed.items()}
     else:
         tf = transform(meta)
         for ds in (full, *fixed.values()):

@@ -25,7 +25,7 @@ SAFE_TO_CHANGE = (
     "data.num_workers",
     "data.pin_memory",
     "data.cache_dir",
-    "data.cache",  # the image cache holds the same decoded pixels
+    "data.cache",  # raw and false read the same pixels; jpeg re-encodes them once at quality 90
     "experiment.repeats",  # read by `ddplab study` only
     "distributed.timeout",
     "distributed.backend",
