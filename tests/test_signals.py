@@ -202,3 +202,24 @@ def test_sigterm_to_verify_reaches_its_workers_exits_75_and_the_same_command_con
     assert f"continuing the pre-empted runs in {work.relative_to(tmp_path)}" in again.stdout
     assert again.stdout.strip().splitlines()[-1] == "PASS" and "steps compared: 20" in again.stdout, again.stdout
     assert not work.exists()  # compared, then removed
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job_with_75(tmp_path, corpus, sig):
+    """Not a failure for torchrun to restart: the agent ends with the job, the same command continues."""
+    proc, tag, out = start([*launcher(corpus, "w", SLOW)[:6], "--max-restarts", "1", *_args(corpus, "w", SLOW)[1:]],
+                           tmp_path)
+    try:
+        wait_for_step(proc, out)
+        [agent] = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        workers = [int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+        os.kill(workers[-1], sig)
+        _, err = proc.communicate(timeout=120)
+        assert wait_until_gone(tag, 10) < 10
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    summary = _summary(tmp_path / "experiments" / "w")
+    assert summary["status"] == "preempted" and summary["aggregates"]["resumes"] == 0, summary["status"]
+    assert 2 <= summary["aggregates"]["steps"] < 20 and "Traceback" not in err

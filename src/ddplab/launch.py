@@ -4,7 +4,8 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
 
 - SIGTERM, SIGINT and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to
   its workers, which snapshot and exit 75); the launcher waits and exits 75 too. A second
-  signal kills the agents at once.
+  signal kills the agents at once. A stop signal sent to one worker is stopped the same way (the
+  worker asks through a file), so that `--max-restarts` does not restart a stopped job.
 - Nothing outlives the launcher: each agent (and `srun`) runs in its own session and asks the
   kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
   SIGKILL of the launcher or of an agent leaves no worker behind.
@@ -26,14 +27,16 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.engine.lock import LOCKED_ENV
-from ddplab.engine.preemption import StopSignals
+from ddplab.engine.preemption import ASK_ENV, StopSignals
 from ddplab.errors import ExitCode, Preempted, UserError
 
 REPORT_ENV = "DDPLAB_REPORT_DIR"
+STOPPING = "stopping"  # in the report folder: the launcher has asked the agents to stop
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 AGENT = [sys.executable, "-m", "ddplab.launch"]
@@ -125,7 +128,12 @@ def report_failure(report: str) -> bool:
 
 
 def report_preempted() -> None:
-    _report("preempted", "")
+    """Then wait (10 s at most) until the launcher has asked the agents to stop: an agent that saw
+    this worker exit first would take it for a failure and restart the workers (--max-restarts)."""
+    if _report("preempted", ""):
+        deadline, stopping = time.monotonic() + 10, Path(os.environ[REPORT_ENV]) / STOPPING
+        while not stopping.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 # ------------------------------------------------------------------ launcher side
@@ -150,6 +158,7 @@ class _Job(StopSignals):
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.received: list[int] = []  # every signal, in order
+        self.requested = False  # a worker received a stop signal (preemption.ASK_ENV)
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
 
     def start(self, cmd: list[str], env: dict) -> None:
@@ -168,11 +177,16 @@ class _Job(StopSignals):
 
     def _handle(self, signum, frame) -> None:
         self.received.append(signum)
+        if len(self.received) == 1:
+            return self._stop_agents()
         for proc in self.procs:
-            if len(self.received) == 1:
-                self._ask(proc)
-            elif proc.poll() is None:
+            if proc.poll() is None:
                 proc.kill()
+
+    def _stop_agents(self) -> None:
+        for proc in self.procs:
+            self._ask(proc)
+        (self.report / STOPPING).touch()
 
     def _ask(self, proc: subprocess.Popen) -> None:
         if proc.poll() is None and proc.pid not in self._asked:
@@ -182,20 +196,22 @@ class _Job(StopSignals):
     def wait(self) -> int:
         """Until every agent has ended; the first to fail ends the others. Its exit code, else 0."""
         while True:
+            if not (self.received or self.requested) and (self.report / "stop").exists():
+                self.requested = True
+                self._stop_agents()
             codes = [p.poll() for p in self.procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 return failed[0]  # run() stops the others
             if None not in codes:
                 return 0
-            try:  # one agent: wait for it, no polling delay
-                self.procs[codes.index(None)].wait(timeout=None if len(self.procs) == 1 else 0.2)
+            try:
+                self.procs[codes.index(None)].wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
 
     def stop(self, grace: float = 30) -> None:
-        for proc in self.procs:
-            self._ask(proc)
+        self._stop_agents()
         for proc in self.procs:
             try:
                 proc.wait(timeout=grace)
@@ -210,7 +226,7 @@ def _pump(stream, report: Path) -> None:
     """Copy the job's stderr through until a worker has reported a user error or a pre-emption:
     what follows is torchrun's failure summary or its SignalException traceback."""
     for line in iter(stream.readline, b""):
-        if not any(report.iterdir()):
+        if not any(report.glob("*-rank*")):
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
     stream.close()
@@ -241,7 +257,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
     with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, \
             contextlib.ExitStack() as stack:
         report = Path(folder)
-        env[REPORT_ENV] = folder
+        env[REPORT_ENV], env[ASK_ENV] = folder, str(report / "stop")
         out = stack.enter_context(open(log, "a")) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
@@ -255,10 +271,11 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
         finally:
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
-        code, line = outcome(report, code, bool(job.received))
+        stopped = bool(job.received) or job.requested
+        code, line = outcome(report, code, stopped)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
-    return Ended(code, line, bool(job.received))
+    return Ended(code, line, stopped)
 
 
 def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, **kwargs) -> int:

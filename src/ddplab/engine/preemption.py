@@ -2,18 +2,23 @@
 
 The handler only raises a flag; the trainer reduces it across ranks after every step, so
 all ranks stop after the same step, write one snapshot together and exit with
-ExitCode.PREEMPTED. A second signal gets the previous behaviour (usually: die now), unless it is
-the same signal within ECHO_S: Ctrl-C under plain torchrun reaches a worker twice, from the
-terminal and from the agent that forwards it, and the echo must not cut the snapshot short.
+ExitCode.PREEMPTED. A second signal gets the previous behaviour (usually: die now), unless it
+comes within ECHO_S of the first: the same stop reaching a worker again by another path (Ctrl-C
+under plain torchrun comes from the terminal and from the agent; a signal sent to one worker of
+ddplab's launcher comes back from the agent as SIGTERM) must not cut the snapshot short.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 ECHO_S = 5.0
+ASK_ENV = "DDPLAB_STOP_REQUEST"  # ddplab's launcher: the file by which a worker asks it to stop the whole job
 
 
 class StopSignals:
@@ -35,7 +40,8 @@ class StopSignals:
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.received is None:
             self.received, self._at = name, now
-        elif name != self.received or now - self._at > ECHO_S:
+            _ask_launcher(name)
+        elif now - self._at > ECHO_S:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
 
@@ -43,3 +49,12 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _ask_launcher(name: str) -> None:
+    """The signal may have reached this worker alone (`kill PID`): ddplab's launcher then stops the job
+    as if it had received it, so that torchrun's agent ends the job instead of restarting the workers
+    once they exit (--max-restarts). A stop the launcher began already is not begun twice."""
+    if path := os.environ.get(ASK_ENV):
+        with contextlib.suppress(OSError):
+            Path(path).write_text(name)
