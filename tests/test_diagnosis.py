@@ -167,3 +167,51 @@ def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp
     status = ddplab("status", str(tmp_path / "experiments" / "int"), cwd=tmp_path)
     assert (status.returncode, status.stdout.strip()) == (75, "preempted"), err[-2000:]
     assert list((tmp_path / "experiments" / "int" / "checkpoints").glob("step-*/COMPLETE"))
+
+
+def _without_torch_variables(monkeypatch) -> None:
+    """The user's settings of the flight recorder, none; and the test's own do not outlive it."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR", "TORCH_NCCL"))})
+
+
+def test_the_report_names_the_collective_a_flight_recorder_dump_shows_unfinished(tmp_path, monkeypatch):
+    """A real dump of torch's flight recorder (gloo records too): rank 0 entered an all_reduce rank 1 never joined."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from ddplab.engine import flight_recorder
+    from ddplab.engine.heartbeat import compose
+
+    store, groups = dist.HashStore(), {}
+    joins = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30))}))
+             for r in (0, 1)]
+    [t.start() for t in joins]
+    [t.join() for t in joins]
+    pending = groups[0].allreduce([torch.ones(3)])
+    dump = torch._C._distributed_c10d._dump_fr_trace()
+    groups[1].allreduce([torch.ones(3)]).wait()
+    pending.wait()
+
+    _without_torch_variables(monkeypatch)
+    flight_recorder.dump_into(tmp_path / "logs", "gloo")
+    assert flight_recorder.unfinished(0) == {}  # not NCCL: no dump is asked for
+    flight_recorder.dump_into(tmp_path / "logs", "nccl")
+    (tmp_path / "logs" / "nccl_trace_rank_0").write_bytes(dump)
+    assert flight_recorder.unfinished(time.time() + 60) == {}  # an earlier attempt's dump
+    stuck = flight_recorder.unfinished(0)
+    assert stuck[0]["collective"] == "gloo:all_reduce" and stuck[0]["sizes"] == [[3]], stuck
+    report = compose({}, {0: {"error": "DistBackendError: timeout"}}, 2, tmp_path, stuck)["report"]
+    assert f"rank 0 never completed gloo:all_reduce #{stuck[0]['seq']} of process group" in report, report
+
+
+def test_on_nccl_the_flight_recorder_dumps_on_a_timeout_unless_the_user_said_otherwise(monkeypatch):
+    from ddplab.engine import flight_recorder
+
+    _without_torch_variables(monkeypatch)
+    flight_recorder.arm("gloo")
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
+    flight_recorder.arm("nccl")
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ

@@ -10,6 +10,7 @@ import yaml
 
 from ddplab import distributed
 from ddplab.config import Config
+from ddplab.engine import flight_recorder
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, gist
 from ddplab.engine.hostmem import keep_freed_memory
@@ -52,6 +53,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
     work = workload(cfg, data_fn, model_fn)
     phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
+    flight_recorder.arm(cfg.distributed.backend)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
             own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
         phases.mark("rendezvous")
@@ -67,6 +69,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
             phases.mark("model")
             run = RunFolder(run_dir, ctx.is_main)
+            flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
             beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, _announce).start()
             if note:
                 run.log(note)

@@ -12,7 +12,8 @@ When a rank fails (a collective timed out, a peer vanished, an exception), it du
 Python stack into logs/rank<N>.log and raises a failure count in the store; every other
 rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code)
 and ends its process, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
-of the failure, writes the report: train.log, metrics.json's `failure`, the terminal.
+of the failure, writes the report: train.log, metrics.json's `failure`, the terminal; on NCCL it
+names the collectives each rank never completed, from torch's flight recorder (flight_recorder.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddplab.engine.flight_recorder import unfinished
 
 _FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
 _OURS = str(Path(__file__).resolve().parents[1])
@@ -93,6 +95,7 @@ class Heartbeat:
         self.mine: dict | None = None
         self._main = threading.get_ident()  # the thread that trains
         self._ticks, self._since, self._warned, self._count = -1, time.monotonic(), {}, 0
+        self._started = time.time()  # flight recorder dumps older than this are an earlier attempt's
         self._ending = threading.Lock()
         self._ended = False
         self._stop = threading.Event()
@@ -204,7 +207,7 @@ class Heartbeat:
             pass
 
     def _report(self, errors: dict[int, dict]) -> dict:
-        failure = compose(self.seen, errors, self.ctx.world_size, self.run.path)
+        failure = compose(self.seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
         self.run.log(failure["report"], echo=False)
         self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
         self.announce(failure["report"])
@@ -224,7 +227,7 @@ class Heartbeat:
             faulthandler.dump_traceback(f, all_threads=True)
 
 
-def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir) -> dict:
+def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
     """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
     beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
     # Still for 2 s while not in a collective: the rank the others waited for (a rank still moving is not).
@@ -250,7 +253,11 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
         b, e = beats.get(r, {}), errors.get(r, {})
         said = f"waited in {waits[r]}" if r in waits else f"was in {b.get('phase')} at {_at(b.get('where'))}"
         lines.append(f"  rank {r} {said} (step {b.get('step')})" + (f": {e['error']}" if e.get("error") else ""))
+    for r, c in sorted((stuck or {}).items()):  # flight_recorder.unfinished
+        lines.append(f"  rank {r} never completed {c['collective']} #{c['seq']} of process group {c['group']} "
+                     f"(sizes {c['sizes']}, {c['state']}; flight recorder)")
     logs = Path(run_dir).resolve() / "logs"
     lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
     return {"summary": lines[0], "culprit": culprit, "waiting": waits, "errors": {r: e.get("error") for r, e in errors.items()},
-            "ranks_heard": sorted(beats), "world_size": world_size, "logs": str(logs), "report": "\n".join(lines)}
+            "ranks_heard": sorted(beats), "world_size": world_size, "logs": str(logs), "report": "\n".join(lines),
+            "unfinished_collectives": stuck or {}}
