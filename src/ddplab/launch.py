@@ -4,8 +4,7 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
 
 - SIGTERM, SIGINT and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to
   its workers, which snapshot and exit 75); the launcher waits and exits 75 too. A second
-  signal kills the agents at once. A stop signal sent to one worker is stopped the same way (the
-  worker asks through a file), so that `--max-restarts` does not restart a stopped job.
+  signal kills the agents at once. A stop signal sent to one worker stops the job so too (never restarted).
 - Nothing outlives the launcher: each agent (and `srun`) runs in its own session and asks the
   kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
   SIGKILL of the launcher or of an agent leaves no worker behind.
@@ -179,9 +178,8 @@ class _Job(StopSignals):
         self.received.append(signum)
         if len(self.received) == 1:
             return self._stop_agents()
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
+        for proc in (p for p in self.procs if p.poll() is None):
+            proc.kill()
 
     def _stop_agents(self) -> None:
         for proc in self.procs:
@@ -271,8 +269,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
         finally:
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
-        stopped = bool(job.received) or job.requested
-        code, line = outcome(report, code, stopped)
+        code, line = outcome(report, code, stopped := bool(job.received) or job.requested)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
     return Ended(code, line, stopped)
