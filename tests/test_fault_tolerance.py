@@ -93,9 +93,13 @@ def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
     assert proc.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", proc.stderr), proc.stderr[-2000:]
     assert "ddplab: rank 0 failed" in proc.stderr  # the survivor says why it stopped, and does not hang
-    last = (tmp_path / "experiments" / "dead" / "train.log").read_text().strip().splitlines()[-1]
-    assert "step 2:" in last  # step 3's loss is reduced after rank 1 died: rank 0 fails there
-    assert (ended - datetime.strptime(last[:19], "%Y-%m-%d %H:%M:%S")).total_seconds() < 60  # distributed.timeout
+    log = (tmp_path / "experiments" / "dead" / "train.log").read_text()
+    steps = [line for line in log.splitlines() if re.search(r"step \d+:", line)]
+    assert "step 2:" in steps[-1]  # step 3's loss is reduced after rank 1 died: rank 0 fails there
+    report = log[log.index("job failed:"):]
+    assert report.startswith("job failed: rank 1 "), report  # the dead rank, not the survivor, heads the report
+    assert "rank 0 " in report and "heartbeat.py" not in report
+    assert (ended - datetime.strptime(steps[-1][:19], "%Y-%m-%d %H:%M:%S")).total_seconds() < 60  # distributed.timeout
 
 
 def _free_port() -> int:

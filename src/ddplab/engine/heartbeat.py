@@ -124,7 +124,7 @@ class Heartbeat:
         if b.ticks != self._ticks:
             self._ticks, self._since = b.ticks, now
         frame = sys._current_frames().get(self._main)
-        return {"rank": self.ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": b.step,
+        return {"rank": self.ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": b.step, "at": time.time(),
                 "phase": b.phase, "collective": b.collective, "waiting": b.waiting, "ticks": b.ticks,
                 "still_s": round(now - self._since, 1), "where": where(frame) if frame is not None else None}
 
@@ -183,7 +183,9 @@ class Heartbeat:
         self._dump(f"rank {self.ctx.rank} failed", exc)
         # A rank that timed out in a collective is described as it stood while it waited there.
         waited = self.mine is not None and self.mine["waiting"]
-        error = {"error": gist(exc), "where": where_raised(exc), "beat": self.mine if waited else self._describe()}
+        # Otherwise the main thread is here, in the handler: where it stood is where the error was raised.
+        error = {"error": gist(exc), "where": where_raised(exc),
+                 "beat": self.mine if waited else {**self._describe(), "where": where_raised(exc)}}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         try:
@@ -236,7 +238,10 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     if stalled:
         b = stalled[0]
         culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
-        head = (f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
+        silent = time.time() - b.get("at", time.time())  # a rank whose beat stopped: its process died or froze
+        head = (f"rank {b['rank']} went silent {silent:.0f} s before the end (its process died or froze), last seen in "
+                f"{b['phase']} at step {b['step']} (host {b['host']}): {_at(b['where'])}" if silent > 3 else
+                f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
                 f"{b['still_s']:.0f} s): {_at(b['where'])}")
     else:
         rank = min(errors) if errors else 0
