@@ -181,11 +181,10 @@ class Heartbeat:
                 return None
             self._ended = True
         self._dump(f"rank {self.ctx.rank} failed", exc)
-        # A rank that timed out in a collective is described as it stood while it waited there.
-        waited = self.mine is not None and self.mine["waiting"]
-        # Otherwise the main thread is here, in the handler: where it stood is where the error was raised.
-        error = {"error": gist(exc), "where": where_raised(exc),
-                 "beat": self.mine if waited else {**self._describe(), "where": where_raised(exc)}}
+        # A rank that timed out in a collective is described as it stood while it waited there, any other by
+        # where its error was raised (its main thread is here now, in the handler).
+        waited, raised = self.mine is not None and self.mine["waiting"], where_raised(exc)
+        error = {"error": gist(exc), "where": raised, "beat": self.mine if waited else {**self._describe(), "where": raised}}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         try:
