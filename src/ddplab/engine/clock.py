@@ -23,8 +23,6 @@ def timed(trainer, activity: str):
         name = f"epoch_{activity}_time"
         setattr(trainer.state, name, getattr(trainer.state, name) + time.perf_counter() - started)
         trainer.activity = "train"
-        if activity == "snapshot":
-            trainer._tick()  # the run's last snapshot has no step after it to tick: its time would miss train_time_s
 
 
 class Stamps:
