@@ -68,7 +68,7 @@ class CommMonitor:
 
     @property
     def comm_s(self) -> float:
-        """This rank's seconds in all-reduces since the last reset, over the steps settled so far."""
+        """This rank's seconds in all-reduces since the last take_epoch, over the steps settled so far."""
         self._settle()
         return self._comm_s
 
@@ -225,8 +225,8 @@ class StepTimer:
     def _begin_backward(self, grad) -> None:
         if len(self._step) == 2:
             self._step.append(self.clock.now())
-            # The engine's end-of-backward callbacks run in the order queued: this one before DDP's, which
-            # waits for the all-reduces (the only way to hear of the end of the whole pass: DDP's own).
+            # The engine runs its end-of-backward callbacks in the order queued: this one before DDP's own,
+            # which waits for the all-reduces; no hook sees the end of the whole pass otherwise.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
