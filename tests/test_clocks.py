@@ -10,7 +10,11 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddplab
+from conftest import OneRankCtx
+from ddplab.config import Config, DistributedConfig
 from ddplab.engine.checkpoint import load_file
+from ddplab.engine.clock import Stamps
+from ddplab.engine.comm import attach_step_timer, epoch_comm_row, install_comm_hook
 from ddplab.engine.loaders import data_workers
 from ddplab.engine.setup import wants_channels_last
 
@@ -147,3 +151,97 @@ def test_on_cuda_channels_last_is_automatic_and_the_times_still_add_up(tmp_path)
     for row, begun, end in zip(rows, watch.ends, watch.ends[1:]):
         parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]
         assert abs(parts - (end - begun)) / (end - begun) < 0.02
+
+
+def test_the_runs_last_snapshot_is_in_the_summary(tmp_path):
+    watch, saved = Stopwatch(0.0), []
+
+    class Snapshots(ddplab.Callback):
+        def on_snapshot(self, view, path):
+            saved.append(time.perf_counter())
+
+    summary = _train(tmp_path, "training.epochs=2", "checkpoint.save_best=false", callbacks=[watch, Snapshots()])
+    rows, run = summary["epochs"], summary["aggregates"]
+    last = run["snapshot_time_s"] - sum(r["snapshot_time_s"] for r in rows)  # the one after the last row
+    assert 0 < last <= saved[-1] - watch.ends[-1]
+    in_rows = sum(r["epoch_time_s"] + r["eval_time_s"] + r["snapshot_time_s"] for r in rows)
+    # train_time_s runs to that snapshot's start (what a resumed run goes on from): with it, the whole run.
+    assert run["train_time_s"] + last - in_rows >= saved[-1] - watch.ends[-1]
+    assert run["train_time_s"] + last <= saved[-1] - watch.ends[0]  # on_train_start to the last snapshot, no more
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["aggregates"]["snapshot_time_s"] == run["snapshot_time_s"]
+
+
+class LateEvent:
+    """A CUDA event as the step clock sees one: recorded now, complete once the 'device' has got there."""
+
+    device_at = 0.0  # the moment the device has reached
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def query(self):
+        return self.at is not None and self.at <= LateEvent.device_at
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "an event read before it completed: that would sync"
+        return (end.at - self.at) * 1000
+
+
+def test_device_times_are_read_once_complete_never_by_a_sync(one_rank_group, monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    monkeypatch.setattr(torch.cuda, "Event", LateEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("a sync in the step clock"))
+    LateEvent.device_at = 0.0
+    raw = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4))
+    model = DDP(raw, bucket_cap_mb=0.001)  # two buckets
+    monitor = install_comm_hook(model, DistributedConfig(), OneRankCtx())
+    timer = attach_step_timer(raw, monitor, Config())
+    monitor.clock = timer.clock = Stamps(torch.device("cuda"))
+    for _ in range(3):
+        model(torch.randn(8, 32)).square().mean().backward()
+    early = epoch_comm_row(monitor, OneRankCtx(), 1.0, timer)  # the device has not finished any step
+    assert early["timed_micro_steps"] == 0 and early["forward_time_s"] == 0 and early["comm_time_s"] == 0
+    LateEvent.device_at = float("inf")
+    row = epoch_comm_row(monitor, OneRankCtx(), 1.0, timer)  # the same steps, read at the next epoch's end
+    assert row["timed_micro_steps"] == 3 and row["forward_time_s"] > 0 and row["backward_time_s"] > 0
+    assert row["comm_time_s"] > 0 and row["comm_exposed_s"] >= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_forward_backward_and_all_reduce_are_the_devices_time(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ctx = OneRankCtx()
+        ctx.device = torch.device("cuda", 0)
+        raw = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+        model = DDP(raw, bucket_cap_mb=8)
+        monitor = install_comm_hook(model, DistributedConfig(bucket_cap_mb=8), ctx)
+        timer = attach_step_timer(raw, monitor, Config())
+        x = torch.randn(4096, 2048, device="cuda")
+        model(x).square().mean().backward()  # cuBLAS and NCCL warm up
+        torch.cuda.synchronize()
+        timer.take_epoch(), monitor.take_epoch()
+        begun = time.perf_counter()
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("a sync per step"))
+            for _ in range(5):
+                model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - begun
+        row = epoch_comm_row(monitor, ctx, wall, timer)
+        # The host only queues these matmuls (well under a tenth of the wall time); the device runs them.
+        assert row["timed_micro_steps"] == 5
+        assert 0.6 * wall <= row["forward_time_s"] + row["backward_time_s"] <= 1.02 * wall, (row, wall)
+        assert row["backward_time_s"] > 1.3 * row["forward_time_s"]  # twice the matmuls
+        assert 0 < row["comm_time_s"] < wall
+    finally:
+        dist.destroy_process_group()

@@ -141,6 +141,7 @@ def test_the_package_shrinks_as_it_gains():
     failure reports, stragglers, ETA: engine/heartbeat.py, metrics/stragglers.py);
     +164 for the image cache's parallel build, its jpeg format and data.decode=gpu; +96 for a stop
     signal to one worker stopping the job, and NCCL's flight recorder in the failure report
-    (engine/flight_recorder.py)."""
+    (engine/flight_recorder.py); +76 for CUDA-event
+    step timing and the run's snapshot_time_s (engine/clock.py's Stamps, engine/comm.py)."""
     total = sum(len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py"))
-    assert total <= 9726, f"src/ddplab holds {total} lines of Python; make room before adding"
+    assert total <= 9802, f"src/ddplab holds {total} lines of Python; make room before adding"

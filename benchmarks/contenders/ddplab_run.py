@@ -30,21 +30,38 @@ def train_and_report(args, callbacks=(), extra=dict) -> None:
 
 
 class RealClock(Callback):
-    """A continuous clock beside metrics.csv's: from each epoch's start to its last log interval (where the
-    loop has synced with the device), over the same steps epoch_time_s covers."""
+    """A continuous clock over the span an epoch row claims: from the previous row (or the start of training)
+    to this one, less its evaluations and snapshots. An evaluation is timed here, from the hook before it (on
+    CUDA the end-of-epoch one follows the log interval's sync) to its on_eval_end; no hook marks a snapshot's
+    start, so the row's own snapshot_time_s is taken out. What is left is every step, data wait, log interval
+    and callback between the two rows, as epoch_time_s should be."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
 
-    def on_epoch_start(self, view):
-        self.started = time.perf_counter()
+    def on_train_start(self, view):
+        self.row = self.last = time.perf_counter()
+        self.eval = 0.0
+
+    def on_step_end(self, view):
+        self.last = time.perf_counter()
 
     def on_log(self, view, values):
-        if view.activity == "train" and view.phase == "train":
-            self.last_log = time.perf_counter()
+        self.last = time.perf_counter()
+
+    def on_snapshot(self, view, path):
+        self.last = time.perf_counter()
+
+    def on_eval_end(self, view, split, metrics):
+        now = time.perf_counter()
+        self.eval += now - self.last
+        self.last = now
 
     def on_epoch_end(self, view, row):
-        self.times.append(self.last_log - self.started)
+        now = time.perf_counter()
+        self.times.append(now - self.row - self.eval - (row.get("snapshot_time_s") or 0.0))
+        self.row = self.last = now
+        self.eval = 0.0
 
 
 def main() -> None:

@@ -85,6 +85,7 @@ class TrainView:
     data_workers = _read("loaders.workers", "DataLoader worker processes per rank (data.num_workers or its default).")
     activity = _read("activity", "What the loop is doing now: train, eval or snapshot.")
     data_wait = _read("state.epoch_data_wait", "This rank's seconds waiting for batches in the epoch so far.")
+    snapshot_time = _read("state.epoch_snapshot_time", "Seconds of snapshots since the last epoch row.")
     phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
     history = _read("state.history", "One row per epoch so far (metrics.csv).", tuple)
     log_rows = _read("state.steps", "One row per log interval so far: step, epoch, loss, lr, elapsed_s.", tuple)

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from ddplab.engine.clock import Stamps
+
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
 _HOOKS = {"none": (default_hooks.allreduce_hook, None), "fp16": (default_hooks.fp16_compress_hook, 2),
@@ -40,53 +42,75 @@ class CommMonitor:
     A bucket is in flight from the moment DDP hands it over (including any simulated
     delay) until its future completes. Buckets overlap one another and the backward pass
     of earlier layers, so the union of these intervals is counted, never their sum: it is
-    the wall time spent communicating, whether or not compute hid part of it. On CUDA the
-    future completes on the host once the result is ready for the stream, so times there
-    are host-side."""
+    the wall time spent communicating, whether or not compute hid part of it. On CUDA both
+    ends are events (engine/clock.py's Stamps): the hand-over in the backward pass's stream,
+    the completion in the stream the future's callback runs on, which waits for the collective."""
 
-    def __init__(self, dcfg, world_size: int, inner, inner_state) -> None:
+    def __init__(self, dcfg, world_size: int, inner, inner_state, device=torch.device("cpu")) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
         self.bandwidth_mbps = dcfg.simulated_bandwidth_mbps
         self.wire_bytes = _HOOKS[dcfg.comm_hook][1]
         self.world_size = world_size
         self.inner, self.inner_state = inner, inner_state
+        self.clock = Stamps(device)
         self._lock = threading.Lock()  # futures complete on the backend's threads
         self.layout: list[dict] = []  # the buckets of the last recorded step, in the order DDP hands them over
         self._recording: list[dict] = []
         self._recorded_steps = 0
-        self.last_done = 0.0  # perf_counter when the latest all-reduce completed
+        # [start, end or None] per bucket, a list per step: DDP waits for a step's all-reduces before the
+        # next step, so intervals of different steps never overlap and a step's union is settled on its own.
+        self._steps: list[list[list]] = [[]]
+        self.last_done = None  # the stamp of the latest completed all-reduce
+        self.done_count = 0
         self.beat = None  # the rank's heartbeat (distributed.Beat): a gradient all-reduce is a collective too
-        self.reset()
+        self._in_flight = self.buckets = 0
+        self._comm_s = self.delay_s = 0.0
 
-    def reset(self) -> None:
-        with self._lock:
-            self.comm_s = self.delay_s = self._since = 0.0
-            self.buckets = self._in_flight = 0
+    @property
+    def comm_s(self) -> float:
+        """This rank's seconds in all-reduces since the last take_epoch, over the steps settled so far."""
+        self._settle()
+        return self._comm_s
 
     def take_epoch(self) -> dict:
         """This rank's totals since the last call; the counters start again from zero."""
+        comm_s = self.comm_s
         with self._lock:
-            out = {"comm_time_s": self.comm_s, "simulated_delay_s": self.delay_s, "comm_buckets": self.buckets}
-        self.reset()
+            out = {"comm_time_s": comm_s, "simulated_delay_s": self.delay_s, "comm_buckets": self.buckets}
+            self._comm_s = self.delay_s = 0.0
+            self.buckets = 0
         return out
 
-    def _begin(self) -> None:
+    def _settle(self) -> None:
+        """Add the union of every finished step's intervals (on CUDA: whose events have completed)."""
         with self._lock:
-            if self._in_flight == 0:
-                self._since = time.perf_counter()
-                if self.beat is not None:
-                    self.beat.collective, self.beat.waiting = "DDP gradient all_reduce", True
-            self._in_flight += 1
+            while len(self._steps) > 1 and all(e is not None and self.clock.ready(b, e) for b, e in self._steps[0]):
+                bucket_times = self._steps.pop(0)
+                offsets = self.clock.seconds(bucket_times[0][0], *(t for pair in bucket_times for t in pair))
+                reach = 0.0
+                for begin, end in sorted(zip(offsets[::2], offsets[1::2])):
+                    self._comm_s += max(end - max(begin, reach), 0.0)
+                    reach = max(reach, end)
 
-    def _end(self, delay: float) -> None:
+    def _begin(self, bucket: dist.GradBucket) -> list:
+        interval = [self.clock.now(), None]
         with self._lock:
+            self._steps[-1].append(interval)
+            if bucket.is_last():
+                self._steps.append([])
+            if self._in_flight == 0 and self.beat is not None:
+                self.beat.collective, self.beat.waiting = "DDP gradient all_reduce", True
+            self._in_flight += 1
+        return interval
+
+    def _end(self, interval: list, delay: float) -> None:
+        stamp = self.clock.now()
+        with self._lock:
+            interval[1] = self.last_done = stamp
             self._in_flight -= 1
-            now = time.perf_counter()
-            if self._in_flight == 0:
-                self.comm_s += now - self._since
-                if self.beat is not None:
-                    self.beat.waiting = False
-            self.last_done = now
+            if self._in_flight == 0 and self.beat is not None:
+                self.beat.waiting = False
+            self.done_count += 1
             self.delay_s += delay
             self.buckets += 1
 
@@ -103,7 +127,9 @@ class CommMonitor:
             self._recorded_steps += 1
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        self._begin()
+        interval = self._begin(bucket)
+        if len(self._steps) > 32:  # unread for a while (no straggler check each log): keep the events few
+            self._settle()
         self._record(bucket)
         delay = 0.0
         if self.latency_ms or self.bandwidth_mbps:
@@ -116,7 +142,7 @@ class CommMonitor:
         fut = self.inner(self.inner_state, bucket)
 
         def done(f: torch.futures.Future) -> torch.Tensor:
-            self._end(delay)
+            self._end(interval, delay)
             return f.value()
 
         return fut.then(done)
@@ -136,7 +162,7 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
     if dcfg.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=state, matrix_approximation_rank=POWERSGD_RANK,
                                             start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
-    monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state)
+    monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state, ctx.device)
     monitor.beat = getattr(ctx, "beat", None)
     model.register_comm_hook(monitor, CommMonitor.__call__)
     return monitor
@@ -147,35 +173,49 @@ class StepTimer:
 
     Forward: from the model's forward pre-hook to its forward hook (grad enabled only, so
     evaluation is left out). Backward: from the moment the output's gradient is computed to
-    the last parameter gradient accumulated; with DDP, the all-reduce still in flight after
-    that is `exposed`, the part of communication that the backward pass did not hide. Times are
-    host-side: exact on CPU, the launch times of the kernels on CUDA."""
+    the end of the backward pass (every gradient accumulated, before DDP waits for its all-reduces);
+    with DDP, the all-reduce still in flight after that is `exposed`, the part of communication
+    that the backward pass did not hide. The moments are engine/clock.py's Stamps: the host's
+    clock on CPU, CUDA events on CUDA (the host only queues the kernels), read once completed."""
 
     def __init__(self, model: torch.nn.Module, monitor: CommMonitor | None = None) -> None:
         self.monitor = monitor
-        self._fwd_start = self._bwd_start = self._last_grad = None
+        self.clock = Stamps(next(model.parameters(), torch.empty(0)).device)
+        self._step: list = []  # the open micro-step's stamps: forward start, end, backward start, end
+        self._pending: list[list] = []  # closed micro-steps not yet read
         self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
-        self._handles += [p.register_post_accumulate_grad_hook(self._grad) for p in model.parameters() if p.requires_grad]
         self.take_epoch()
 
-    def _close_backward(self) -> None:
-        if self._bwd_start is not None and self._last_grad is not None:
-            self.backward_s += self._last_grad - self._bwd_start
-            if self.monitor is not None and self.monitor.last_done > self._last_grad:
-                self.exposed_s += self.monitor.last_done - self._last_grad
-            self.micro_steps += 1
-        self._bwd_start = self._last_grad = None
+    def _close(self) -> None:
+        step, self._step = self._step, []
+        if len(step) == 4 and self.monitor is not None and self.monitor.done_count > self._done_before:
+            step.append(self.monitor.last_done)  # this step's all-reduces ended there
+        if len(step) >= 2:
+            self._pending.append(step)
+        if len(self._pending) > 32:  # on CUDA, the events of steps the device has finished
+            self._settle()
+
+    def _settle(self) -> None:
+        while self._pending and self.clock.ready(*self._pending[0]):
+            start, *ends = self._pending.pop(0)
+            t = self.clock.seconds(start, *ends)
+            self.forward_s += t[0]
+            if len(t) >= 3:
+                self.backward_s += t[2] - t[1]
+                self.micro_steps += 1
+            if len(t) == 4:
+                self.exposed_s += max(t[3] - t[2], 0.0)
 
     def _pre(self, module, args) -> None:
         if torch.is_grad_enabled():
-            self._close_backward()
-            self._fwd_start = time.perf_counter()
+            self._close()
+            self._step = [self.clock.now()]
+            self._done_before = self.monitor.done_count if self.monitor is not None else 0
 
     def _post(self, module, args, output) -> None:
-        if self._fwd_start is None or not torch.is_grad_enabled():
+        if len(self._step) != 1 or not torch.is_grad_enabled():
             return
-        self.forward_s += time.perf_counter() - self._fwd_start
-        self._fwd_start = None
+        self._step.append(self.clock.now())
         out = getattr(output, "logits", output)
         if isinstance(out, (tuple, list)):
             out = out[0]
@@ -183,13 +223,18 @@ class StepTimer:
             out.register_hook(self._begin_backward)
 
     def _begin_backward(self, grad) -> None:
-        self._bwd_start = time.perf_counter()
+        if len(self._step) == 2:
+            self._step.append(self.clock.now())
+            # The engine runs its end-of-backward callbacks in the order queued: this one before DDP's own,
+            # which waits for the all-reduces; no hook sees the end of the whole pass otherwise.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _grad(self, param) -> None:
-        self._last_grad = time.perf_counter()
+    def _end_backward(self) -> None:
+        self._step.append(self.clock.now())
 
     def take_epoch(self) -> dict:
-        self._close_backward()
+        self._close()
+        self._settle()
         out = {"forward_time_s": getattr(self, "forward_s", 0.0), "backward_time_s": getattr(self, "backward_s", 0.0),
                "comm_exposed_s": getattr(self, "exposed_s", 0.0), "timed_micro_steps": getattr(self, "micro_steps", 0)}
         self.forward_s = self.backward_s = self.exposed_s = 0.0

@@ -75,8 +75,8 @@ class RunRecorder(Callback):
 
     def on_epoch_end(self, view, row):
         run, per_epoch = view.run, view.steps_per_epoch
-        elapsed = view.elapsed + (row.get("eval_time_s") or 0)  # the clock last ticked at the epoch's last step
-        row["eta_s"] = eta = eta_s(view, elapsed)
+        elapsed = view.elapsed  # the row's tick came after its evaluation: eval_time_s is in it already
+        row["eta_s"] = eta = eta_s(view)
         row["predicted_end_s"] = elapsed + eta if eta is not None else None
         run.write_epochs(view.history)
         head = f"epoch {row['epoch']}"
@@ -86,10 +86,10 @@ class RunRecorder(Callback):
                 + f"; elapsed {format_duration(elapsed)}" + (f", ETA {format_duration(eta)}" if eta is not None else ""))
 
 
-def eta_s(view, elapsed: float | None = None) -> float | None:
+def eta_s(view) -> float | None:
     """Seconds of training left at the run's measured pace (steps, evaluations and snapshots so far),
     to the first stop condition it meets: epochs, training.max_steps or training.time_budget."""
-    t, elapsed = view.config.training, view.elapsed if elapsed is None else elapsed
+    t, elapsed = view.config.training, view.elapsed
     if view.step == 0 or elapsed <= 0:
         return None
     total = min(view.steps_per_epoch * t.epochs, t.max_steps or float("inf"))
