@@ -13,11 +13,15 @@ from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
 from ddplab.engine.comm import install_comm_hook
+from ddplab.engine.sharding import shard
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
     """(the model to train, the gradient all-reduce monitor or None): DDP-wrapped, with the comm
-    hook when distributed, compiled when asked."""
+    hook when distributed, or sharded (distributed.strategy); compiled when asked."""
+    if cfg.distributed.strategy != "ddp":
+        sharded = shard(model, cfg, ctx)
+        return (torch.compile(sharded) if cfg.training.compile else sharded), None
     ddp = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                      find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
     comm = install_comm_hook(ddp, cfg.distributed, ctx) if ctx.is_distributed else None

@@ -12,7 +12,6 @@ whole contract of a resume.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import time
@@ -34,6 +33,7 @@ from ddplab.engine.preemption import StopSignals
 from ddplab.engine.resume import Resumable, TrainState
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
+from ddplab.engine.sharding import full_state, load_full, micro_step
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
 
@@ -90,6 +90,7 @@ class Trainer(Resumable):
                     self.snapshot()
                 else:
                     self.stop_mid_epoch()
+            self.checkpoints.wait()  # a background snapshot is complete before the run goes on or ends
         finally:
             self.signals.restore()
         if s.stop_reason is None:
@@ -143,8 +144,7 @@ class Trainer(Resumable):
         step = s.step + 1
         for i, (inputs, target) in enumerate(micro):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
-            sync = contextlib.nullcontext() if i == n - 1 or not self.ctx.is_distributed else self.model.no_sync()
-            with sync:
+            with micro_step(self.model, last=i == n - 1):
                 with self.autocast():
                     loss = self.task.loss(call_model(self.model, inputs), target)
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
@@ -250,7 +250,7 @@ class Trainer(Resumable):
         s.history.append(row)
         self.callbacks.on_epoch_end(self.view, row)
         if self.cfg.checkpoint.save_best and (not val or val["loss"] < s.best_val_loss):
-            self.checkpoints.save_best(self.raw, self.cfg, self.data, s.epoch + 1, s.step, val_loss=val.get("loss"))
+            self.checkpoints.save_best(full_state(self.raw), self.cfg, self.data, s.epoch + 1, s.step, val_loss=val.get("loss"))
         if val and val["loss"] < s.best_val_loss:
             s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
@@ -278,7 +278,7 @@ class Trainer(Resumable):
             return {}
         self.ctx.barrier()
         if (best := self.checkpoints.root / BEST).is_file():
-            self.raw.load_state_dict(load_file(best)["model"])
+            load_full(self.raw, load_file(best)["model"])
         self.phase = "test"
         return self.evaluate(self.data.test, "test")
 
