@@ -203,8 +203,10 @@ def keep_global_batch(global_batch: int, batch_size: int, world_size: int) -> in
     if rest or not accum:
         from ddplab.errors import UserError  # a contract beside this one; config stays import-light
 
+        fits = [b for b in range(min(batch_size, global_batch), 0, -1) if global_batch % (b * world_size) == 0]
+        fix = (f"set training.batch_size={fits[0]}" if fits else
+               f"resume with a process count that divides {global_batch}")
         raise UserError(f"cannot keep the run's global batch of {global_batch} on {world_size} processes with "
-                        f"training.batch_size={batch_size} ({batch_size} x {world_size} does not divide it): set "
-                        f"training.batch_size so that batch_size x processes divides {global_batch}, or resume "
-                        f"with a process count that does")
+                        f"training.batch_size={batch_size} (no accumulation makes {batch_size} x {world_size} x "
+                        f"steps = {global_batch}): {fix}")
     return accum

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ddplab.errors import UserError, first_line
 from ddplab.engine.run_folder import RunFolder
 
-MARKER = "COMPLETE"
+MARKER = RunFolder.MARKER
 STATE = "state.pt"
 SHARDS = "shards"
 BEST = "best.pt"
@@ -84,7 +85,9 @@ def shapes(folder: Path) -> dict:
 def consolidated(folder: Path) -> dict:
     """A sharded snapshot's model, every parameter whole, read in this one process."""
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _tensors(folder).items()}}
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return state["model"]
 
 
@@ -176,7 +179,7 @@ class Checkpointer:
                 saved = dcp.async_save(shards, checkpoint_id=str(tmp / SHARDS), process_group=self._group)
                 self._pending = getattr(saved, "upload_completion", saved)
             else:
-                dcp.save(shards, checkpoint_id=str(tmp / SHARDS))
+                dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=not ctx.is_distributed)
             if self.is_main:
                 _write_synced(tmp / STATE, lambda f: torch.save({**rest, "sharded": True}, f))
         except Exception as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path

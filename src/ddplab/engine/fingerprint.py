@@ -29,6 +29,9 @@ SAFE_TO_CHANGE = (
     "experiment.repeats",  # read by `ddplab study` only
     "distributed.timeout",
     "distributed.backend",
+    "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/resume.py)
+    "training.grad_accum_steps",
+    "checkpoint.async_save",
     "checkpoint.every",
     "checkpoint.keep_last",
     "checkpoint.resume",

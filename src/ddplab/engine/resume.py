@@ -64,7 +64,7 @@ class Resumable:
         if sd.get("sharded"):  # shards written by any world size, resharded to this one
             same_model(where, self.raw.state_dict(), sd["model"])
             weights = model_and_optimizer(self.raw, self.optimizer)
-            dcp.load(weights, checkpoint_id=str(where / SHARDS))
+            dcp.load(weights, checkpoint_id=str(where / SHARDS), no_dist=not self.ctx.is_distributed)
             load_model_and_optimizer(self.raw, self.optimizer, weights)
         else:
             self.raw.load_state_dict(sd["model"])
@@ -72,6 +72,7 @@ class Resumable:
         self.scheduler.load_state_dict(sd["scheduler"])
         self.scaler.load_state_dict(sd["scaler"])
         self.state = TrainState(**sd["trainer"])
+        self._keep_global_batch(sd)
         if sd["world_size"] == self.ctx.world_size:
             set_rng_state(sd["rng"][self.ctx.rank])
             return
@@ -81,10 +82,9 @@ class Resumable:
         self.run.log(f"world size changed from {sd['world_size']} to {self.ctx.world_size}: the rest of epoch "
                      f"{self.state.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample "
                      f"repeated or lost); dropout streams are reseeded, so the run is no longer bit-identical")
-        self._keep_global_batch(sd)
 
     def _keep_global_batch(self, sd: dict) -> None:
-        """The run's global batch on the new world size: its accumulation steps are recomputed."""
+        """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
         t, was = self.cfg.training, sd["config"]["training"]
         global_batch = was["batch_size"] * was["grad_accum_steps"] * sd["world_size"]
         accum = keep_global_batch(global_batch, t.batch_size, self.ctx.world_size)

@@ -27,30 +27,16 @@ from ddplab.workload import resolve
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def check_strategy(cfg, world_size: int, per_node: int) -> None:
-    """What can be known from the config and the job's layout alone (the launcher runs it too)."""
-    d = cfg.distributed
-    if d.strategy == "ddp":
-        return
-    if d.comm_hook != "none":
-        raise UserError(f"distributed.comm_hook={d.comm_hook} is a DDP communication hook; distributed.strategy="
-                        f"{d.strategy} reduces gradients itself: set distributed.comm_hook=none or strategy=ddp")
-    if d.strategy == "hsdp" and world_size > 1 and world_size % per_node:
-        raise UserError(f"distributed.strategy=hsdp replicates across nodes: the world size {world_size} must be a "
-                        f"multiple of the {per_node} processes per node")
-    if d.shard:
-        resolve(d.shard, "distributed.shard")
-
-
 def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
     """The model sharded in place over the job's device mesh (a plain module on one process)."""
-    d = cfg.distributed
-    check_strategy(cfg, ctx.world_size, ctx.launch.local_world_size)
+    d, per_node = cfg.distributed, ctx.launch.local_world_size
     model.to(ctx.device)
     if not ctx.is_distributed:
         return model
     if d.strategy == "hsdp":
-        per_node = ctx.launch.local_world_size
+        if ctx.world_size % per_node:
+            raise UserError(f"distributed.strategy=hsdp replicates across nodes: the world size {ctx.world_size} "
+                            f"must be a multiple of the {per_node} processes per node")
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size // per_node, per_node),
                                 mesh_dim_names=("replicate", "shard"))
     else:
