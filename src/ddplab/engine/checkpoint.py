@@ -180,21 +180,19 @@ class Checkpointer:
                 self._pending = getattr(saved, "upload_completion", saved)
             else:
                 dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=not ctx.is_distributed)
-            if self.is_main:
-                _write_synced(tmp / STATE, lambda f: torch.save({**rest, "sharded": True}, f))
+            if self.is_main and not background:
+                self._finish(tmp, step, info, rest)
         except Exception as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(step, exc) from None
         if self.is_main and background:
-            self._finisher = threading.Thread(target=self._finish_when_saved, args=(tmp, step, info), daemon=True)
+            self._finisher = threading.Thread(target=self._finish_when_saved, args=(tmp, step, info, rest), daemon=True)
             self._finisher.start()
-        elif self.is_main:
-            self._finish(tmp, step, info)
         return self.root / f"step-{step:09d}"
 
-    def _finish_when_saved(self, tmp: Path, step: int, info: dict) -> None:
+    def _finish_when_saved(self, tmp: Path, step: int, info: dict, rest: dict) -> None:
         try:
             self._pending.result()
-            self._finish(tmp, step, info)
+            self._finish(tmp, step, info, rest)
         except Exception as exc:  # noqa: BLE001 - raised by wait(), in the training thread
             self._error = self._failed(step, exc)
 
@@ -226,9 +224,12 @@ class Checkpointer:
         tmp.mkdir()
         return tmp
 
-    def _finish(self, tmp: Path, step: int, info: dict) -> Path:
-        """The marker, then the rename into place, then old snapshots pruned."""
+    def _finish(self, tmp: Path, step: int, info: dict, rest: dict | None = None) -> Path:
+        """The rest of a sharded snapshot (plain values: its own copy), the marker, the rename into place,
+        then old snapshots pruned."""
         final = self.root / f"step-{step:09d}"
+        if rest is not None:
+            _write_synced(tmp / STATE, lambda f: torch.save({**rest, "sharded": True}, f))
         write_marker(tmp, info)
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (a step snapshot that ends an epoch)
