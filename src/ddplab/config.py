@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ddplab.errors import UserError
+
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
        positive: bool = False) -> Any:
@@ -201,8 +203,6 @@ def keep_global_batch(global_batch: int, batch_size: int, world_size: int) -> in
     """The training.grad_accum_steps that keeps a run's global batch on `world_size` processes."""
     accum, rest = divmod(global_batch, batch_size * world_size)
     if rest or not accum:
-        from ddplab.errors import UserError  # a contract beside this one; config stays import-light
-
         fits = [b for b in range(min(batch_size, global_batch), 0, -1) if global_batch % (b * world_size) == 0]
         fix = (f"set training.batch_size={fits[0]}" if fits else
                f"resume with a process count that divides {global_batch}")

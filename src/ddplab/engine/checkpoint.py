@@ -176,7 +176,8 @@ class Checkpointer:
                     # DCP's own collectives run in a background thread: a group of their own keeps them
                     # apart from training's.
                     self._group = dist.new_group(backend="gloo")
-                saved = dcp.async_save(shards, checkpoint_id=str(tmp / SHARDS), process_group=self._group)
+                saved = dcp.async_save(shards, checkpoint_id=str(tmp / SHARDS), process_group=self._group,
+                                       no_dist=not ctx.is_distributed)
                 self._pending = getattr(saved, "upload_completion", saved)
             else:
                 dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=not ctx.is_distributed)
@@ -185,13 +186,14 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(step, exc) from None
         if self.is_main and background:
-            self._finisher = threading.Thread(target=self._finish_when_saved, args=(tmp, step, info, rest), daemon=True)
+            self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
+                                              args=(self._pending, tmp, step, info, rest))
             self._finisher.start()
         return self.root / f"step-{step:09d}"
 
-    def _finish_when_saved(self, tmp: Path, step: int, info: dict, rest: dict) -> None:
+    def _finish_when_saved(self, saved, tmp: Path, step: int, info: dict, rest: dict) -> None:
         try:
-            self._pending.result()
+            saved.result()
             self._finish(tmp, step, info, rest)
         except Exception as exc:  # noqa: BLE001 - raised by wait(), in the training thread
             self._error = self._failed(step, exc)
