@@ -183,3 +183,20 @@ def test_hsdp_needs_whole_nodes_and_a_model_names_its_blocks():
     assert blocks(gpt, 10**9) == list(gpt.blocks)  # declared, whatever their size
     mlp = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.ReLU(), torch.nn.Linear(100, 2))
     assert blocks(mlp, 1000) == [mlp[0]]  # a model that declares none: its children of at least 1000 parameters
+
+
+def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_path, data):
+    import resource
+
+    args = _args(data, "full")
+    _run("signal_rank=0,step=2", args, tmp_path)
+    ckpts = Path("experiments", "full", "checkpoints")  # as the run names them: relative to its folder
+    proc = subprocess.run(command("", args), cwd=tmp_path, env=_env(), text=True,
+                          capture_output=True, timeout=120,  # files over 20 kB cannot be written: a full disk
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot write snapshot {ckpts}/step-000000004 (OSError: [Errno 27] File too large" in proc.stderr
+    assert f"the previous complete snapshot ({ckpts}/step-000000002) is kept" in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
+    assert _weights(tmp_path / "experiments" / "full")  # and it loads

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ddplab.errors import UserError, first_line
@@ -85,10 +86,15 @@ def shapes(folder: Path) -> dict:
 def consolidated(folder: Path) -> dict:
     """A sharded snapshot's model, every parameter whole, read in this one process."""
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _tensors(folder).items()}}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    load_shards(state, folder, distributed=False)
     return state["model"]
+
+
+def load_shards(state: dict, folder: Path, distributed: bool) -> None:
+    """DCP's load into `state` (its tensors, sharded or whole, say what each rank reads)."""
+    with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not distributed)
 
 
 def _why(message: str) -> str:
@@ -180,10 +186,12 @@ class Checkpointer:
                                        no_dist=not ctx.is_distributed)
                 self._pending = getattr(saved, "upload_completion", saved)
             else:
-                dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=not ctx.is_distributed)
+                with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=not ctx.is_distributed)
             if self.is_main and not background:
                 self._finish(tmp, step, info, rest)
-        except Exception as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(step, exc) from None
         if self.is_main and background:
             self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
@@ -195,7 +203,7 @@ class Checkpointer:
         try:
             saved.result()
             self._finish(tmp, step, info, rest)
-        except Exception as exc:  # noqa: BLE001 - raised by wait(), in the training thread
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised by wait(), in the training thread
             self._error = self._failed(step, exc)
 
     def wait(self) -> None:
@@ -204,7 +212,7 @@ class Checkpointer:
         try:
             if pending is not None:
                 pending.result()
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
             self._error = self._error or self._failed(-1, exc)
         if self._finisher is not None:
             self._finisher.join()
@@ -213,7 +221,9 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _failed(self, step: int, exc: Exception) -> UserError:
+    def _failed(self, step: int, exc: BaseException) -> UserError:
+        if isinstance(exc, CheckpointException) and exc.failures:  # DCP's gathered failures: the first rank's
+            exc = next(iter(exc.failures.values()))[0]
         previous = self.latest()
         return UserError(f"cannot write snapshot {self.root / (f'step-{step:09d}' if step >= 0 else '')} "
                          f"({type(exc).__name__}: {first_line(exc, 160)}); the previous complete snapshot "

@@ -11,10 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ddplab.config import batch_arithmetic, keep_global_batch
-from ddplab.engine.checkpoint import SHARDS
+from ddplab.engine.checkpoint import SHARDS, load_shards
 from ddplab.engine.fingerprint import same_model
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.sharding import load_model_and_optimizer, model_and_optimizer
@@ -64,7 +63,7 @@ class Resumable:
         if sd.get("sharded"):  # shards written by any world size, resharded to this one
             same_model(where, self.raw.state_dict(), sd["model"])
             weights = model_and_optimizer(self.raw, self.optimizer)
-            dcp.load(weights, checkpoint_id=str(where / SHARDS), no_dist=not self.ctx.is_distributed)
+            load_shards(weights, where / SHARDS, self.ctx.is_distributed)
             load_model_and_optimizer(self.raw, self.optimizer, weights)
         else:
             self.raw.load_state_dict(sd["model"])
