@@ -43,7 +43,7 @@ def test_config_reference_lists_every_field_with_its_help_and_resume_safety():
     assert set(rows) == {name for name, _, _ in describe_fields()}
     assert "seed for weights, data order, dropout" in rows["experiment.seed"]
     assert "| yes |" in rows["training.epochs"] and "| yes |" in rows["logging.log_every"]  # safe on resume
-    assert "| yes |" not in rows["training.batch_size"]
+    assert "| yes |" not in rows["training.lr"]  # batch_size is safe: a resume keeps the global batch
     assert "`cosine` \\| `linear` \\| `constant`" in rows["training.schedule"]
 
 

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", help="also write every row with its input to this .csv or .jsonl file")
     pr.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
 
+    ex = sub.add_parser("export", help="the best (else last) model as one safetensors file, loadable without ddplab")
+    ex.add_argument("run", help="run folder, snapshot folder or checkpoint file")
+    ex.add_argument("--output", help="file to write (default: RUN/model.safetensors)")
+
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     v.add_argument("--nproc", type=int, default=2)
@@ -95,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # command -> its function; a command's module is imported only when it is asked for (ddplab.commands).
 COMMANDS = {"train": "train", "verify": "train", "status": "train", "generate": "inference", "predict": "inference",
+            "export": "inference",
             "study": "scaling", "report": "scaling", "forecast": "scaling"}
 
 

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ddplab.errors import UserError
+
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
        positive: bool = False) -> Any:
@@ -114,6 +116,8 @@ class CheckpointConfig:
     keep_last: int = _f(2, "complete snapshots kept", positive=True)
     resume: str = _f("auto", "auto (newest complete snapshot), never, or a snapshot path")
     save_best: bool = _f(True, "keep the model with the best validation loss")
+    async_save: bool = _f(False, "fsdp/hsdp: write snapshots in the background (DCP async_save) while training "
+                                 "goes on (`async` is a Python keyword)")
 
 
 @dataclass
@@ -126,6 +130,13 @@ class DistributedConfig:
     simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0)
     simulated_bandwidth_mbps: Optional[float] = _f(None, "cap on simulated link bandwidth", positive=True)
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
+    strategy: str = _f("ddp", "ddp (replicas), fsdp (FSDP2: parameters, gradients and optimizer state sharded over "
+                              "all processes) or hsdp (sharded within a node, replicated across nodes)",
+                       choices=("ddp", "fsdp", "hsdp"))
+    shard: Optional[str] = _f(None, "your own shard(model, mesh) function (file.py:shard) that calls fully_shard on "
+                                    "the model's blocks; default: the model's blocks, see the sharding page")
+    shard_min_params: int = _f(1_000_000, "fsdp/hsdp on a model that names no blocks: every child module with at "
+                                          "least this many parameters is sharded on its own", positive=True)
 
 
 @dataclass
@@ -199,3 +210,16 @@ def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, tr
         per_rank = math.ceil(train_samples / world_size)
         out["steps_per_epoch"] = math.ceil(math.ceil(per_rank / batch_size) / grad_accum_steps)
     return out
+
+
+def keep_global_batch(global_batch: int, batch_size: int, world_size: int) -> int:
+    """The training.grad_accum_steps that keeps a run's global batch on `world_size` processes."""
+    accum, rest = divmod(global_batch, batch_size * world_size)
+    if rest or not accum:
+        fits = [b for b in range(min(batch_size, global_batch), 0, -1) if global_batch % (b * world_size) == 0]
+        fix = (f"set training.batch_size={fits[0]}" if fits else
+               f"resume with a process count that divides {global_batch}")
+        raise UserError(f"cannot keep the run's global batch of {global_batch} on {world_size} processes with "
+                        f"training.batch_size={batch_size} (no accumulation makes {batch_size} x {world_size} x "
+                        f"steps = {global_batch}): {fix}")
+    return accum

@@ -125,6 +125,12 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
                 require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     check_decode(cfg)
+    d = cfg.distributed
+    if d.strategy != "ddp" and d.comm_hook != "none":
+        raise UserError(f"distributed.comm_hook={d.comm_hook} is a DDP communication hook; distributed.strategy="
+                        f"{d.strategy} reduces gradients itself: set distributed.comm_hook=none or strategy=ddp")
+    if d.shard:
+        resolve(d.shard, "distributed.shard")
     for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
         if tracker != "tensorboard":
             require("track", f"logging.trackers={tracker}", (tracker,))

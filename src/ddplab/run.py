@@ -107,7 +107,8 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                                                 if partial else "")
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
-            if ctx.is_main and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
+            # Sharded, every rank takes part in each forward pass; rank 0 writes.
+            if (ctx.is_main or cfg.distributed.strategy != "ddp") and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
                 text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
                               cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)
                 run.write_text(RunFolder.SAMPLE, text)

@@ -1,11 +1,13 @@
-"""`ddplab generate` and `ddplab predict`: a trained model on new inputs."""
+"""`ddplab generate`, `ddplab predict` and `ddplab export`: a trained model on new inputs, or out of ddplab."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ddplab.commands import at_least
 from ddplab.errors import ExitCode, UserError
+from ddplab.engine.checkpoint import find_checkpoint, load_file
 from ddplab.inference import load_model, sample
 from ddplab.predict import expand, line, output_format, predict as predict_rows, write
 
@@ -36,4 +38,23 @@ def predict(ns) -> int:
         print(line(row))
     if ns.output:
         write(rows, ns.output)
+    return ExitCode.OK
+
+
+def export(ns) -> int:
+    """The best (else the last) model as one safetensors file, every parameter whole (a sharded snapshot's
+    shards gathered), for `model.load_state_dict(safetensors.torch.load_file(FILE))` without ddplab."""
+    from safetensors.torch import save_file  # imported by this command only
+
+    found = find_checkpoint(ns.run)
+    ckpt = load_file(found)
+    run = Path(ns.run)
+    out = Path(ns.output) if ns.output else (run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors"))
+    # Tied weights (a GPT's embedding and head) share storage, which safetensors refuses: each is stored whole.
+    weights = {k: v.detach().contiguous().clone() for k, v in ckpt["model"].items()}
+    try:
+        save_file(weights, str(out), metadata={"config": json.dumps(ckpt.get("config", {})), "source": str(found)})
+    except OSError as exc:
+        raise UserError(f"--output: cannot write {out} ({exc.strerror})") from None
+    print(f"{out}: {len(weights)} tensors, {sum(v.numel() for v in weights.values()):,} values, from {found}")
     return ExitCode.OK

@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 
 from ddplab.commands import at_least, split_args
+from ddplab.config import keep_global_batch
 from ddplab.config_io import format_duration
 from ddplab.engine.lock import claim, held, resolve_run_dir
+from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, UserError
 from ddplab.launch import die_with_parent, quick_exit, report_preempted, run_workers, under_agent
 from ddplab.metrics.phases import note_launch
@@ -46,6 +48,7 @@ def launch(cfg, ns) -> int:
     if error:
         raise UserError(error)
     try:
+        check_global_batch(cfg, run_dir, ns.nproc_per_node or 1)
         if note:
             print(note, flush=True)
         note_launch()  # the workers' start-up breakdown begins at this process's start
@@ -53,6 +56,21 @@ def launch(cfg, ns) -> int:
                            locked_run=str(run_dir))
     finally:
         lock.release()
+
+
+def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
+    """A resume at another world size keeps the run's global batch (engine/resume.py); where no
+    accumulation can, one line says so before any worker starts."""
+    if cfg.checkpoint.resume == "never":
+        return
+    named = cfg.checkpoint.resume != "auto"
+    marker = RunFolder.MARKER
+    markers = [Path(cfg.checkpoint.resume) / marker] if named else sorted(run_dir.glob(f"{RunFolder.CHECKPOINTS}/step-*/{marker}"))
+    if not markers or not markers[-1].is_file():
+        return
+    info = json.loads(markers[-1].read_text())
+    if info.get("global_batch"):
+        keep_global_batch(info["global_batch"], cfg.training.batch_size, world_size)
 
 
 def preflight(cfg) -> None:

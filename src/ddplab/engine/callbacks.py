@@ -65,6 +65,7 @@ class TrainView:
     epoch = _read("state.epoch", "Epochs completed (the one in progress is epoch + 1).")
     elapsed = _read("state.elapsed", "Seconds of training so far, across restarts.")
     resumes = _read("state.resumes", "How many times this run continued from a snapshot.")
+    snapshot_stalls = _read("state.snapshot_stalls", "Each snapshot's {step, stall_s, async}: training held.", tuple)
     stop_reason = _read("state.stop_reason", "None while training; epochs, max_steps, time_budget or preempted.")
     # what is trained, where
     model = _read("raw", "The module being trained, without its DDP / torch.compile wrappers.")

@@ -29,6 +29,9 @@ SAFE_TO_CHANGE = (
     "experiment.repeats",  # read by `ddplab study` only
     "distributed.timeout",
     "distributed.backend",
+    "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/resume.py)
+    "training.grad_accum_steps",
+    "checkpoint.async_save",
     "checkpoint.every",
     "checkpoint.keep_last",
     "checkpoint.resume",
@@ -86,15 +89,20 @@ def check_resume_path(cfg, model) -> None:
         return
     from ddplab.engine.checkpoint import Checkpointer  # torch: only when resuming from a named snapshot
 
-    snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path))
-    mine, theirs = model.state_dict(), snap["model"]
+    snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path), weights=False)
+    same_model(path, model.state_dict(), snap["model"], "checkpoint.resume: ")
+
+
+def same_model(path, mine: dict, theirs: dict, where: str = "") -> None:
+    """The snapshot at `path` holds this model: the same parameter names and shapes (the first that
+    differs is named)."""
     missing = [k for k in mine if k not in theirs]
     extra = [k for k in theirs if k not in mine]
     if missing or extra:
         name = (missing or extra)[0]
-        raise UserError(f"checkpoint.resume: {path} holds another model ({'no' if missing else 'an unknown'} "
+        raise UserError(f"{where}{path} holds another model ({'no' if missing else 'an unknown'} "
                         f"parameter {name}); resume with the config it was trained with")
     for k, v in mine.items():
         if tuple(v.shape) != tuple(theirs[k].shape):
-            raise UserError(f"checkpoint.resume: {path} holds another model ({k} is {tuple(theirs[k].shape)}, "
+            raise UserError(f"{where}{path} holds another model ({k} is {tuple(theirs[k].shape)}, "
                             f"this config builds {tuple(v.shape)}); resume with the config it was trained with")

@@ -13,22 +13,26 @@ from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
 from ddplab.engine.comm import install_comm_hook
+from ddplab.engine.sharding import shard
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
     """(the model to train, the gradient all-reduce monitor or None): in channels_last where it pays,
-    DDP-wrapped, with the comm hook when distributed, compiled when asked."""
+    DDP-wrapped with the comm hook when distributed, or sharded (distributed.strategy); compiled when asked."""
     if wants_channels_last(model, cfg.training.channels_last, ctx.device):
         # Before DDP, which lays out its gradient buckets by the parameters' strides. A state dict holds the
         # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
-    ddp = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-                     find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
-    comm = install_comm_hook(ddp, cfg.distributed, ctx) if ctx.is_distributed else None
+    if cfg.distributed.strategy != "ddp":
+        wrapped, comm = shard(model, cfg, ctx), None
+    else:
+        wrapped = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+                             find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
+        comm = install_comm_hook(wrapped, cfg.distributed, ctx) if ctx.is_distributed else None
     if not cfg.training.compile:
-        return ddp, comm
-    compiled = torch.compile(ddp)
+        return wrapped, comm
+    compiled = torch.compile(wrapped)
     # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
     # every batch size, so the ragged last batch of each epoch finds it instead of compiling again.
     compiled.register_forward_pre_hook(_batch_dynamic, with_kwargs=True)

@@ -12,7 +12,6 @@ whole contract of a resume.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import time
@@ -35,6 +34,7 @@ from ddplab.engine.preemption import StopSignals
 from ddplab.engine.resume import Resumable, TrainState
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
+from ddplab.engine.sharding import full_state, load_full, micro_step
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
 
@@ -92,6 +92,7 @@ class Trainer(Resumable):
                     self.snapshot()
                 else:
                     self.stop_mid_epoch()
+            self.checkpoints.wait()  # a background snapshot is complete before the run goes on or ends
         finally:
             self.signals.restore()
         if s.stop_reason is None:
@@ -138,8 +139,7 @@ class Trainer(Resumable):
         step = s.step + 1
         for i, (inputs, target) in enumerate(micro):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
-            sync = contextlib.nullcontext() if i == n - 1 or not self.ctx.is_distributed else self.model.no_sync()
-            with sync:
+            with micro_step(self.model, last=i == n - 1):
                 mark("forward")
                 with self.autocast():
                     loss = self.task.loss(call_model(self.model, inputs), target)
@@ -258,7 +258,7 @@ class Trainer(Resumable):
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
         if self.cfg.checkpoint.save_best and (not val or improved):
             with timed(self, "snapshot"):
-                self.checkpoints.save_best(self.raw, self.cfg, self.data, row["epoch"], s.step, val_loss=val.get("loss"))
+                self.checkpoints.save_best(full_state(self.raw), self.cfg, self.data, row["epoch"], s.step, val_loss=val.get("loss"))
         return row
 
     def _tick(self) -> None:
@@ -284,7 +284,7 @@ class Trainer(Resumable):
             return {}
         self.ctx.barrier()
         if (best := self.checkpoints.root / BEST).is_file():
-            self.raw.load_state_dict(load_file(best)["model"])
+            load_full(self.raw, load_file(best)["model"])
         self.phase = "test"
         return self.evaluate(self.data.test, "test")
 

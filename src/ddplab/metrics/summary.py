@@ -6,14 +6,18 @@ import hashlib
 
 import torch
 
+from ddplab.engine.sharding import state_bytes
+
 from ddplab.engine.comm import comm_summary
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes: equal on all ranks iff DDP kept replicas identical."""
+    """SHA-256 of every parameter's bytes: equal on all ranks iff DDP kept replicas identical (a
+    collective under fsdp/hsdp: sharded parameters are gathered whole)."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -49,7 +53,9 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
                   "flops_per_token": flops},
         "ddp": {**view.batch, "backend": dist.backend, "launcher": dist.launch.launcher,
                 "lr": view.lr, "lr_scaling": cfg.training.lr_scaling,
-                "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook},
+                "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook,
+                "strategy": cfg.distributed.strategy, "state_bytes_per_rank": state_bytes(model, view.optimizer),
+                "snapshot_stalls": list(view.snapshot_stalls)},
         "comm": comm_summary(model, view.comm, cfg.distributed),
         "epochs": list(history), "steps": list(view.log_rows), "aggregates": aggregates, "test": test or {},
         "eta": eta_record(history, view.elapsed),

@@ -57,6 +57,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # what sharded training (distributed.strategy=fsdp) shards one by one
+
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.config = c

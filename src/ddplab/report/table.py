@@ -30,7 +30,7 @@ TIMING_COLUMNS = [
     ("lr", "lr"), ("steps_per_epoch", "steps / epoch"), ("epochs", "epochs"), ("repeats", "repeats"),
     ("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "samples/s"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("comm_ms_per_step", "comm ms/step"), ("compute_ms_per_step", "compute ms/step"),
-    ("rank_spread", "rank spread"), ("epochs_at_budget", "epochs @ budget"),
+    ("rank_spread", "rank spread"), ("epochs_at_budget", "epochs @ budget"), ("state_mb_per_rank", "state MiB / rank"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
 # The last epoch's val loss is left out of the table: the best one is there.
@@ -107,6 +107,8 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             # (slowest - fastest) / median of the ranks' own step time (metrics.stragglers)
             "rank_spread": _mean(r.get("rank_spread") for r in run.full_epochs or run.epochs),
             "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
+            # Parameters, gradients and optimizer state held by one rank: what fsdp / hsdp divide.
+            "state_mb_per_rank": run.ddp["state_bytes_per_rank"] / 2**20 if run.ddp.get("state_bytes_per_rank") else None,
             "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
             "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
             **{f"val_{k}": last.get(f"val_{k}") for k in SCORES}, **{f"test_{k}": test.get(k) for k in SCORES},

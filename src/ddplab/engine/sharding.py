@@ -1,0 +1,135 @@
+"""Sharded training, distributed.strategy=fsdp | hsdp, with PyTorch's FSDP2 (`fully_shard`).
+
+fsdp shards parameters, gradients and optimizer state over every process; hsdp shards within a
+node and replicates across nodes (a 2-D mesh, replicate x shard, from the launcher's processes per
+node). Blocks are sharded first and the root last, so one block's parameters are gathered at a
+time. The blocks: the modules whose class the model names in `_no_split_modules` (as Hugging Face
+models declare them; ddplab's GPT too), else every child with at least
+distributed.shard_min_params parameters, or what the workload's own `shard(model, mesh)` does.
+The model stays the module it was (FSDP2 shards in place), so the trainer's `raw` is the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from ddplab.errors import UserError
+from ddplab.workload import resolve
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
+    """The model sharded in place over the job's device mesh (a plain module on one process)."""
+    d, per_node = cfg.distributed, ctx.launch.local_world_size
+    model.to(ctx.device)
+    if not ctx.is_distributed:
+        return model
+    if d.strategy == "hsdp":
+        if ctx.world_size % per_node:
+            raise UserError(f"distributed.strategy=hsdp replicates across nodes: the world size {ctx.world_size} "
+                            f"must be a multiple of the {per_node} processes per node")
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    options = {"mesh": mesh, "mp_policy": precision(cfg.training.amp, ctx.device)}
+    if d.shard:
+        resolve(d.shard, "distributed.shard")(model, mesh)
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise UserError(f"distributed.shard={d.shard} sharded nothing: it must call "
+                            f"torch.distributed.fsdp.fully_shard(module, mesh=mesh) on the model's blocks")
+    else:
+        chosen = blocks(model, d.shard_min_params)
+        for block in chosen:
+            fully_shard(block, **options)
+        if ctx.is_main:
+            print(f"{d.strategy}: {len(chosen)} blocks sharded on their own "
+                  f"({_names(model, chosen)}), then the root", flush=True)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, **options)
+    return model
+
+
+def blocks(model: torch.nn.Module, min_params: int) -> list[torch.nn.Module]:
+    """The model's declared blocks, else its children (containers opened) of at least `min_params`."""
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    if declared:
+        return [m for m in model.modules() if type(m).__name__ in declared]
+    found, todo = [], list(model.children())
+    while todo:
+        m = todo.pop(0)
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            todo = list(m.children()) + todo
+        elif sum(p.numel() for p in m.parameters()) >= min_params:
+            found.append(m)
+    return found
+
+
+def _names(model, chosen) -> str:
+    names = [n for n, m in model.named_modules() if any(m is c for c in chosen)]
+    return ", ".join(names[:4]) + (f", ... {len(names) - 4} more" if len(names) > 4 else "") if names else "none"
+
+
+def precision(amp: str, device: torch.device) -> MixedPrecisionPolicy:
+    """training.amp on CUDA: parameters in bf16/fp16 for compute, gradients reduced in fp32."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    if dtype is None or device.type != "cuda":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def micro_step(model: torch.nn.Module, last: bool):
+    """The context of one micro-step: gradients are reduced (all-reduce, reduce-scatter) on the last only."""
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(inner, FSDPModule):
+        inner.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return inner.no_sync() if not last and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state(model: torch.nn.Module) -> dict:
+    """Every parameter whole, on the CPU (a collective when sharded; ranks other than 0 get {})."""
+    if not is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=FULL)
+
+
+def load_full(model: torch.nn.Module, state: dict) -> None:
+    """Whole weights into the model, each rank keeping its shard."""
+    if is_sharded(model):
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(state)
+
+
+def model_and_optimizer(model, optimizer) -> dict:
+    """{"model", "optimizer"} keyed by parameter names, sharded as trained: what a sharded snapshot holds
+    (torch.distributed.checkpoint reshards it on load, to any world size)."""
+    weights, optim = get_state_dict(model, optimizer)
+    return {"model": weights, "optimizer": optim}
+
+
+def load_model_and_optimizer(model, optimizer, state: dict) -> None:
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def state_bytes(model: torch.nn.Module, optimizer) -> int:
+    """This rank's bytes of parameters, their gradients (one per trainable parameter) and optimizer state."""
+    def local(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    params = sum(local(p) * (2 if p.requires_grad else 1) for p in model.parameters())
+    return params + sum(local(v) for state in optimizer.state.values() for v in state.values())

@@ -1,0 +1,203 @@
+"""distributed.strategy=fsdp|hsdp with real gloo processes: sharded snapshots that resume bit-identically
+and reshard to another world size, the global batch kept on such a resume (ddp too), async snapshots,
+export, and the bad inputs of sharded training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
+from ddplab.engine.checkpoint import Checkpointer
+from faults import command
+from test_fault_tolerance import _free_port, _summary, _trace
+
+SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
+
+
+def _args(corpus: Path, name: str, strategy: str = "fsdp") -> list[str]:
+    return ["train", f"data.path={corpus}", *TINY_GPT, "model.layers=2", f"data.limit={SAMPLES}", "training.epochs=2",
+            "checkpoint.every=2", "logging.log_every=1", "generate.max_new_tokens=0", "distributed.timeout=60",
+            "data.val_fraction=0.08",  # 49 validation chunks: one rank evaluates a batch more than the other
+            f"distributed.strategy={strategy}", f"experiment.name={name}"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from ddplab.data.text_lm import embedded_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(embedded_corpus()[:20_000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data) -> Path:
+    """An fsdp job of 2 processes, never interrupted."""
+    cwd = tmp_path_factory.mktemp("reference")
+    assert_ok(torchrun(2, *_args(data, "ref"), cwd=cwd))
+    return cwd / "experiments" / "ref"
+
+
+def _weights(run: Path) -> dict:
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    return ck.load_snapshot(ck.latest())["model"]  # a sharded snapshot's shards, gathered whole
+
+
+def _same_as(run: Path, reference: Path) -> None:
+    mine, ref = _weights(run), _weights(reference)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    losses = [[(r["step"], r["loss"]) for r in _summary(path)["steps"]] for path in (run, reference)]
+    assert losses[0] == losses[1]  # every step's loss, bit for bit
+
+
+def _run(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
+    return subprocess.run(command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_fsdp_shards_the_blocks_and_matches_ddp(reference):
+    log = (reference / "train.log").read_text()
+    shards = sorted(p.name for p in (Checkpointer(reference / "checkpoints", False).latest() / "shards").iterdir())
+    assert [n for n in shards if n.endswith(".distcp")] == ["__0_0.distcp", "__1_0.distcp"]  # each rank its own
+    summary = _summary(reference)
+    assert summary["ddp"]["strategy"] == "fsdp" and summary["ddp"]["ranks_identical"]
+    assert summary["status"] == "complete" and summary["aggregates"]["steps"] == 12
+    assert "global batch = 8 per process x 1 accumulation x 2 processes = 16" in log
+
+
+def test_a_killed_fsdp_job_with_async_snapshots_resumes_bit_identically(tmp_path, data, reference):
+    args = [*_args(data, "k"), "checkpoint.async_save=true"]
+    assert_ok(_run("kill_rank=1,step=9", args, tmp_path, nproc=2, max_restarts=1))
+    run = tmp_path / "experiments" / "k"
+    assert "resumed from" in (run / "train.log").read_text() and "step-000000008" in (run / "train.log").read_text()
+    _same_as(run, reference)  # the sharded async snapshot of step 8 was complete, and exact
+    stalls = _summary(run)["ddp"]["snapshot_stalls"]
+    assert stalls and all(s["async"] and s["stall_s"] > 0 for s in stalls)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_resume_on_one_process_keeps_the_global_batch_and_every_sample(tmp_path, data, strategy):
+    trace = tmp_path / "trace"
+    args = _args(data, "w", strategy)
+    _run(f"trace={trace},signal_rank=0,step=4", args, tmp_path, nproc=2)
+    assert _summary(tmp_path / "experiments" / "w")["status"] == "preempted"
+    proc = _run(f"trace={trace}", args, tmp_path)  # 2 -> 1 process
+    assert_ok(proc)
+    assert "training.grad_accum_steps 1 -> 2: the global batch stays 16 on 1 processes" in proc.stdout
+    assert "global batch = 8 per process x 2 accumulation x 1 processes = 16" in proc.stdout
+    summary = _summary(tmp_path / "experiments" / "w")
+    assert summary["aggregates"]["steps"] == 12 and summary["ddp"]["global"] == 16  # the same optimisation length
+    for epoch, ranks in _trace(trace).items():
+        seen = Counter(i for indices in ranks.values() for i in indices)
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
+
+
+def test_a_resume_on_more_processes_reshards_or_says_what_to_set(tmp_path, data):
+    args = _args(data, "up")
+    _run("signal_rank=0,step=2", args, tmp_path)  # 1 process, global batch 8
+    refused = ddplab(*args, "--nproc-per-node", "2", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "cannot keep the run's global batch of 8 on 2 processes" in refused.stderr
+    assert "set training.batch_size=4" in refused.stderr
+    _run("signal_rank=1,step=6", [*args, "training.batch_size=4"], tmp_path, nproc=2)  # 1 -> 2, resharded
+    assert _summary(tmp_path / "experiments" / "up")["aggregates"]["steps"] == 6
+    assert_ok(torchrun(4, *args, "training.batch_size=2", cwd=tmp_path))  # 2 -> 4
+    summary = _summary(tmp_path / "experiments" / "up")
+    assert summary["aggregates"]["steps"] == 24 and summary["ddp"]["global"] == 8 and summary["aggregates"]["resumes"] == 2
+
+
+def _two_nodes(spec: str, args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """4 processes as 2 nodes x 2: two torchrun agents on loopback (LOCAL_WORLD_SIZE=2)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
+                               *command(spec, args)[1:]], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    return [p.communicate(timeout=240) and p for p in procs]
+
+
+def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    args = [*_args(data, "h", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
+    _two_nodes("", args, ref)
+    _two_nodes("signal_rank=3,step=4", args, tmp_path)
+    assert _summary(tmp_path / "experiments" / "h")["status"] == "preempted"
+    _two_nodes("", args, tmp_path)
+    _same_as(tmp_path / "experiments" / "h", ref / "experiments" / "h")
+    assert _summary(ref / "experiments" / "h")["ddp"]["world_size"] == 4
+
+
+
+def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference):
+    from ddplab.inference import load_model
+    from ddplab.models.gpt import GPT, GPTConfig
+
+    out = tmp_path / "model.safetensors"
+    assert_ok(ddplab("export", str(reference), "--output", str(out)))
+    summary = _summary(reference)
+    m = summary["config"]["model"]
+    fresh = GPT(GPTConfig(vocab_size=summary["dataset"]["vocab_size"], context=m["context"], layers=m["layers"],
+                          heads=m["heads"], dim=m["dim"])).eval()
+    fresh.load_state_dict(load_file(out))
+    trained, _, _ = load_model(reference)
+    idx = torch.randint(0, summary["dataset"]["vocab_size"], (2, 16))
+    assert torch.equal(fresh(idx), trained(idx))
+
+
+def test_bad_sharding_inputs_say_one_line(tmp_path, data):
+    for extra, says in ((["distributed.comm_hook=fp16"], "distributed.comm_hook=fp16 is a DDP communication hook"),
+                        ([f"distributed.shard={tmp_path}/nope.py:shard"], "distributed.shard: no such file")):
+        proc = ddplab(*_args(data, "bad"), *extra, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    (tmp_path / "lazy.py").write_text("def shard(model, mesh):\n    pass\n")
+    proc = torchrun(2, *_args(data, "lazy"), f"distributed.shard={tmp_path}/lazy.py:shard", cwd=tmp_path)
+    assert proc.returncode != 0 and "lazy.py:shard sharded nothing" in proc.stderr + proc.stdout
+
+    args = [*_args(data, "one"), "training.max_steps=2"]
+    assert_ok(_run("", args, tmp_path))  # one process: the snapshot is still written with DCP
+    snap = Checkpointer(tmp_path / "experiments" / "one" / "checkpoints", False).latest()
+    proc = ddplab(*_args(data, "other"), "model.dim=16", f"checkpoint.resume={snap}", cwd=tmp_path)
+    assert proc.returncode == 2 and "tok_emb.weight is (" in proc.stderr and "this config builds" in proc.stderr
+
+
+def test_hsdp_needs_whole_nodes_and_a_model_names_its_blocks():
+    from ddplab.distributed import DistContext, LaunchInfo
+    from ddplab.engine.sharding import blocks, shard
+    from ddplab.errors import UserError
+    from ddplab.models.gpt import GPT, GPTConfig
+    from ddplab.registry import load_config
+
+    cfg = load_config(None, ["distributed.strategy=hsdp"])
+    ctx = DistContext(LaunchInfo("torchrun", world_size=3, local_world_size=2), "gloo", torch.device("cpu"))
+    with pytest.raises(UserError, match="world size 3 must be a multiple of the 2 processes per node"):
+        shard(torch.nn.Linear(2, 2), cfg, ctx)
+    gpt = GPT(GPTConfig(vocab_size=10, context=8, layers=3, heads=2, dim=8))
+    assert blocks(gpt, 10**9) == list(gpt.blocks)  # declared, whatever their size
+    mlp = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.ReLU(), torch.nn.Linear(100, 2))
+    assert blocks(mlp, 1000) == [mlp[0]]  # a model that declares none: its children of at least 1000 parameters
+
+
+def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_path, data):
+    import resource
+
+    args = _args(data, "full")
+    _run("signal_rank=0,step=2", args, tmp_path)
+    ckpts = Path("experiments", "full", "checkpoints")  # as the run names them: relative to its folder
+    proc = subprocess.run(command("", args), cwd=tmp_path, env=_env(), text=True,
+                          capture_output=True, timeout=120,  # files over 20 kB cannot be written: a full disk
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot write snapshot {ckpts}/step-000000004 (OSError: [Errno 27] File too large" in proc.stderr
+    assert f"the previous complete snapshot ({ckpts}/step-000000002) is kept" in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
+    assert _weights(tmp_path / "experiments" / "full")  # and it loads
