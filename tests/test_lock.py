@@ -34,8 +34,9 @@ def test_fingerprint_allows_only_the_documented_fields():
            "model": {"dim": 32}}
     assert differences(old, new) == []
     new["model"]["dim"] = 64
-    new["training"]["batch_size"] = 64
-    assert differences(old, new) == [("training.batch_size", 8, 64), ("model.dim", 32, 64)]
+    new["training"]["batch_size"] = 64  # safe: a resume keeps the global batch by recomputing the accumulation
+    new["training"]["weight_decay"], old["training"]["weight_decay"] = 0.5, 0.0
+    assert differences(old, new) == [("training.weight_decay", 0.0, 0.5), ("model.dim", 32, 64)]
     assert safe("logging.trackers") and not safe("training.lr") and "training.time_budget" in SAFE_TO_CHANGE
 
 
