@@ -18,6 +18,7 @@ names the collectives each rank never completed, from torch's flight recorder (f
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -77,6 +78,16 @@ def gist(exc: BaseException) -> str:
         return f"{text.splitlines()[-1][:200]} (in a DataLoader worker, at {file}:{line} in {function})"
     line = re.sub(r"^\[[^\]]*:\d+\] ", "", (text.splitlines() or [""])[0])
     return f"{type(exc).__name__}: {line[:200]}"
+
+
+def _gone(beat: dict) -> bool:
+    """On this host: the process has exited (a zombie not yet reaped counts); elsewhere: no beat for 3 s."""
+    if beat["host"] != socket.gethostname():
+        return time.time() - beat.get("at", time.time()) > 3
+    try:
+        return Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _at(place: dict | None) -> str:
@@ -208,6 +219,8 @@ class Heartbeat:
             pass
 
     def _report(self, errors: dict[int, dict]) -> dict:
+        with contextlib.suppress(Exception):  # the latest beats, if the store still answers
+            self._read_all()
         failure = compose(self.seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
         self.run.log(failure["report"], echo=False)
         self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
@@ -231,15 +244,19 @@ class Heartbeat:
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
     """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
     beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
-    # Still for 2 s while not in a collective: the rank the others waited for (a rank still moving is not).
-    stalled = sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
-                     key=lambda b: -b["still_s"])
+    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
+    # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
+    gone = [b for r, b in beats.items() if r not in errors and _gone(b)] or [
+        {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}  # ended before its first beat
+        for r in range(world_size) if r not in beats and r not in errors]
+    stalled = gone or sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
+                             key=lambda b: -b["still_s"])
     if stalled:
         b = stalled[0]
         culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
-        silent = time.time() - b.get("at", time.time())  # a rank whose beat stopped: its process died or froze
-        head = (f"rank {b['rank']} went silent {silent:.0f} s before the end (its process died or froze), last seen in "
-                f"{b['phase']} at step {b['step']} (host {b['host']}): {_at(b['where'])}" if silent > 3 else
+        head = (f"rank {b['rank']} died or froze before its first heartbeat" if gone and b["host"] is None else
+                f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
+                f"(host {b['host']}): {_at(b['where'])}" if gone else
                 f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
                 f"{b['still_s']:.0f} s): {_at(b['where'])}")
     else:
