@@ -20,7 +20,7 @@ from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.trainer import Trainer
 from ddplab.errors import ExitCode, UserError
-from ddplab.launch import report_failure
+from ddplab.launch import report_failure, report_preempted
 from ddplab.metrics import env as env_info
 from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports
@@ -91,6 +91,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 result = summary(view, "preempted", code)
                 run.write_json(RunFolder.METRICS_JSON, result)
                 run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
+                report_preempted()  # now, not after the teardown: a process that aborts at exit has told the launcher
                 trainer.end(result)
                 return result
             digests = ctx.gather_objects(parameter_digest(view.model))

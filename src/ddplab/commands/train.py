@@ -12,7 +12,7 @@ from ddplab.config_io import format_duration
 from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, UserError
-from ddplab.launch import die_with_parent, quick_exit, report_preempted, run_workers, under_agent
+from ddplab.launch import die_with_parent, quick_exit, run_workers, under_agent
 from ddplab.metrics.phases import note_launch
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
 
@@ -33,7 +33,6 @@ def train(ns) -> int:
     # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
     summary = record(train)(cfg)
     if summary["status"] == "preempted":
-        report_preempted()
         return ExitCode.PREEMPTED
     if under_agent():
         quick_exit(ExitCode.OK)  # the run is recorded and its files closed
