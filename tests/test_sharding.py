@@ -201,3 +201,19 @@ def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_p
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
     assert _weights(tmp_path / "experiments" / "full")  # and it loads
+
+
+def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference):
+    summary = _summary(reference)
+    state, units = summary["ddp"]["state_bytes_per_rank"], summary["comm"]["units"]
+    whole = 4 * summary["model"]["parameters"]  # float32
+    # Rank 0 holds its half of every parameter (a shard a row larger where a dimension is odd), as
+    # many gradient bytes, and Adam's two moments of each.
+    assert whole / 2 <= state["parameters"] == state["gradients"] < 0.55 * whole
+    assert state["optimizer"] >= 2 * state["parameters"]
+    # What FSDP gathers as one: the root's own parameters, then each of the 2 blocks.
+    assert len(units) == 3 and sum(u["bytes"] for u in units) == whole
+    assert all(row["peak_mem_mb"] > 0 for row in summary["epochs"])
+    proc = ddplab("generate", str(reference), "--prompt", "The", "--max-new-tokens", "12", timeout=120)
+    assert_ok(proc)
+    assert "The" in proc.stdout
