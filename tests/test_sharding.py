@@ -217,3 +217,15 @@ def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference):
     proc = ddplab("generate", str(reference), "--prompt", "The", "--max-new-tokens", "12", timeout=120)
     assert_ok(proc)
     assert "The" in proc.stdout
+
+
+def test_a_model_sharded_as_one_unit_saves_whole_weights_after_a_forward_pass(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from ddplab.engine.sharding import full_state, is_sharded
+
+    model = fully_shard(torch.nn.Linear(4, 2))  # the root its only unit, as for a model without blocks
+    with torch.no_grad():
+        model(torch.randn(3, 4))  # evaluation: FSDP2 leaves the root's parameters gathered, plain tensors
+    # What best.pt holds must load into the plain model (`predict`, `generate`): whole tensors, no DTensor.
+    assert is_sharded(model) and all(type(v) is torch.Tensor for v in full_state(model).values())

@@ -97,7 +97,8 @@ def micro_step(model: torch.nn.Module, last: bool):
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    # Not its parameters' type: after a forward pass FSDP2 leaves the root's parameters gathered, plain tensors.
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def full_state(model: torch.nn.Module) -> dict:
