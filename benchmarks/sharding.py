@@ -1,6 +1,6 @@
 """What sharding costs and saves: the char GPT on 2 CPU processes, fsdp beside ddp, as ratios.
 
-- per-rank bytes of parameters + gradients + optimizer state (metrics.json ddp.state_bytes_per_rank),
+- per-rank bytes of parameters + gradients + optimizer state (the sum of metrics.json ddp.state_bytes_per_rank),
   target <= 0.55x DDP's;
 - step time (training time of the epochs after the first, per optimizer step), target <= 1.3x DDP's;
 - the stall a snapshot causes (metrics.json ddp.snapshot_stalls, the slowest rank's median), fsdp with
@@ -69,8 +69,8 @@ def main() -> None:
 
     params = fsdp["model"]["parameters"]
     print(f"char GPT, {params:,} parameters ({a.layers} layers, dim {a.dim}), 2 processes on CPU (gloo)")
-    rows = [("per-rank param+grad+optimizer bytes", ddp["ddp"]["state_bytes_per_rank"],
-             fsdp["ddp"]["state_bytes_per_rank"], 0.55, "{:,.0f}"),
+    rows = [("per-rank param+grad+optimizer bytes", sum(ddp["ddp"]["state_bytes_per_rank"].values()),
+             sum(fsdp["ddp"]["state_bytes_per_rank"].values()), 0.55, "{:,.0f}"),
             ("step time (s)", step_time(ddp), step_time(fsdp), 1.3, "{:.4f}"),
             (f"snapshot stall (s), {a.stall_layers}x{a.stall_dim}: sync | async", stalls["sync"], stalls["async"], 0.3,
              "{:.4f}")]

@@ -62,6 +62,56 @@ def test_bucket_overlap_hides_all_but_the_tail():
     assert (end, exposed) == pytest.approx((0.015, 0.003))
 
 
+def test_fsdp_gathers_each_unit_ahead_of_its_compute_and_reduces_after_it():
+    from ddplab.forecast.sharded import gathered_pass
+
+    units = [{"bytes": 100}, {"bytes": 100}]
+    # Forward 10 ms over two units, a 3 ms gather each: the first gather shows (3 ms), the second
+    # runs while the first unit computes (3 to 8 ms): the pass ends at 13 ms, 6 ms communicating.
+    assert gathered_pass(0.010, units, lambda n: 0.003) == pytest.approx((0.013, 0.006))
+    # Backward with a 2 ms reduce-scatter after each unit: units end at 8 and 13 ms, their
+    # reductions at 10 and 15 ms.
+    assert gathered_pass(0.010, units, lambda n: 0.003, lambda n: 0.002) == pytest.approx((0.015, 0.010))
+
+
+def test_fsdp_step_and_bytes_beside_ddp_by_hand():
+    from ddplab.forecast.model import Comm, Compute, predict_step
+    from ddplab.forecast.sharded import sent_bytes
+
+    # Per step: forward 4 ms, backward 8 ms, 2 ms of optimizer; 1 MB of parameters in one unit/bucket.
+    compute = Compute(forward=(0.004, 0.0), backward=(0.008, 0.0), data_wait=(0.0, 0.0), rest=(0.002, 0.0), timed=True)
+    link, buckets = Link(0.0, 1e8), [{"bytes": 1e6, "numel": 250_000}]
+    # 2 processes at 100 MB/s: DDP's all-reduce sends 1/2 x 2 x 1 MB = 10 ms after backward: 24 ms.
+    ddp = predict_step(compute, Comm(buckets), 1, 2, 32, link, link)
+    assert (ddp.step_s, ddp.comm_s, ddp.sent_bytes) == pytest.approx((0.024, 0.010, 1e6))
+    # fsdp gathers 1/2 x 1 MB (5 ms) before forward, again before backward, and reduce-scatters
+    # 5 ms after it: 14 + 15 = 29 ms, 1.5 MB sent.
+    fsdp = predict_step(compute, Comm(buckets, strategy="fsdp"), 1, 2, 32, link, link)
+    assert (fsdp.step_s, fsdp.comm_s, fsdp.exposed_s, fsdp.sent_bytes) == pytest.approx((0.029, 0.015, 0.015, 1.5e6))
+    # Per rank and step: ddp 2 (N-1)/N, fsdp 3 (N-1)/N of the bytes (5 (N-1)/N with 2 micro-steps,
+    # which gather twice each); hsdp on 2 nodes x 2: 3 x 1/2 inside the node, then its half shard
+    # all-reduced across the 2 nodes (2 x 1/2 x 1/2).
+    assert sent_bytes("ddp", 1e6, 1, 4, 1) == pytest.approx(1.5e6)
+    assert sent_bytes("fsdp", 1e6, 1, 4, 1) == pytest.approx(2.25e6)
+    assert sent_bytes("fsdp", 1e6, 1, 4, 2) == pytest.approx(3.75e6)
+    assert sent_bytes("hsdp", 1e6, 2, 2, 1) == pytest.approx(2.0e6)
+    # hsdp on one node is fsdp; across nodes the gathers stay on the fast link.
+    fast, slow = Link(0.0, 1e10), Link(0.0, 1e7)
+    one_node = [predict_step(compute, Comm(buckets, strategy=s), 1, 4, 32, slow, fast).step_s for s in ("fsdp", "hsdp")]
+    assert one_node[0] == pytest.approx(one_node[1])
+    two_nodes = {s: predict_step(compute, Comm(buckets, strategy=s), 2, 2, 32, slow, fast) for s in ("fsdp", "hsdp")}
+    assert two_nodes["hsdp"].step_s < two_nodes["fsdp"].step_s
+
+
+def test_the_units_fsdp_gathers_as_run_or_as_it_would_shard():
+    from ddplab.engine.sharding import fsdp_units
+
+    # A block of 4 x 100 + 100 = 500 parameters is sharded on its own; the root keeps the first layer's 20.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
+    assert fsdp_units(model, min_params=100) == [{"bytes": 80, "params": 2}, {"bytes": 2000, "params": 2}]
+    assert fsdp_units(model, min_params=10_000) == [{"bytes": 2080, "params": 4}]
+
+
 def test_compute_from_two_batch_sizes_is_a_fixed_part_plus_a_part_per_sample():
     from ddplab.forecast.model import Measured, fit_compute
 
@@ -127,6 +177,21 @@ def test_a_slower_given_link_costs_more_and_fp16_halves_the_transfer(tmp_path):
     assert float(half["4x1"]["comm_ms"]) == pytest.approx(float(slow["4x1"]["comm_ms"]) / 2, rel=0.02)
 
 
+def test_a_strategy_that_was_not_measured_is_forecast_beside_the_runs_own(tmp_path):
+    # The fixture's runs are ddp; at 10 Mbit/s and 10 us on 2 processes, fsdp's three half-ring
+    # collectives cost 1.5x DDP's all-reduce, time and bytes (one unit: nothing overlaps).
+    out = tmp_path / "out"
+    assert main(["forecast", str(STUDY), "--output", str(out), "--setups", "1x1,2x1", "--bandwidth", "10Mbit",
+                 "--latency", "10us", "--strategy", "ddp,fsdp"]) == 0
+    rows = {(r["strategy"], r["setup"]): r for r in csv.DictReader(open(out / "forecast.csv"))}
+    ddp, fsdp = rows["ddp", "2x1"], rows["fsdp", "2x1"]
+    grad = json.loads((STUDY / "n1" / "metrics.json").read_text())["comm"]["grad_bytes"]
+    assert float(ddp["sent_mb"]) == pytest.approx(grad / 1e6) and float(fsdp["sent_mb"]) == pytest.approx(1.5 * grad / 1e6)
+    assert float(fsdp["comm_ms"]) == pytest.approx(1.5 * float(ddp["comm_ms"]))
+    assert float(rows["fsdp", "1x1"]["step_ms"]) == pytest.approx(float(rows["ddp", "1x1"]["step_ms"]))
+    assert "| fsdp | 2x1 |" in (out / "forecast.md").read_text()
+
+
 def _exit_code(argv) -> int:
     """main()'s return code, or the code argparse exits with."""
     try:
@@ -142,6 +207,8 @@ def _exit_code(argv) -> int:
     (["--bandwidth", "5Gfoo"], "unknown unit"),
     (["--latency", "5"], "--latency: expected a number with a unit"),
     (["--budget", "soon"], "--budget"),
+    (["--strategy", "zero3"], "--strategy: expected ddp, fsdp or hsdp"),
+    (["--strategy", "fsdp", "--comm-hook", "fp16"], "is a DDP communication hook"),
 ])
 def test_bad_options_exit_2_with_one_line(tmp_path, capsys, args, words):
     assert _exit_code(["forecast", str(STUDY), "--output", str(tmp_path), *args]) == 2

@@ -61,7 +61,7 @@ def test_report_files(tmp_path):
     md = make_report([tmp_path / "runs"], tmp_path / "out", budget_s=25.0)
     text = md.read_text()
     assert "| a2 |" in text and "| 1.80 | 0.90 |" in text and "90.00%" in text
-    assert "within 25.0 s" in text
+    assert "within 25.0 s" in text and "Memory and cost per strategy" not in text  # DDP only
     rows = list(csv.DictReader(open(tmp_path / "out" / "report.csv")))
     assert [r["point"] for r in rows] == ["a1", "a2"] and float(rows[1]["efficiency"]) == pytest.approx(0.9)
     for png in ("epoch_time", "scaling", "loss_epochs", "loss_time", "accuracy_time", "comm"):
@@ -180,3 +180,33 @@ def test_epochs_at_budget_is_measured_within_the_budget_or_says_why_not(tmp_path
     assert build_rows(runs, 100.0)[0]["epochs_at_budget"] == pytest.approx(1.0)  # step 10 logged at 80 s
     text = make_report([tmp_path], tmp_path / "o").read_text()
     assert "— (no budget: pass --budget" in text and "shortest" not in text
+
+
+def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path):
+    # (strategy, processes, parameter / gradient / optimizer MiB per rank, peak MiB, epoch s of 10 steps)
+    for strategy, world, state, peak, epoch_time in (("ddp", 1, (4, 4, 8), 500, 10.0), ("ddp", 2, (4, 4, 8), 600, 12.0),
+                                                     ("fsdp", 1, (4, 4, 8), 500, 10.0), ("fsdp", 2, (2, 2, 4), 450, 13.0)):
+        folder = _point(tmp_path, f"{strategy}-n{world}", f"1x{world}", 100.0 * world, epoch_time=epoch_time)
+        summary = json.loads((folder / "metrics.json").read_text())
+        summary["config"]["distributed"] = {"strategy": strategy}  # its own experiment, with its own 1-process point
+        summary["ddp"] |= {"strategy": strategy, "state_bytes_per_rank": dict(zip(
+            ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state)))}
+        for row in summary["epochs"]:
+            row["peak_mem_mb"] = peak + row["epoch"]  # the largest epoch's counts
+        (folder / "metrics.json").write_text(json.dumps(summary))
+        point = json.loads((folder / "study_point.json").read_text())
+        (folder / "study_point.json").write_text(json.dumps(point | {"swept": {"distributed.strategy": strategy}}))
+    runs, _ = find_runs([tmp_path])
+    rows = {r["point"]: r for r in build_rows(runs, None)}
+    fsdp, ddp = rows["fsdp-n2"], rows["ddp-n2"]
+    assert (fsdp["params_mb"], fsdp["grads_mb"], fsdp["optim_mb"], fsdp["peak_mem_mb"]) == (2, 2, 4, 453)
+    # Step: 13 s / 10 steps; overhead over fsdp's own 1-process point (10 s / 10 steps): 300 ms.
+    assert fsdp["step_ms"] == pytest.approx(1300) and fsdp["overhead_ms_per_step"] == pytest.approx(300)
+    assert ddp["overhead_ms_per_step"] == pytest.approx(200) and rows["ddp-n1"]["overhead_ms_per_step"] == 0
+    # DDP's all-reduce is timed (1.5 s over 30 steps); the rows' figure under fsdp is not a measurement.
+    assert ddp["comm_ms_per_step"] == pytest.approx(50) and fsdp["comm_ms_per_step"] is None
+    md = make_report([tmp_path], tmp_path / "out").read_text()
+    timing, memory = md.split("## Memory and cost per strategy")
+    assert "| point | setup (nodes x procs) | strategy | processes |" in timing  # the swept strategy as a column
+    assert "| fsdp-n2 | 1x2 | fsdp | 2 | 2 | 4 | 453 | 200.0 | 1,300.0 | — | 300.0 |" in memory
+    assert "| ddp-n2 | 1x2 | ddp | 4 | 4 | 8 | 603 | 200.0 | 1,200.0 | 50.0 | 200.0 |" in memory

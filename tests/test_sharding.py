@@ -201,3 +201,31 @@ def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_p
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
     assert _weights(tmp_path / "experiments" / "full")  # and it loads
+
+
+def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference):
+    summary = _summary(reference)
+    state, units = summary["ddp"]["state_bytes_per_rank"], summary["comm"]["units"]
+    whole = 4 * summary["model"]["parameters"]  # float32
+    # Rank 0 holds its half of every parameter (a shard a row larger where a dimension is odd), as
+    # many gradient bytes, and Adam's two moments of each.
+    assert whole / 2 <= state["parameters"] == state["gradients"] < 0.55 * whole
+    assert state["optimizer"] >= 2 * state["parameters"]
+    # What FSDP gathers as one: the root's own parameters, then each of the 2 blocks.
+    assert len(units) == 3 and sum(u["bytes"] for u in units) == whole
+    assert all(row["peak_mem_mb"] > 0 for row in summary["epochs"])
+    proc = ddplab("generate", str(reference), "--prompt", "The", "--max-new-tokens", "12", timeout=120)
+    assert_ok(proc)
+    assert "The" in proc.stdout
+
+
+def test_a_model_sharded_as_one_unit_saves_whole_weights_after_a_forward_pass(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from ddplab.engine.sharding import full_state, is_sharded
+
+    model = fully_shard(torch.nn.Linear(4, 2))  # the root its only unit, as for a model without blocks
+    with torch.no_grad():
+        model(torch.randn(3, 4))  # evaluation: FSDP2 leaves the root's parameters gathered, plain tensors
+    # What best.pt holds must load into the plain model (`predict`, `generate`): whole tensors, no DTensor.
+    assert is_sharded(model) and all(type(v) is torch.Tensor for v in full_state(model).values())

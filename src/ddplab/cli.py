@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s)")
     f.add_argument("--batch-size", type=int, help="batch per process (default: the 1-process run's)")
     f.add_argument("--comm-hook", help="none, fp16, bf16, powersgd or powersgd:RANK (default: the runs')")
+    f.add_argument("--strategy", help="ddp, fsdp, hsdp, or several comma-separated (default: the runs')")
     f.add_argument("--output", help="folder for forecast.md/.csv/.png (default: the folder given, or ./forecast)")
     return p
 

@@ -52,7 +52,8 @@ def forecast(ns) -> int:
     at_least("--batch-size", ns.batch_size)
     from ddplab.forecast import Options, make_forecast  # scipy and matplotlib: the report extra
 
-    opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook)
+    opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook,
+                   ns.strategy)
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
     path = make_forecast(ns.dirs, out, opts)
     print(f"{path.read_text()}forecast: {path}")

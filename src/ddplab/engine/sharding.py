@@ -97,7 +97,8 @@ def micro_step(model: torch.nn.Module, last: bool):
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    # Not its parameters' type: after a forward pass FSDP2 leaves the root's parameters gathered, plain tensors.
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def full_state(model: torch.nn.Module) -> dict:
@@ -126,10 +127,23 @@ def load_model_and_optimizer(model, optimizer, state: dict) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """This rank's bytes of parameters, their gradients (one per trainable parameter) and optimizer state."""
+def state_bytes(model: torch.nn.Module, optimizer) -> dict:
+    """This rank's bytes of parameters, of their gradients (one per trainable parameter) and of optimizer state."""
     def local(t):
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-    params = sum(local(p) * (2 if p.requires_grad else 1) for p in model.parameters())
-    return params + sum(local(v) for state in optimizer.state.values() for v in state.values())
+    return {"parameters": sum(local(p) for p in model.parameters()),
+            "gradients": sum(local(p) for p in model.parameters() if p.requires_grad),
+            "optimizer": sum(local(v) for state in optimizer.state.values() for v in state.values())}
+
+
+def fsdp_units(model: torch.nn.Module, min_params: int) -> list[dict]:
+    """Bytes of the parameters FSDP gathers as one, root first then its blocks in registration order (about
+    forward order): as the run sharded the model, or as distributed.strategy=fsdp would (for `ddplab forecast`)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model, *blocks(model, min_params)]
+    seen, out = set(), []
+    for unit in reversed(units):  # innermost first: a parameter belongs to the innermost unit holding it
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        out.append({"bytes": sum(p.numel() * p.element_size() for p in own), "params": len(own)})
+    return [u for u in out[::-1] if u["params"]]

@@ -1,8 +1,9 @@
-"""`ddplab forecast`: predicted step and epoch time of DDP setups that were never run, from run
-folders that were. See docs/forecast.md for the model and its assumptions."""
+"""`ddplab forecast`: predicted step and epoch time of setups and strategies (ddp, fsdp, hsdp)
+that were never run, from run folders that were. See docs/forecast.md for the model and its assumptions."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from ddplab.errors import UserError
 from ddplab.forecast.fit import fit_link
 from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
 from ddplab.forecast.model import Comm, fit_compute, measure, predict_step
+from ddplab.forecast.sharded import STRATEGIES
 from ddplab.forecast.write import write_all
 from ddplab.report.runs import find_runs
 from ddplab.study.grid import parse_setups
@@ -28,6 +30,7 @@ class Options:
     budget: str | None = None
     batch_size: int | None = None
     comm_hook: str | None = None
+    strategy: str | None = None  # comma-separated; default: the runs' own
 
 
 @dataclass
@@ -65,6 +68,12 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     intra_bw = parse_bandwidth(opts.intra_bandwidth, "--intra-bandwidth") if opts.intra_bandwidth is not None else None
     budget = parse_duration(opts.budget, "--budget")
     hook, rank = parse_hook(opts.comm_hook)
+    asked = [s.strip() for s in opts.strategy.split(",")] if opts.strategy else []
+    if any(s not in STRATEGIES for s in asked) or (opts.strategy and not asked):
+        raise UserError(f"--strategy: expected ddp, fsdp or hsdp (comma-separated), got {opts.strategy!r}")
+    if hook not in (None, "none") and set(asked) - {"ddp"}:
+        raise UserError(f"--comm-hook {opts.comm_hook} is a DDP communication hook; fsdp and hsdp reduce gradients "
+                        f"themselves: forecast them without it")
 
     label, measured = load(dirs)
     singles = [m for m in measured if m.processes == 1]
@@ -106,17 +115,21 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     if not buckets:
         raise UserError("forecast: the runs do not record their gradient buckets (metrics.json 'comm'); "
                         "re-run them with this version of ddplab")
+    strategies = asked or [s for s in STRATEGIES if any(m.strategy == s for m in measured)]
+    units = next((m.units for m in measured if m.units), [])
     comm = Comm(buckets, hook or ref.hook, rank)
     batch, accum, n_train = opts.batch_size or ref.batch, ref.accum, ref.train_samples
     one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)
     epoch_one = batch_arithmetic(batch, accum, 1, n_train)["steps_per_epoch"] * one.step_s
     rows = []
-    for s in setups:
-        step = predict_step(compute, comm, s.nodes, s.per_node, batch, inter, intra, accum, scale)
+    for strategy, s in itertools.product(strategies, setups):
+        how = comm if strategy == "ddp" else Comm(buckets, "none", 1, strategy, units)
+        step = predict_step(compute, how, s.nodes, s.per_node, batch, inter, intra, accum, scale)
         counts = batch_arithmetic(batch, accum, s.processes, n_train)
         epoch = counts["steps_per_epoch"] * step.step_s
         speedup = epoch_one / epoch if epoch else None
-        rows.append({"setup": s.label, "nodes": s.nodes, "per_node": s.per_node, "processes": s.processes,
+        rows.append({"strategy": strategy, "setup": s.label, "nodes": s.nodes, "per_node": s.per_node,
+                     "processes": s.processes, "sent_mb": step.sent_bytes / 1e6,
                      "global_batch": counts["global"], "steps_per_epoch": counts["steps_per_epoch"],
                      "step_ms": step.step_s * 1e3, "compute_ms": step.compute_s * 1e3, "comm_ms": step.comm_s * 1e3,
                      "exposed_comm_ms": step.exposed_s * 1e3, "epoch_s": epoch,
@@ -126,6 +139,11 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     grad = sum(b["bytes"] for b in buckets)
     notes.append(f"{n_train} training samples, {batch} per process, gradient {grad:,} bytes in {len(buckets)} "
                  f"bucket(s), hook {comm.hook}" + (f" (rank {rank})" if comm.hook == "powersgd" else ""))
+    if set(strategies) - {"ddp"}:
+        source = "as the runs recorded them" if units else "the gradient buckets standing in: the runs did not record them"
+        shown = Comm(buckets, units=units).units
+        notes.append(f"fsdp/hsdp: {len(shown)} unit(s) gathered one by one ({source}), "
+                     f"{sum(u['bytes'] for u in shown):,} bytes of parameters")
     return Forecast(label, rows, notes, fit, budget)
 
 

@@ -32,8 +32,8 @@ class Fit:
     max_rel: float
 
 
-def comm_of(m: Measured, hook: str | None = None, rank: int = 1) -> Comm:
-    return Comm(m.buckets, hook or m.hook, rank)
+def comm_of(m: Measured) -> Comm:
+    return Comm(m.buckets, m.hook, 1, m.strategy, m.units)
 
 
 def _link(x: np.ndarray) -> Link:
@@ -41,7 +41,7 @@ def _link(x: np.ndarray) -> Link:
 
 
 def predict_measured(compute: Compute, m: Measured, link: Link, scale: float) -> float:
-    """A measured run's step as the model sees it: its own setup, batch, hook and simulated link;
+    """A measured run's step as the model sees it: its own setup, strategy, batch, hook and simulated link;
     the measured link joins both the processes of a node and the nodes (one machine here)."""
     return predict_step(compute, comm_of(m), m.nodes, m.per_node, m.batch, link, link, m.accum, scale,
                         m.latency_ms, m.bandwidth_mbps).step_s

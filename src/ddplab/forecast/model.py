@@ -1,5 +1,6 @@
 """The step-time model: compute from the 1-process runs, gradient buckets from the run's DDP
-model, and each bucket's all-reduce overlapped with the backward pass as DDP does it."""
+model, and each bucket's all-reduce overlapped with the backward pass as DDP does it (FSDP's
+gathers and reduce-scatters: forecast/sharded.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from ddplab.errors import UserError
 from ddplab.forecast.links import Link, allreduce_s, wire_messages
+from ddplab.forecast.sharded import sent_bytes, sharded_step
 from ddplab.report.runs import Run
 
 # Share of a step's model compute that is backward when a run did not time it (older runs):
@@ -37,6 +39,8 @@ class Measured:
     bandwidth_mbps: float | None
     hook: str
     buckets: list[dict] = field(default_factory=list)
+    strategy: str = "ddp"
+    units: list[dict] = field(default_factory=list)  # FSDP's, as run or as fsdp would shard the model
 
     @property
     def processes(self) -> int:
@@ -76,7 +80,8 @@ def measure(run: Run) -> Measured | None:
         comm_exposed=per_micro("comm_exposed_s") if run.processes > 1 else 0.0,
         latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
         bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),
-        hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none", buckets=comm.get("buckets", []))
+        hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none", buckets=comm.get("buckets", []),
+        strategy=run.ddp.get("strategy") or "ddp", units=comm.get("units", []))
 
 
 def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:
@@ -133,11 +138,18 @@ def fit_compute(singles: list[Measured]) -> Compute:
 
 @dataclass
 class Comm:
-    """What one step communicates: each bucket's all-reduce messages (bytes) under a hook."""
+    """What one step communicates: under ddp each bucket's all-reduce messages (bytes) under a
+    hook; under fsdp and hsdp each unit's gathers and reduce-scatter. Runs that did not record
+    their units (older ones) have their buckets, in forward order, stand in for them."""
 
     buckets: list[dict]
     hook: str = "none"
     rank: int = 1
+    strategy: str = "ddp"
+    units: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.units = self.units or self.buckets[::-1]
 
 
 def simulated_delay_s(nbytes: float, processes: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
@@ -180,6 +192,7 @@ class StepForecast:
     compute_s: float  # the step without any communication
     comm_s: float  # all-reduce time, hidden or not
     exposed_s: float  # all-reduce time not hidden behind backward (incl. simulated delays)
+    sent_bytes: float = 0.0  # per rank
 
 
 def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch: int, inter: Link, intra: Link,
@@ -191,6 +204,11 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
     if p == 1:
         return StepForecast(base, base, 0.0, 0.0)
     backward = scale * compute.part("backward", batch)
+    if comm.strategy != "ddp":
+        forward = scale * compute.part("forward", batch)
+        added, comm_s = sharded_step(forward, backward, comm.units, comm.strategy, nodes, per_node, inter, intra, accum)
+        sent = sent_bytes(comm.strategy, sum(u["bytes"] for u in comm.units), nodes, per_node, accum)
+        return StepForecast(base + added, base, comm_s, added, sent)
     messages = [wire_messages(b, comm.hook, comm.rank) for b in comm.buckets]
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
     sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages)]
@@ -198,4 +216,5 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
     end, comm_s, exposed = overlapped_backward(backward, comm.buckets, messages,
                                                lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays)
     step = base - backward + end
-    return StepForecast(step, base, comm_s + sum(delays), exposed)
+    return StepForecast(step, base, comm_s + sum(delays), exposed,
+                        sent_bytes("ddp", sum(sum(m) for m in messages), nodes, per_node, accum))

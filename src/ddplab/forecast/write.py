@@ -7,24 +7,29 @@ from pathlib import Path
 
 from ddplab.report.plots import _pyplot, _save
 
-COLUMNS = [("setup", "setup", "{}"), ("processes", "processes", "{}"), ("global_batch", "global batch", "{}"),
-           ("steps_per_epoch", "steps / epoch", "{:,}"), ("step_ms", "step (ms)", "{:,.2f}"),
-           ("compute_ms", "compute (ms)", "{:,.2f}"), ("comm_ms", "all-reduce (ms)", "{:,.2f}"),
+COLUMNS = [("strategy", "strategy", "{}"), ("setup", "setup", "{}"), ("processes", "processes", "{}"),
+           ("global_batch", "global batch", "{}"), ("steps_per_epoch", "steps / epoch", "{:,}"),
+           ("sent_mb", "sent MB / rank", "{:,.2f}"), ("step_ms", "step (ms)", "{:,.2f}"),
+           ("compute_ms", "compute (ms)", "{:,.2f}"), ("comm_ms", "comm (ms)", "{:,.2f}"),
            ("exposed_comm_ms", "not hidden (ms)", "{:,.2f}"), ("epoch_s", "epoch (s)", "{:,.2f}"),
            ("speedup", "speedup", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
            ("comm_share", "comm share", "{:.1%}"), ("epochs_in_budget", "epochs @ budget", "{:,.1f}")]
 
 
 def markdown(result) -> str:
-    cols = [c for c in COLUMNS if c[0] != "epochs_in_budget" or result.budget_s]
+    # A forecast of DDP alone reads as it always did; strategy and bytes sent come with fsdp or hsdp.
+    sharded = any(r["strategy"] != "ddp" for r in result.rows)
+    hidden = {"epochs_in_budget"} if not result.budget_s else set()
+    cols = [c for c in COLUMNS if c[0] not in hidden | (set() if sharded else {"strategy", "sent_mb"})]
     lines = [f"# Forecast: {result.workload}", ""]
     lines += [f"- {note}" for note in result.notes]
     lines += ["", "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in result.rows:
         lines.append("| " + " | ".join("-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in cols) + " |")
     lines += ["", "Speedup is the 1x1 forecast's epoch time over the setup's, at the same batch per process; "
-              "efficiency is speedup / processes; comm share is the all-reduce time not hidden behind "
-              "the backward pass, over the step."]
+              "efficiency is speedup / processes; comm (ms) is every collective's time, hidden or not; comm share "
+              "is the part not hidden behind compute, over the step; sent MB / rank is what each process sends per "
+              "step."]
     if result.fit is not None:
         lines += ["", "## The fit: measured vs modelled step time of the multi-process runs", "",
                   "| run | setup | batch | simulated latency (ms) | simulated bandwidth (Mbit/s) | measured (ms) | model (ms) | error |",
@@ -37,19 +42,25 @@ def markdown(result) -> str:
 
 def plot(result, path: Path) -> None:
     rows = result.rows
-    labels = [r["setup"] for r in rows]
+    several = len({r["strategy"] for r in rows}) > 1
+    labels = [f"{r['setup']} {r['strategy']}" if several else r["setup"] for r in rows]
     fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
     exposed = [r["exposed_comm_ms"] for r in rows]
-    left.bar(labels, compute, label="compute (and hidden all-reduce)", color="#4c72b0")
-    left.bar(labels, exposed, bottom=compute, label="all-reduce not hidden", color="#dd8452")
+    left.bar(labels, compute, label="compute (and hidden communication)", color="#4c72b0")
+    left.bar(labels, exposed, bottom=compute, label="communication not hidden", color="#dd8452")
     left.set(xlabel="setup (nodes x processes per node)", ylabel="predicted step time (ms)", title="Step time")
     left.legend(fontsize=8)
-    ordered = sorted(rows, key=lambda r: r["processes"])
-    right.plot([r["processes"] for r in ordered], [r["speedup"] for r in ordered], "o-", label="forecast")
-    for r in ordered:
-        right.annotate(r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
-    right.plot([1, ordered[-1]["processes"]], [1, ordered[-1]["processes"]], "--", color="grey", label="ideal")
+    left.tick_params(axis="x", labelrotation=45 if several else 0)
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        ordered = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["processes"])
+        right.plot([r["processes"] for r in ordered], [r["speedup"] for r in ordered], "o-",
+                   label=f"forecast, {strategy}" if several else "forecast")
+        for r in ordered:
+            right.annotate(r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10),
+                           fontsize=8)
+    top = max(r["processes"] for r in rows)
+    right.plot([1, top], [1, top], "--", color="grey", label="ideal")
     right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")
     right.legend(fontsize=8)
     fig.suptitle(f"Forecast: {result.workload}", fontsize=10)

@@ -6,9 +6,8 @@ import hashlib
 
 import torch
 
-from ddplab.engine.sharding import state_bytes
-
 from ddplab.engine.comm import comm_summary
+from ddplab.engine.sharding import fsdp_units, state_bytes
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
@@ -56,7 +55,8 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook,
                 "strategy": cfg.distributed.strategy, "state_bytes_per_rank": state_bytes(model, view.optimizer),
                 "snapshot_stalls": list(view.snapshot_stalls)},
-        "comm": comm_summary(model, view.comm, cfg.distributed),
+        "comm": {**comm_summary(model, view.comm, cfg.distributed),
+                 "units": fsdp_units(model, cfg.distributed.shard_min_params)},
         "epochs": list(history), "steps": list(view.log_rows), "aggregates": aggregates, "test": test or {},
         "eta": eta_record(history, view.elapsed),
     }

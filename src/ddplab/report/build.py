@@ -10,7 +10,8 @@ from ddplab.report import plots
 from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
 from ddplab.report.scaling_table import scaling_tables
-from ddplab.report.table import QUALITY, build_rows, markdown, markdown_table, quality_columns_for, study_budget, write_csv
+from ddplab.report.table import (QUALITY, build_rows, markdown, markdown_table, quality_columns_for, strategy_table,
+                                 study_budget, write_csv)
 
 
 def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | None = None) -> Path:
@@ -55,6 +56,15 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         lines.append(f"- baselines: {', '.join(sorted(baselines))}.")
     if unfinished:
         lines.append(f"- left out (not finished): {', '.join(str(p) for p in unfinished)}.")
+    if any(r["strategy"] != "ddp" for r in rows):  # a DDP-only report reads as it always did
+        lines += ["", "## Memory and cost per strategy", "", strategy_table(rows), "",
+                  "- **params / grads / optimizer MiB / rank**: what one process holds (ddp: everything; fsdp: 1/N of it; "
+                  "hsdp: 1/(processes per node)). **peak MiB**: the largest rank's peak, CUDA's max_memory_allocated "
+                  "on GPU, the process's peak resident size on CPU (libraries and data included).",
+                  "- **step ms**: mean epoch time ÷ steps per epoch. **comm ms/step** is DDP's timed all-reduce; "
+                  "FSDP's gathers and reduce-scatters are not timed (—): `ddplab forecast --strategy fsdp` models them. "
+                  "**overhead ms/step**: the step's time beyond the same experiment's 1-process point, communication "
+                  "not hidden by compute (and any slowdown of processes sharing a machine), for every strategy."]
     quality = quality_columns_for(rows)
     if any(k in QUALITY for k, _ in quality):
         lines += ["", "## Quality", "", markdown(rows, quality), "",

@@ -18,7 +18,8 @@ from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
 TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
-          "compute_ms_per_step", "rank_spread", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb"]
+          "compute_ms_per_step", "rank_spread", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb",
+          "step_ms", "overhead_ms_per_step", "peak_mem_mb"]
 SCORES = ("loss", "accuracy", "precision", "recall", "f1")
 QUALITY = ["best_val_loss", *(f"{split}_{score}" for split in ("val", "test") for score in SCORES)]
 SPREAD = TIMING + QUALITY
@@ -30,7 +31,13 @@ TIMING_COLUMNS = [
     ("lr", "lr"), ("steps_per_epoch", "steps / epoch"), ("epochs", "epochs"), ("repeats", "repeats"),
     ("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "samples/s"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("comm_ms_per_step", "comm ms/step"), ("compute_ms_per_step", "compute ms/step"),
-    ("rank_spread", "rank spread"), ("epochs_at_budget", "epochs @ budget"), ("state_mb_per_rank", "state MiB / rank"),
+    ("rank_spread", "rank spread"), ("epochs_at_budget", "epochs @ budget"),
+]
+# What a strategy (ddp, fsdp, hsdp) holds per rank and what it costs.
+STRATEGY_COLUMNS = [
+    ("params_mb", "params MiB / rank"), ("grads_mb", "grads MiB / rank"), ("optim_mb", "optimizer MiB / rank"),
+    ("peak_mem_mb", "peak MiB"), ("samples_per_s", "samples/s"), ("step_ms", "step ms"),
+    ("comm_ms_per_step", "comm ms/step"), ("overhead_ms_per_step", "overhead ms/step"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
 # The last epoch's val loss is left out of the table: the best one is there.
@@ -89,7 +96,12 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         steps = run.total_steps
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)
         compute = sum(r.get("compute_time_s") or 0.0 for r in run.epochs)
-        has_comm = any(r.get("comm_time_s") is not None for r in run.epochs)
+        strategy = run.ddp.get("strategy") or "ddp"
+        # DDP's hook times its all-reduces; FSDP's gathers and reduce-scatters go past it (the rows' 0 is no measurement).
+        has_comm = any(r.get("comm_time_s") is not None for r in run.epochs) and (strategy == "ddp" or run.processes == 1)
+        state = run.ddp.get("state_bytes_per_rank")
+        state = state if isinstance(state, dict) else {}
+        epoch_s, steps_per_epoch = _mean(r.get("epoch_time_s") for r in run.full_epochs), run.ddp.get("steps_per_epoch")
         test = run.summary.get("test", {}) or {}
         last = run.epochs[-1] if run.epochs else {}
         at_budget, projected = epochs_at_budget(run, budget_s) if budget_s else (None, False)
@@ -100,7 +112,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "batch_per_process": run.ddp.get("per_process"), "grad_accum_steps": run.ddp.get("grad_accum_steps"),
             "global_batch": run.ddp.get("global"), "lr": run.ddp.get("lr"), "lr_scaling": run.ddp.get("lr_scaling"),
             "steps_per_epoch": run.ddp.get("steps_per_epoch"), "epochs": len(run.full_epochs), "steps": steps,
-            "mean_epoch_time_s": _mean(r.get("epoch_time_s") for r in run.full_epochs),
+            "mean_epoch_time_s": epoch_s, "step_ms": 1000 * epoch_s / steps_per_epoch if epoch_s and steps_per_epoch else None,
             "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
             "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
             "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
@@ -108,7 +120,9 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "rank_spread": _mean(r.get("rank_spread") for r in run.full_epochs or run.epochs),
             "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
             # Parameters, gradients and optimizer state held by one rank: what fsdp / hsdp divide.
-            "state_mb_per_rank": run.ddp["state_bytes_per_rank"] / 2**20 if run.ddp.get("state_bytes_per_rank") else None,
+            "strategy": strategy, **{f"{k}_mb": state[n] / 2**20 if n in state else None
+                                     for k, n in (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"))},
+            "peak_mem_mb": max((r["peak_mem_mb"] for r in run.epochs if r.get("peak_mem_mb") is not None), default=None),
             "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
             "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
             **{f"val_{k}": last.get(f"val_{k}") for k in SCORES}, **{f"test_{k}": test.get(k) for k in SCORES},
@@ -138,12 +152,13 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         first = rows[0]
         rate = _spread([r["samples_per_s"] for r in rows])[0]
         if first["processes"] == 1 and rate and first["_experiment"] not in base:
-            base[first["_experiment"]] = (first["point"], rate)
+            base[first["_experiment"]] = (first["point"], rate, _spread([r["step_ms"] for r in rows])[0])
     out = []
     for rows in groups.values():
         ref = base.get(rows[0]["_experiment"])
         for r in rows:
             r["speedup"] = r["samples_per_s"] / ref[1] if ref and r["samples_per_s"] else None
+            r["overhead_ms_per_step"] = r["step_ms"] - ref[2] if ref and r["step_ms"] and ref[2] else None
             r["efficiency"] = r["speedup"] / r["processes"] if r["speedup"] else None
         row = {k: v for k, v in rows[0].items() if k not in ("run", "repeat", "path")}
         row["repeats"] = len(rows)
@@ -217,6 +232,13 @@ def markdown_table(rows: list[dict]) -> str:
     """The timing table; GPU columns only where a run measured its GPU."""
     gpu = GPU_COLUMNS if any(r.get("gpu_util") is not None for r in rows) else []
     return markdown(rows, HEAD + _swept_columns(rows) + TIMING_COLUMNS + gpu)
+
+
+def strategy_table(rows: list[dict]) -> str:
+    """Memory per rank and the cost per step of each point, with its strategy (a column of its own unless swept)."""
+    swept = _swept_columns(rows)
+    mine = [] if any(k == "swept:distributed.strategy" for k, _ in swept) else [("strategy", "strategy")]
+    return markdown(rows, HEAD + swept + mine + STRATEGY_COLUMNS)
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
