@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import os
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=2, help="runs of each strategy for the step time")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved runs of each strategy for the step time (the median is printed)")
     p.add_argument("--stall-layers", type=int, default=8)
     p.add_argument("--stall-dim", type=int, default=512)
     p.add_argument("--snapshots", type=int, default=4, help="snapshots taken in each stall run")
@@ -54,13 +55,13 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     size = [f"model.layers={a.layers}", f"model.dim={a.dim}"]
-    # Interleaved repeats, the fastest of each kept: other load on the machine only ever slows a run down.
+    # Interleaved repeats: the median run of each, with the range of step times printed beside it.
     runs = {"ddp": [], "fsdp": []}
     for i in range(a.repeat):
         for strategy in runs:
             runs[strategy].append(train(out, f"{strategy}-{i}", [*size, f"training.epochs={a.epochs}",
                                                                   f"distributed.strategy={strategy}"]))
-    ddp, fsdp = (min(runs[strategy], key=step_time) for strategy in ("ddp", "fsdp"))
+    ddp, fsdp = (sorted(runs[strategy], key=step_time)[(a.repeat - 1) // 2] for strategy in ("ddp", "fsdp"))
     every = [f"model.layers={a.stall_layers}", f"model.dim={a.stall_dim}", "training.batch_size=8", "training.epochs=1",
              "data.val_fraction=0.01",
              f"training.max_steps={2 * a.snapshots}", "checkpoint.every=2", "distributed.strategy=fsdp"]
@@ -79,6 +80,9 @@ def main() -> None:
         ratio = new / base
         print(f"{name:42} {fmt.format(base):>14} {fmt.format(new):>14} {ratio:>6.2f}x  <= {target}x "
               f"{'ok' if ratio <= target else 'MISSED'}")
+    spread = {s: f"{min(map(step_time, r)):.4f}-{max(map(step_time, r)):.4f}" for s, r in runs.items()}
+    print(f"step time range over {a.repeat} interleaved runs: ddp {spread['ddp']}, fsdp {spread['fsdp']}; "
+          f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
