@@ -138,11 +138,11 @@ def test_the_package_shrinks_as_it_gains():
     """The one-door redesign landed at no more Python than the two paths it replaced (8,815 lines):
     a new capability makes room for itself, or the raise is named here: +398 for sharded training
     (engine/sharding.py, DCP snapshots, export); +128 for honest clocks, channels_last, worker
-    defaults and compile (engine/clock.py); +540 for diagnosis (heartbeats, failure reports,
+    defaults and compile (engine/clock.py); +556 for diagnosis (heartbeats, failure reports,
     stragglers, ETA: engine/heartbeat.py, metrics/stragglers.py); +164 for the image cache's
     parallel build, its jpeg format and data.decode=gpu; +96 for a stop signal to one worker
     stopping the job and NCCL's flight recorder (engine/flight_recorder.py); +76 for CUDA-event
     step timing and the run's snapshot_time_s (engine/clock.py's Stamps, engine/comm.py); +171 for the forecast's
     FSDP traffic and the report's memory and cost per strategy (forecast/sharded.py, report/table.py)."""
     total = sum(len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py"))
-    assert total <= 10389, f"src/ddplab holds {total} lines of Python; make room before adding"
+    assert total <= 10405, f"src/ddplab holds {total} lines of Python; make room before adding"

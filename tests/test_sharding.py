@@ -136,6 +136,20 @@ def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data):
     assert _summary(ref / "experiments" / "h")["ddp"]["world_size"] == 4
 
 
+def test_hsdp_from_two_nodes_resumes_on_one_resharded_with_the_global_batch_kept(tmp_path, data):
+    trace = tmp_path / "trace"
+    args = [*_args(data, "h1", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
+    _two_nodes(f"trace={trace},signal_rank=3,step=4", args, tmp_path)
+    assert _summary(tmp_path / "experiments" / "h1")["status"] == "preempted"
+    proc = _run(f"trace={trace}", args, tmp_path, nproc=2)  # 2 x 2 -> 1 node of 2: the shards are re-divided
+    assert_ok(proc)
+    assert "global batch = 4 per process x 2 accumulation x 2 processes = 16" in proc.stdout
+    summary = _summary(tmp_path / "experiments" / "h1")
+    assert summary["aggregates"]["steps"] == 12 and summary["aggregates"]["resumes"] == 1
+    for epoch, ranks in _trace(trace).items():
+        seen = Counter(i for indices in ranks.values() for i in indices)
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
+
 
 def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference):
     from ddplab.inference import load_model

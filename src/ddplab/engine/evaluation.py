@@ -19,7 +19,7 @@ def evaluate(model: torch.nn.Module, task, batches, ctx, autocast) -> tuple[dict
     evaluator = task.evaluator(ctx.device)
     # Sharded (fsdp/hsdp), each forward pass gathers parameters from every rank: a rank whose shard
     # has a batch fewer repeats its last one, unscored, so that all make as many passes.
-    extra = int(ctx.all_reduce(torch.tensor([float(len(batches))]), "max").item()) - len(batches) if is_sharded(model) else 0
+    extra = int(ctx.all_reduce(torch.tensor([float(len(batches))], device=ctx.device), "max").item()) - len(batches) if is_sharded(model) else 0
     for inputs, target in batches:
         inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
         with autocast():

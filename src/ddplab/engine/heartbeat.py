@@ -5,15 +5,14 @@ records the collective it entered. A daemon thread per rank publishes that beat,
 the main thread stands (file, line, function: the innermost frame outside Python's and
 torch's own files), to the process group's c10d store every second: the store is reachable
 from every node and answers while the ranks' collectives are stuck. Rank 0's thread reads
-every beat, warns once per stall, and keeps `heartbeat.json` in the run folder for
-`ddplab status`.
+every beat, warns once per stall, and keeps `heartbeat.json` in the run folder for `ddplab status`.
 
 When a rank fails (a collective timed out, a peer vanished, an exception), it dumps its
 Python stack into logs/rank<N>.log and raises a failure count in the store; every other
-rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code)
-and ends its process, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
-of the failure, writes the report: train.log, metrics.json's `failure`, the terminal; on NCCL it
-names the collectives each rank never completed, from torch's flight recorder (flight_recorder.py).
+rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
+its process, so nothing waits for torchrun's kill. Rank 0, whichever way it learns of the failure, writes
+the report: train.log, metrics.json's `failure`, the terminal; on NCCL it names the collectives each
+rank never completed, from torch's flight recorder (flight_recorder.py).
 """
 
 from __future__ import annotations
@@ -38,6 +37,19 @@ import torch.distributed as dist
 from ddplab.engine.flight_recorder import unfinished
 
 _FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
+# Held while a beat is taken; a fork (DataLoader workers) waits for it: a child forked mid-beat hung a loader worker.
+_BEATING, _fork_guard = threading.Lock(), {"registered": False}
+
+
+def _before_fork() -> None:  # 5 s at most: a beat may be stuck on a dead store
+    _fork_guard["held"] = _BEATING.acquire(timeout=5)
+
+
+def _after_fork() -> None:
+    if _fork_guard.pop("held", False):
+        _BEATING.release()
+
+
 _OURS = str(Path(__file__).resolve().parents[1])
 _LIBRARIES = tuple({str(Path(p).resolve()) for p in (*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
                     "purelib", "platlib")), Path(torch.__file__).parent)})
@@ -113,6 +125,9 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
+        if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
+            _fork_guard["registered"] = os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                                                            after_in_child=_after_fork) or True
         self._thread.start()
         return self
 
@@ -124,7 +139,8 @@ class Heartbeat:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._tick()
+                with _BEATING:
+                    self._tick()
             except Exception:  # the store went with a dead rank: this rank's own collectives will fail
                 if self.store is None or self._ended:
                     return
