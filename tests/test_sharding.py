@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
 from ddplab.engine.checkpoint import Checkpointer
 from faults import command
-from test_fault_tolerance import _free_port, _summary, _trace
+from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
 SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 
@@ -30,25 +30,11 @@ def _args(corpus: Path, name: str, strategy: str = "fsdp") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    from ddplab.data.text_lm import embedded_corpus
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(embedded_corpus()[:20_000])
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, data) -> Path:
     """An fsdp job of 2 processes, never interrupted."""
     cwd = tmp_path_factory.mktemp("reference")
     assert_ok(torchrun(2, *_args(data, "ref"), cwd=cwd))
     return cwd / "experiments" / "ref"
-
-
-def _weights(run: Path) -> dict:
-    ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"]  # a sharded snapshot's shards, gathered whole
 
 
 def _same_as(run: Path, reference: Path) -> None:
