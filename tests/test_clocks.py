@@ -245,3 +245,26 @@ def test_on_cuda_forward_backward_and_all_reduce_are_the_devices_time(tmp_path, 
         assert 0 < row["comm_time_s"] < wall
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_collectives_count_the_union_of_their_intervals_in_training_only():
+    from types import SimpleNamespace
+
+    from ddplab.engine.fsdp_comm import ShardedCommMonitor
+
+    beat = SimpleNamespace(phase="forward", collective=None, waiting=False)
+    monitor = ShardedCommMonitor(torch.device("cpu"), beat)
+    monitor._open = [[0.0, 1.0], [0.5, 2.0], [5.0, None]]  # two overlapping gathers; a third still in flight
+    assert monitor.comm_s == 2.0 and len(monitor._open) == 1
+    monitor._open[0][1] = 5.5
+    monitor._open.append([1.5, 3.0])  # began before the counted 2.0 ends: adds only what lies past it
+    assert monitor.comm_s == pytest.approx(3.5)
+    beat.phase = "evaluation"  # evaluation's gathers are not training's communication
+    monitor.end(monitor.begin("all_gather"))
+    assert monitor.take_epoch() == {"comm_time_s": pytest.approx(3.5), "simulated_delay_s": 0.0, "comm_buckets": 0}
+    beat.phase = "backward"
+    interval = monitor.begin("reduce_scatter")
+    assert beat.waiting and beat.collective == "FSDP reduce_scatter"
+    time.sleep(0.01)
+    monitor.end(interval)
+    assert not beat.waiting and monitor.comm_s >= 0.01 and monitor.take_epoch()["comm_buckets"] == 1

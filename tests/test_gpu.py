@@ -60,3 +60,20 @@ def test_same_seed_same_losses_on_gpu_up_to_atomic_adds(tmp_path, corpus):
     _, two = _run(tmp_path, corpus, "training.max_steps=10", "experiment.name=two", "logging.log_every=1")
     a, b = [s["loss"] for s in one["steps"]], [s["loss"] for s in two["steps"]]
     assert len(a) == 10 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fsdp over NCCL needs 2 CUDA devices")
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_fsdp_over_nccl_computes_in_low_precision_and_reduces_in_fp32(tmp_path, corpus, amp):
+    from conftest import assert_ok, torchrun
+
+    assert_ok(torchrun(2, "train", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=2",
+                       "training.lr=3e-3", f"training.amp={amp}", "distributed.strategy=fsdp", "experiment.name=f",
+                       cwd=tmp_path))
+    summary = json.loads((tmp_path / "experiments" / "f" / "metrics.json").read_text())
+    assert summary["ddp"]["backend"] == "nccl" and summary["ddp"]["strategy"] == "fsdp"
+    losses = _val_losses(summary)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    # The sharded fp32 master weights (4 bytes each, half per rank); the collectives timed on the device.
+    assert summary["ddp"]["state_bytes_per_rank"]["parameters"] < 0.55 * 4 * summary["model"]["parameters"]
+    assert all(row["comm_time_s"] > 0 for row in summary["epochs"])

@@ -143,6 +143,7 @@ def test_the_package_shrinks_as_it_gains():
     parallel build, its jpeg format and data.decode=gpu; +96 for a stop signal to one worker
     stopping the job and NCCL's flight recorder (engine/flight_recorder.py); +76 for CUDA-event
     step timing and the run's snapshot_time_s (engine/clock.py's Stamps, engine/comm.py); +171 for the forecast's
-    FSDP traffic and the report's memory and cost per strategy (forecast/sharded.py, report/table.py)."""
+    FSDP traffic and the report's memory and cost per strategy (forecast/sharded.py, report/table.py); +145 for
+    FSDP's all-gathers, reduce-scatters and hsdp's all-reduce timed like DDP's (engine/fsdp_comm.py)."""
     total = sum(len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py"))
-    assert total <= 10405, f"src/ddplab holds {total} lines of Python; make room before adding"
+    assert total <= 10550, f"src/ddplab holds {total} lines of Python; make room before adding"

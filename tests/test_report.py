@@ -191,6 +191,7 @@ def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path)
         summary["config"]["distributed"] = {"strategy": strategy}  # its own experiment, with its own 1-process point
         summary["ddp"] |= {"strategy": strategy, "state_bytes_per_rank": dict(zip(
             ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state)))}
+        summary["comm"] = {"timed": "all_reduce" if strategy == "ddp" else "all_gather, reduce_scatter"}
         for row in summary["epochs"]:
             row["peak_mem_mb"] = peak + row["epoch"]  # the largest epoch's counts
         (folder / "metrics.json").write_text(json.dumps(summary))
@@ -203,10 +204,14 @@ def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path)
     # Step: 13 s / 10 steps; overhead over fsdp's own 1-process point (10 s / 10 steps): 300 ms.
     assert fsdp["step_ms"] == pytest.approx(1300) and fsdp["overhead_ms_per_step"] == pytest.approx(300)
     assert ddp["overhead_ms_per_step"] == pytest.approx(200) and rows["ddp-n1"]["overhead_ms_per_step"] == 0
-    # DDP's all-reduce is timed (1.5 s over 30 steps); the rows' figure under fsdp is not a measurement.
-    assert ddp["comm_ms_per_step"] == pytest.approx(50) and fsdp["comm_ms_per_step"] is None
+    # Each timed its collectives (1.5 s over 30 steps): DDP's all-reduce, FSDP's gathers and reduce-scatters.
+    assert ddp["comm_ms_per_step"] == pytest.approx(50) and fsdp["comm_ms_per_step"] == pytest.approx(50)
     md = make_report([tmp_path], tmp_path / "out").read_text()
     timing, memory = md.split("## Memory and cost per strategy")
     assert "| point | setup (nodes x procs) | strategy | processes |" in timing  # the swept strategy as a column
-    assert "| fsdp-n2 | 1x2 | fsdp | 2 | 2 | 4 | 453 | 200.0 | 1,300.0 | — | 300.0 |" in memory
+    assert "| fsdp-n2 | 1x2 | fsdp | 2 | 2 | 4 | 453 | 200.0 | 1,300.0 | 50.0 | 300.0 |" in memory
     assert "| ddp-n2 | 1x2 | ddp | 4 | 4 | 8 | 603 | 200.0 | 1,200.0 | 50.0 | 200.0 |" in memory
+    # A sharded run that timed nothing (its rows' 0 is no measurement) shows no communication time.
+    summary = json.loads((tmp_path / "fsdp-n2" / "metrics.json").read_text())
+    (tmp_path / "fsdp-n2" / "metrics.json").write_text(json.dumps(summary | {"comm": {}}))
+    assert {r["point"]: r for r in build_rows(find_runs([tmp_path])[0], None)}["fsdp-n2"]["comm_ms_per_step"] is None

@@ -119,7 +119,11 @@ def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data):
     assert _summary(tmp_path / "experiments" / "h")["status"] == "preempted"
     _two_nodes("", args, tmp_path)
     _same_as(tmp_path / "experiments" / "h", ref / "experiments" / "h")
-    assert _summary(ref / "experiments" / "h")["ddp"]["world_size"] == 4
+    summary = _summary(ref / "experiments" / "h")
+    assert summary["ddp"]["world_size"] == 4
+    # 4 processes x batch 4 -> 6 steps an epoch, each with 3 gradient all-reduces across the nodes besides FSDP's 8
+    assert summary["comm"]["timed"] == "all_gather, reduce_scatter, all_reduce across nodes"
+    assert all(row["comm_calls"] == 66 and row["comm_time_s"] > 0 for row in summary["epochs"])
 
 
 def test_hsdp_from_two_nodes_resumes_on_one_resharded_with_the_global_batch_kept(tmp_path, data):
@@ -214,6 +218,10 @@ def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference):
     # What FSDP gathers as one: the root's own parameters, then each of the 2 blocks.
     assert len(units) == 3 and sum(u["bytes"] for u in units) == whole
     assert all(row["peak_mem_mb"] > 0 for row in summary["epochs"])
+    # FSDP's collectives are timed in training (evaluation's gathers left out). Per step: forward gathers the root
+    # and 2 blocks, backward the 2 blocks again (the root stays gathered), and 3 reduce-scatters: 8 x 6 steps.
+    assert summary["comm"]["timed"] == "all_gather, reduce_scatter"
+    assert all(row["comm_calls"] == 48 and 0 < row["comm_time_s"] < row["epoch_time_s"] for row in summary["epochs"])
     proc = ddplab("generate", str(reference), "--prompt", "The", "--max-new-tokens", "12", timeout=120)
     assert_ok(proc)
     assert "The" in proc.stdout
@@ -229,3 +237,26 @@ def test_a_model_sharded_as_one_unit_saves_whole_weights_after_a_forward_pass(on
         model(torch.randn(3, 4))  # evaluation: FSDP2 leaves the root's parameters gathered, plain tensors
     # What best.pt holds must load into the plain model (`predict`, `generate`): whole tensors, no DTensor.
     assert is_sharded(model) and all(type(v) is torch.Tensor for v in full_state(model).values())
+
+
+def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_path):
+    """Clipping by the global norm over shards and gradient accumulation (no reduce-scatter on the first
+    micro-step) give the maths of one process, at verify's stated tolerance."""
+    from test_workloads import WORKLOAD, _names, _workload
+
+    wl = _workload(tmp_path, WORKLOAD + SHARD_FIRST_LAYER)
+    proc = ddplab("verify", "--nproc", "2", *_names(wl), "distributed.strategy=fsdp", f"distributed.shard={wl}:shard",
+                  "training.max_steps=6", "training.batch_size=8", "training.grad_accum_steps=2",
+                  "training.clip_grad_norm=0.05", "model.options.dropout=0.0",  # the gradient's norm is about 3
+                  "training.optimizer=sgd", "training.lr=0.5", "training.warmup_steps=0",  # Adam would hide a wrong norm
+                  cwd=tmp_path, timeout=600)
+    assert_ok(proc)
+    assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
+
+
+SHARD_FIRST_LAYER = '''
+
+def shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model[0], mesh=mesh)  # the root is sharded after it, by ddplab
+'''

@@ -1,4 +1,5 @@
-"""Evaluation and snapshots clocked apart from training, on the trainer's one continuous clock."""
+"""Evaluation and snapshots clocked apart from training, on the trainer's one continuous clock; moments on the
+device (Stamps) and the time a rank spent in collectives (InFlight)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,33 @@ class Stamps:
         if not self.cuda:
             return [end - start for end in ends]
         return [start.elapsed_time(end) / 1000 for end in ends]
+
+
+def covered_s(pairs) -> float:
+    """Seconds covered by at least one of the (begin, end) intervals: the length of their union."""
+    total, reach = 0.0, float("-inf")
+    for begin, end in sorted(pairs):
+        total += max(end - max(begin, reach), 0.0)
+        reach = max(reach, end)
+    return total
+
+
+class InFlight:
+    """Seconds during which a collective was in flight on this rank, read per epoch: what the epoch row, the
+    straggler check and the step timer read of engine/comm.py's CommMonitor (DDP) and engine/fsdp_comm.py's
+    ShardedCommMonitor (FSDP) alike; each settles its own intervals (_settle) into _comm_s."""
+
+    @property
+    def comm_s(self) -> float:
+        """This rank's seconds in collectives since the last take_epoch, over those settled so far."""
+        self._settle()
+        return self._comm_s
+
+    def take_epoch(self) -> dict:
+        """This rank's totals since the last call; the counters start again from zero."""
+        comm_s = self.comm_s
+        with self._lock:
+            out = {"comm_time_s": comm_s, "simulated_delay_s": self.delay_s, "comm_buckets": self.buckets}
+            self._comm_s = self.delay_s = 0.0
+            self.buckets = 0
+        return out

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from ddplab.engine.clock import Stamps
+from ddplab.engine.clock import InFlight, Stamps, covered_s
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
@@ -36,7 +36,7 @@ def link_delay_s(nbytes: int, world_size: int, latency_ms: float, bandwidth_mbps
     return delay
 
 
-class CommMonitor:
+class CommMonitor(InFlight):
     """The hook state: time during which at least one gradient all-reduce was in flight.
 
     A bucket is in flight from the moment DDP hands it over (including any simulated
@@ -45,6 +45,8 @@ class CommMonitor:
     the wall time spent communicating, whether or not compute hid part of it. On CUDA both
     ends are events (engine/clock.py's Stamps): the hand-over in the backward pass's stream,
     the completion in the stream the future's callback runs on, which waits for the collective."""
+
+    collectives = "all_reduce"  # what it times, in metrics.json's comm section
 
     def __init__(self, dcfg, world_size: int, inner, inner_state, device=torch.device("cpu")) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
@@ -66,31 +68,13 @@ class CommMonitor:
         self._in_flight = self.buckets = 0
         self._comm_s = self.delay_s = 0.0
 
-    @property
-    def comm_s(self) -> float:
-        """This rank's seconds in all-reduces since the last take_epoch, over the steps settled so far."""
-        self._settle()
-        return self._comm_s
-
-    def take_epoch(self) -> dict:
-        """This rank's totals since the last call; the counters start again from zero."""
-        comm_s = self.comm_s
-        with self._lock:
-            out = {"comm_time_s": comm_s, "simulated_delay_s": self.delay_s, "comm_buckets": self.buckets}
-            self._comm_s = self.delay_s = 0.0
-            self.buckets = 0
-        return out
-
     def _settle(self) -> None:
         """Add the union of every finished step's intervals (on CUDA: whose events have completed)."""
         with self._lock:
             while len(self._steps) > 1 and all(e is not None and self.clock.ready(b, e) for b, e in self._steps[0]):
                 bucket_times = self._steps.pop(0)
                 offsets = self.clock.seconds(bucket_times[0][0], *(t for pair in bucket_times for t in pair))
-                reach = 0.0
-                for begin, end in sorted(zip(offsets[::2], offsets[1::2])):
-                    self._comm_s += max(end - max(begin, reach), 0.0)
-                    reach = max(reach, end)
+                self._comm_s += covered_s(zip(offsets[::2], offsets[1::2]))
 
     def _begin(self, bucket: dist.GradBucket) -> list:
         interval = [self.clock.now(), None]
@@ -174,9 +158,10 @@ class StepTimer:
     Forward: from the model's forward pre-hook to its forward hook (grad enabled only, so
     evaluation is left out). Backward: from the moment the output's gradient is computed to
     the end of the backward pass (every gradient accumulated, before DDP waits for its all-reduces);
-    with DDP, the all-reduce still in flight after that is `exposed`, the part of communication
-    that the backward pass did not hide. The moments are engine/clock.py's Stamps: the host's
-    clock on CPU, CUDA events on CUDA (the host only queues the kernels), read once completed."""
+    the gradient reduction (DDP's all-reduce, FSDP's reduce-scatter) still in flight after that is
+    `exposed`, the part of communication that the backward pass did not hide. The moments are
+    engine/clock.py's Stamps: the host's clock on CPU, CUDA events on CUDA (the host only queues the
+    kernels), read once completed."""
 
     def __init__(self, model: torch.nn.Module, monitor: CommMonitor | None = None) -> None:
         self.monitor = monitor
@@ -188,8 +173,6 @@ class StepTimer:
 
     def _close(self) -> None:
         step, self._step = self._step, []
-        if len(step) == 4 and self.monitor is not None and self.monitor.done_count > self._done_before:
-            step.append(self.monitor.last_done)  # this step's all-reduces ended there
         if len(step) >= 2:
             self._pending.append(step)
         if len(self._pending) > 32:  # on CUDA, the events of steps the device has finished
@@ -231,6 +214,12 @@ class StepTimer:
 
     def _end_backward(self) -> None:
         self._step.append(self.clock.now())
+        if self.monitor is not None:  # queued behind DDP's and FSDP's own callbacks, which wait for the reduction
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduced)
+
+    def _reduced(self) -> None:
+        if len(self._step) == 4 and self.monitor.done_count > self._done_before:
+            self._step.append(self.monitor.last_done)  # this step's gradient reduction ended there
 
     def take_epoch(self) -> dict:
         self._close()
@@ -290,5 +279,6 @@ def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> d
     return {"bucket_source": "reducer" if reducer else "computed",
             "grad_dtype": layout[0]["dtype"] if layout else None,
             "grad_bytes": sum(b["bytes"] for b in layout), "buckets": layout,
-            "comm_hook": dcfg.comm_hook, "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
+            "timed": getattr(monitor, "collectives", None), "comm_hook": dcfg.comm_hook,
+            "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
             "simulated_latency_ms": dcfg.simulated_latency_ms, "simulated_bandwidth_mbps": dcfg.simulated_bandwidth_mbps}

@@ -12,12 +12,13 @@ from ddplab.errors import UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
+from ddplab.engine import fsdp_comm
 from ddplab.engine.comm import install_comm_hook
 from ddplab.engine.sharding import shard
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
-    """(the model to train, the gradient all-reduce monitor or None): in channels_last where it pays,
+    """(the model to train, the monitor of its gradient communication or None): in channels_last where it pays,
     DDP-wrapped with the comm hook when distributed, or sharded (distributed.strategy); compiled when asked."""
     if wants_channels_last(model, cfg.training.channels_last, ctx.device):
         # Before DDP, which lays out its gradient buckets by the parameters' strides. A state dict holds the
@@ -25,7 +26,8 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
     if cfg.distributed.strategy != "ddp":
-        wrapped, comm = shard(model, cfg, ctx), None
+        wrapped = shard(model, cfg, ctx)
+        comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
     else:
         wrapped = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
                              find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)

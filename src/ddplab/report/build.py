@@ -61,8 +61,9 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
                   "- **params / grads / optimizer MiB / rank**: what one process holds (ddp: everything; fsdp: 1/N of it; "
                   "hsdp: 1/(processes per node)). **peak MiB**: the largest rank's peak, CUDA's max_memory_allocated "
                   "on GPU, the process's peak resident size on CPU (libraries and data included).",
-                  "- **step ms**: mean epoch time ÷ steps per epoch. **comm ms/step** is DDP's timed all-reduce; "
-                  "FSDP's gathers and reduce-scatters are not timed (—): `ddplab forecast --strategy fsdp` models them. "
+                  "- **step ms**: mean epoch time ÷ steps per epoch. **comm ms/step**: the time per step during which "
+                  "a collective was in flight, hidden by compute or not: DDP's gradient all-reduce; FSDP's parameter "
+                  "all-gathers and gradient reduce-scatters (hsdp: and the all-reduce across nodes). "
                   "**overhead ms/step**: the step's time beyond the same experiment's 1-process point, communication "
                   "not hidden by compute (and any slowdown of processes sharing a machine), for every strategy."]
     quality = quality_columns_for(rows)

@@ -97,8 +97,11 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)
         compute = sum(r.get("compute_time_s") or 0.0 for r in run.epochs)
         strategy = run.ddp.get("strategy") or "ddp"
-        # DDP's hook times its all-reduces; FSDP's gathers and reduce-scatters go past it (the rows' 0 is no measurement).
-        has_comm = any(r.get("comm_time_s") is not None for r in run.epochs) and (strategy == "ddp" or run.processes == 1)
+        # DDP's hook times its all-reduces, FSDP's own comms its gathers and reduce-scatters; a run that timed neither
+        # (fsdp before they were timed) has rows of 0, no measurement.
+        timed = (run.summary.get("comm") or {}).get("timed")
+        has_comm = any(r.get("comm_time_s") is not None for r in run.epochs) and (
+            strategy == "ddp" or run.processes == 1 or bool(timed))
         state = run.ddp.get("state_bytes_per_rank")
         state = state if isinstance(state, dict) else {}
         epoch_s, steps_per_epoch = _mean(r.get("epoch_time_s") for r in run.full_epochs), run.ddp.get("steps_per_epoch")
