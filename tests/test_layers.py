@@ -144,6 +144,7 @@ def test_the_package_shrinks_as_it_gains():
     stopping the job and NCCL's flight recorder (engine/flight_recorder.py); +76 for CUDA-event
     step timing and the run's snapshot_time_s (engine/clock.py's Stamps, engine/comm.py); +171 for the forecast's
     FSDP traffic and the report's memory and cost per strategy (forecast/sharded.py, report/table.py); +145 for
-    FSDP's all-gathers, reduce-scatters and hsdp's all-reduce timed like DDP's (engine/fsdp_comm.py)."""
+    FSDP's all-gathers, reduce-scatters and hsdp's all-reduce timed like DDP's (engine/fsdp_comm.py); +14 for
+    the step time of a run cut by max_steps inside an epoch, and plots without empty legends (report/)."""
     total = sum(len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py"))
-    assert total <= 10550, f"src/ddplab holds {total} lines of Python; make room before adding"
+    assert total <= 10564, f"src/ddplab holds {total} lines of Python; make room before adding"

@@ -211,6 +211,12 @@ def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path)
     assert "| point | setup (nodes x procs) | strategy | processes |" in timing  # the swept strategy as a column
     assert "| fsdp-n2 | 1x2 | fsdp | 2 | 2 | 4 | 453 | 200.0 | 1,300.0 | 50.0 | 300.0 |" in memory
     assert "| ddp-n2 | 1x2 | ddp | 4 | 4 | 8 | 603 | 200.0 | 1,200.0 | 50.0 | 200.0 |" in memory
+    # A run cut by max_steps inside its first epoch has no full epoch; its step time comes from the partial one.
+    summary = json.loads((tmp_path / "ddp-n2" / "metrics.json").read_text())
+    summary["epochs"] = [summary["epochs"][0] | {"partial": True, "epoch_time_s": 3.0}]
+    summary["aggregates"]["steps"] = 4
+    (tmp_path / "ddp-n2" / "metrics.json").write_text(json.dumps(summary))
+    assert {r["point"]: r for r in build_rows(find_runs([tmp_path])[0], None)}["ddp-n2"]["step_ms"] == 750
     # A sharded run that timed nothing (its rows' 0 is no measurement) shows no communication time.
     summary = json.loads((tmp_path / "fsdp-n2" / "metrics.json").read_text())
     (tmp_path / "fsdp-n2" / "metrics.json").write_text(json.dumps(summary | {"comm": {}}))

@@ -23,6 +23,12 @@ def _pyplot():
     return plt
 
 
+def _legend(ax, **kw) -> None:
+    """A legend where the panel has labelled lines (a panel with no point to draw has none)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -78,7 +84,7 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
             _errorbar(ax, [where[r["setup"]] for r in items], items, "mean_epoch_time_s", label=label)
         _categories(ax, order)
         ax.set(ylabel="mean epoch time (s)", title="Epoch time per setup")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
         paths.append(_save(fig, out / "epoch_time.png"))
     rated = _series(rows, "samples_per_s", where)
     if not rated:
@@ -101,7 +107,7 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
               ylim=(0, max(1.1, right.get_ylim()[1])))
     for ax in (left, right):
         _categories(ax, order)
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     paths.append(_save(fig, out / "scaling.png"))
     return paths
 
@@ -155,7 +161,7 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
             ax.minorticks_off()
             ax.set(xlabel=leaf, ylabel=ylabel, title=f"{ylabel.split(' (')[0]} vs {leaf.split('.')[-1]}")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8, title="setup")
+            _legend(ax, fontsize=8, title="setup")
         paths.append(_save(fig, out / f"vs_{leaf.split('.')[-1]}.png"))
     return paths
 
@@ -209,7 +215,7 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
         name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
         ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     return _save(fig, path)
 
 
@@ -233,7 +239,7 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
             _integer_ticks(ax.xaxis)
         ax.set(xlabel=xlabel, ylabel="loss", title=f"Loss vs {xlabel} (first repeat of each point)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        _legend(ax, fontsize=7, ncol=2)
         paths.append(_save(fig, out / fname))
     return paths
 
@@ -250,7 +256,7 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time (first repeat)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     return _save(fig, path)
 
 
@@ -267,5 +273,5 @@ def comm_plot(rows: list[dict], path: Path) -> Path | None:
     ax.bar(names, [r["comm_ms_per_step"] for r in rows], bottom=compute, label="communication (all-reduce in flight)")
     ax.set(ylabel="ms per optimizer step (median over repeats)", title="Communication vs computation per point")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     return _save(fig, path)

@@ -89,6 +89,14 @@ def epochs_at_budget(run: Run, budget_s: float) -> tuple[float | None, bool]:
     return (budget_s / epoch_time, True) if epoch_time else (None, False)
 
 
+def step_ms(run: Run, epoch_s: float | None, steps_per_epoch: int | None) -> float | None:
+    """Milliseconds per optimizer step: over the full epochs, else over the partial ones (a run cut by max_steps)."""
+    if epoch_s and steps_per_epoch:
+        return 1000 * epoch_s / steps_per_epoch
+    partial = sum(r.get("epoch_time_s") or 0.0 for r in run.epochs)
+    return 1000 * partial / run.total_steps if partial and run.total_steps else None
+
+
 def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     """One row per run (every repeat), before speedup."""
     rows = []
@@ -115,7 +123,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             "batch_per_process": run.ddp.get("per_process"), "grad_accum_steps": run.ddp.get("grad_accum_steps"),
             "global_batch": run.ddp.get("global"), "lr": run.ddp.get("lr"), "lr_scaling": run.ddp.get("lr_scaling"),
             "steps_per_epoch": run.ddp.get("steps_per_epoch"), "epochs": len(run.full_epochs), "steps": steps,
-            "mean_epoch_time_s": epoch_s, "step_ms": 1000 * epoch_s / steps_per_epoch if epoch_s and steps_per_epoch else None,
+            "mean_epoch_time_s": epoch_s, "step_ms": step_ms(run, epoch_s, steps_per_epoch),
             "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
             "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
             "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
