@@ -261,7 +261,7 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
 
 
 def comm_plot(rows: list[dict], path: Path) -> Path | None:
-    """Per step: time with a gradient all-reduce in flight vs the rest of the step (medians)."""
+    """Per step: time with a collective in flight (DDP's all-reduce, FSDP's gathers and reduce-scatters) vs the rest of the step (medians)."""
     rows = [r for r in rows if r.get("comm_ms_per_step") is not None]
     if not rows:
         return None
@@ -270,7 +270,7 @@ def comm_plot(rows: list[dict], path: Path) -> Path | None:
     names = [r["label"] for r in rows]
     compute = [r["compute_ms_per_step"] or 0.0 for r in rows]
     ax.bar(names, compute, label="compute (rest of the step)")
-    ax.bar(names, [r["comm_ms_per_step"] for r in rows], bottom=compute, label="communication (all-reduce in flight)")
+    ax.bar(names, [r["comm_ms_per_step"] for r in rows], bottom=compute, label="communication (a collective in flight)")
     ax.set(ylabel="ms per optimizer step (median over repeats)", title="Communication vs computation per point")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     _legend(ax, fontsize=8)
