@@ -1,5 +1,7 @@
-"""What every ddplab command may exit with, and the one exception that means bad input: the command
-line prints a `UserError` as one line on stderr and exits 2; anything else is a bug and keeps its traceback."""
+"""What every ddplab command may exit with, and the exceptions that tell failures apart: a `UserError`
+is bad input found before any process starts (one line on stderr, exit 2); a `RunError` is a failure at
+run time whose cause is known (one line on stderr, exit 1, the run recorded as failed); anything else is
+a bug and keeps its traceback (exit 1)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,13 @@ class UserError(Exception):
     """Bad input: an unknown key, a wrong type, a missing file, an unknown name."""
 
     exit_code = ExitCode.USAGE
+
+
+class RunError(Exception):
+    """A failure at run time with a known cause (a non-finite loss, a disk that is full, a snapshot that
+    cannot be written): one line, exit 1, `status: failed` in metrics.json."""
+
+    exit_code = ExitCode.FAILED
 
 
 class Preempted(Exception):
