@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.engine.lock import LOCKED_ENV
+from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.preemption import ASK_ENV, StopSignals
 from ddplab.errors import ExitCode, Preempted, UserError
 
@@ -109,10 +109,7 @@ def _report(name: str, text: str) -> bool:
     folder = os.environ.get(REPORT_ENV)
     if not folder or not Path(folder).is_dir():
         return False
-    rank = os.environ.get("RANK", "0")
-    tmp = Path(folder) / f".{name}-rank{rank}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, Path(folder) / f"{name}-rank{int(rank):05d}")
+    write_atomic(folder, f"{name}-rank{int(os.environ.get('RANK', '0')):05d}", text)
     return True
 
 
@@ -256,7 +253,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
             contextlib.ExitStack() as stack:
         report = Path(folder)
         env[REPORT_ENV], env[ASK_ENV] = folder, str(report / "stop")
-        out = stack.enter_context(open(log, "a")) if log else None
+        out = stack.enter_context(open_append(log.parent, log.name)) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
             out.write(f"\n$ {' '.join(commands[0])}{more}\n")
@@ -275,10 +272,10 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
     return Ended(code, line, stopped)
 
 
-def run_workers(nproc: int, args: list[str], *, locked_run: str | None = None, **kwargs) -> int:
-    """Run `ddplab <args>` in `nproc` processes; the job's exit code. Raises Preempted when the
-    workers saved a snapshot, UserError when one reported bad input."""
-    ended = run([torchrun_command(nproc, args, **kwargs)], env={LOCKED_ENV: str(locked_run)} if locked_run else None)
+def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwargs) -> int:
+    """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
+    code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input."""
+    ended = run([torchrun_command(nproc, args, **kwargs)], env=env)
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error:

@@ -52,7 +52,7 @@ def launch(cfg, ns) -> int:
             print(note, flush=True)
         note_launch()  # the workers' start-up breakdown begins at this process's start
         return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
-                           locked_run=str(run_dir))
+                           env=lock.worker_env())
     finally:
         lock.release()
 

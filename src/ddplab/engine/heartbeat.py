@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddplab.engine.files import open_append
 from ddplab.engine.flight_recorder import unfinished
 
 _FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
@@ -246,8 +247,7 @@ class Heartbeat:
         return failure
 
     def _dump(self, reason: str, exc: BaseException | None = None) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as f:
+        with open_append(self.run.path, Path(self.run.LOGS, self.log_path.name)) as f:
             f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {socket.gethostname()}, "
                     f"pid {os.getpid()}: {reason}\n")
             if exc is not None:

@@ -7,8 +7,10 @@ writes who it is (host, PID) to `<run>/.lock` and removes it at release; a secon
 finds the folder locked and names that holder in its one-line error.
 
 Under `ddplab train --nproc-per-node` the launcher holds the lock (so `--max-restarts`
-restarts keep it) and tells the workers through DDPLAB_LOCKED_RUN; under plain torchrun
-or srun, rank 0 holds it.
+restarts keep it) and tells the workers through DDPLAB_LOCKED_RUN and a token that its
+holder file holds too; a worker believes it only when that holder is a process above it
+(an environment variable alone takes no lock away). Under plain torchrun or srun, rank 0
+holds it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import socket
 from pathlib import Path
 
 from ddplab.errors import UserError
+from ddplab.engine.files import write_atomic
 from ddplab.engine.run_folder import RunFolder
 
 HOLDER_FILE = ".lock"
 LOCKED_ENV = "DDPLAB_LOCKED_RUN"  # the run folder a ddplab launcher already holds
+TOKEN_ENV = "DDPLAB_LOCK_TOKEN"  # ... and the token in its holder file
 
 
 def finished(run_dir: Path) -> bool:
@@ -55,58 +60,87 @@ class RunLock:
         self.what = what
         self.names = names  # the settings that chose the folder, for the error messages
         self.fd: int | None = None
-        self._created: Path | None = None  # the outermost folder this lock created (removed if left empty)
+        self.token = secrets.token_hex(16)  # in the holder file: what a worker of this holder is told
+        self._created: list[Path] = []  # the folders this start made itself, outermost first
 
     def acquire(self) -> "RunLock":
-        """Create the folder if needed (a new folder only) and lock it; raise if another job holds it."""
-        missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:  # a file where a folder should be, a read-only place, ...
-            raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check {self.names})") from None
-        self._created = missing[-1] if missing else None
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        """Create the folder if needed (a new folder only) and lock it; raise if another job holds it.
+
+        Starts may race: another start may lock the folder first, or remove a folder it made itself
+        (a start that failed). A folder is removed only by the one that holds its lock, and the lock
+        counts only if the path still names the folder locked; else this start begins again."""
+        while True:
+            created = self._make()
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed by the start that made it, between the two calls
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UserError(f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
+                                f"or change {self.names}") from None
+            if _same_folder(self.path, fd):
+                break
             os.close(fd)
-            self._remove_if_empty()
-            raise UserError(f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
-                            f"or change {self.names}") from None
-        self.fd = fd
-        # Who holds it, for the error of a second start; removed again at release, so a
-        # start that fails leaves the folder as it found it.
-        tmp = self.path / f"{HOLDER_FILE}.tmp"
-        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
-        os.replace(tmp, self.path / HOLDER_FILE)
+        self.fd, self._created = fd, created
+        # Who holds it, for the error of a second start and for this holder's workers; removed again at
+        # release, so a start that fails leaves the folder as it found it.
+        write_atomic(self.path, HOLDER_FILE, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                         "token": self.token}) + "\n")
         return self
+
+    def _make(self) -> list[Path]:
+        """The folder and its missing parents; the ones this call made (another start may make some)."""
+        made = []
+        for p in reversed([self.path, *self.path.parents]):
+            try:
+                p.mkdir()
+                made.append(p)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:  # a parent removed meanwhile by a start that failed: begin again
+                return self._make()
+            except OSError as err:  # a file where a folder should be, a read-only place, ...
+                raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check {self.names})") from None
+        return made
+
+    def worker_env(self) -> dict:
+        """What tells the workers this process starts that it holds their run folder."""
+        return {LOCKED_ENV: str(self.path), TOKEN_ENV: self.token}
 
     def release(self) -> None:
         if self.fd is None:
             return
-        (self.path / HOLDER_FILE).unlink(missing_ok=True)
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        self.fd = None
-        self._remove_if_empty()
-
-    def _remove_if_empty(self) -> None:
-        """A start that failed leaves no empty folder behind (only the ones it created)."""
-        if self._created is None:
-            return
-        for p in (self.path, *self.path.parents):
+        with contextlib.suppress(OSError):
+            os.unlink(HOLDER_FILE, dir_fd=self.fd)
+        # Still locked: a start that left nothing behind removes the folders it made, before anyone else
+        # can take the lock (whoever then locks the removed folder sees it gone, and begins again).
+        for p in reversed(self._created):
             try:
                 p.rmdir()
             except OSError:
-                return
-            if p == self._created:
-                return
+                break
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _same_folder(path: Path, fd: int) -> bool:
+    """`path` still names the folder open as `fd` (not removed, nor replaced, since it was opened)."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    opened = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def held(path: Path) -> bool:
@@ -134,17 +168,48 @@ def holder(path: Path) -> str:
         return "another ddplab job that is still starting"
 
 
-def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple]:
-    """Rank 0: lock the resolved run folder (unless the launcher holds it) and check that an
-    unfinished run there may be continued under `cfg`. Returns the lock and, for every rank,
-    (run_dir, note, error message or None)."""
+def _ancestors() -> set[int]:
+    """The PIDs above this process (Linux's /proc; elsewhere only the parent)."""
+    found, pid = set(), os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found
+
+
+def launcher_lock() -> Path | None:
+    """The run folder the ddplab launcher that started this process holds; None when none does.
+    The variables are believed only when the folder's lock is held, its holder file carries their
+    token, and its holder is a process above this one."""
+    named = os.environ.get(LOCKED_ENV)
+    if not named:
+        return None
+    try:
+        info = json.loads((Path(named) / HOLDER_FILE).read_text())
+        ours = (secrets.compare_digest(str(info["token"]), os.environ.get(TOKEN_ENV, ""))
+                and info["pid"] in _ancestors() and held(Path(named)))
+    except (OSError, ValueError, KeyError, TypeError):
+        ours = False
+    if not ours:
+        raise UserError(f"{LOCKED_ENV}={named} is set, but no ddplab launcher above this process holds that run "
+                        f"folder; unset {LOCKED_ENV} (ddplab's launcher sets it for its own workers)")
+    return Path(named)
+
+
+def claim(cfg, resolved: tuple[Path, str | None], launcher: Path | None = None) -> tuple[RunLock | None, tuple]:
+    """Rank 0: lock the resolved run folder (unless `launcher`, the folder this process's launcher holds,
+    is that folder) and check that an unfinished run there may be continued under `cfg`. Returns the lock
+    and, for every rank, (run_dir, note, error message or None)."""
     from ddplab.engine.fingerprint import check_resume  # keeps the launcher's import of lock.py light
 
     run_dir, note = resolved
-    held = os.environ.get(LOCKED_ENV)  # the run folder the ddplab launcher that started this worker holds
     lock = None
     try:
-        if not (held and Path(held).resolve() == Path(run_dir).resolve()):
+        if not (launcher and launcher.resolve() == Path(run_dir).resolve()):
             lock = RunLock(run_dir).acquire()
         if cfg.checkpoint.resume == "auto":
             check_resume(run_dir, cfg.to_dict())
@@ -159,11 +224,14 @@ def claim(cfg, resolved: tuple[Path, str | None]) -> tuple[RunLock | None, tuple
 def own_run_folder(cfg, ctx, resolve):
     """Every rank: yields (run_dir, note) once rank 0 owns the folder `resolve(cfg)` picks;
     raises the same UserError on every rank when it cannot. Released when the job ends."""
+    lock, decision = None, None
     if ctx.is_main:
-        launcher_held = os.environ.get(LOCKED_ENV)  # the launcher picked (and holds) the folder
-        lock, decision = claim(cfg, (Path(launcher_held), None) if launcher_held else resolve(cfg))
-    else:
-        lock, decision = None, None
+        try:
+            launcher = launcher_lock()  # the launcher picked (and holds) the folder
+        except UserError as err:
+            decision = (None, None, str(err))
+        else:
+            lock, decision = claim(cfg, (launcher, None) if launcher else resolve(cfg), launcher)
     try:
         run_dir, note, error = ctx.broadcast_object(decision)
         if error:

@@ -10,10 +10,11 @@ import csv
 import io
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
+
+from ddplab.engine.files import open_append, write_atomic
 
 EPOCH_COLUMNS = [
     "epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_top5_accuracy", "val_precision", "val_recall",
@@ -58,7 +59,7 @@ class RunFolder:
         self.console = Console(stderr=False, highlight=False, soft_wrap=True)
         if is_main:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.path / self.LOG, "a", buffering=1)
+            self._log = open_append(self.path, self.LOG)
 
     # -- what rank 0 prints -------------------------------------------------------------
     def log(self, message: str, echo: bool = True) -> None:
@@ -71,9 +72,7 @@ class RunFolder:
     # -- files --------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
-            tmp = self.path / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.path / name)
+            write_atomic(self.path, name, text)
 
     def write_json(self, name: str, obj) -> None:
         self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")

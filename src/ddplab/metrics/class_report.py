@@ -5,9 +5,11 @@ once across ranks (every sample counted once); nothing is recomputed here."""
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 from ddplab.engine.callbacks import Callback
+from ddplab.engine.files import write_atomic
 from ddplab.evaluators import per_class_scores
 import numpy as np
 
@@ -29,8 +31,9 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
                                     for i, c in enumerate(classes)},
                       "confusion_matrix": matrix}
         if write:
-            with open(folder / f"confusion_matrix_{split}.csv", "w", newline="") as f:
-                csv.writer(f).writerows([["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix))])
+            table = io.StringIO(newline="")
+            csv.writer(table).writerows([["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix))])
+            write_atomic(folder, f"confusion_matrix_{split}.csv", table.getvalue())
             if plots:
                 confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)
     return out
@@ -56,7 +59,7 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
     ax.set(xlabel="predicted", ylabel="true", title=f"Confusion matrix, {split} ({int(counts.sum())} samples)")
     fig.colorbar(image, ax=ax, label="share of the true class")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomic(path.parent, path.name, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 class ClassReports(Callback):

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.run_folder import RunFolder
 
 LAUNCHED_AT = "DDPLAB_LAUNCHED_AT"
@@ -93,13 +94,11 @@ class Phases:
         self.mark("teardown")
         metrics = Path(run_dir) / RunFolder.METRICS_JSON
         with contextlib.suppress(OSError, ValueError):  # the run itself is recorded; only the breakdown is missing
-            with open(Path(run_dir) / RunFolder.LOG, "a") as f:
+            with open_append(run_dir, RunFolder.LOG) as f:
                 f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.line()}\n")
             summary = json.loads(metrics.read_text())
             summary["phases"] = self.as_dict()
-            tmp = metrics.with_name(f".{metrics.name}.tmp")
-            tmp.write_text(json.dumps(summary, indent=2) + "\n")
-            os.replace(tmp, metrics)
+            write_atomic(run_dir, RunFolder.METRICS_JSON, json.dumps(summary, indent=2) + "\n")
 
 
 class CompileClock:

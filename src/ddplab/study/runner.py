@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from ddplab.errors import ExitCode, Preempted, UserError
 from ddplab.launch import log_tail, run, torchrun_command
+from ddplab.engine.files import write_atomic
 from ddplab.engine.lock import finished
 from ddplab.study.grid import Point, Setup
 from ddplab.engine.run_folder import RunFolder
@@ -75,7 +76,7 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                 continue
             progress.update(task, description=label)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / RunFolder.POINT).write_text(json.dumps(
+            write_atomic(folder, RunFolder.POINT, json.dumps(
                 {"study": study_dir.name, "point": point.point, "run": point.name, "repeat": point.repeat,
                  "nodes": point.setup.nodes, "per_node": point.setup.per_node, "processes": point.setup.processes,
                  "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")

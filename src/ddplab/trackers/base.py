@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from ddplab.engine.files import subfolder
 from ddplab.engine.run_folder import RunFolder
 
 LOG_ROW_SKIP = ("step", "epoch", "elapsed_s")  # a log row's bookkeeping, not a training metric
@@ -49,7 +50,8 @@ class TensorBoard(Tracker):
     def start(self, view, record, study):
         from torch.utils.tensorboard import SummaryWriter  # about a second to import: at the first scalar
 
-        self.writer = SummaryWriter(log_dir=str(view.run.path / RunFolder.TENSORBOARD), purge_step=view.step + 1)
+        folder = subfolder(view.run.path, RunFolder.TENSORBOARD)  # never a link to elsewhere
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=view.step + 1)
         return view.step, view.step
 
     def log(self, values, step):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ddplab.engine.fingerprint import flatten
+from ddplab.engine.files import write_atomic
 from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import Tracker, read_json
 
@@ -97,9 +98,7 @@ def _parent(client, experiment: str, uri: str, study_dir: Path, study: dict) -> 
     if record.get("mlflow", {}).get("uri") != uri:
         run = client.create_run(experiment, run_name=study["study"], tags={"ddplab.study_folder": str(study_dir.resolve())})
         record["mlflow"] = {"uri": uri, "run_id": run.info.run_id}
-        tmp = path.with_name(f".{path.name}.tmp")  # a crash mid-write keeps the old record whole
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_atomic(study_dir, RunFolder.TRACKERS, json.dumps(record, indent=2) + "\n")
     return record["mlflow"]["run_id"]
 
 
