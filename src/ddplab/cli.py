@@ -26,6 +26,9 @@ def _config_help() -> str:
     return "\n".join(lines)
 
 
+TRUST = "import the run's own code although this machine has not trained with it (see 'Your own workload')"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ddplab", description="Distributed Data Parallel training with numbers you can trust.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
+    g.add_argument("--trust-code", action="store_true", help=TRUST)
 
     pr = sub.add_parser("predict", help="one row per input from a trained model: label and probability, values, ...")
     pr.add_argument("run", help="run folder or checkpoint file")
@@ -52,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch-size", type=int, default=32)
     pr.add_argument("--top-k", type=int, help="classifiers: the K most probable labels and their probabilities")
     pr.add_argument("--output", help="also write every row with its input to this .csv or .jsonl file")
-    pr.add_argument("--trust-code", action="store_true", help="import the run's model code even from outside this directory")
+    pr.add_argument("--trust-code", action="store_true", help=TRUST)
+    pr.add_argument("--force", action="store_true", help="let --output replace an existing file, or write inside a run folder")
 
     ex = sub.add_parser("export", help="the best (else last) model as one safetensors file, loadable without ddplab")
     ex.add_argument("run", help="run folder, snapshot folder or checkpoint file")
     ex.add_argument("--output", help="file to write (default: RUN/model.safetensors)")
+    ex.add_argument("--force", action="store_true", help="let --output replace an existing file, or write inside a run folder")
 
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
@@ -82,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="tables and plots (report.md, report.csv, PNGs) from run folders")
     r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     r.add_argument("--output", help="folder for the report (default: the folder given, or ./report for several)")
+    r.add_argument("--force", action="store_true", help="let --output replace a report already there")
     r.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget")
 
     f = sub.add_parser("forecast", help="predict step/epoch time, speedup and comm share of setups from run folders")

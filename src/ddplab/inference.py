@@ -1,7 +1,7 @@
 """Loading a trained model back from a run folder or checkpoint, for `predict` and `generate`.
 
 The run's own workload rebuilds it, built-in or the user's (imported only from the path the run
-recorded, and only with consent when it lies outside the current directory tree): `predict`
+recorded, and only code this machine trained with, an installed module, or with --trust-code): `predict`
 rebuilds the run's Data through its data function, then the model through its model function;
 `generate` builds the model from the task and meta the checkpoint stored (a character model
 needs nothing else, and its corpus may be gone). Then come the checkpoint's weights.
@@ -43,8 +43,8 @@ def load_model(path: str | Path, trust_code: bool = False, rebuild_data: bool = 
     meta only. `checkpoint`: what read_checkpoint(path) gave, when the caller has read it already."""
     ckpt, cfg = checkpoint or read_checkpoint(path)
     meta = ckpt.get("meta", {})
-    check_trusted(cfg.model.name, trust_code, "model.name")
-    check_trusted(cfg.data.name, trust_code, "data.name")
+    check_trusted(cfg.model.name, trust_code, "model.name", path)
+    check_trusted(cfg.data.name, trust_code, "data.name", path)
     work = workload(cfg)
     if rebuild_data:
         data = build_data(cfg, None, work)

@@ -14,6 +14,7 @@ Samples are batched with `Data.collate_fn` (or torch's default_collate), as trai
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ddplab.engine.files import write_atomic
 from ddplab.errors import UserError, first_line
 from ddplab.inference import load_model, read_checkpoint, recorded_task
 from ddplab.tasks import CONTINUES_TEXT, call_model
@@ -161,11 +163,12 @@ def output_format(path: str) -> str:
 def write(rows: list[dict], path: str) -> None:
     """Every row with its input, as CSV (lists as comma-separated text) or JSON lines."""
     kind = output_format(path)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        if kind == "jsonl":
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-            return
+    f = io.StringIO(newline="")
+    if kind == "jsonl":
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows({k: v if isinstance(v, (str, float, int)) else _shown(v) for k, v in row.items()}
                          for row in rows)
+    write_atomic(Path(path).parent, Path(path).name, f.getvalue())

@@ -28,7 +28,7 @@ from ddplab.metrics.phases import Phases
 from ddplab.metrics.summary import parameter_digest, summary
 from ddplab.trackers import Trackers
 from ddplab.registry import workload
-from ddplab.workload import reference_file
+from ddplab.workload import reference_file, remember_code
 from ddplab.inference import sample
 
 
@@ -52,6 +52,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     phases = Phases()
     kept = keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
     work = workload(cfg, data_fn, model_fn)
+    remember_code(work.references.values())  # what predict and generate may import again without asking
     phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
     flight_recorder.arm(cfg.distributed.backend)
     with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \

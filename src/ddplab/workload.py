@@ -13,10 +13,12 @@ which kind it got.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,15 +161,43 @@ def resolve(reference: str, field_name: str) -> Callable:
 
 
 def reference_file(reference: str) -> Path | None:
-    """The file a reference loads code from (a module's file for package.module:function)."""
+    """The file a reference loads code from (a module's file for package.module:function), found
+    without importing anything."""
+    files = code_files(reference)
+    return files[-1] if files else None
+
+
+def _is_file_reference(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def code_files(reference: str) -> list[Path] | None:
+    """The files that importing `reference` runs: a file.py:function's file; a module's file after its
+    packages' __init__ files. Found the way `import` finds them, but without running any of them (the
+    standard `importlib.util.find_spec` imports a module's packages); None when there is no such module."""
     where = reference.rpartition(":")[0]
-    if where.endswith(".py") or "/" in where:
-        return Path(where).expanduser().resolve()
-    try:
-        spec = importlib.util.find_spec(where) if where else None
-    except ImportError:
-        return None
-    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    if _is_file_reference(where):
+        return [Path(where).expanduser().resolve()]
+    files, search, parts = [], None, where.split(".") if where else []
+    for i in range(len(parts)):
+        spec = _find_spec(".".join(parts[: i + 1]), search)
+        if spec is None or (spec.submodule_search_locations is None and i < len(parts) - 1):
+            return None
+        if spec.has_location and spec.origin:
+            files.append(Path(spec.origin).resolve())
+        search = spec.submodule_search_locations
+    return files or None
+
+
+def _find_spec(name: str, path) -> Any:
+    if name in sys.modules:  # imported already: nothing new runs
+        return getattr(sys.modules[name], "__spec__", None)
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(name, path) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def reference_of(fn: Callable) -> str:
@@ -188,16 +218,68 @@ def reference_of(fn: Callable) -> str:
     return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{qualname}"
 
 
-def check_trusted(reference: str, trust_code: bool, field_name: str) -> Path | None:
-    """Code a run folder names runs only from inside the current directory tree, or when trusted."""
-    path = reference_file(reference) if is_reference(reference) else None
-    if path is None:
+# ---------------------------------------------------------------------------- whose code runs
+
+TRUST_FILE = "trusted-code.sha256"  # in $XDG_STATE_HOME/ddplab/: `sha256  path` of every file trained with
+_PACKAGE = Path(__file__).resolve().parent  # ddplab's own code
+
+
+def trust_file() -> Path:
+    """This machine's record of the workload files its user trained with (outside every run folder)."""
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "ddplab" / TRUST_FILE
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
         return None
-    inside = path.is_relative_to(Path.cwd().resolve())
-    # An installed package (site-packages) is code the user already chose to run.
-    installed = any(part in ("site-packages", "dist-packages") for part in path.parts)
-    if not inside and not trust_code and not installed:
-        raise UserError(f"{field_name}: this run's code is {path}, outside the current directory; "
-                        f"pass --trust-code to import it")
-    print(f"ddplab: importing {field_name} code from {path}", file=sys.stderr)
-    return path
+
+
+def _trained_with() -> set[str]:
+    try:
+        return {line.split()[0] for line in trust_file().read_text().splitlines() if line.strip()}
+    except OSError:
+        return set()
+
+
+def remember_code(references) -> None:
+    """Training imports these references: their files' contents become code predict and generate
+    import without --trust-code. A record that cannot be written only means asking again."""
+    files = [f for r in references if is_reference(r) for f in code_files(r) or [] if not f.is_relative_to(_PACKAGE)]
+    known = _trained_with()
+    lines = [f"{d}  {f}\n" for f in files if (d := _digest(f)) and d not in known]
+    if lines:
+        with contextlib.suppress(OSError):
+            trust_file().parent.mkdir(parents=True, exist_ok=True)
+            with open(trust_file(), "a") as record:
+                record.write("".join(lines))
+
+
+def _run_root(path: Path) -> Path:
+    """The run folder a path lies in (the folder holding metrics.json), else the path's folder."""
+    folder = path if path.is_dir() else path.parent
+    return next((p for p in (folder, *folder.parents) if (p / "metrics.json").is_file()), folder)
+
+
+def check_trusted(reference: str, trust_code: bool, field_name: str, run: str | Path = ".") -> None:
+    """Code a run folder or checkpoint names (`run`) is imported only when this machine trained with
+    that very code (its file's content is in trust_file()), when it is an installed module (found on
+    the module path, outside the current directory and the run folder), or with --trust-code. Decided
+    before anything is imported."""
+    if not is_reference(reference):
+        return  # a built-in name
+    files = code_files(reference)
+    if files is None:
+        raise UserError(f"{field_name}: no module named '{reference.rpartition(':')[0]}' (from '{reference}')")
+    module = not _is_file_reference(reference.rpartition(":")[0])
+    places = (Path.cwd().resolve(), _run_root(Path(run).resolve()))
+    known = _trained_with()
+    unknown = [f for f in files if f.is_file() and not f.is_relative_to(_PACKAGE) and _digest(f) not in known
+               and not (module and not any(f.is_relative_to(p) for p in places))]
+    if unknown and not trust_code:
+        raise UserError(f"{field_name}: this run's code {unknown[0]} is not code this machine trained with; "
+                        f"read it, then pass --trust-code to import it")
+    if files and files[-1].is_file():
+        print(f"ddplab: importing {field_name} code from {files[-1]}", file=sys.stderr)

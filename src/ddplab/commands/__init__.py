@@ -3,6 +3,9 @@ ddplab.cli only when asked for. None imports torch at its top: `ddplab status` a
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import UserError
 
 
@@ -17,3 +20,23 @@ def split_args(items: list[str]) -> tuple[str | None, list[str]]:
 def at_least(name: str, value: float | None, least: float = 1, note: str = "") -> None:
     if value is not None and not value >= least:  # NaN too
         raise UserError(f"{name} must be >= {least}{note}, got {value}")
+
+
+def output_file(given: str | Path, force: bool, option: str = "--output") -> Path:
+    """A file an option names for writing: never a folder or a link; an existing file, or a file
+    inside a run folder, only with --force (a typo must not replace a run's config.yaml or metrics)."""
+    path = Path(given)
+    if path.is_symlink():
+        raise UserError(f"{option} {given}: a symbolic link; name the file itself")
+    if path.is_dir():
+        raise UserError(f"{option} {given}: a folder; name a file")
+    if not path.parent.is_dir():
+        raise UserError(f"{option} {given}: no such folder: {path.parent}")
+    if force:
+        return path
+    if path.exists():
+        raise UserError(f"{option} {given}: the file exists; pass --force to replace it")
+    run = next((p for p in (path.parent, *path.parent.resolve().parents) if (p / RunFolder.METRICS_JSON).is_file()), None)
+    if run is not None:
+        raise UserError(f"{option} {given}: inside the run folder {run}; write elsewhere, or pass --force")
+    return path

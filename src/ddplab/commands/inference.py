@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddplab.commands import at_least
-from ddplab.errors import ExitCode, UserError
+from ddplab.commands import at_least, output_file
+from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.engine.checkpoint import find_checkpoint, load_file
+from ddplab.engine.files import write_atomic
 from ddplab.inference import load_model, sample
 from ddplab.predict import expand, line, output_format, predict as predict_rows, write
 
@@ -31,8 +32,9 @@ def predict(ns) -> int:
         raise UserError("predict: give inputs on the command line or --file")
     at_least("--batch-size", ns.batch_size)
     at_least("--top-k", ns.top_k)
-    if ns.output:
-        output_format(ns.output)  # a wrong name is refused before the model is built
+    if ns.output:  # a wrong name, or a file it must not replace, is refused before the model is built
+        output_format(ns.output)
+        output_file(ns.output, ns.force)
     rows = predict_rows(ns.run, expand(items), ns.batch_size, ns.top_k, ns.trust_code)
     for row in rows:
         print(line(row))
@@ -44,17 +46,22 @@ def predict(ns) -> int:
 def export(ns) -> int:
     """The best (else the last) model as one safetensors file, every parameter whole (a sharded snapshot's
     shards gathered), for `model.load_state_dict(safetensors.torch.load_file(FILE))` without ddplab."""
-    from safetensors.torch import save_file  # imported by this command only
+    from safetensors.torch import save  # imported by this command only
 
+    run = Path(ns.run)
+    # The default file is the run's own export, replaced by the next; --output names any other place.
+    out = output_file(ns.output, ns.force) if ns.output else (
+        run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors"))
     found = find_checkpoint(ns.run)
     ckpt = load_file(found)
-    run = Path(ns.run)
-    out = Path(ns.output) if ns.output else (run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors"))
     # Tied weights (a GPT's embedding and head) share storage, which safetensors refuses: each is stored whole.
     weights = {k: v.detach().contiguous().clone() for k, v in ckpt["model"].items()}
+    blob = save(weights, metadata={"config": json.dumps(ckpt.get("config", {})), "source": str(found)})
     try:
-        save_file(weights, str(out), metadata={"config": json.dumps(ckpt.get("config", {})), "source": str(found)})
+        write_atomic(out.parent, out.name, blob)
     except OSError as exc:
         raise UserError(f"--output: cannot write {out} ({exc.strerror})") from None
+    except RunError as exc:  # a link where the file belongs
+        raise UserError(str(exc)) from None
     print(f"{out}: {len(weights)} tensors, {sum(v.numel() for v in weights.values()):,} values, from {found}")
     return ExitCode.OK

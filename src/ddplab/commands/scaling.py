@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.commands import at_least, split_args
+from ddplab.commands import at_least, output_file, split_args
 from ddplab.config_io import parse_duration
 from ddplab.engine.lock import RunLock
-from ddplab.errors import ExitCode
+from ddplab.errors import ExitCode, UserError
 from ddplab.extras import require
 from ddplab.registry import load_config
 from ddplab.study.grid import expand, parse_setups, parse_sweeps
@@ -43,6 +43,11 @@ def report(ns) -> int:
 
     budget = parse_duration(ns.budget, "--budget")
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
+    if ns.output:  # a folder for the report: a new one, or one whose report --force replaces
+        if Path(out).is_symlink() or Path(out).exists() and not Path(out).is_dir():
+            raise UserError(f"--output {out}: not a folder; name a folder for the report")
+        if Path(out).is_dir():
+            output_file(Path(out) / "report.md", ns.force)
     print(f"report: {make_report(ns.dirs, out, budget)}")
     return ExitCode.OK
 

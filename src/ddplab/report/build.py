@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+from ddplab.engine.files import write_atomic
 from ddplab.report import plots
 from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
@@ -81,5 +82,5 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     if table:
         lines += ["", "## Scaling (one column per setup)", "", *table]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images if p is not None]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out, "report.md", "\n".join(lines) + "\n")
     return out / "report.md"

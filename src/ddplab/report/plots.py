@@ -11,6 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from ddplab.engine.files import write_atomic
 from ddplab.report.runs import Run
 
 
@@ -31,7 +32,7 @@ def _legend(ax, **kw) -> None:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomic(path.parent, path.name, lambda f: fig.savefig(f, format="png", dpi=110))
     _pyplot().close(fig)
     return path
 

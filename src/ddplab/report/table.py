@@ -9,11 +9,13 @@ the same per-process batch and learning-rate rule). Efficiency = speedup / proce
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from ddplab.engine.files import write_atomic
 from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
@@ -254,7 +256,8 @@ def strategy_table(rows: list[dict]) -> str:
 
 def write_csv(rows: list[dict], path: Path) -> None:
     rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)  # None and absent keys are written as empty cells
+    f = io.StringIO(newline="")
+    writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    writer.writeheader()
+    writer.writerows(rows)  # None and absent keys are written as empty cells
+    write_atomic(path.parent, path.name, f.getvalue())
