@@ -15,6 +15,7 @@ import torch
 from torch.distributed.flight_recorder.components.loader import read_dump
 
 from ddplab.distributed import pick_backend
+from ddplab.engine.files import subfolder
 
 PREFIX = "nccl_trace_rank_"  # + the rank: torch's name for the file
 _BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # each pair: torch's newer name first
@@ -32,7 +33,7 @@ def arm(backend: str) -> None:
 def dump_into(logs: Path, backend: str | None) -> None:
     """Once the run folder is known and valid: the dumps go beside the ranks' stacks."""
     if backend == "nccl" and not os.environ.keys() & set(_FILE):
-        logs.mkdir(parents=True, exist_ok=True)
+        subfolder(logs.parent, logs.name)  # torch writes the dumps: never into a link to elsewhere
         os.environ.update(dict.fromkeys(_FILE, str(logs / PREFIX)))
 
 

@@ -75,6 +75,8 @@ class RunLock:
                 fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except FileNotFoundError:  # removed by the start that made it, between the two calls
                 continue
+            except OSError as err:  # a file where the folder should be
+                raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check {self.names})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
