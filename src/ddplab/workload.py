@@ -186,15 +186,17 @@ def code_files(reference: str) -> list[Path] | None:
         if spec.has_location and spec.origin:
             files.append(Path(spec.origin).resolve())
         search = spec.submodule_search_locations
-    return files or None
+    return files if parts else None
 
 
 def _find_spec(name: str, path) -> Any:
     if name in sys.modules:  # imported already: nothing new runs
         return getattr(sys.modules[name], "__spec__", None)
     for finder in sys.meta_path:
-        find = getattr(finder, "find_spec", None)
-        spec = find(name, path) if find is not None else None
+        try:
+            spec = finder.find_spec(name, path)
+        except (AttributeError, ImportError, ValueError):  # not a finder of modules, or not a module name
+            continue
         if spec is not None:
             return spec
     return None
