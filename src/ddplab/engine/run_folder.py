@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ class RunFolder:
     # -- files --------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
-            tmp = self.path / f".{name}.tmp"
+            tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"  # one per writer (the heartbeat's too)
             tmp.write_text(text)
             os.replace(tmp, self.path / name)
 
