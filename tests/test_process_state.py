@@ -96,8 +96,10 @@ def test_wandb_writes_under_the_users_wandb_dir(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "workload.py").write_text(WORKLOAD)
-    for name, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_DIR", str(tmp_path / "mine"))):
-        monkeypatch.setenv(name, value)
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "mine"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "mine").mkdir()
     summary = ddplab.train(None, [*FAST, "logging.trackers=[wandb]", "experiment.name=w"])
     assert summary["status"] == "complete"
