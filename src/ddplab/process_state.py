@@ -105,7 +105,8 @@ def tf32(on: bool) -> None:
     wanted = "high" if on else "highest"
     if matmul != wanted:
         torch.set_float32_matmul_precision(wanted)
-        _record(f"TF32 matmuls {'on' if on else 'off'} (training.tf32)", lambda: torch.set_float32_matmul_precision(matmul))
+        _record(f"TF32 matmuls {'on' if on else 'off'} (training.tf32)",
+                lambda: torch.set_float32_matmul_precision(matmul))
     if conv != on:
         torch.backends.cudnn.allow_tf32 = on
         _record(f"TF32 convolutions {'on' if on else 'off'} (training.tf32)",
@@ -153,7 +154,7 @@ def keep_freed_memory() -> int:
         mallopt, trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return 0
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt.argtypes, mallopt.restype, trim.argtypes = [ctypes.c_int, ctypes.c_int], ctypes.c_int, [ctypes.c_size_t]
     if not mallopt(M_TRIM_THRESHOLD, KEEP):
         return 0
 

@@ -142,7 +142,7 @@ class Heartbeat:
         self._ticks, self._since, self._warned, self._count = -1, time.monotonic(), {}, 0
         self._started = time.time()  # flight recorder dumps older than this are an earlier attempt's
         self._ending = threading.Lock()
-        self._ended = False
+        self._ended = self._stopping = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
@@ -156,6 +156,7 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        self._stopping = True  # the main thread is ending the run: no signal for it from here on
         self._stop.set()
         self._thread.join(timeout=5)
         if self._deadline is not None:  # the main thread got here: it ends the normal way
@@ -172,7 +173,8 @@ class Heartbeat:
                 self._failed_beat(exc)
 
     def _failed_beat(self, exc: Exception) -> None:
-        if self._trouble is not None:
+        # Once; and a store gone with a job that has ended is no news.
+        if self._trouble is not None or (self._ended and self.store is None):
             return
         self._trouble = exc
         self._dump("a heartbeat raised; the beats go on" + (" without the store" if self.store is None else ""), exc,
@@ -218,7 +220,8 @@ class Heartbeat:
                 seen = dict(self.seen)
             self._warn(seen)
             if count % 5 == 1:
-                self.run.write_json(self.run.HEARTBEAT, {"time": time.time(), "ranks": seen, "progress": self.beat.progress})
+                self.run.write_json(self.run.HEARTBEAT, {"time": time.time(), "ranks": seen,
+                                                         "progress": self.beat.progress})
 
     def _read_all(self) -> dict[int, dict]:
         """Every rank's last beat in the store."""
@@ -253,10 +256,11 @@ class Heartbeat:
                 self._wait_reported()
             self._dump("another rank failed; this rank's stacks when the job ended")
         finally:
-            self._deadline = open(self.log_path, "a")
-            faulthandler.dump_traceback_later(GRACE_S, exit=True, file=self._deadline)
-            if self._signals:
-                signal.pthread_kill(self._main, _END_SIGNAL)
+            if not self._stopping:
+                self._deadline = open(self.log_path, "a")
+                faulthandler.dump_traceback_later(GRACE_S, exit=True, file=self._deadline)
+                if self._signals:
+                    signal.pthread_kill(self._main, _END_SIGNAL)
 
     # ------------------------------------------------------------------ failure
     def fail(self, exc: BaseException) -> dict | None:

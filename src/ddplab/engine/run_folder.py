@@ -72,7 +72,7 @@ class RunFolder:
     # -- files --------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
-            tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"  # one per writer (the heartbeat's too)
+            tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"  # one per writer thread
             tmp.write_text(text)
             os.replace(tmp, self.path / name)
 
