@@ -39,7 +39,7 @@ def test_config_reference_lists_every_field_with_its_help_and_resume_safety():
     from ddplab.config import describe_fields
 
     page = _generator().render()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+\.[a-z_]+)` \|.*$", page, re.M)}
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+\.[a-z_0-9]+)` \|.*$", page, re.M)}
     assert set(rows) == {name for name, _, _ in describe_fields()}
     assert "seed for weights, data order, dropout" in rows["experiment.seed"]
     assert "| yes |" in rows["training.epochs"] and "| yes |" in rows["logging.log_every"]  # safe on resume

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from ddplab import process_state
 from ddplab.config import Config
 from ddplab.registry import load_config
 from ddplab.run import train as run_train
@@ -20,5 +21,6 @@ def train(config: str | Path | dict | Config | None = None, overrides=(), *, mod
     "preempted"). `model(cfg, data)` and `data(cfg)` take the place of model.name / data.name;
     define them at the top level of a file guarded by `if __name__ == "__main__":`, since
     predict, generate and resume import that file again."""
-    cfg = load_config(config, list(overrides), model=model, data=data)
-    return run_train(cfg, data_fn=data, model_fn=model, callbacks=list(callbacks))
+    with process_state.changes():  # importing a workload file puts its folder on sys.path: undone too
+        cfg = load_config(config, list(overrides), model=model, data=data)
+        return run_train(cfg, data_fn=data, model_fn=model, callbacks=list(callbacks))

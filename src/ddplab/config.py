@@ -100,6 +100,9 @@ class TrainingConfig:
     lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
     clip_grad_norm: Optional[float] = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
     amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
+    tf32: bool = _f(True, "TF32 tensor cores for float32 matmuls and convolutions on CUDA (Ampere and later); on by "
+                          "default, as training tolerates TF32's 10-bit mantissa and gains its speed; torch's own "
+                          "default is off for matmuls (exact float32 for general linear algebra); false: off for both")
     compile: bool = _f(False, "torch.compile the model (the batch dimension dynamic: one compile, whatever the last "
                               "batch's size; evaluation runs the model uncompiled)")
     channels_last: str = _f("auto", "channels_last memory format for 4-D convolution weights and image batches; auto: "

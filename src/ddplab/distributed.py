@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddplab import process_state
 from ddplab.errors import UserError
 
 
@@ -178,13 +179,10 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
     device = torch.device("cuda", launch.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-        # TF32 tensor cores for fp32 matmuls and convolutions (Ampere and later; ignored before).
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     if chosen is not None:
         if launch.launcher == "slurm":
-            os.environ.setdefault("MASTER_ADDR", launch.master_addr or "localhost")
-            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+            process_state.env_default("MASTER_ADDR", launch.master_addr or "localhost")
+            process_state.env_default("MASTER_PORT", str(launch.master_port))
         kwargs = {"device_id": device} if chosen == "nccl" else {}
         store = attempt_store(launch, timeout_s)
         if store is not None:

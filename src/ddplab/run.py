@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 
 import yaml
 
-from ddplab import distributed
+from ddplab import distributed, process_state
 from ddplab.config import Config
 from ddplab.engine import flight_recorder
 from ddplab.engine.fingerprint import check_resume_path
-from ddplab.engine.heartbeat import Heartbeat, gist
-from ddplab.engine.hostmem import keep_freed_memory
+from ddplab.engine.heartbeat import Heartbeat, PeerFailed, gist
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.setup import build_data, build_model
@@ -38,19 +36,15 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
     `data_fn` / `model_fn` take the place of data.name / model.name (ddplab.train() passes them);
     `callbacks` run after ddplab's own column makers and before the recorder.
     """
-    # The ~350,000 objects alive at the start (torch's and every other module's) are left out of garbage
-    # collection while the run lasts: a full collection, in training or at teardown (with gloo, the DDP
-    # model must be collected before the group goes), then takes microseconds instead of 0.2 s.
-    gc.freeze()
-    try:
+    with process_state.changes():  # a notebook calling train() again finds its process as it was
+        process_state.freeze_gc()
+        process_state.tf32(cfg.training.tf32)
         return _train(cfg, data_fn, model_fn, callbacks)
-    finally:
-        gc.unfreeze()  # a notebook calling train() again is back to the usual collector
 
 
 def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     phases = Phases()
-    kept = keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
+    kept = process_state.keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
     work = workload(cfg, data_fn, model_fn)
     remember_code(work.references.values())  # what predict and generate may import again without asking
     phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
@@ -117,6 +111,8 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 run.log("sample:\n" + text)
             trainer.end(result)
             ctx.beat.mark("end")
+        except PeerFailed:  # told by this rank's heartbeat; rank 0 wrote the job's report
+            raise SystemExit(ExitCode.FAILED) from None
         except Exception as exc:
             if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
                 print(f"ddplab: rank {ctx.rank} failed: {gist(exc)}", file=sys.stderr, flush=True)

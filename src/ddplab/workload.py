@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ddplab import process_state
 from ddplab.errors import UserError, first_line
 
 
@@ -120,8 +121,7 @@ def _import_file(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
     # The file's folder is importable too, as when a user runs `python file.py`.
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
+    process_state.import_path(str(path.parent))
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code is the user's to see

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch.distributed.flight_recorder.components.loader import read_dump
 
+from ddplab import process_state
 from ddplab.distributed import pick_backend
 from ddplab.engine.files import subfolder
 
@@ -25,16 +26,15 @@ _FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 def arm(backend: str) -> None:
     """Before the process group is made: record (torch before 2.14 did not by default), dump on a timeout."""
     if pick_backend(backend, torch.cuda.is_available()) == "nccl":
-        if not os.environ.keys() & set(_BUFFER):
-            os.environ[_BUFFER[1]] = "2000"
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        process_state.env_default(_BUFFER, "2000")
+        process_state.env_default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
 def dump_into(logs: Path, backend: str | None) -> None:
     """Once the run folder is known and valid: the dumps go beside the ranks' stacks."""
     if backend == "nccl" and not os.environ.keys() & set(_FILE):
         subfolder(logs.parent, logs.name)  # torch writes the dumps: never into a link to elsewhere
-        os.environ.update(dict.fromkeys(_FILE, str(logs / PREFIX)))
+        process_state.env_default(_FILE, str(logs / PREFIX))
 
 
 def unfinished(since: float) -> dict[int, dict]:

@@ -10,9 +10,12 @@ every beat, warns once per stall, and keeps `heartbeat.json` in the run folder f
 When a rank fails (a collective timed out, a peer vanished, an exception), it dumps its
 Python stack into logs/rank<N>.log and raises a failure count in the store; every other
 rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
-its process, so nothing waits for torchrun's kill. Rank 0, whichever way it learns of the failure, writes
-the report: train.log, metrics.json's `failure`, the terminal; on NCCL it names the collectives each
-rank never completed, from torch's flight recorder (flight_recorder.py).
+its rank through the main thread, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
+of the failure, writes the report: train.log, metrics.json's `failure`, the terminal; on NCCL it names the
+collectives each rank never completed, from torch's flight recorder (flight_recorder.py).
+
+A beat that raises is reported once (train.log or stderr, its traceback in logs/rank<N>.log) and the
+beats go on, without the store when the store was what failed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import faulthandler
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import sysconfig
@@ -34,16 +38,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddplab import process_state
 from ddplab.engine.files import open_append
 from ddplab.engine.flight_recorder import unfinished
 
 _FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
-# Held while a beat is taken; a fork (DataLoader workers) waits for it: a child forked mid-beat hung a loader worker.
+# Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
+# during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
+# forked mid-beat once hung a loader worker.
 _BEATING, _fork_guard = threading.Lock(), {"registered": False}
+_END_SIGNAL = signal.SIGUSR2  # from the heartbeat thread to the main thread: another rank failed
+GRACE_S = 30.0  # for the main thread to end once told to; past it, faulthandler ends the process
 
 
-def _before_fork() -> None:  # 5 s at most: a beat may be stuck on a dead store
-    _fork_guard["held"] = _BEATING.acquire(timeout=5)
+class PeerFailed(BaseException):
+    """Raised in the main thread when another rank failed; not an Exception, so that no `except Exception`
+    on the way (a tracker's, a callback's) keeps the rank going."""
+
+
+def _peer_failed(signum, frame) -> None:
+    raise PeerFailed("another rank failed; rank 0 wrote the job's report")
+
+
+def _before_fork() -> None:
+    _fork_guard["held"] = _BEATING.acquire()
 
 
 def _after_fork() -> None:
@@ -117,11 +135,15 @@ class Heartbeat:
         self.log_path = Path(run.path) / run.LOGS / f"rank{ctx.rank}.log"
         self.seen: dict[int, dict] = {}  # rank 0: every rank's last beat
         self.mine: dict | None = None
+        self._host = socket.gethostname()
         self._main = threading.get_ident()  # the thread that trains
+        self._trouble: BaseException | None = None  # the first beat that raised (reported once)
+        self._signals = False  # whether the main thread can be told to end (it installed the handler)
+        self._deadline: object | None = None  # the file faulthandler's last-resort dump goes to
         self._ticks, self._since, self._warned, self._count = -1, time.monotonic(), {}, 0
         self._started = time.time()  # flight recorder dumps older than this are an earlier attempt's
         self._ending = threading.Lock()
-        self._ended = False
+        self._ended = self._stopping = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
@@ -129,77 +151,117 @@ class Heartbeat:
         if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
             _fork_guard["registered"] = os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
                                                             after_in_child=_after_fork) or True
+        if self.store is not None:  # undone when the run's process_state.changes() ends
+            self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        self._stopping = True  # the main thread is ending the run: no signal for it from here on
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._deadline is not None:  # the main thread got here: it ends the normal way
+            faulthandler.cancel_dump_traceback_later()
+            self._deadline.close()
+            self._deadline = None
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                with _BEATING:
-                    self._tick()
-            except Exception:  # the store went with a dead rank: this rank's own collectives will fail
-                if self.store is None or self._ended:
-                    return
-                self.store = None
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - reported once, then the beats go on
+                self._failed_beat(exc)
+
+    def _failed_beat(self, exc: Exception) -> None:
+        # Once; and a store gone with a job that has ended is no news.
+        if self._trouble is not None or (self._ended and self.store is None):
+            return
+        self._trouble = exc
+        self._dump("a heartbeat raised; the beats go on" + (" without the store" if self.store is None else ""), exc,
+                   stacks=False)
+        message = (f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on"
+                   f"{' without the store' if self.store is None else ''} (traceback in {self.log_path})")
+        if self.ctx.is_main:
+            self.run.log(message)
+        else:
+            print(f"ddplab: {message}", file=sys.stderr, flush=True)
 
     def _describe(self) -> dict:
+        """This rank's beat, read from memory: call it holding _BEATING."""
         now, b = time.monotonic(), self.beat
         if b.ticks != self._ticks:
             self._ticks, self._since = b.ticks, now
         frame = sys._current_frames().get(self._main)
-        return {"rank": self.ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": b.step, "at": time.time(),
+        return {"rank": self.ctx.rank, "host": self._host, "pid": os.getpid(), "step": b.step, "at": time.time(),
                 "phase": b.phase, "collective": b.collective, "waiting": b.waiting, "ticks": b.ticks,
                 "still_s": round(now - self._since, 1), "where": where(frame) if frame is not None else None}
 
     def _tick(self) -> None:
-        b, self.mine = self.beat, self._describe()
-        self._count += 1
-        if self.store is None:
-            self.seen[self.ctx.rank] = self.mine
-        else:
-            self.store.set(f"ddplab/beat/{self.ctx.rank}", json.dumps(self.mine))
-            if self.ctx.is_main:
-                self._read_all()
-            if self.store.add(_FAILED, 0) and not self._ended:
+        with _BEATING:
+            self.mine, self._count = self._describe(), self._count + 1
+            mine, count = self.mine, self._count
+            if self.store is None:
+                self.seen[self.ctx.rank] = mine
+        if self.store is not None:
+            try:
+                self.store.set(f"ddplab/beat/{self.ctx.rank}", json.dumps(mine))
+                heard = self._read_all() if self.ctx.is_main else {}
+                failed = self.store.add(_FAILED, 0)
+            except Exception:  # the store went with a dead rank: this rank's own collectives will fail
+                self.store = None
+                raise
+            with _BEATING:
+                self.seen.update(heard)
+            if failed and not self._ended:
                 self._end_rank()
+                return
         if self.ctx.is_main:
-            self._warn()
-            if self._count % 5 == 1:
-                self.run.write_json(self.run.HEARTBEAT, {"time": time.time(), "ranks": self.seen,
-                                                         "progress": b.progress})
+            with _BEATING:
+                seen = dict(self.seen)
+            self._warn(seen)
+            if count % 5 == 1:
+                self.run.write_json(self.run.HEARTBEAT, {"time": time.time(), "ranks": seen,
+                                                         "progress": self.beat.progress})
 
-    def _read_all(self) -> None:
-        for rank in range(self.ctx.world_size):
-            key = f"ddplab/beat/{rank}"
-            if self.store.check([key]):
-                self.seen[rank] = json.loads(self.store.get(key))
+    def _read_all(self) -> dict[int, dict]:
+        """Every rank's last beat in the store."""
+        keys = {rank: f"ddplab/beat/{rank}" for rank in range(self.ctx.world_size)}
+        return {rank: json.loads(self.store.get(key)) for rank, key in keys.items() if self.store.check([key])}
 
-    def _warn(self) -> None:
-        for rank, b in self.seen.items():
+    def _warn(self, seen: dict[int, dict]) -> None:
+        for rank, b in seen.items():
             if not b["waiting"] and b["still_s"] >= self.stall_warning and self._warned.get(rank) != b["ticks"]:
                 self._warned[rank] = b["ticks"]
                 self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s "
                              f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
-                             + "".join(f"; rank {r} waits in {o['collective']}" for r, o in self.seen.items()
+                             + "".join(f"; rank {r} waits in {o['collective']}" for r, o in seen.items()
                                        if o["waiting"]))
 
     def _end_rank(self) -> None:
-        """Another rank failed: report it (rank 0), dump this rank's stack and end the process."""
+        """Another rank failed: report it (rank 0), dump this rank's stacks, and have the main thread end the rank.
+
+        The main thread gets PeerFailed from a signal: a sleep or a wait in Python ends at once; a gloo
+        collective returns when its peer's connection closes, or at distributed.timeout. A main thread that
+        cannot run Python (stuck in C: a GPU sync, a collective) within GRACE_S is ended by faulthandler, which
+        dumps every stack again, as nothing else can end it."""
         with self._ending:
             if self._ended:
                 return
             self._ended = True
-        if self.ctx.is_main:
-            self._report(self._failures())
-        else:
-            self._wait_reported()
-        self._dump("another rank failed; this rank's stacks when the job ended")
-        os._exit(1)
+        self._stop.set()
+        try:
+            if self.ctx.is_main:
+                self._report(self._failures())
+            else:
+                self._wait_reported()
+            self._dump("another rank failed; this rank's stacks when the job ended")
+        finally:
+            if not self._stopping:
+                self._deadline = open(self.log_path, "a")
+                faulthandler.dump_traceback_later(GRACE_S, exit=True, file=self._deadline)
+                if self._signals:
+                    signal.pthread_kill(self._main, _END_SIGNAL)
 
     # ------------------------------------------------------------------ failure
     def fail(self, exc: BaseException) -> dict | None:
@@ -211,8 +273,11 @@ class Heartbeat:
         self._dump(f"rank {self.ctx.rank} failed", exc)
         # A rank that timed out in a collective is described as it stood while it waited there, any other by
         # where its error was raised (its main thread is here now, in the handler).
-        waited, raised = self.mine is not None and self.mine["waiting"], where_raised(exc)
-        error = {"error": gist(exc), "where": raised, "beat": self.mine if waited else {**self._describe(), "where": raised}}
+        raised = where_raised(exc)
+        with _BEATING:
+            waited = self.mine is not None and self.mine["waiting"]
+            beat = self.mine if waited else {**self._describe(), "where": raised}
+        error = {"error": gist(exc), "where": raised, "beat": beat}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         try:
@@ -237,8 +302,12 @@ class Heartbeat:
 
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
-            self._read_all()
-        failure = compose(self.seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
+            heard = self._read_all()
+            with _BEATING:
+                self.seen.update(heard)
+        with _BEATING:
+            seen = dict(self.seen)
+        failure = compose(seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
         self.run.log(failure["report"], echo=False)
         self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
         self.announce(failure["report"])
@@ -246,15 +315,16 @@ class Heartbeat:
             self.store.set(_REPORTED, "1")
         return failure
 
-    def _dump(self, reason: str, exc: BaseException | None = None) -> None:
+    def _dump(self, reason: str, exc: BaseException | None = None, stacks: bool = True) -> None:
         with open_append(self.run.path, Path(self.run.LOGS, self.log_path.name)) as f:
-            f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {socket.gethostname()}, "
+            f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {self._host}, "
                     f"pid {os.getpid()}: {reason}\n")
             if exc is not None:
                 f.write("".join(traceback.format_exception(exc)))
-            f.write("-- Python stacks of every thread (faulthandler):\n")
-            f.flush()
-            faulthandler.dump_traceback(f, all_threads=True)
+            if stacks:
+                f.write("-- Python stacks of every thread (faulthandler):\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
 
 
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:

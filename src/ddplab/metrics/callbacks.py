@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ddplab import process_state
 from ddplab.config_io import format_duration
 from ddplab.engine.callbacks import Callback
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row
@@ -58,7 +59,8 @@ class RunRecorder(Callback):
         run.log(f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
                 f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
                 f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
-                f"{b['steps_per_epoch']} steps per epoch; {view.data_workers} data workers per process")
+                f"{b['steps_per_epoch']} steps per epoch; {view.data_workers} data workers per process"
+                + "".join(f"; {change}" for change in process_state.in_effect()))  # torch's defaults, unless listed
 
     def on_log(self, view, values):
         step, every = view.step, view.config.logging.log_every

@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+from ddplab import process_state
 from ddplab.engine.fingerprint import flatten
 from ddplab.engine.files import write_atomic
 from ddplab.engine.run_folder import RunFolder
@@ -39,9 +40,9 @@ class MLflow(Tracker):
         from mlflow.tracking import MlflowClient
 
         # A server that is down should cost seconds, not MLflow's default minutes of retries.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial MLflow database tables"
+        process_state.env_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        process_state.env_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        process_state.logger_level("mlflow.store.db.utils", logging.WARNING)  # "Creating initial MLflow database tables"
         cfg, run_dir = view.config, view.run.path
         uri = mlflow_uri(cfg, run_dir, study)
         self.client = client = MlflowClient(tracking_uri=uri)

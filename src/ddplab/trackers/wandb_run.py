@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 from ddplab.trackers.base import Tracker
 
 
 class WandB(Tracker):
-    """One W&B run per run folder, its id in trackers.json; WANDB_MODE=offline writes to the run folder's wandb/."""
+    """One W&B run per run folder, its id in trackers.json. W&B's files (with WANDB_MODE=offline, the whole run)
+    go into the run folder's wandb/, or under $WANDB_DIR when the user set it."""
 
     name = "wandb"
     remembers = True  # an offline run cannot be asked what it holds
@@ -20,7 +22,8 @@ class WandB(Tracker):
         run_id = mine.get("id") or uuid.uuid4().hex[:12]
         config = {**cfg.to_dict(), **({"study_point": study} if study else {})}
         self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.run_name(), id=run_id, resume="allow",
-                              dir=str(view.run.path), group=study["study"] if study else None,
+                              dir=None if os.environ.get("WANDB_DIR") else str(view.run.path),  # the user's wins
+                              group=study["study"] if study else None,
                               config=None if "id" in mine else config, settings=wandb.Settings(console="off"))
         record[self.name] = {"id": run_id, "project": cfg.logging.wandb_project, "train": mine.get("train", 0),
                              "epoch": mine.get("epoch", 0)}
