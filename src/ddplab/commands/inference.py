@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ddplab.commands import at_least
 from ddplab.errors import ExitCode, UserError
-from ddplab.engine.checkpoint import find_checkpoint, load_file
+from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.inference import load_model, sample
 from ddplab.predict import expand, line, output_format, predict as predict_rows, write
 
@@ -46,8 +46,7 @@ def export(ns) -> int:
     shards gathered), for `model.load_state_dict(safetensors.torch.load_file(FILE))` without ddplab."""
     from safetensors.torch import save_file  # imported by this command only
 
-    found = find_checkpoint(ns.run)
-    ckpt = load_file(found)
+    found, ckpt = load_checkpoint(ns.run)
     run = Path(ns.run)
     out = Path(ns.output) if ns.output else (run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors"))
     # Tied weights (a GPT's embedding and head) share storage, which safetensors refuses: each is stored whole.

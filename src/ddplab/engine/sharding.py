@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -116,15 +116,31 @@ def load_full(model: torch.nn.Module, state: dict) -> None:
         model.load_state_dict(state)
 
 
-def model_and_optimizer(model, optimizer) -> dict:
-    """{"model", "optimizer"} keyed by parameter names, sharded as trained: what a sharded snapshot holds
-    (torch.distributed.checkpoint reshards it on load, to any world size)."""
-    weights, optim = get_state_dict(model, optimizer)
-    return {"model": weights, "optimizer": optim}
+class ShardedModel:
+    """A sharded model as a snapshot's part: this rank's shards keyed by parameter names, as
+    torch.distributed.checkpoint stores them (and reshards them on load, to any world size)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state)
 
 
-def load_model_and_optimizer(model, optimizer, state: dict) -> None:
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+class ShardedOptimizer:
+    """The optimizer of a sharded model as a snapshot's part, keyed by parameter names too."""
+
+    def __init__(self, model: torch.nn.Module, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict:
