@@ -53,7 +53,7 @@ def test_a_truncated_newest_snapshot_falls_back_to_the_previous_one(tmp_path):
     data = (newest / STATE).read_bytes()
     (newest / STATE).write_bytes(data[: len(data) // 2])
     messages = []
-    where, snap = ck.load_latest(messages.append)
+    where, _, snap = ck.newest(messages.append)
     assert where.name == "step-000000001" and torch.equal(snap["model"]["w"], torch.full((3,), 1.0))
     assert len(messages) == 1 and "step-000000002" in messages[0] and "truncated" in messages[0]
 
@@ -87,7 +87,7 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path, as_folder):
     assert not sentinel.exists()
     if as_folder:  # a complete-looking snapshot: resume skips it instead of running it
         (target.parent / MARKER).write_text("{}")
-        assert Checkpointer(tmp_path, is_main=True).load_latest(lambda m: None) is None
+        assert Checkpointer(tmp_path, is_main=True).newest(lambda m: None) is None
     else:
         with pytest.raises(UserError, match="could run code"):
             load_file(target)

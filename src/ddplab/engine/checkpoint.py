@@ -78,23 +78,24 @@ class Parts:
         """Each part and what holds it, for the manifest."""
         return {name: SHARDS if kind == SHARDED else STATE for name, kind in self.kinds.items()}
 
-    def _of(self, kind: str) -> dict:
+    def of(self, kind: str) -> dict:
+        """The parts of one kind, by name."""
         return {name: obj for name, obj in self.objects.items() if self.kinds[name] == kind}
 
     def states(self, ctx) -> tuple[dict, dict]:
         """(what state.pt holds, what the shards hold). A collective: every rank's per-rank states are
         gathered (state.pt holds them as a list in rank order)."""
-        plain = {name: obj.state_dict() for name, obj in self._of(SHARED).items()}
-        own = {name: obj.state_dict() for name, obj in self._of(PER_RANK).items()}
+        plain = {name: obj.state_dict() for name, obj in self.of(SHARED).items()}
+        own = {name: obj.state_dict() for name, obj in self.of(PER_RANK).items()}
         if own:
             ranks = ctx.gather_objects(own)
             plain.update({name: [states[name] for states in ranks] for name in own})
-        return plain, {name: obj.state_dict() for name, obj in self._of(SHARDED).items()}
+        return plain, {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}
 
     def load(self, plain: dict, folder: Path, ctx, world_size: int) -> list[str]:
         """Every part from a snapshot's state.pt (`plain`) and shards, written by `world_size` processes.
         Returns the parts left as built: absent from the snapshot, or per-rank at another world size."""
-        sharded = {name: obj.state_dict() for name, obj in self._of(SHARDED).items()}  # DCP loads into these
+        sharded = {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}  # DCP loads into these
         if sharded:
             if "model" in sharded:
                 same_model(folder, sharded["model"], shapes(folder / SHARDS))
@@ -170,9 +171,9 @@ class Checkpointer:
         consumed, world_size, global_batch, config) and its files. Rank 0 writes state.pt, every rank
         its shards (in the background: staged now, written while training goes on); rank 0 then
         checksums every file and writes the marker last. Returns the folder (rank 0; None elsewhere)."""
-        plain, sharded = parts.states(ctx)
-        if sharded:
+        if parts.of(SHARDED):
             self.wait()  # one background save at a time: the previous one is complete first
+        plain, sharded = parts.states(ctx)
         tmp, final = self.root / f".tmp-{name}", self.root / name
         manifest = {"format": FORMAT, **info, "parts": parts.files()}
         try:
@@ -180,12 +181,13 @@ class Checkpointer:
                 self.root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
-                _write_synced(tmp / STATE, lambda f: torch.save(plain, f))
             if sharded:
                 ctx.barrier()  # the folder exists before any rank writes into it
                 self._save_shards(sharded, tmp / SHARDS, ctx, background)
-            if self.is_main and not (sharded and background):
-                self._finish(tmp, final, manifest)
+            if self.is_main:
+                _write_synced(tmp / STATE, lambda f: torch.save(plain, f))
+                if not (sharded and background):
+                    self._finish(tmp, final, manifest)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(name, exc) from None
         if self.is_main and sharded and background:
@@ -268,6 +270,7 @@ class Checkpointer:
         """A collective: the snapshot `named`, else the newest that passes its checks (rank 0 checks,
         the others follow), loaded into `parts`. (folder, manifest, parts left as built), or None."""
         found = error = None
+        named = named.parent if named is not None and named.is_file() else named  # a snapshot's state.pt: its folder
         if self.is_main:
             try:
                 found = (named, *open_snapshot(named, log)) if named else self.newest(log)
@@ -286,19 +289,12 @@ class Checkpointer:
         """What a snapshot folder (or its state.pt) holds, checked first, the model's weights whole
         (weights=False, sharded: their shapes only)."""
         path = Path(path)
+        if path.is_file() and not (path.parent / MARKER).is_file():
+            return load_file(path, weights)  # a file of its own, not a snapshot's: nothing to check it against
         try:
             return _contents(path if path.is_dir() else path.parent, print, weights)
         except Damaged as err:
             raise UserError(str(err)) from None
-
-    def load_latest(self, log=print, weights: bool = True) -> tuple[Path, dict] | None:
-        """The newest step snapshot that passes its checks, falling back to older ones."""
-        for folder in reversed(self.snapshots()):
-            try:
-                return folder, _contents(folder, log, weights)
-            except Damaged as err:
-                log(f"skipping snapshot {folder.name}: {err}")
-        return None
 
 
 def open_snapshot(folder: Path, log=print) -> tuple[dict, dict]:
