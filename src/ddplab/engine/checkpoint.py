@@ -36,9 +36,10 @@ import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

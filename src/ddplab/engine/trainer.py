@@ -33,9 +33,9 @@ from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
 from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
+from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
-from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.sharding import ShardedModel, ShardedOptimizer, full_state, load_full, micro_step
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
