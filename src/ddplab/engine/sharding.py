@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ddplab.engine.checkpoint import part
 from ddplab.errors import UserError
 from ddplab.workload import resolve
 
@@ -116,31 +117,12 @@ def load_full(model: torch.nn.Module, state: dict) -> None:
         model.load_state_dict(state)
 
 
-class ShardedModel:
-    """A sharded model as a snapshot's part: this rank's shards keyed by parameter names, as
-    torch.distributed.checkpoint stores them (and reshards them on load, to any world size)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
-
-
-class ShardedOptimizer:
-    """The optimizer of a sharded model as a snapshot's part, keyed by parameter names too."""
-
-    def __init__(self, model: torch.nn.Module, optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+def sharded_parts(model: torch.nn.Module, optimizer) -> tuple:
+    """The model and the optimizer of a sharded run as a snapshot's parts: this rank's shards keyed by
+    parameter names, as torch.distributed.checkpoint stores them (and reshards them on load, to any world size)."""
+    return (part(lambda: get_model_state_dict(model), lambda state: set_model_state_dict(model, state)),
+            part(lambda: get_optimizer_state_dict(model, optimizer),
+                 lambda state: set_optimizer_state_dict(model, optimizer, state)))
 
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict:

@@ -36,7 +36,7 @@ from ddplab.engine.preemption import StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
-from ddplab.engine.sharding import ShardedModel, ShardedOptimizer, full_state, load_full, micro_step
+from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
 
@@ -111,11 +111,12 @@ class Trainer:
     def _register_parts(self) -> tuple[Parts, Parts]:
         """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
         each kind is written and read back). Then what the best model's snapshot holds."""
-        sharded = SHARDED if self.sharded else SHARED
+        kind = SHARDED if self.sharded else SHARED
+        model, optimizer = sharded_parts(self.raw, self.optimizer) if self.sharded else (self.raw, self.optimizer)
         about = {"meta": part(lambda: self.data.meta), "task": part(self.task.describe)}  # for predict, generate
         parts = Parts()
-        parts.add("model", ShardedModel(self.raw) if self.sharded else self.raw, sharded)
-        parts.add("optimizer", ShardedOptimizer(self.raw, self.optimizer) if self.sharded else self.optimizer, sharded)
+        parts.add("model", model, kind)
+        parts.add("optimizer", optimizer, kind)
         parts.add("scheduler", self.scheduler)
         parts.add("scaler", self.scaler)
         parts.add("trainer", self.state)
