@@ -13,6 +13,7 @@ import torch
 
 from conftest import TINY_GPT, assert_ok, ddplab
 from ddplab.cli import main
+from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.lock import RunLock
 
 
@@ -59,7 +60,7 @@ def place(tmp_path_factory) -> Path:
     # A classifier checkpoint whose config names a model folder that no longer holds a loadable model.
     (root / "hf_model").mkdir()
     (root / "hf_model" / "config.json").write_text("{not json")
-    ckpt = torch.load(done / "checkpoints" / "best.pt", weights_only=True)
+    _, ckpt = load_checkpoint(done / "checkpoints" / "best")
     ckpt["config"]["model"].update(name="hf", pretrained=str(root / "hf_model"))
     ckpt.update(task="classification", num_classes=2)
     ckpt["meta"] = {"input": "text"}

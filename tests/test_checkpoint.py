@@ -5,18 +5,28 @@ import os
 import pytest
 import torch
 
-from ddplab.engine.checkpoint import MARKER, STATE, Checkpointer, load_file
+from ddplab.distributed import DistContext, LaunchInfo
+from ddplab.engine.checkpoint import MARKER, STATE, Checkpointer, Parts, load_file, part
 from ddplab.errors import UserError
+
+ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 
 
 def _state(value: float) -> dict:
     return {"model": {"w": torch.full((3,), value)}, "trainer": {"step": int(value)}}
 
 
+def _save(ck: Checkpointer, step: int):
+    parts = Parts()
+    for name, state in _state(step).items():
+        parts.add(name, part(lambda state=state: state))
+    return ck.save(parts, ONE, f"step-{step:09d}", {"step": step, "world_size": 1})
+
+
 def test_snapshots_are_complete_folders_and_keep_last(tmp_path):
     ck = Checkpointer(tmp_path, is_main=True, keep_last=2)
     for step in (1, 2, 3):
-        path = ck.save_snapshot(_state(step), step, {"step": step})
+        path = _save(ck, step)
         assert (path / MARKER).is_file() and (path / STATE).is_file()
     assert [p.name for p in ck.snapshots()] == ["step-000000002", "step-000000003"]
     assert not list(tmp_path.glob(".tmp-*"))
@@ -24,7 +34,7 @@ def test_snapshots_are_complete_folders_and_keep_last(tmp_path):
 
 def test_incomplete_snapshots_are_ignored_then_cleaned(tmp_path):
     ck = Checkpointer(tmp_path, is_main=True)
-    ck.save_snapshot(_state(1), 1, {})
+    _save(ck, 1)
     (tmp_path / ".tmp-step-000000002").mkdir()
     torch.save(_state(2), tmp_path / ".tmp-step-000000002" / STATE)
     (tmp_path / "step-000000003").mkdir()  # data without its marker
@@ -38,12 +48,12 @@ def test_incomplete_snapshots_are_ignored_then_cleaned(tmp_path):
 
 def test_a_truncated_newest_snapshot_falls_back_to_the_previous_one(tmp_path):
     ck = Checkpointer(tmp_path, is_main=True)
-    ck.save_snapshot(_state(1), 1, {})
-    newest = ck.save_snapshot(_state(2), 2, {})
+    _save(ck, 1)
+    newest = _save(ck, 2)
     data = (newest / STATE).read_bytes()
     (newest / STATE).write_bytes(data[: len(data) // 2])
     messages = []
-    where, snap = ck.load_latest(messages.append)
+    where, _, snap = ck.newest(messages.append)
     assert where.name == "step-000000001" and torch.equal(snap["model"]["w"], torch.full((3,), 1.0))
     assert len(messages) == 1 and "step-000000002" in messages[0] and "truncated" in messages[0]
 
@@ -77,7 +87,7 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path, as_folder):
     assert not sentinel.exists()
     if as_folder:  # a complete-looking snapshot: resume skips it instead of running it
         (target.parent / MARKER).write_text("{}")
-        assert Checkpointer(tmp_path, is_main=True).load_latest(lambda m: None) is None
+        assert Checkpointer(tmp_path, is_main=True).newest(lambda m: None) is None
     else:
         with pytest.raises(UserError, match="could run code"):
             load_file(target)

@@ -37,7 +37,7 @@ def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
     for name in ("config.yaml", "env.json", "metrics.csv", "metrics.json", "train.log", "sample.txt"):
         assert (run / name).is_file(), name
     assert any((run / "tensorboard").iterdir())
-    assert (run / "checkpoints" / "best.pt").is_file()
+    assert (run / "checkpoints" / "best" / "COMPLETE").is_file()  # the best model, a snapshot of its own
     assert "global batch = 8 per process x 1 accumulation x 1 processes = 8" in proc.stdout
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert [r["epoch"] for r in rows] == ["1", "2"]

@@ -94,7 +94,7 @@ def test_training_evaluation_and_snapshots_add_up_to_the_wall_clock(tmp_path):
 def test_channels_last_trains_and_its_checkpoint_loads_into_a_plain_model(tmp_path):
     summary = _train(tmp_path, "training.channels_last=true", "training.epochs=1")
     assert summary["status"] == "complete" and summary["epochs"][0]["train_loss"] > 0
-    weights = load_file(tmp_path / "run" / "checkpoints" / "best.pt")["model"]
+    weights = load_file(tmp_path / "run" / "checkpoints" / "best" / "state.pt")["model"]
     assert weights["conv.weight"].is_contiguous(memory_format=torch.channels_last)
     plain = Net()
     plain.load_state_dict(weights)
@@ -146,7 +146,7 @@ def test_compile_costs_once_the_ragged_last_batch_included(tmp_path, monkeypatch
 def test_on_cuda_channels_last_is_automatic_and_the_times_still_add_up(tmp_path):
     watch = Stopwatch(0.01)
     rows = _train(tmp_path, "training.epochs=2", "checkpoint.every=4", callbacks=[watch])["epochs"]
-    weights = load_file(tmp_path / "run" / "checkpoints" / "best.pt")["model"]
+    weights = load_file(tmp_path / "run" / "checkpoints" / "best" / "state.pt")["model"]
     assert weights["conv.weight"].is_contiguous(memory_format=torch.channels_last)
     for row, begun, end in zip(rows, watch.ends, watch.ends[1:]):
         parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]

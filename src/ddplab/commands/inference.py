@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ddplab.commands import at_least, output_file
 from ddplab.errors import ExitCode, RunError, UserError
-from ddplab.engine.checkpoint import find_checkpoint, load_file
+from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.files import write_atomic
 from ddplab.inference import load_model, sample
 from ddplab.predict import expand, line, output_format, predict as predict_rows, write
@@ -52,8 +52,7 @@ def export(ns) -> int:
     # The default file is the run's own export, replaced by the next; --output names any other place.
     out = output_file(ns.output, ns.force) if ns.output else (
         run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors"))
-    found = find_checkpoint(ns.run)
-    ckpt = load_file(found)
+    found, ckpt = load_checkpoint(ns.run)
     # Tied weights (a GPT's embedding and head) share storage, which safetensors refuses: each is stored whole.
     weights = {k: v.detach().contiguous().clone() for k, v in ckpt["model"].items()}
     blob = save(weights, metadata={"config": json.dumps(ckpt.get("config", {})), "source": str(found)})

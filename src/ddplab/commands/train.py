@@ -10,6 +10,7 @@ from ddplab.commands import at_least, split_args
 from ddplab.config import keep_global_batch
 from ddplab.config_io import format_duration
 from ddplab.engine.lock import claim, held, resolve_run_dir
+from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, UserError
 from ddplab.launch import die_with_parent, quick_exit, run_workers, under_agent
@@ -58,17 +59,19 @@ def launch(cfg, ns) -> int:
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
-    """A resume at another world size keeps the run's global batch (engine/resume.py); where no
-    accumulation can, one line says so before any worker starts."""
+    """A resume at another world size keeps the run's global batch (engine/trainer.py); where no
+    accumulation can, one line says so before any worker starts. A marker that is not a manifest is
+    left to the workers, which skip its snapshot and say so."""
     if cfg.checkpoint.resume == "never":
         return
-    named = cfg.checkpoint.resume != "auto"
-    marker = RunFolder.MARKER
-    markers = [Path(cfg.checkpoint.resume) / marker] if named else sorted(run_dir.glob(f"{RunFolder.CHECKPOINTS}/step-*/{marker}"))
-    if not markers or not markers[-1].is_file():
-        return
-    info = json.loads(markers[-1].read_text())
-    if info.get("global_batch"):
+    if cfg.checkpoint.resume == "auto":
+        info = newest(run_dir / RunFolder.CHECKPOINTS)
+    else:
+        try:
+            info = read(Path(cfg.checkpoint.resume))
+        except Damaged:
+            return
+    if info and isinstance(info.get("global_batch"), int):
         keep_global_batch(info["global_batch"], cfg.training.batch_size, world_size)
 
 

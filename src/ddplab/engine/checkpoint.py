@@ -1,15 +1,30 @@
-"""Snapshots that survive crashes, and the best model.
+"""Snapshots: how the run's state is written, checked and read back. This module alone does it.
 
-A snapshot is a folder `step-000000123/` holding `state.pt`; it counts only once its
-marker file `COMPLETE` (written last, after an fsync of the data) is there. Sharded runs
-(distributed.strategy=fsdp|hsdp) write the model and optimizer with torch.distributed.checkpoint
-into `shards/` (every rank its own file, resharded on load to any world size) and the rest to
-`state.pt`; with checkpoint.async_save the shards are written in the background and rank 0 marks
-the snapshot complete when DCP's save has finished on every rank. It is built
-under a temporary name and renamed into place, so a kill at any moment leaves the
-previous complete snapshot untouched; incomplete leftovers are ignored and cleaned.
-Everything is saved as tensors and plain Python values so it loads with
-`torch.load(weights_only=True)`; nothing is unpickled unsafely.
+The run's state is a set of named stateful parts (`Parts`): objects with `state_dict()` and
+`load_state_dict(state)`. The Trainer registers its own in one place (model, optimizer, scheduler,
+scaler, trainer: its TrainState, rng, callbacks, and the meta and task inference needs); a workload
+adds its own with `ddplab.Data(state={"name": obj})`. A part is of one of three kinds:
+
+- SHARED: one state, rank 0's, written to state.pt and loaded on every rank (the schedule, the
+  scaler, progress, callbacks; the model and the optimizer under DDP);
+- PER_RANK: every rank's state, gathered to rank 0 and written to state.pt; each rank loads its own
+  (random streams, a workload's parts). At another world size there is no own state to load: the
+  part stays as built, and load() says which;
+- SHARDED: the model and the optimizer under distributed.strategy=fsdp|hsdp, written by every rank
+  into shards/ with torch.distributed.checkpoint (DCP) and resharded on load to any world size.
+
+A snapshot is a folder, `step-000000123/`, or `best/` (the model with the best validation loss, its
+weights whole, for predict, generate and export): `state.pt`, `shards/` when sharded, and the
+`COMPLETE` marker, whose content is the manifest (engine/manifest.py: the step, the config, each
+part and the file that holds it, every file's size and checksum). It is built under `.tmp-<name>`
+and renamed into place once the marker is written, after an fsync of the data, so a kill at any
+moment leaves the previous complete snapshot untouched; incomplete leftovers are ignored and
+cleaned. With checkpoint.async_save the shards are written in the background and rank 0 checksums
+the files and writes the marker in a thread of its own, once DCP's save has ended on every rank.
+
+Before a snapshot is trusted (resume, predict, export, generate) its files are checked against the
+manifest; one that fails is skipped with one line naming the file, and the previous one is used.
+Everything loads with `torch.load(weights_only=True)`: nothing is unpickled unsafely.
 """
 
 from __future__ import annotations
@@ -18,9 +33,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,13 +47,71 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ddplab.errors import UserError, first_line
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.files import NEW_FILE, subfolder
+from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, verify
+from ddplab.errors import RunError, UserError, first_line
 
-MARKER = RunFolder.MARKER
 STATE = "state.pt"
 SHARDS = "shards"
-BEST = "best.pt"
+BEST = "best"
+SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
+
+
+def part(state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None] = lambda state: None):
+    """A stateful part made of two functions (without the second: a value saved, never loaded back)."""
+    return SimpleNamespace(state_dict=state_dict, load_state_dict=load_state_dict)
+
+
+class Parts:
+    """The named stateful parts a snapshot holds, each of a kind (SHARED, PER_RANK, SHARDED)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.kinds: dict[str, str] = {}
+
+    def add(self, name: str, obj, kind: str = SHARED) -> None:
+        if name in self.objects:
+            raise UserError(f"two stateful parts are named {name!r}; a snapshot holds each part under its own name")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UserError(f"stateful part {name!r}: {type(obj).__name__} has no state_dict() and load_state_dict()")
+        self.objects[name], self.kinds[name] = obj, kind
+
+    def files(self) -> dict:
+        """Each part and what holds it, for the manifest."""
+        return {name: SHARDS if kind == SHARDED else STATE for name, kind in self.kinds.items()}
+
+    def of(self, kind: str) -> dict:
+        """The parts of one kind, by name."""
+        return {name: obj for name, obj in self.objects.items() if self.kinds[name] == kind}
+
+    def states(self, ctx) -> tuple[dict, dict]:
+        """(what state.pt holds, what the shards hold). A collective: every rank's per-rank states are
+        gathered (state.pt holds them as a list in rank order)."""
+        plain = {name: obj.state_dict() for name, obj in self.of(SHARED).items()}
+        own = {name: obj.state_dict() for name, obj in self.of(PER_RANK).items()}
+        if own:
+            ranks = ctx.gather_objects(own)
+            plain.update({name: [states[name] for states in ranks] for name in own})
+        return plain, {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}
+
+    def load(self, plain: dict, folder: Path, ctx, world_size: int) -> list[str]:
+        """Every part from a snapshot's state.pt (`plain`) and shards, written by `world_size` processes.
+        Returns the parts left as built: absent from the snapshot, or per-rank at another world size."""
+        sharded = {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}  # DCP loads into these
+        if sharded:
+            if "model" in sharded:
+                same_model(folder, sharded["model"], shapes(folder / SHARDS))
+            load_shards(sharded, folder / SHARDS, ctx.is_distributed)
+        left = []
+        for name, obj in self.objects.items():
+            kind = self.kinds[name]
+            if kind == SHARDED:
+                obj.load_state_dict(sharded[name])
+            elif name not in plain or (kind == PER_RANK and world_size != ctx.world_size):
+                left.append(name)
+            else:
+                obj.load_state_dict(plain[name][ctx.rank] if kind == PER_RANK else plain[name])
+        return left
 
 
 def _fsync_dir(path: Path) -> None:
@@ -46,27 +123,278 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_synced(path: Path, write) -> None:
-    """`write(file)` into a new file whose data is on disk when this returns."""
-    with open(path, "wb") as f:
+    """`write(file)` into a new file whose data is on disk when this returns. The file is created
+    exclusively, never through a link (engine/files.py): a snapshot is built in a folder made afresh."""
+    with os.fdopen(os.open(path, NEW_FILE, 0o644), "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def load_file(path: str | Path, weights: bool = True) -> dict:
-    """Load a checkpoint safely; a truncated, foreign or code-carrying file is a UserError. A sharded
-    snapshot's weights are gathered whole in this process, or (weights=False) only their shapes given."""
+def write_marker(folder: Path, manifest: dict) -> None:
+    """The COMPLETE marker, its content the manifest, written last, once the snapshot's data is on disk."""
+    _write_synced(folder / MARKER, lambda f: f.write(json.dumps(manifest).encode()))
+
+
+def _remove(path: Path) -> None:
+    """A leftover folder gone; a link in its place is removed as a link, never followed."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Checkpointer:
+    """The snapshots under `root` (a run's checkpoints/): written, listed, checked, loaded and pruned."""
+
+    def __init__(self, root: Path, is_main: bool, keep_last: int = 2) -> None:
+        self.root = Path(root)
+        self.is_main = is_main
+        self.keep_last = keep_last
+        self._pending = self._finisher = self._error = self._group = None  # a background save
+
+    # ------------------------------------------------------------------ listing
+    def snapshots(self) -> list[Path]:
+        """Step snapshots with a marker, oldest first (not yet checked against it)."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob("step-*") if p.is_dir() and (p / MARKER).is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+    def latest(self) -> Path | None:
+        return (self.snapshots() or [None])[-1]
+
+    def clean_incomplete(self) -> list[str]:
+        """Remove what a kill during a save left behind; returns the names removed."""
+        if not self.is_main or not self.root.is_dir():
+            return []
+        removed = []
+        for p in sorted(self.root.iterdir()):
+            unmarked = (p.name.startswith("step-") or p.name == BEST) and not (p / MARKER).is_file()
+            if p.is_dir() and (p.name.startswith((".tmp-", ".old-")) or unmarked):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
+
+    # ------------------------------------------------------------------ writing
+    def save(self, parts: Parts, ctx, name: str, info: dict, background: bool = False) -> Path | None:
+        """A collective: the snapshot `name` of `parts`, its manifest made of `info` (step, epoch,
+        consumed, world_size, global_batch, config) and its files. Rank 0 writes state.pt, every rank
+        its shards (in the background: staged now, written while training goes on); rank 0 then
+        checksums every file and writes the marker last. Returns the folder (rank 0; None elsewhere)."""
+        if parts.of(SHARDED):
+            self.wait()  # one background save at a time: the previous one is complete first
+        plain, sharded = parts.states(ctx)
+        tmp, final = self.root / f".tmp-{name}", self.root / name
+        manifest = {"format": FORMAT, **info, "parts": parts.files()}
+        try:
+            if self.is_main:
+                self.root.parent.mkdir(parents=True, exist_ok=True)
+                subfolder(self.root.parent, self.root.name)  # a link where checkpoints/ belongs is refused
+                _remove(tmp)
+                tmp.mkdir()
+            if sharded:
+                ctx.barrier()  # the folder exists before any rank writes into it
+                self._save_shards(sharded, tmp / SHARDS, ctx, background)
+            if self.is_main:
+                _write_synced(tmp / STATE, lambda f: torch.save(plain, f))
+                if not (sharded and background):
+                    self._finish(tmp, final, manifest)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
+            raise self._failed(name, exc) from None
+        if self.is_main and sharded and background:
+            self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
+                                              args=(self._pending, tmp, final, manifest))
+            self._finisher.start()
+        return final if self.is_main else None
+
+    def _save_shards(self, shards: dict, folder: Path, ctx, background: bool) -> None:
+        if background:
+            if ctx.is_distributed and self._group is None:
+                # DCP's own collectives run in a background thread: a group of their own keeps them apart from training's.
+                self._group = dist.new_group(backend="gloo")
+            saved = dcp.async_save(shards, checkpoint_id=str(folder), process_group=self._group,
+                                   no_dist=not ctx.is_distributed)
+            self._pending = getattr(saved, "upload_completion", saved)
+        else:
+            with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(shards, checkpoint_id=str(folder), no_dist=not ctx.is_distributed)
+
+    def _finish_when_saved(self, saved, tmp: Path, final: Path, manifest: dict) -> None:
+        """The finisher thread of a background save: checksums and marker off the training thread."""
+        try:
+            saved.result()
+            self._finish(tmp, final, manifest)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised by wait(), in the training thread
+            self._error = self._failed(final.name, exc)
+
+    def _finish(self, tmp: Path, final: Path, manifest: dict) -> None:
+        """Checksums, the marker, the rename into place, then old step snapshots pruned."""
+        if (tmp / SHARDS).is_dir():
+            _fsync_dir(tmp / SHARDS)
+        write_marker(tmp, {**manifest, "checksum": CHECKSUM, "files": describe(tmp)})
+        _fsync_dir(tmp)
+        if final.exists():  # the same name saved again: the best model, or a step snapshot that ends an epoch
+            old = self.root / f".old-{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        for old in self.snapshots()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """The background save, if any, complete (its marker written on rank 0)."""
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                pending.result()
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
+            self._error = self._error or self._failed("", exc)
+        if self._finisher is not None:
+            self._finisher.join()
+            self._finisher = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _failed(self, name: str, exc: BaseException) -> RunError:
+        if isinstance(exc, CheckpointException) and exc.failures:  # DCP's gathered failures: the first rank's
+            exc = next(iter(exc.failures.values()))[0]
+        previous = self.latest()
+        return RunError(f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); "
+                        f"the previous complete snapshot {'(' + str(previous) + ') ' if previous else ''}is kept")
+
+    # ------------------------------------------------------------------ reading
+    def newest(self, log=print) -> tuple[Path, dict, dict] | None:
+        """(folder, manifest, what state.pt holds) of the newest step snapshot that passes its checks;
+        each one skipped gets one line."""
+        for folder in reversed(self.snapshots()):
+            try:
+                return (folder, *open_snapshot(folder, log))
+            except Damaged as err:
+                log(f"skipping snapshot {folder.name}: {err}")
+        return None
+
+    def restore(self, parts: Parts, ctx, log, named: Path | None = None) -> tuple[Path, dict, list[str]] | None:
+        """A collective: the snapshot `named`, else the newest that passes its checks (rank 0 checks,
+        the others follow), loaded into `parts`. (folder, manifest, parts left as built), or None."""
+        found = error = None
+        named = named.parent if named is not None and named.is_file() else named  # a snapshot's state.pt: its folder
+        if self.is_main:
+            try:
+                found = (named, *open_snapshot(named, log)) if named else self.newest(log)
+            except Damaged as err:
+                error = f"checkpoint.resume: {err}"
+        error, chosen = ctx.broadcast_object((error, found and (str(found[0]), found[1])))
+        if error:
+            raise UserError(error)
+        if chosen is None:
+            return None
+        folder, manifest = Path(chosen[0]), chosen[1]
+        plain = found[2] if self.is_main else _read_state(folder / STATE)
+        return folder, manifest, parts.load(plain, folder, ctx, manifest["world_size"])
+
+    def load_snapshot(self, path: Path, weights: bool = True) -> dict:
+        """What a snapshot folder (or its state.pt) holds, checked first, the model's weights whole
+        (weights=False, sharded: their shapes only)."""
+        path = Path(path)
+        if path.is_file() and not (path.parent / MARKER).is_file():
+            return load_file(path, weights)  # a file of its own, not a snapshot's: nothing to check it against
+        try:
+            return _contents(path if path.is_dir() else path.parent, print, weights)
+        except Damaged as err:
+            raise UserError(str(err)) from None
+
+
+def open_snapshot(folder: Path, log=print) -> tuple[dict, dict]:
+    """(manifest, what state.pt holds) of a snapshot whose files match its manifest; Damaged otherwise.
+    A snapshot written before manifests is loaded unverified, with one line saying so."""
+    manifest = verify(folder)
+    state = _read_state(folder / STATE)
+    progress = state.get("trainer")
+    if manifest.get("format") is None:
+        log(f"snapshot {folder.name} was written before snapshots had a manifest: loaded unverified")
+        manifest = {"config": state.get("config"), "world_size": state.get("world_size"), **manifest}
+    if isinstance(progress, dict) and "step" in manifest and progress.get("step", manifest["step"]) != manifest["step"]:
+        raise Damaged(f"{folder / STATE}: holds step {progress['step']}, the manifest says step {manifest['step']}")
+    return manifest, state
+
+
+def _contents(folder: Path, log, weights: bool = True) -> dict:
+    """What a checked snapshot holds, its config (the manifest's) and its model's weights: gathered whole
+    from the shards in this process, or (weights=False) only their shapes."""
+    manifest, state = open_snapshot(folder, log)
+    return _whole(folder, {**state, "config": manifest.get("config")}, weights)
+
+
+def _whole(folder: Path, state: dict, weights: bool) -> dict:
+    if "model" not in state and (folder / SHARDS).is_dir():
+        state["model"] = (consolidated if weights else shapes)(folder / SHARDS)
+    return state
+
+
+def _read_state(path: Path) -> dict:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"checkpoint not found: {path}") from None
+        raise Damaged(f"{path}: missing") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not ours"
-        raise UserError(f"cannot load checkpoint {path}: {_why(str(exc))}") from None
-    if isinstance(obj, dict) and obj.get("sharded"):
-        obj["model"] = (consolidated if weights else shapes)(Path(path).parent / SHARDS)
-    if not isinstance(obj, dict) or "model" not in obj:
+        raise Damaged(f"{path}: {_why(str(exc))}") from None
+    if not isinstance(state, dict):
+        raise Damaged(f"{path}: not a ddplab checkpoint")
+    return state
+
+
+def load_file(path: str | Path, weights: bool = True) -> dict:
+    """A checkpoint file loaded safely, not checked against a manifest (load_checkpoint does that); a
+    truncated, foreign or code-carrying file is a UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint not found: {path}")
+    try:
+        state = _whole(path.parent, _read_state(path), weights)
+    except Damaged as err:
+        raise UserError(f"cannot load checkpoint {err}") from None
+    if "model" not in state:
         raise UserError(f"cannot load checkpoint {path}: not a ddplab checkpoint (no model weights)")
-    return obj
+    return state
+
+
+def _warn(message: str) -> None:
+    print(f"ddplab: {message}", file=sys.stderr, flush=True)
+
+
+def load_checkpoint(path: str | Path, log=_warn) -> tuple[Path, dict]:
+    """(where, what it holds: model weights whole, config, meta, task) for predict, generate and export,
+    from a checkpoint file, a snapshot folder, or a run folder: its best model, else its newest snapshot.
+    A snapshot is checked against its manifest first; in a run folder one that fails is skipped with
+    one line, and the next is tried."""
+    p = Path(path)
+    if p.is_file() and not (p.parent / MARKER).is_file():
+        return p, load_file(p)  # a file of its own: a best.pt written before manifests, a user's checkpoint
+    if p.is_file() or (p / MARKER).is_file():  # a snapshot the user named: no other is tried
+        folder = p.parent if p.is_file() else p
+        try:
+            return folder, _contents(folder, log)
+        except Damaged as err:
+            raise UserError(str(err)) from None
+    if not p.is_dir():
+        raise UserError(f"no such run folder or checkpoint: {path}")
+    for root in (p / "checkpoints", p):
+        if (root / "best.pt").is_file() and not (root / BEST / MARKER).is_file():
+            return root / "best.pt", load_file(root / "best.pt")  # written before the best model had a manifest
+        candidates = [root / BEST] * (root / BEST / MARKER).is_file() + Checkpointer(root, False).snapshots()[::-1]
+        for folder in candidates:
+            try:
+                return folder, _contents(folder, log)
+            except Damaged as err:
+                log(f"skipping snapshot {folder.name}: {err}")
+        if candidates:
+            raise UserError(f"no snapshot in {root} passes its checks (each is named above)")
+    raise UserError(f"no checkpoint in {path} (expected checkpoints/{BEST}/ or a complete snapshot)")
 
 
 def _tensors(folder: Path, prefix: str = "model.") -> dict:
@@ -97,6 +425,21 @@ def load_shards(state: dict, folder: Path, distributed: bool) -> None:
         dcp.load(state, checkpoint_id=str(folder), no_dist=not distributed)
 
 
+def same_model(path, mine: dict, theirs: dict, where: str = "") -> None:
+    """The snapshot at `path` holds this model: the same parameter names and shapes (the first that
+    differs is named)."""
+    missing = [k for k in mine if k not in theirs]
+    extra = [k for k in theirs if k not in mine]
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise UserError(f"{where}{path} holds another model ({'no' if missing else 'an unknown'} "
+                        f"parameter {name}); resume with the config it was trained with")
+    for k, v in mine.items():
+        if tuple(v.shape) != tuple(theirs[k].shape):
+            raise UserError(f"{where}{path} holds another model ({k} is {tuple(theirs[k].shape)}, "
+                            f"this config builds {tuple(v.shape)}); resume with the config it was trained with")
+
+
 def _why(message: str) -> str:
     """torch.load's long explanations, as a few words."""
     unsafe = re.search(r"GLOBAL ([\w.]+)", message)
@@ -105,181 +448,3 @@ def _why(message: str) -> str:
     if "central directory" in message or "zip archive" in message or "eof" in message.lower():
         return "the file is truncated or not a torch checkpoint"
     return "not a torch checkpoint"
-
-
-def write_marker(folder: Path, info: dict) -> None:
-    """The COMPLETE marker, written last, once the snapshot's data is on disk."""
-    _write_synced(folder / MARKER, lambda f: f.write(json.dumps(info).encode()))
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint file, or a run folder's best model, else its newest complete snapshot."""
-    p = Path(path)
-    if p.is_file():
-        return p
-    if not p.is_dir():
-        raise UserError(f"no such run folder or checkpoint: {path}")
-    for candidate in (p / RunFolder.CHECKPOINTS / BEST, p / BEST):
-        if candidate.is_file():
-            return candidate
-    for root in (p / RunFolder.CHECKPOINTS, p):
-        latest = Checkpointer(root, is_main=False).latest()
-        if latest is not None:
-            return latest / STATE
-    if (p / MARKER).is_file() and (p / STATE).is_file():  # a snapshot folder itself
-        return p / STATE
-    raise UserError(f"no checkpoint in {path} (expected {RunFolder.CHECKPOINTS}/{BEST} or a complete snapshot)")
-
-
-class Checkpointer:
-    def __init__(self, root: Path, is_main: bool, keep_last: int = 2) -> None:
-        self.root = Path(root)
-        self.is_main = is_main
-        self.keep_last = keep_last
-        self._pending = self._finisher = self._error = self._group = None  # a background save (save_sharded)
-
-    def snapshots(self) -> list[Path]:
-        """Complete snapshots, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("step-*") if p.is_dir() and (p / MARKER).is_file()]
-        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-    def latest(self) -> Path | None:
-        return (self.snapshots() or [None])[-1]
-
-    def clean_incomplete(self) -> list[str]:
-        """Remove what a kill during a save left behind; returns the names removed."""
-        if not self.is_main or not self.root.is_dir():
-            return []
-        removed = []
-        for p in sorted(self.root.iterdir()):
-            if p.is_dir() and (p.name.startswith((".tmp-", ".old-")) or (p.name.startswith("step-") and not (p / MARKER).is_file())):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p.name)
-        return removed
-
-    def save_snapshot(self, state: dict, step: int, info: dict) -> Path | None:
-        """Rank 0 only writes; the caller holds the other ranks at a barrier."""
-        if not self.is_main:
-            return None
-        tmp = self._begin(step)
-        try:
-            _write_synced(tmp / STATE, lambda f: torch.save(state, f))
-        except OSError as exc:
-            raise self._failed(step, exc) from None
-        return self._finish(tmp, step, info)
-
-    def save_sharded(self, shards: dict, rest: dict, step: int, info: dict, ctx, background: bool = False) -> Path:
-        """A collective: every rank writes its shards (in the background: staged now, written while
-        training goes on); rank 0 writes the rest and, once DCP's save ended on every rank, the marker."""
-        self.wait()  # one background save at a time: the previous one is complete first
-        tmp = self._begin(step) if self.is_main else self.root / f".tmp-step-{step:09d}"
-        ctx.barrier()
-        try:
-            if background:
-                if ctx.is_distributed and self._group is None:
-                    # DCP's own collectives run in a background thread: a group of their own keeps them
-                    # apart from training's.
-                    self._group = dist.new_group(backend="gloo")
-                saved = dcp.async_save(shards, checkpoint_id=str(tmp / SHARDS), process_group=self._group,
-                                       no_dist=not ctx.is_distributed)
-                self._pending = getattr(saved, "upload_completion", saved)
-            else:
-                with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=not ctx.is_distributed)
-            if self.is_main and not background:
-                self._finish(tmp, step, info, rest)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
-            raise self._failed(step, exc) from None
-        if self.is_main and background:
-            self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
-                                              args=(self._pending, tmp, step, info, rest))
-            self._finisher.start()
-        return self.root / f"step-{step:09d}"
-
-    def _finish_when_saved(self, saved, tmp: Path, step: int, info: dict, rest: dict) -> None:
-        try:
-            saved.result()
-            self._finish(tmp, step, info, rest)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised by wait(), in the training thread
-            self._error = self._failed(step, exc)
-
-    def wait(self) -> None:
-        """The background save, if any, complete (its marker written on rank 0)."""
-        pending, self._pending = self._pending, None
-        try:
-            if pending is not None:
-                pending.result()
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
-            self._error = self._error or self._failed(-1, exc)
-        if self._finisher is not None:
-            self._finisher.join()
-            self._finisher = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def _failed(self, step: int, exc: BaseException) -> UserError:
-        if isinstance(exc, CheckpointException) and exc.failures:  # DCP's gathered failures: the first rank's
-            exc = next(iter(exc.failures.values()))[0]
-        previous = self.latest()
-        return UserError(f"cannot write snapshot {self.root / (f'step-{step:09d}' if step >= 0 else '')} "
-                         f"({type(exc).__name__}: {first_line(exc, 160)}); the previous complete snapshot "
-                         f"{'(' + str(previous) + ') ' if previous else ''}is kept")
-
-    def _begin(self, step: int) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-step-{step:09d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        return tmp
-
-    def _finish(self, tmp: Path, step: int, info: dict, rest: dict | None = None) -> Path:
-        """The rest of a sharded snapshot (plain values: its own copy), the marker, the rename into place,
-        then old snapshots pruned."""
-        final = self.root / f"step-{step:09d}"
-        if rest is not None:
-            _write_synced(tmp / STATE, lambda f: torch.save({**rest, "sharded": True}, f))
-        write_marker(tmp, info)
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved twice (a step snapshot that ends an epoch)
-            old = self.root / f".old-step-{step:09d}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
-        for old in self.snapshots()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
-
-    def load_snapshot(self, path: Path, weights: bool = True) -> dict:
-        path = Path(path)
-        if path.is_dir():
-            if not (path / MARKER).is_file():
-                raise UserError(f"snapshot {path} is incomplete (no {MARKER} marker)")
-            path = path / STATE
-        return load_file(path, weights)
-
-    def load_latest(self, log=print, weights: bool = True) -> tuple[Path, dict] | None:
-        """The newest complete snapshot that loads, falling back to older ones."""
-        for snap in reversed(self.snapshots()):
-            try:
-                return snap, self.load_snapshot(snap, weights)
-            except UserError as err:
-                log(f"skipping snapshot {snap.name}: {err}")
-        return None
-
-    def save_best(self, weights: dict, cfg, data, epoch: int, step: int, **extra) -> None:
-        """best.pt, what `generate` / `predict` need (weights, config, task, tokenizer or labels), renamed
-        over the previous one."""
-        if not self.is_main:
-            return
-        payload = {"model": weights, "config": cfg.to_dict(),
-                   "meta": data.meta, "task": data.task.describe(), "epoch": epoch, "step": step, **extra}
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{BEST}.tmp"
-        _write_synced(tmp, lambda f: torch.save(payload, f))
-        os.replace(tmp, self.root / BEST)
-        _fsync_dir(self.root)

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ddplab.errors import RunError
 
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -78,7 +78,7 @@ def write_atomic(folder: str | Path, name: str | Path, content: str | bytes | Ca
     try:
         _refuse(fd, leaf, path, want_dir=False)
         tmp = f".{leaf}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.tmp"
-        out = os.open(tmp, _NEW, 0o666, dir_fd=fd)
+        out = os.open(tmp, NEW_FILE, 0o666, dir_fd=fd)
         try:
             with os.fdopen(out, "wb") as f:
                 if callable(content):

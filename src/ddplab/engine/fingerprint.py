@@ -1,8 +1,9 @@
 """Which config changes an unfinished run may be continued under.
 
 `checkpoint.resume=auto` continues the run in its folder only when the resolved config
-equals the one in the folder's config.yaml apart from SAFE_TO_CHANGE: fields that change
-how long, where, how loudly or how fast a run goes, never what it computes per step.
+equals the run's own apart from SAFE_TO_CHANGE: fields that change how long, where, how loudly
+or how fast a run goes, never what it computes per step. The run's own config is the one its
+newest snapshot's manifest holds (whatever became of config.yaml since), else config.yaml's.
 (World size is not a config field: another process count is always allowed, see docs/fault-tolerance.md.)
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from ddplab.engine.manifest import newest
 from ddplab.errors import UserError
 
 # Dotted fields, or whole sections ending in ".". Kept in one place; docs/config.md is generated from it.
@@ -29,7 +31,7 @@ SAFE_TO_CHANGE = (
     "experiment.repeats",  # read by `ddplab study` only
     "distributed.timeout",
     "distributed.backend",
-    "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/resume.py)
+    "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/trainer.py)
     "training.grad_accum_steps",
     "checkpoint.async_save",
     "checkpoint.every",
@@ -63,13 +65,17 @@ def differences(old: dict, new: dict) -> list[tuple[str, object, object]]:
 
 def check_resume(run_dir: Path, new: dict) -> None:
     """Refuse (UserError) to continue the unfinished run in `run_dir` under a config that changes what it computes."""
+    snapshot = newest(Path(run_dir) / "checkpoints")
     stored = Path(run_dir) / "config.yaml"
-    if not stored.is_file():
+    if snapshot is not None and isinstance(snapshot.get("config"), dict):
+        old = snapshot["config"]
+    elif not stored.is_file():
         return  # a folder without a recorded config holds no run to protect
-    try:
-        old = yaml.safe_load(stored.read_text())
-    except (OSError, yaml.YAMLError):
-        old = None
+    else:
+        try:
+            old = yaml.safe_load(stored.read_text())
+        except (OSError, yaml.YAMLError):
+            old = None
     if not isinstance(old, dict):
         raise UserError(f"{stored} is unreadable, so the unfinished run there cannot be checked; "
                         "start a new run with experiment.name=... or checkpoint.resume=never")
@@ -87,22 +93,7 @@ def check_resume_path(cfg, model) -> None:
     path = cfg.checkpoint.resume
     if path in ("auto", "never"):
         return
-    from ddplab.engine.checkpoint import Checkpointer  # torch: only when resuming from a named snapshot
+    from ddplab.engine.checkpoint import Checkpointer, same_model  # torch: only when resuming from a named snapshot
 
     snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path), weights=False)
     same_model(path, model.state_dict(), snap["model"], "checkpoint.resume: ")
-
-
-def same_model(path, mine: dict, theirs: dict, where: str = "") -> None:
-    """The snapshot at `path` holds this model: the same parameter names and shapes (the first that
-    differs is named)."""
-    missing = [k for k in mine if k not in theirs]
-    extra = [k for k in theirs if k not in mine]
-    if missing or extra:
-        name = (missing or extra)[0]
-        raise UserError(f"{where}{path} holds another model ({'no' if missing else 'an unknown'} "
-                        f"parameter {name}); resume with the config it was trained with")
-    for k, v in mine.items():
-        if tuple(v.shape) != tuple(theirs[k].shape):
-            raise UserError(f"{where}{path} holds another model ({k} is {tuple(theirs[k].shape)}, "
-                            f"this config builds {tuple(v.shape)}); resume with the config it was trained with")

@@ -44,7 +44,6 @@ class RunFolder:
     LOG = "train.log"
     TENSORBOARD = "tensorboard"
     CHECKPOINTS = "checkpoints"
-    MARKER = "COMPLETE"  # in a snapshot folder, written last: the snapshot is complete
     SAMPLE = "sample.txt"
     TRACKERS = "trackers.json"  # the MLflow / W&B run each tracker continues (ddplab.trackers)
     POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)

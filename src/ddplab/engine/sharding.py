@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ddplab.engine.checkpoint import part
 from ddplab.errors import UserError
 from ddplab.workload import resolve
 
@@ -116,15 +117,12 @@ def load_full(model: torch.nn.Module, state: dict) -> None:
         model.load_state_dict(state)
 
 
-def model_and_optimizer(model, optimizer) -> dict:
-    """{"model", "optimizer"} keyed by parameter names, sharded as trained: what a sharded snapshot holds
-    (torch.distributed.checkpoint reshards it on load, to any world size)."""
-    weights, optim = get_state_dict(model, optimizer)
-    return {"model": weights, "optimizer": optim}
-
-
-def load_model_and_optimizer(model, optimizer, state: dict) -> None:
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+def sharded_parts(model: torch.nn.Module, optimizer) -> tuple:
+    """The model and the optimizer of a sharded run as a snapshot's parts: this rank's shards keyed by
+    parameter names, as torch.distributed.checkpoint stores them (and reshards them on load, to any world size)."""
+    return (part(lambda: get_model_state_dict(model), lambda state: set_model_state_dict(model, state)),
+            part(lambda: get_optimizer_state_dict(model, optimizer),
+                 lambda state: set_optimizer_state_dict(model, optimizer, state)))
 
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict:

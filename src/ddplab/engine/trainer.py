@@ -6,8 +6,8 @@ console, progress) hangs on callbacks (engine/callbacks.py), which see a read-on
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
 
 Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1), so
-they all snapshot the same step; state_dict() / load_state_dict() (engine/resume.py) are the
-whole contract of a resume.
+they all snapshot the same step. What a resume needs is the set of stateful parts registered in
+_register_parts(), written and read by engine/checkpoint.py: nothing else saves or restores a run.
 """
 
 from __future__ import annotations
@@ -15,33 +15,65 @@ from __future__ import annotations
 import gc
 import math
 import time
+from dataclasses import asdict, dataclass, field
 from itertools import islice
+from pathlib import Path
 
 import torch
 
-from ddplab.config import Config, batch_arithmetic
+from ddplab.config import Config, batch_arithmetic, keep_global_batch
 from ddplab.config_io import parse_duration
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
-from ddplab.engine.checkpoint import BEST, Checkpointer, load_file
+from ddplab.engine.checkpoint import BEST, PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
 from ddplab.engine.clock import timed
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
 from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
-from ddplab.engine.resume import Resumable, TrainState
+from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
-from ddplab.engine.sharding import full_state, load_full, micro_step
+from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
 
 
-class Trainer(Resumable):
-    """Outside engine/, a run is driven through fit() / test() / end() / close(), saved and restored
-    through state_dict() / load_state_dict(), and observed through `view` (what callbacks get)."""
+@dataclass
+class TrainState:
+    """Everything about progress that a snapshot must bring back (the snapshot's `trainer` part)."""
+
+    epoch: int = 0  # epochs fully completed
+    step: int = 0  # optimizer steps taken
+    consumed: int = 0  # samples of the current epoch's global order already trained on
+    elapsed: float = 0.0  # seconds inside fit() (training, evaluation, snapshots), across restarts
+    best_val_loss: float = math.inf
+    best_epoch: int | None = None
+    epoch_loss_sum: float = 0.0  # global, for the epoch in progress
+    epoch_samples: float = 0.0
+    epoch_tokens: float = 0.0
+    epoch_time: float = 0.0  # the epoch's wall time so far: training, evaluation and snapshots
+    epoch_eval_time: float = 0.0
+    epoch_snapshot_time: float = 0.0
+    epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
+    history: list = field(default_factory=list)  # one dict per epoch
+    steps: list = field(default_factory=list)  # one dict per log interval
+    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted
+    resumes: int = 0  # how many times this run was resumed from a snapshot
+    snapshot_stalls: list = field(default_factory=list)  # {step, stall_s, async}: training held by each snapshot
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(vars(TrainState(**state)))  # in place: the view and the parts hold this object
+
+
+class Trainer:
+    """Outside engine/, a run is driven through fit() / test() / end() / close() and observed through
+    `view` (what callbacks get); its state is the parts registered in _register_parts()."""
 
     def __init__(self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder,
                  callbacks=()) -> None:
@@ -68,11 +100,43 @@ class Trainer(Resumable):
         self.view = TrainView(self)
         self.evaluator = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
+        self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
+        self.parts, self.best_parts = self._register_parts()
         self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
         self.activity = "train"  # train | eval | snapshot: what the loop is doing now
         self._resumed = False
         self._mark = time.perf_counter()
+
+    def _register_parts(self) -> tuple[Parts, Parts]:
+        """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
+        each kind is written and read back). Then what the best model's snapshot holds."""
+        kind = SHARDED if self.sharded else SHARED
+        model, optimizer = sharded_parts(self.raw, self.optimizer) if self.sharded else (self.raw, self.optimizer)
+        about = {"meta": part(lambda: self.data.meta), "task": part(self.task.describe)}  # for predict, generate
+        parts = Parts()
+        parts.add("model", model, kind)
+        parts.add("optimizer", optimizer, kind)
+        parts.add("scheduler", self.scheduler)
+        parts.add("scaler", self.scaler)
+        parts.add("trainer", self.state)
+        parts.add("rng", part(rng_state, set_rng_state), PER_RANK)
+        parts.add("callbacks", self.callbacks)
+        for name, obj in about.items():
+            parts.add(name, obj)
+        for name, obj in self.data.state.items():  # the workload's own (ddplab.Data(state=...))
+            parts.add(name, obj, PER_RANK)
+        best = Parts()
+        best.add("model", part(lambda: full_state(self.raw)))  # whole weights: a collective when sharded
+        for name, obj in about.items():
+            best.add(name, obj)
+        return parts, best
+
+    def _about(self, **extra) -> dict:
+        """What a snapshot's manifest says of the run besides its files."""
+        s = self.state
+        return {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, "world_size": self.ctx.world_size,
+                "global_batch": self.batch["global"], "config": self.cfg.to_dict(), **extra}
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
@@ -258,7 +322,7 @@ class Trainer(Resumable):
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
         if self.cfg.checkpoint.save_best and (not val or improved):
             with timed(self, "snapshot"):
-                self.checkpoints.save_best(full_state(self.raw), self.cfg, self.data, row["epoch"], s.step, val_loss=val.get("loss"))
+                self.checkpoints.save(self.best_parts, self.ctx, BEST, self._about(val_loss=val.get("loss")))
         return row
 
     def _tick(self) -> None:
@@ -267,6 +331,63 @@ class Trainer(Resumable):
         self.state.elapsed += now - self._mark
         self.state.epoch_time += now - self._mark
         self._mark = now
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self) -> None:
+        """A collective: the loss since the last log is reduced, then every part is written
+        (engine/checkpoint.py). The time training stood still for it is recorded."""
+        self.log_interval()
+        self._tick()
+        with timed(self, "snapshot"):  # a snapshot holds the clock up to its own start
+            began = time.perf_counter()
+            s, background = self.state, self.sharded and self.cfg.checkpoint.async_save
+            path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
+            self.ctx.barrier()
+            stall = self.ctx.all_reduce(torch.tensor([time.perf_counter() - began], device=self.ctx.device), "max").item()
+            s.snapshot_stalls.append({"step": s.step, "stall_s": stall, "async": background})
+            self.callbacks.on_snapshot(self.view, path)
+
+    def resume(self) -> None:
+        """Continue from the snapshot checkpoint.resume names (auto: the newest that passes its checks;
+        never: none), after rank 0 cleaned what an interrupted save left behind."""
+        self._resumed = True
+        how = self.cfg.checkpoint.resume
+        if how == "never":
+            return
+        for name in self.checkpoints.clean_incomplete():
+            self.run.log(f"removed incomplete snapshot {name} (a save was interrupted)")
+        self.ctx.barrier()
+        found = self.checkpoints.restore(self.parts, self.ctx, self.run.log, None if how == "auto" else Path(how))
+        if found is None:
+            return
+        where, manifest, left = found
+        s = self.state
+        self._keep_global_batch(manifest)
+        if manifest["world_size"] != self.ctx.world_size:
+            # The remaining samples of the epoch are re-divided among the new ranks (see the sampler);
+            # per-rank random streams cannot carry over, so they are reseeded.
+            seed_everything(self.cfg.experiment.seed + 1000 * s.step + self.ctx.rank)
+            self.run.log(f"world size changed from {manifest['world_size']} to {self.ctx.world_size}: the rest of "
+                         f"epoch {s.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample repeated "
+                         f"or lost); dropout streams are reseeded, so the run is no longer bit-identical")
+        if [name for name in left if name != "rng"]:
+            self.run.log(f"not restored from the snapshot (absent, or per rank at another world size), left as "
+                         f"built: {', '.join(name for name in left if name != 'rng')}")
+        s.stop_reason = None
+        s.resumes += 1
+        self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
+                     f"epoch, {s.elapsed:.1f} s already spent)")
+
+    def _keep_global_batch(self, manifest: dict) -> None:
+        """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
+        t, was = self.cfg.training, manifest["config"]["training"]
+        global_batch = manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
+        accum = keep_global_batch(global_batch, t.batch_size, self.ctx.world_size)
+        if accum != t.grad_accum_steps:
+            self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
+                         f"{global_batch} on {self.ctx.world_size} processes")
+            t.grad_accum_steps = accum
+            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, len(self.data.train))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
@@ -283,8 +404,8 @@ class Trainer(Resumable):
         if self.data.test is None:
             return {}
         self.ctx.barrier()
-        if (best := self.checkpoints.root / BEST).is_file():
-            load_full(self.raw, load_file(best)["model"])
+        if (best := self.checkpoints.root / BEST).is_dir():
+            load_full(self.raw, self.checkpoints.load_snapshot(best)["model"])
         self.phase = "test"
         return self.evaluate(self.data.test, "test")
 

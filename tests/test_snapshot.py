@@ -1,0 +1,336 @@
+"""Snapshots as named stateful parts under a checksummed manifest (engine/checkpoint.py, engine/manifest.py):
+the manifest written, verified and tampered with in-process; a workload's own part restored after a SIGKILL
+(DDP and FSDP, 2 processes); damaged snapshots skipped in one line for the previous one; the resume check
+made against the snapshot's own config."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _env, assert_ok, ddplab
+from faults import command
+
+from ddplab.distributed import DistContext, LaunchInfo
+from ddplab.engine import manifest
+from ddplab.engine.callbacks import CallbackList
+from ddplab.engine.checkpoint import (
+    MARKER,
+    PER_RANK,
+    STATE,
+    Checkpointer,
+    Parts,
+    load_checkpoint,
+    open_snapshot,
+    part,
+)
+from ddplab.engine.manifest import Damaged
+from ddplab.errors import UserError
+
+ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
+
+# A workload with a part of its own: a counter of the training forward passes of each rank. Nothing
+# else in it, or in ddplab, knows of the counter: Data(state=...) is its one registration.
+WORKLOAD = '''
+import torch
+import ddplab
+from torch.utils.data import TensorDataset
+
+
+class Counter:
+    def __init__(self, rank):
+        self.passes, self.rank = 0, rank
+
+    def state_dict(self):
+        return {"passes": self.passes, "rank": self.rank}
+
+    def load_state_dict(self, state):
+        self.passes, self.rank = state["passes"], state["rank"]
+
+
+def data(cfg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 6, generator=g)
+    y = x @ torch.linspace(-1, 1, 6) + 0.1 * torch.randn(160, generator=g)
+    return ddplab.Data(train=TensorDataset(x[:128], y[:128]), val=TensorDataset(x[128:], y[128:]),
+                       task=ddplab.Regression(), state={"counter": Counter(cfg.rank)})
+
+
+def model(cfg, data):
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    counter = data.state["counter"]
+
+    def count(module, inputs):
+        if module.training:
+            counter.passes += 1
+    net.register_forward_pre_hook(count)
+    return net
+'''
+
+
+# ---------------------------------------------------------------------------- in-process: the manifest
+
+def _parts(value: float, step: int) -> Parts:
+    parts = Parts()
+    parts.add("model", part(lambda: {"w": torch.full((1000,), value)}))
+    parts.add("trainer", part(lambda: {"step": step}))
+    return parts
+
+
+def _save(ck: Checkpointer, step: int, **info) -> Path:
+    return ck.save(_parts(float(step), step), ONE, f"step-{step:09d}",
+                   {"step": step, "world_size": 1, "global_batch": 8, "config": {"training": {"lr": 0.1}}, **info})
+
+
+def _flip(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_manifest_names_every_file_with_its_size_and_checksum(tmp_path):
+    ck = Checkpointer(tmp_path, is_main=True)
+    folder = _save(ck, 3)
+    m = json.loads((folder / MARKER).read_text())
+    assert m["format"] == manifest.FORMAT and m["step"] == 3 and m["config"] == {"training": {"lr": 0.1}}
+    assert m["parts"] == {"model": STATE, "trainer": STATE} and m["checksum"] == "crc32"
+    size = (folder / STATE).stat().st_size
+    assert m["files"] == {STATE: [size, manifest.checksum(folder / STATE)]}
+    assert manifest.verify(folder) == m
+    assert torch.equal(ck.load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda f: _flip(f / STATE), "state.pt: damaged (its checksum differs"),
+    (lambda f: (f / STATE).write_bytes((f / STATE).read_bytes()[:-10]), "state.pt: truncated"),
+    (lambda f: (f / STATE).unlink(), "state.pt: missing"),
+    (lambda f: (f / MARKER).write_text("{not json"), "COMPLETE: not a manifest (not JSON)"),
+    (lambda f: (f / MARKER).write_text("[1, 2]"), "COMPLETE: not a manifest (a JSON list)"),
+    (lambda f: (f / MARKER).write_text('{"step": "x"}'), "COMPLETE: not a manifest (no step)"),
+    (lambda f: (f / MARKER).write_text('{"format": 2, "step": 4}'), "COMPLETE: not a manifest (format 2, no files)"),
+])
+def test_a_tampered_snapshot_is_skipped_in_one_line_naming_the_file(tmp_path, damage, says):
+    ck = Checkpointer(tmp_path, is_main=True)
+    _save(ck, 2)
+    damage(_save(ck, 4))
+    with pytest.raises(Damaged, match=re.escape(says)):
+        manifest.verify(tmp_path / "step-000000004")
+    lines = []
+    where, _, state = ck.newest(lines.append)
+    assert where.name == "step-000000002" and state["trainer"]["step"] == 2
+    assert len(lines) == 1 and "step-000000004" in lines[0] and says in lines[0], lines
+
+
+def test_files_of_different_steps_are_refused(tmp_path):
+    ck = Checkpointer(tmp_path, is_main=True)
+    _save(ck, 2)
+    four = _save(ck, 4)
+    shutil.copy(tmp_path / "step-000000002" / STATE, four / STATE)  # step 2's state beside step 4's manifest
+    with pytest.raises(Damaged, match="step-000000004/state.pt"):
+        manifest.verify(four)
+    shutil.copy(tmp_path / "step-000000002" / MARKER, four / MARKER)  # and a whole snapshot of step 2, misnamed
+    with pytest.raises(Damaged, match="the manifest of step 2 in the folder of another step"):
+        manifest.verify(four)
+    (four / MARKER).write_text(json.dumps({"step": 4, "world_size": 1}))  # format 1: no checksums, yet refused
+    with pytest.raises(Damaged, match="holds step 2, the manifest says step 4"):
+        open_snapshot(four)
+
+
+def test_a_snapshot_of_the_older_format_loads_unverified_in_one_line(tmp_path):
+    folder = tmp_path / "step-000000005"
+    folder.mkdir()
+    torch.save({"model": {"w": torch.ones(2)}, "trainer": {"step": 5}, "config": {"training": {"lr": 1.0}},
+                "world_size": 2}, folder / STATE)
+    (folder / MARKER).write_text(json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16}))
+    lines = []
+    _, m, _ = Checkpointer(tmp_path, is_main=False).newest(lines.append)
+    assert lines == ["snapshot step-000000005 was written before snapshots had a manifest: loaded unverified"]
+    assert m["config"] == {"training": {"lr": 1.0}} and m["world_size"] == 2 and m["global_batch"] == 16
+
+
+def test_predict_export_and_generate_take_the_best_model_only_once_it_verifies(tmp_path):
+    ck = Checkpointer(tmp_path / "checkpoints", is_main=True)
+    _save(ck, 2)
+    best = ck.save(_parts(7.0, 2), ONE, "best", {"step": 2, "config": {"c": 1}})
+    found, ckpt = load_checkpoint(tmp_path)
+    assert found == best and ckpt["model"]["w"][0] == 7.0 and ckpt["config"] == {"c": 1}
+    _flip(best / STATE)
+    lines = []
+    found, ckpt = load_checkpoint(tmp_path, lines.append)
+    assert found.name == "step-000000002" and ckpt["model"]["w"][0] == 2.0
+    assert len(lines) == 1 and "checkpoints/best/state.pt: damaged" in lines[0]
+    with pytest.raises(UserError, match="best/state.pt: damaged"):  # named by the user: no other is tried
+        load_checkpoint(best)
+
+
+def test_parts_are_registered_once_each_and_per_rank_parts_stay_at_another_world_size(tmp_path):
+    parts = Parts()
+    parts.add("counter", part(lambda: {"n": 3}, lambda s: seen.append(s)), PER_RANK)
+    with pytest.raises(UserError, match="two stateful parts are named 'counter'"):
+        parts.add("counter", part(dict))
+    with pytest.raises(UserError, match="stateful part 'x': int has no state_dict"):
+        parts.add("x", 3)
+    seen = []
+    ck = Checkpointer(tmp_path, is_main=True)
+    folder = ck.save(parts, ONE, "step-000000001", {"step": 1, "world_size": 1})
+    assert torch.load(folder / STATE, weights_only=True) == {"counter": [{"n": 3}]}  # one state per rank
+    plain = torch.load(folder / STATE, weights_only=True)
+    assert parts.load(plain, folder, ONE, world_size=1) == [] and seen == [{"n": 3}]
+    assert parts.load(plain, folder, ONE, world_size=2) == ["counter"] and seen == [{"n": 3}]
+
+
+def test_callbacks_state_is_keyed_by_class_and_index():
+    class Patience:
+        def __init__(self, n):
+            self.n = n
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    import ddplab
+
+    class Stateless(ddplab.Callback):
+        pass
+
+    class Stop(Patience, ddplab.Callback):
+        pass
+
+    saved = CallbackList([Stop(1), Stateless(), Stop(2)]).state_dict()
+    assert saved == {"Stop.0": {"n": 1}, "Stop.1": {"n": 2}}
+    fresh = CallbackList([Stateless(), Stop(0), Stop(0), Stop(9)])  # one added since: it keeps its own
+    fresh.load_state_dict(saved)
+    assert [cb.n for cb in fresh.callbacks[1:]] == [1, 2, 9]
+
+
+def test_the_launchers_readers_take_a_garbage_marker_and_the_snapshots_config(tmp_path):
+    from ddplab.commands.train import check_global_batch
+    from ddplab.engine.fingerprint import check_resume
+    from ddplab.registry import load_config
+
+    run = tmp_path / "run"
+    ck = Checkpointer(run / "checkpoints", is_main=True)
+    _save(ck, 2, global_batch=16)
+    (_save(ck, 4) / MARKER).write_text("[garbage")
+    cfg = load_config(None, ["training.batch_size=8"])
+    with pytest.raises(UserError, match="cannot keep the run's global batch of 16 on 3 processes"):
+        check_global_batch(cfg, run, 3)  # step 2's manifest, step 4's marker skipped
+    check_global_batch(cfg, run, 2)
+    # No config.yaml at all: the snapshot's own config is the run's.
+    with pytest.raises(UserError, match=r"training.lr: 0.1 -> 0.5"):
+        check_resume(run, {"training": {"lr": 0.5}})
+    check_resume(run, {"training": {"lr": 0.1}})
+
+
+# ---------------------------------------------------------------------------- real runs
+
+def _workload(folder: Path) -> Path:
+    path = folder / "counter_wl.py"
+    path.write_text(WORKLOAD)
+    return path
+
+
+def _args(wl: Path, name: str, strategy: str = "ddp", *extra: str) -> list[str]:
+    return ["train", f"model.name={wl}:model", f"data.name={wl}:data", "training.epochs=1", "training.batch_size=8",
+            "checkpoint.every=2", "logging.log_every=1", "logging.trackers=[]", "logging.progress=false",
+            "distributed.timeout=60", f"distributed.strategy={strategy}", f"experiment.name={name}", *extra]
+
+
+def _run(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
+    return subprocess.run(command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def _final(run: Path) -> tuple[dict, dict]:
+    """(the last snapshot's weights, its state.pt) of a finished run."""
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    return ck.load_snapshot(ck.latest())["model"], torch.load(ck.latest() / STATE, weights_only=True)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_workloads_own_part_is_restored_exactly_after_sigkill(tmp_path, strategy):
+    wl = _workload(tmp_path)
+    # 128 samples, 2 ranks x 8: 8 steps; snapshots every 2; rank 1 killed after step 7, so step 6's is resumed.
+    proc = _run("kill_rank=1,step=7", _args(wl, "k", strategy), tmp_path, nproc=2, max_restarts=1)
+    assert_ok(proc)
+    run = tmp_path / "experiments" / "k"
+    assert "resumed from" in (run / "train.log").read_text() and "step-000000006" in (run / "train.log").read_text()
+    _, state = _final(run)
+    assert state["trainer"]["step"] == 8
+    # Each rank's own counter came back: 6 passes restored + 2 taken after the resume (not 2, nor rank 0's).
+    assert state["counter"] == [{"passes": 8, "rank": 0}, {"passes": 8, "rank": 1}]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """One workload; per strategy, a run never interrupted and one pre-empted after step 6 (snapshots of
+    steps 4 and 6 kept), all in one process (an fsdp run of one process still writes DCP shards)."""
+    root = tmp_path_factory.mktemp("runs")
+    wl = _workload(root)
+    out = {"root": root, "wl": wl}
+    for strategy in ("ddp", "fsdp"):
+        assert_ok(_run("", _args(wl, f"ref-{strategy}", strategy), root))
+        stopped = _run("signal_rank=0,step=6", _args(wl, f"stop-{strategy}", strategy), root)
+        assert stopped.returncode == 75, stopped.stderr[-2000:]
+    return out
+
+
+def _damaged_resume(runs: dict, tmp_path: Path, strategy: str, damage) -> tuple[subprocess.CompletedProcess, Path]:
+    """The pre-empted run copied, its newest snapshot damaged, then continued."""
+    run = tmp_path / "experiments" / "stop"
+    shutil.copytree(runs["root"] / "experiments" / f"stop-{strategy}", run)
+    damage(run / "checkpoints" / "step-000000006")
+    proc = _run("", _args(runs["wl"], "stop", strategy), tmp_path)
+    assert_ok(proc)
+    return proc, run
+
+
+def _shard(folder: Path) -> Path:
+    return next((folder / "shards").glob("*.distcp"))
+
+
+def _older_state(folder: Path) -> None:
+    shutil.copy(folder.parent / "step-000000004" / STATE, folder / STATE)
+
+
+@pytest.mark.parametrize("strategy, damage, names", [
+    ("ddp", lambda f: _flip(f / STATE), "state.pt: damaged"),
+    ("ddp", lambda f: (f / MARKER).write_text("\x00garbage"), "COMPLETE: not a manifest"),
+    ("fsdp", lambda f: _flip(_shard(f), 100), ".distcp: damaged"),
+    ("fsdp", lambda f: _shard(f).unlink(), ".distcp: missing"),
+    ("fsdp", _older_state, "step-000000006/state.pt: "),  # step 4's state.pt beside step 6's shards
+])
+def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_path, strategy, damage, names):
+    proc, run = _damaged_resume(runs, tmp_path, strategy, damage)
+    skipped = [line for line in proc.stdout.splitlines() if "skipping snapshot" in line]
+    assert len(skipped) == 1 and "step-000000006" in skipped[0] and names in skipped[0], proc.stdout[-3000:]
+    assert "resumed from" in proc.stdout and "step-000000004 (epoch 1, step 4" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    mine, state = _final(run)
+    theirs, ref = _final(runs["root"] / "experiments" / f"ref-{strategy}")
+    assert state["trainer"]["step"] == ref["trainer"]["step"] == 16
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)  # as if never stopped
+    assert state["counter"] == ref["counter"] == [{"passes": 16, "rank": 0}]
+
+
+def test_a_resume_checks_the_config_its_snapshot_holds_whatever_became_of_config_yaml(runs, tmp_path):
+    run = tmp_path / "experiments" / "stop"
+    shutil.copytree(runs["root"] / "experiments" / "stop-ddp", run)
+    (run / "config.yaml").unlink()
+    lr = json.loads((run / "checkpoints" / "step-000000006" / MARKER).read_text())["config"]["training"]["lr"]
+    args = _args(runs["wl"], "stop", "ddp")
+    refused = ddplab(*args, "training.lr=0.5", cwd=tmp_path)
+    says = f"training.lr: {lr!r} -> 0.5"
+    assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
+    (run / "config.yaml").write_text("training:\n  lr: 0.5\n")  # edited to agree: the snapshot still disagrees
+    refused = ddplab(*args, "training.lr=0.5", cwd=tmp_path)
+    assert refused.returncode == 2 and says in refused.stderr
+    assert_ok(ddplab(*args, cwd=tmp_path))
