@@ -59,7 +59,8 @@ class Resumable:
                    {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict()})
         return {**weights, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "trainer": asdict(s), "rng": self.ctx.gather_objects(rng_state()), "world_size": self.ctx.world_size,
-                "sampler": {"seed": self.sampler.seed, "epoch": s.epoch, "consumed": s.consumed},
+                "sampler": {"seed": self.cfg.experiment.seed, "epoch": s.epoch, "consumed": s.consumed},
+                "data": self.feed.state_dict(),
                 "config": self.cfg.to_dict(), "meta": self.data.meta}
 
     def load_state_dict(self, sd: dict, where: Path | None = None) -> None:
@@ -74,6 +75,7 @@ class Resumable:
         self.scheduler.load_state_dict(sd["scheduler"])
         self.scaler.load_state_dict(sd["scaler"])
         self.state = TrainState(**sd["trainer"])
+        self.feed.load_state_dict(sd.get("data"))
         self._keep_global_batch(sd)
         if sd["world_size"] == self.ctx.world_size:
             set_rng_state(sd["rng"][self.ctx.rank])
@@ -94,7 +96,7 @@ class Resumable:
             self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
                          f"{global_batch} on {self.ctx.world_size} processes")
             t.grad_accum_steps = accum
-            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, len(self.data.train))
+            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, self.feed.size)
 
     def snapshot(self) -> None:
         """A collective: the loss since the last log is reduced, then rank 0 writes the snapshot of its

@@ -1,0 +1,84 @@
+"""Data as users bring it: a Hugging Face Dataset with a collator and a model that computes its own
+loss; torch and Hugging Face streams split across ranks, with uneven shards and exact resume after a
+SIGKILL (tests/hf_workloads.py holds the workloads)."""
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_ok, torchrun
+from ddplab.cli import main
+
+HERE = Path(__file__).resolve().parent
+WORK = HERE / "hf_workloads.py"
+COMMON = ["logging.trackers=[]", "logging.progress=false", "training.warmup_steps=0", "distributed.timeout=60"]
+
+
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_path):
+    proc = torchrun(2, "train", f"model.name={WORK}:bert", f"data.name={WORK}:hf_data", "training.epochs=3",
+                    "training.batch_size=16", "training.lr=0.003", "experiment.name=bert", *COMMON, cwd=tmp_path)
+    assert_ok(proc)
+    m = _metrics(tmp_path / "experiments" / "bert")
+    assert m["dataset"]["train"] == 256 and m["dataset"]["val"] == 64
+    assert m["aggregates"]["final_val_accuracy"] >= 0.9
+    assert m["steps"] and all(r["loss"] > 0 for r in m["steps"])
+
+
+def test_the_models_own_loss_is_what_trains(monkeypatch):
+    """A set_format("torch") Dataset through DataCollatorWithPadding: the batch is the model's keywords,
+    labels included, and the built-in Classification task trains on the loss the model returns."""
+    import hf_workloads
+    from ddplab.engine.setup import check_output
+    from ddplab.workload import BuildConfig, Options
+
+    data = hf_workloads.hf_data(BuildConfig(Options(torch_format=True), config=None))
+    model = hf_workloads.bert(None, data)
+    check_output(model, data)  # collate, unpack, one forward pass, the task's loss
+    batch = data.collate_fn([data.train[i] for i in range(4)])
+    inputs, target, n = data.task.unpack(batch)
+    assert n == 4 and "labels" in inputs and torch.equal(target, batch["labels"])
+    output = model(**inputs)
+    assert data.task.loss(output, target) is output.loss
+
+
+def _run_here(argv: list[str], monkeypatch, where: Path) -> int:
+    monkeypatch.chdir(where)
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.mark.parametrize("options, phrase", [
+    (["data.name=W:bad_data", "data.options.kind=list"], "Data.train is a list; ddplab takes"),
+    (["data.name=W:bad_data", "data.options.kind=dataset_dict"], "one split of it"),
+    (["data.name=W:bad_data", "data.options.kind=text_left"], "remove them"),
+    (["data.name=W:stream_data"], "set training.max_steps"),
+], ids=["list", "dataset_dict", "text_left", "stream_without_max_steps"])
+def test_other_data_is_refused_in_one_line_before_a_run_folder(options, phrase, tmp_path, monkeypatch, capfd):
+    options = [o.replace("W:", f"{WORK}:") for o in options]
+    code = _run_here(["train", f"model.name={WORK}:bert" if "bad" in options[0] else f"model.name={WORK}:recorder",
+                      *options, *COMMON], monkeypatch, tmp_path)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and phrase in err[0], err
+    assert not (tmp_path / "experiments").exists()
+
+
+def test_uneven_shards_end_each_epoch_together(tmp_path):
+    """Rank 0's shard holds 10 items, rank 1's 17: with batches of 4, each epoch is 3 steps on both."""
+    proc = torchrun(2, "train", f"model.name={WORK}:recorder", f"data.name={WORK}:stream_data",
+                    "data.options.kind=uneven", "training.epochs=3", "training.max_steps=100", "training.batch_size=4",
+                    "experiment.name=uneven", *COMMON, cwd=tmp_path, timeout=240)
+    assert_ok(proc)
+    m = _metrics(tmp_path / "experiments" / "uneven")
+    assert m["aggregates"]["steps"] == 9 and m["aggregates"]["epochs_completed"] == 3
+    assert m["dataset"]["train"] is None
+    assert m["epochs"][-1]["val_accuracy"] is not None
