@@ -122,7 +122,7 @@ def stream_data(cfg):
 class Recorder(torch.nn.Module):
     """A linear classifier that writes the idx of every training sample it sees to
     <options.log>/<rank>.<pid>, one line per forward pass, and kills its own process (SIGKILL) at the
-    start of training forward pass options.die_at + 1 on rank 0."""
+    start of training forward pass $DIE_AT + 1 on rank 0 (not an option: a resume needs the same config)."""
 
     def __init__(self, log: str | None, die_at: int | None) -> None:
         super().__init__()
@@ -142,7 +142,8 @@ class Recorder(torch.nn.Module):
 
 def recorder(cfg, data):
     torch.manual_seed(0)
-    return Recorder(cfg.options.get("log"), cfg.options.get("die_at"))
+    die_at = os.environ.get("DIE_AT")
+    return Recorder(cfg.options.get("log"), int(die_at) if die_at else None)
 
 
 def bad_data(cfg):

@@ -82,3 +82,52 @@ def test_uneven_shards_end_each_epoch_together(tmp_path):
     assert m["aggregates"]["steps"] == 9 and m["aggregates"]["epochs_completed"] == 3
     assert m["dataset"]["train"] is None
     assert m["epochs"][-1]["val_accuracy"] is not None
+
+
+def _records(log: Path, keep: Path) -> dict[int, list[list[int]]]:
+    """rank -> the idx of each training forward pass, in order, from one process per rank (the files
+    are moved from `log` to `keep`)."""
+    keep.mkdir()
+    out = {}
+    for f in sorted(log.iterdir()):
+        rank = int(f.name.split(".")[0])
+        assert rank not in out, f"two processes of rank {rank} wrote to {log}"
+        out[rank] = [[int(i) for i in line.split()] for line in f.read_text().splitlines()]
+        f.rename(keep / f.name)
+    return out
+
+
+def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str):
+    log.mkdir(exist_ok=True)
+    return torchrun(nproc, "train", f"model.name={WORK}:recorder", f"data.name={WORK}:stream_data",
+                    f"data.options.kind={kind}", f"model.options.log={log}", "training.epochs=2",
+                    "training.max_steps=1000", "training.batch_size=4", "checkpoint.every=5", "logging.log_every=1",
+                    f"experiment.name={name}", *COMMON, cwd=cwd, timeout=240)
+
+
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, kind, monkeypatch):
+    """96 items, 2 ranks x batches of 4: 12 steps an epoch. Rank 0 is SIGKILLed at the start of step 18
+    (the snapshot of step 15 is 3 steps into epoch 2); the same command resumes it on 2 processes, a copy
+    of it on 1. torch: a stream without state, skipped forward; hf: its own state_dict()."""
+    log, every = tmp_path / "log", Counter(list(range(96)) * 2)
+    assert_ok(_stream_run(tmp_path, "whole", log, 2, kind))
+    whole = _records(log, tmp_path / "whole")
+    assert Counter(sum(whole[0] + whole[1], [])) == every
+
+    monkeypatch.setenv("DIE_AT", "17")
+    assert _stream_run(tmp_path, "cut", log, 2, kind).returncode != 0
+    monkeypatch.delenv("DIE_AT")
+    before = {r: steps[:15] for r, steps in _records(log, tmp_path / "cut").items()}  # up to the snapshot
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "experiments" / "cut", elsewhere / "experiments" / "cut")
+
+    resumed = _stream_run(tmp_path, "cut", log, 2, kind)
+    assert_ok(resumed)
+    said = "skipping forward past the first 24 samples" if kind == "torch" else "resumes from its own state_dict()"
+    assert said in resumed.stdout, resumed.stdout[-2000:]
+    again = _records(log, tmp_path / "again")
+    assert {r: before[r] + again[r] for r in (0, 1)} == whole  # the same samples in the same order on each rank
+
+    assert_ok(_stream_run(elsewhere, "cut", log, 1, kind))  # the same run resumed on 1 process
+    assert Counter(sum(before[0] + before[1] + _records(log, tmp_path / "one")[0], [])) == every
