@@ -54,8 +54,8 @@ def hf_data(cfg):
         ds = ds.map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
         return ds.with_format("torch") if cfg.options.get("torch_format") else ds
 
-    return ddplab.Data(train=split(256, 0), val=split(64, 1), task=ddplab.Classification(2),
-                       collate_fn=DataCollatorWithPadding(tok))
+    return ddplab.Data(train=split(256, 0), val=split(64, 1), task=ddplab.Classification(2, ["negative", "positive"]),
+                       collate_fn=DataCollatorWithPadding(tok), preprocess=lambda text: dict(tok(text)))
 
 
 def bert(cfg, data):
@@ -160,3 +160,36 @@ def bad_data(cfg):
         data.train = data.train.add_column("review", ["some text"] * len(data.train))
         return data
     raise ValueError(kind)
+
+
+def per_rank_vocabulary(cfg):
+    """A word list built from a set on each rank, in the order of that rank's hashing of strings
+    (each process salts it differently): the ids of the same text differ between ranks."""
+    vocab = {w: i for i, w in enumerate(list({*WORDS}))}
+    texts, labels = reviews(32, 0)
+    items = [({"input_ids": torch.tensor([vocab[w] for w in t.split()][:2])}, y) for t, y in zip(texts, labels)]
+    return ddplab.Data(train=items and _Items(items), task=ddplab.Classification(2), meta={"vocab": vocab})
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class Bag(torch.nn.Module):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.EmbeddingBag(vocab, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+
+
+def bag(cfg, data):
+    return Bag(len(WORDS))

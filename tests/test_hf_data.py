@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_ok, torchrun
+from conftest import assert_ok, ddplab, torchrun
 from ddplab.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +30,10 @@ def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_pat
     assert m["dataset"]["train"] == 256 and m["dataset"]["val"] == 64
     assert m["aggregates"]["final_val_accuracy"] >= 0.9
     assert m["steps"] and all(r["loss"] > 0 for r in m["steps"])
+    predicted = ddplab("predict", "experiments/bert", "good great nice film", "the plot was awful", "--trust-code",
+                       cwd=tmp_path)
+    assert_ok(predicted)
+    assert predicted.stdout.count("positive") == 1 and predicted.stdout.count("negative") == 1, predicted.stdout
 
 
 def test_the_models_own_loss_is_what_trains(monkeypatch):
@@ -131,3 +135,45 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
 
     assert_ok(_stream_run(elsewhere, "cut", log, 1, kind))  # the same run resumed on 1 process
     assert Counter(sum(before[0] + before[1] + _records(log, tmp_path / "one")[0], [])) == every
+
+
+def test_data_that_differs_between_ranks_is_refused_before_training(tmp_path):
+    proc = torchrun(2, "train", f"model.name={WORK}:bag", f"data.name={WORK}:per_rank_vocabulary",
+                    "training.max_steps=2", "experiment.name=vocab", *COMMON, cwd=tmp_path, timeout=240)
+    assert proc.returncode != 0
+    assert "returns different data on rank 1 than on rank 0" in proc.stderr + proc.stdout
+    assert not (tmp_path / "experiments" / "vocab" / "metrics.json").exists()
+
+
+def test_a_causal_lm_with_the_lm_collator_is_scored_on_its_shifted_labels():
+    """DataCollatorForLanguageModeling(mlm=False) makes labels = input_ids (padding -100); a Hugging Face
+    causal LM shifts them itself. LanguageModeling(shift=True) scores the same tokens: its validation
+    loss equals the model's own."""
+    import datasets
+    from transformers import DataCollatorForLanguageModeling, GPT2Config, GPT2LMHeadModel
+
+    import hf_workloads
+    from ddplab import LanguageModeling
+    from ddplab.engine.setup import check_output
+    from ddplab.workload import Data
+
+    tok = hf_workloads.tokenizer()
+    texts, _ = hf_workloads.reviews(8, 0)
+    ds = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=32)).eval()
+    task = LanguageModeling(len(tok), shift=True)
+    data = Data(train=ds, task=task, collate_fn=DataCollatorForLanguageModeling(tok, mlm=False))
+    check_output(model, data)
+    inputs, target, n = task.unpack(data.collate_fn([ds[i] for i in range(8)]))
+    assert n == 8 and (target == -100).any()  # texts of different lengths: padding is not scored
+    with torch.no_grad():
+        output = model(**inputs)
+    evaluator = task.evaluator(torch.device("cpu"))
+    evaluator.update(output, target)
+
+    class One:
+        def all_reduce(self, t, op="sum"):
+            return t
+    assert evaluator.compute(One())["loss"] == pytest.approx(output.loss.item(), rel=1e-5)
+    assert task.loss(output, target) is output.loss

@@ -182,17 +182,29 @@ CONTINUES_TEXT = "this run holds a language model, which continues text: use `dd
 
 
 class LanguageModeling(Task):
+    """Targets are the next tokens (`shift=False`: the data shifted them), or the inputs themselves
+    (`shift=True`: as Hugging Face causal LMs and DataCollatorForLanguageModeling(mlm=False) have them,
+    scored against the logits one position earlier). Targets of -100 (padding, unmasked tokens) are
+    not scored."""
+
     kind = "lm"
 
-    def __init__(self, vocab_size: int | None = None) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int | None = None, shift: bool = False) -> None:
+        self.vocab_size, self.shift = vocab_size, shift
+
+    def scored(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, targets), flat, aligned: the next token of each position."""
+        logits = self.logits(output)
+        if self.shift:
+            logits, target = logits[:, :-1], target[:, 1:]
+        return logits.flatten(0, 1).float(), target.flatten()
 
     def loss(self, output, target):
         own = own_loss(output)  # an HF causal LM shifts its labels itself
-        return own if own is not None else F.cross_entropy(self.logits(output).flatten(0, 1).float(), target.flatten())
+        return own if own is not None else F.cross_entropy(*self.scored(output, target))
 
     def tokens(self, inputs, target):
-        return target.numel()
+        return (target != -100).sum()
 
     def check_output(self, output, target):
         logits = self.logits(output)
@@ -201,13 +213,13 @@ class LanguageModeling(Task):
                             f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}")
 
     def evaluator(self, device):
-        return LMEvaluator(device, self.logits)
+        return LMEvaluator(device, self.scored)
 
     def predict(self, output, top_k: int = 1):
         raise UserError(CONTINUES_TEXT)
 
     def describe(self):
-        return {"kind": self.kind, "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "shift": self.shift}
 
 
 class Regression(Task):
@@ -258,7 +270,7 @@ def restore(info: dict | str | None, num_classes: int | None = None, vocab_size:
     if kind == "classification":
         return Classification(info["num_classes"], info.get("class_names"))
     if kind == "lm":
-        return LanguageModeling(info.get("vocab_size"))
+        return LanguageModeling(info.get("vocab_size"), info.get("shift", False))
     if kind == "regression":
         return Regression(info.get("outputs", 1))
     return Task()

@@ -4,15 +4,19 @@ byte is written to a run folder."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import random
 import sys
 import traceback
 from collections.abc import Mapping
 from itertools import islice
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ddplab.data.stream import is_stream, size
+from ddplab.data.stream import is_stream, shards_itself, size
 from ddplab.errors import UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
@@ -108,7 +112,60 @@ def build_data(cfg, ctx, work: Workload) -> Data:
         raise UserError(f"{where}: the training set is empty")
     if cfg.data.limit is not None and n is not None and cfg.data.limit < n and not is_stream(data.train):
         data.train = Subset(data.train, range(cfg.data.limit))
+    if ctx is not None:
+        same_on_every_rank(data, ctx, where)
     return data
+
+
+def same_on_every_rank(data: Data, ctx, where: str) -> None:
+    """Every rank must build the same data (DDP averages gradients of one dataset): a tokenizer trained
+    on each rank, or a label map built from an unordered set, differ from rank to rank. Compared by a
+    digest of the task, `meta`, each split's kind and length, and its first items."""
+    digests = ctx.gather_objects(data_digest(data))
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise UserError(f"{where}: returns different data on rank {differ[0]} than on rank 0 (its task, meta or "
+                        f"first items differ): build it from the seed and the files alone, the same on every rank "
+                        f"(e.g. rank 0 builds a tokenizer and saves it, cfg.barrier(), every rank loads it)")
+
+
+def data_digest(data: Data) -> str:
+    plain = json.dumps([data.task.describe(), data.meta], sort_keys=True, default=lambda o: type(o).__name__)
+    h = hashlib.sha256(plain.encode())
+    state = random.getstate(), np.random.get_state()
+    # Random augmentations draw the same numbers on every rank, and training's draws are left as they were.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        for split in (data.train, data.val, data.test):
+            h.update(f"{type(split).__name__} {size(split)}".encode())
+            if split is None or shards_itself(split):  # its items are this rank's own
+                continue
+            for item in islice(split, 2) if is_stream(split) else (split[i] for i in range(min(2, len(split)))):
+                _digest(item, h)
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    return h.hexdigest()
+
+
+def _digest(obj, h) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach().cpu().contiguous()
+        h.update(str((obj.dtype, tuple(obj.shape))).encode())
+        h.update(obj.view(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray) and obj.dtype != object:
+        h.update(f"{obj.dtype.str} {obj.shape}".encode())
+        h.update(np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, Mapping):
+        for k in sorted(obj, key=str):
+            h.update(str(k).encode())
+            _digest(obj[k], h)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _digest(v, h)
+    elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        h.update(repr(obj).encode())
+    else:  # an image, a file handle: its repr may hold a memory address
+        h.update(type(obj).__name__.encode())
 
 
 ACCEPTED = ("a torch.utils.data.Dataset with __len__, a torch.utils.data.IterableDataset (a stream), "
