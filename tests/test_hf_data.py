@@ -101,19 +101,20 @@ def _records(log: Path, keep: Path) -> dict[int, list[list[int]]]:
     return out
 
 
-def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str):
+def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str, workers: int = 0):
     log.mkdir(exist_ok=True)
     return torchrun(nproc, "train", f"model.name={WORK}:recorder", f"data.name={WORK}:stream_data",
                     f"data.options.kind={kind}", f"model.options.log={log}", "training.epochs=2",
                     "training.max_steps=1000", "training.batch_size=4", "checkpoint.every=5", "logging.log_every=1",
-                    f"experiment.name={name}", *COMMON, cwd=cwd, timeout=240)
+                    f"data.num_workers={workers}", f"experiment.name={name}", *COMMON, cwd=cwd, timeout=240)
 
 
 @pytest.mark.parametrize("kind", ["torch", "hf"])
 def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, kind, monkeypatch):
     """96 items, 2 ranks x batches of 4: 12 steps an epoch. Rank 0 is SIGKILLed at the start of step 18
     (the snapshot of step 15 is 3 steps into epoch 2); the same command resumes it on 2 processes, a copy
-    of it on 1. torch: a stream without state, skipped forward; hf: its own state_dict()."""
+    of it on 1. torch: a stream without state, skipped forward; hf: its own state_dict(). The 2-process
+    resume reads with 2 loader workers a rank (the uninterrupted run with none): the order is the same."""
     log, every = tmp_path / "log", Counter(list(range(96)) * 2)
     assert_ok(_stream_run(tmp_path, "whole", log, 2, kind))
     whole = _records(log, tmp_path / "whole")
@@ -126,7 +127,7 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(tmp_path / "experiments" / "cut", elsewhere / "experiments" / "cut")
 
-    resumed = _stream_run(tmp_path, "cut", log, 2, kind)
+    resumed = _stream_run(tmp_path, "cut", log, 2, kind, workers=2)
     assert_ok(resumed)
     said = "skipping forward past the first 24 samples" if kind == "torch" else "resumes from its own state_dict()"
     assert said in resumed.stdout, resumed.stdout[-2000:]
