@@ -114,6 +114,8 @@ def stream_data(cfg):
         full = datasets.Dataset.from_generator(rows, gen_kwargs={"n": o.get("n", 96)})
         train = full.to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=1).with_format("torch")
         val = Numbers(37, shuffle=False)
+    elif o.get("kind") == "map":  # the same items, held in memory: what a stream is compared with
+        train, val = _Items(list(Numbers(o.get("n", 96), shuffle=False))), Numbers(37, shuffle=False)
     else:
         train, val = Numbers(o.get("n", 96)), Numbers(37, shuffle=False)
     return ddplab.Data(train=train, val=val, task=ddplab.Classification(2))

@@ -83,6 +83,9 @@ class TrainFeed:
         if self.stream:
             self.sampler = None
             self.source = Stream(dataset, ctx.rank, ctx.world_size, cfg.training.batch_size, cfg.data.limit)
+            if is_stateful(dataset) and loaders.workers:
+                log(f"the training stream keeps its own position (state_dict()): it is read in the training process, "
+                    f"not by {loaders.workers} loader workers")
         else:
             self.sampler = self.source = ResumableDistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=True,
                                                                      seed=self.seed)
