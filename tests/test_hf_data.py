@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_ok, ddplab, torchrun
+
 from ddplab.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +40,7 @@ def test_the_models_own_loss_is_what_trains(monkeypatch):
     """A set_format("torch") Dataset through DataCollatorWithPadding: the batch is the model's keywords,
     labels included, and the built-in Classification task trains on the loss the model returns."""
     import hf_workloads
+
     from ddplab.engine.setup import check_output
     from ddplab.workload import BuildConfig, Options
 
@@ -118,7 +119,7 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
     log, every = tmp_path / "log", Counter(list(range(96)) * 2)
     assert_ok(_stream_run(tmp_path, "whole", log, 2, kind))
     whole = _records(log, tmp_path / "whole")
-    assert Counter(sum(whole[0] + whole[1], [])) == every
+    assert Counter(i for batch in whole[0] + whole[1] for i in batch) == every
 
     monkeypatch.setenv("DIE_AT", "17")
     assert _stream_run(tmp_path, "cut", log, 2, kind).returncode != 0
@@ -135,7 +136,8 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
     assert {r: before[r] + again[r] for r in (0, 1)} == whole  # the same samples in the same order on each rank
 
     assert_ok(_stream_run(elsewhere, "cut", log, 1, kind))  # the same run resumed on 1 process
-    assert Counter(sum(before[0] + before[1] + _records(log, tmp_path / "one")[0], [])) == every
+    seen = before[0] + before[1] + _records(log, tmp_path / "one")[0]
+    assert Counter(i for batch in seen for i in batch) == every
 
 
 def test_data_that_differs_between_ranks_is_refused_before_training(tmp_path):
@@ -151,9 +153,13 @@ def test_a_causal_lm_with_the_lm_collator_is_scored_on_its_shifted_labels():
     causal LM shifts them itself. LanguageModeling(shift=True) scores the same tokens: its validation
     loss equals the model's own."""
     import datasets
-    from transformers import DataCollatorForLanguageModeling, GPT2Config, GPT2LMHeadModel
-
     import hf_workloads
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        GPT2Config,
+        GPT2LMHeadModel,
+    )
+
     from ddplab import LanguageModeling
     from ddplab.engine.setup import check_output
     from ddplab.workload import Data

@@ -14,8 +14,8 @@ as it is.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import islice
-from typing import Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 

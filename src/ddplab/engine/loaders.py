@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
