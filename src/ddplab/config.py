@@ -206,9 +206,10 @@ def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, st
 def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, train_samples: int | None = None) -> dict:
     """The one place where batches are counted: global = per process x accumulation x world size. With
     `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every rank to
-    ceil(N / world size) samples, the loader keeps the last short batch, accumulation groups micro-batches."""
+    ceil(N / world size) samples, the loader keeps the last short batch, accumulation groups micro-batches
+    (without it, None: a stream's epoch ends when the stream does)."""
     out = {"per_process": batch_size, "grad_accum_steps": grad_accum_steps, "world_size": world_size,
-           "global": batch_size * grad_accum_steps * world_size}
+           "global": batch_size * grad_accum_steps * world_size, "steps_per_epoch": None}
     if train_samples is not None:
         per_rank = math.ceil(train_samples / world_size)
         out["steps_per_epoch"] = math.ceil(math.ceil(per_rank / batch_size) / grad_accum_steps)

@@ -18,15 +18,17 @@ import torch.nn.functional as F
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(self, device: torch.device, logits: Callable = lambda output: output) -> None:
-        self.logits = logits  # the model's output -> its logits (Task.logits)
+    def __init__(self, device: torch.device,
+                 scored: Callable = lambda output, target: (output.float().flatten(0, 1), target.flatten())) -> None:
+        self.scored = scored  # (output, target) -> flat logits and their next tokens (LanguageModeling.scored)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
     def update(self, output, target: torch.Tensor) -> None:
-        flat = self.logits(output).float().flatten(0, 1)
-        loss = F.cross_entropy(flat, target.flatten(), reduction="sum")
-        correct = (flat.argmax(-1) == target.flatten()).sum()
-        self.sums += torch.stack([loss.double(), torch.tensor(target.numel(), device=loss.device, dtype=torch.float64), correct.double()])
+        flat, target = self.scored(output, target)
+        loss = F.cross_entropy(flat, target, reduction="sum")  # targets of -100 are left out (ignore_index)
+        kept = target != -100
+        correct = (flat.argmax(-1) == target)[kept].sum()
+        self.sums += torch.stack([loss.double(), kept.sum().double(), correct.double()])
 
     def compute(self, ctx) -> dict[str, float]:
         loss_sum, tokens, correct = ctx.all_reduce(self.sums.clone()).tolist()

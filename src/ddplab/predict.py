@@ -8,7 +8,9 @@ workloads, and a raw input (a string) becomes one sample's model inputs by, in t
   an image file, opened as the dataset opens its own (its `loader`, else PIL in RGB);
 - otherwise numbers: `0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one
   sample's tensor, in the dtype of the dataset's own inputs.
-Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them.
+Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them,
+beside a target taken from a real item (the run's collate_fn may need one); where items are dicts
+(Hugging Face's), `preprocess` gives the dict of one sample's inputs and the target joins it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Mapping
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +62,10 @@ def encoder(data) -> Callable[[str], object]:
     if data.preprocess is not None:
         return data.preprocess
     dataset = next(d for d in (data.val, data.test, data.train) if d is not None)
+    if isinstance(first_item(dataset), Mapping):
+        raise UserError("this run's items are dicts (as Hugging Face's are): predict reads raw inputs through "
+                        "Data(preprocess=...), a function from one input to one sample's dict, which its data does "
+                        "not give")
     source = _unwrapped(dataset)
     transform = getattr(source, "transform", None)
     if callable(transform):
@@ -65,6 +73,20 @@ def encoder(data) -> Callable[[str], object]:
     sample = dataset[0][0]
     dtype = sample.dtype if isinstance(sample, torch.Tensor) else torch.float32
     return lambda item: read_numbers(item).to(dtype)
+
+
+def first_item(dataset):
+    return next(iter(islice(dataset, 1))) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+
+
+def _sample(data) -> Callable:
+    """One sample's inputs -> an item like the dataset's, its target taken from a real one."""
+    first = first_item(next(d for d in (data.val, data.train) if d is not None))
+    if isinstance(first, Mapping):
+        names = (data.task.target_field,) if data.task.target_field else ("labels", "label")
+        field = next((n for n in names if n in first), None)
+        return lambda inputs: {**inputs, **({field: first[field]} if field else {})}
+    return lambda inputs: (inputs, first[1])
 
 
 def _open_image(item: str, loader: Callable | None):
@@ -106,14 +128,14 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
     model, _, data = load_model(run, trust_code, rebuild_data=True, checkpoint=checkpoint)
     encode, task = encoder(data), data.task
     collate = data.collate_fn or torch.utils.data.default_collate
-    placeholder = (data.val or data.train)[0][1]  # a real target, so that the run's own collate_fn fits
+    sample = _sample(data)
     rows = []
     with torch.no_grad():
         for i in range(0, len(items), batch_size):
             chunk = items[i: i + batch_size]
-            samples = [(_user(encode, "reading the input", item), placeholder) for item in chunk]
+            samples = [sample(_user(encode, "reading the input", item)) for item in chunk]
             try:
-                inputs = collate(samples)[0]
+                inputs = task.unpack(collate(samples))[0]
             except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
                 raise UserError(f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})") from None
             try:

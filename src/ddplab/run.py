@@ -100,7 +100,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             run.write_json(RunFolder.METRICS_JSON, result)
             partial = bool(state.history and state.history[-1].get("partial"))
             epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
-                                                if partial else "")
+                                                if partial and view.steps_per_epoch else " + 1 partial" if partial else "")
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             # Sharded, every rank takes part in each forward pass; rank 0 writes.

@@ -2,14 +2,21 @@
 evaluator whose numbers are global (every validation sample counted once across ranks), and
 what `ddplab predict` prints for one input.
 
+A batch is `(inputs, target)` or a mapping (a dict, HF's BatchEncoding) that holds its target under
+`Task.target_field` (default `labels`, then `label`); `Task.unpack` tells them apart. A mapping goes
+to the model whole, as keywords, target included, as Hugging Face models expect.
+
 A model's forward may return a tensor, a tuple or list, a dict, or an object with `.logits`
 (HF's ModelOutput). The built-in tasks (Classification, LanguageModeling, Regression) score its
-logits (`Task.logits`). A user subclasses Task and writes `loss(output, target)`, which gets
-the output exactly as returned (so a model that computes its own loss returns it from there),
-and lists torchmetrics objects in `metrics()`, which get the logits; ddplab syncs them across ranks.
+logits (`Task.logits`) and train on the model's own loss where its output carries one (`.loss` or
+`["loss"]`, as an HF model given `labels` returns). A user subclasses Task and writes
+`loss(output, target)`, which gets the output exactly as returned, and lists torchmetrics objects in
+`metrics()`, which get the logits; ddplab syncs them across ranks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +26,14 @@ from ddplab.evaluators import ClassificationEvaluator, LMEvaluator, MetricsEvalu
 
 
 def call_model(model: torch.nn.Module, inputs):
-    """The output exactly as the model returns it: tensor inputs go positionally, dict inputs as keywords."""
-    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    """The output exactly as the model returns it: tensor inputs go positionally, mapping inputs as keywords."""
+    return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+
+
+def own_loss(output) -> torch.Tensor | None:
+    """The loss a model computed itself (`.loss`, `["loss"]`), or None."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def find_logits(output) -> torch.Tensor:
@@ -49,7 +62,7 @@ def _kind(output) -> str:
 def to_device(obj, device: torch.device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=device.type == "cuda")
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):  # a dict, HF's BatchEncoding
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
@@ -63,10 +76,30 @@ class Task:
     and `predict` (what `ddplab predict` prints)."""
 
     kind = "custom"
+    # Where a mapping batch holds its target; None: `labels`, else `label`.
+    target_field: str | None = None
+
+    def unpack(self, batch) -> tuple:
+        """(inputs, target, samples) of one collated batch. A mapping is the inputs whole, its target
+        field included (an HF model computes its loss from `labels`)."""
+        if isinstance(batch, Mapping):
+            names = (self.target_field,) if self.target_field else ("labels", "label")
+            field = next((n for n in names if n in batch), None)
+            if field is None:
+                raise UserError(f"a batch is a mapping with keys {sorted(map(str, batch))[:8]} but no target "
+                                f"field {' or '.join(names)}; set {type(self).__name__}.target_field")
+            return batch, batch[field], len(batch[field])
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return batch[0], batch[1], len(batch[1])
+        raise UserError(f"a batch is {_kind(batch)}; ddplab takes (inputs, target) or a mapping with a "
+                        f"'labels' field (see docs/your-workload.md)")
 
     def loss(self, output, target: torch.Tensor) -> torch.Tensor:
-        """A scalar tensor, from the model's output exactly as returned."""
-        raise NotImplementedError(f"{type(self).__name__}.loss(output, target) is not written")
+        """A scalar tensor, from the model's output exactly as returned: here the model's own loss."""
+        if (loss := own_loss(output)) is not None:
+            return loss
+        raise NotImplementedError(f"{type(self).__name__}.loss(output, target) is not written, and the model's "
+                                  f"output holds no loss")
 
     def logits(self, output) -> torch.Tensor:
         """The tensor scored by metrics and predict; override for an output of another form."""
@@ -108,10 +141,11 @@ class Classification(Task):
         self.class_names = [str(n) for n in class_names] if class_names is not None else None
 
     def loss(self, output, target):
-        return F.cross_entropy(self.logits(output).float(), target)
+        own = own_loss(output)
+        return own if own is not None else F.cross_entropy(self.logits(output).float(), target)
 
     def tokens(self, inputs, target):
-        if isinstance(inputs, dict) and "attention_mask" in inputs:
+        if isinstance(inputs, Mapping) and "attention_mask" in inputs:
             return inputs["attention_mask"].sum()
         if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
             return inputs.numel()
@@ -148,16 +182,29 @@ CONTINUES_TEXT = "this run holds a language model, which continues text: use `dd
 
 
 class LanguageModeling(Task):
+    """Targets are the next tokens (`shift=False`: the data shifted them), or the inputs themselves
+    (`shift=True`: as Hugging Face causal LMs and DataCollatorForLanguageModeling(mlm=False) have them,
+    scored against the logits one position earlier). Targets of -100 (padding, unmasked tokens) are
+    not scored."""
+
     kind = "lm"
 
-    def __init__(self, vocab_size: int | None = None) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int | None = None, shift: bool = False) -> None:
+        self.vocab_size, self.shift = vocab_size, shift
+
+    def scored(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, targets), flat, aligned: the next token of each position."""
+        logits = self.logits(output)
+        if self.shift:
+            logits, target = logits[:, :-1], target[:, 1:]
+        return logits.flatten(0, 1).float(), target.flatten()
 
     def loss(self, output, target):
-        return F.cross_entropy(self.logits(output).flatten(0, 1).float(), target.flatten())
+        own = own_loss(output)  # an HF causal LM shifts its labels itself
+        return own if own is not None else F.cross_entropy(*self.scored(output, target))
 
     def tokens(self, inputs, target):
-        return target.numel()
+        return (target != -100).sum()
 
     def check_output(self, output, target):
         logits = self.logits(output)
@@ -166,13 +213,13 @@ class LanguageModeling(Task):
                             f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}")
 
     def evaluator(self, device):
-        return LMEvaluator(device, self.logits)
+        return LMEvaluator(device, self.scored)
 
     def predict(self, output, top_k: int = 1):
         raise UserError(CONTINUES_TEXT)
 
     def describe(self):
-        return {"kind": self.kind, "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "shift": self.shift}
 
 
 class Regression(Task):
@@ -189,7 +236,8 @@ class Regression(Task):
         return self.logits(output).float().reshape(len(target), -1), target.float().reshape(len(target), -1)
 
     def loss(self, output, target):
-        return F.mse_loss(*self._shaped(output, target))
+        own = own_loss(output)
+        return own if own is not None else F.mse_loss(*self._shaped(output, target))
 
     def check_output(self, output, target):
         n, shape = len(target), tuple(self.logits(output).shape)
@@ -222,7 +270,7 @@ def restore(info: dict | str | None, num_classes: int | None = None, vocab_size:
     if kind == "classification":
         return Classification(info["num_classes"], info.get("class_names"))
     if kind == "lm":
-        return LanguageModeling(info.get("vocab_size"))
+        return LanguageModeling(info.get("vocab_size"), info.get("shift", False))
     if kind == "regression":
         return Regression(info.get("outputs", 1))
     return Task()

@@ -30,7 +30,9 @@ from ddplab.errors import UserError, first_line
 
 @dataclass
 class Data:
-    """Splits (torch Datasets of `(inputs, target)` items) and the task that scores them.
+    """Splits and the task that scores them. A split is a torch Dataset with __len__, a torch
+    IterableDataset (a stream), or a Hugging Face Dataset / IterableDataset; its items are
+    `(inputs, target)` or a dict holding its target (`labels`, else `label`): docs/your-workload.md.
 
     `inputs` is a tensor, or a dict of tensors passed to the model as keywords. `meta` holds
     plain values that inference needs (tokenizer, label names); it is stored in checkpoints.

@@ -13,6 +13,7 @@ exact resume.
 
 from __future__ import annotations
 
+import math
 import operator
 
 from ddplab.errors import UserError
@@ -99,9 +100,10 @@ class TrainView:
         return self._t.state.best_val_loss, self._t.state.best_epoch
 
     @property
-    def epoch_samples(self) -> int:
-        """Samples (all ranks) still to come in this epoch, as counted at its start."""
-        return len(self._t.sampler) * self._t.ctx.world_size
+    def epoch_samples(self) -> int | None:
+        """Samples (all ranks) still to come in this epoch, as counted at its start (None: a stream)."""
+        left = self._t.feed.left()
+        return None if math.isinf(left) else left * self._t.ctx.world_size
 
     @property
     def step_samples(self) -> int:

@@ -1,13 +1,18 @@
-"""DataLoaders for training and evaluation: worker counts, pinning, and their own generators."""
+"""DataLoaders for training and evaluation (worker counts, pinning, their own generators), and
+`TrainFeed`: where training stands in its data, for map-style datasets and streams alike."""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable, Iterator
+from itertools import islice
 
 import torch
 from torch.utils.data import DataLoader
 
-from ddplab.data.sampler import ShardSampler
+from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
+from ddplab.data.stream import Stream, is_stateful, is_stream, size
 
 
 def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
@@ -28,18 +33,124 @@ class Loaders:
         self.workers = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
         self._eval: dict[int, DataLoader] = {}
 
-    def _make(self, dataset, sampler, **extra) -> DataLoader:
+    def _make(self, dataset, sampler=None, workers: int | None = None, persistent: bool = True, **extra) -> DataLoader:
+        workers = self.workers if workers is None else workers
         return DataLoader(dataset, batch_size=self.cfg.training.batch_size, sampler=sampler,
-                          collate_fn=self.collate_fn, num_workers=self.workers, persistent_workers=self.workers > 0,
+                          collate_fn=self.collate_fn, num_workers=workers, persistent_workers=persistent and workers > 0,
                           pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda", **extra)
 
-    def train(self, dataset, sampler) -> DataLoader:
+    def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
         # resumed mid-epoch would draw different dropout masks than an unbroken one.
-        return self._make(dataset, sampler, generator=torch.Generator().manual_seed(self.cfg.experiment.seed))
+        generator = torch.Generator().manual_seed(self.cfg.experiment.seed)
+        if sampler is not None:
+            return self._make(dataset, sampler, generator=generator)
+        # A stream's workers start afresh each epoch: persistent ones would keep the first epoch's position.
+        return self._make(dataset, workers=self.stream_workers(dataset.dataset), persistent=False, generator=generator)
+
+    def stream_workers(self, dataset) -> int:
+        """A stream that keeps its own position is read in the training process, where its state_dict() is
+        the position training reached (in a worker it would run ahead, and Hugging Face's splits itself
+        among workers)."""
+        return 0 if is_stateful(dataset) else self.workers
 
     def evaluation(self, dataset) -> DataLoader:
         """One loader per split, kept: its workers persist instead of starting at every evaluation."""
         if id(dataset) not in self._eval:
-            self._eval[id(dataset)] = self._make(dataset, ShardSampler(len(dataset), self.ctx.rank, self.ctx.world_size))
+            ctx = self.ctx
+            if is_stream(dataset):
+                stream = Stream(dataset, ctx.rank, ctx.world_size, self.cfg.training.batch_size)
+                self._eval[id(dataset)] = self._make(stream, workers=self.stream_workers(dataset))
+            else:
+                self._eval[id(dataset)] = self._make(dataset, ShardSampler(len(dataset), ctx.rank, ctx.world_size))
         return self._eval[id(dataset)]
+
+
+class TrainFeed:
+    """The training data's position: an epoch, and how many samples of its global order are consumed
+    (TrainState.consumed). Map-style data go through ResumableDistributedSampler, which resumes by
+    slicing its permutation; a stream through data.stream.Stream, which resumes from the dataset's own
+    state_dict() where it has one, else by reading past the samples already consumed.
+
+    state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
+    """
+
+    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None]) -> None:
+        self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
+        self.seed = cfg.experiment.seed
+        self.stream = is_stream(dataset)
+        self.size = size(dataset)  # None: a stream that does not know its length
+        if self.stream:
+            self.sampler = None
+            self.source = Stream(dataset, ctx.rank, ctx.world_size, cfg.training.batch_size, cfg.data.limit)
+            if is_stateful(dataset) and loaders.workers:
+                log(f"the training stream keeps its own position (state_dict()): it is read in the training process, "
+                    f"not by {loaders.workers} loader workers")
+        else:
+            self.sampler = self.source = ResumableDistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=True,
+                                                                     seed=self.seed)
+        self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
+        self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
+
+    def epoch(self, epoch: int, consumed: int) -> Iterator:
+        """The batches of `epoch` after its first `consumed` samples (all ranks together)."""
+        if self.loader is None:
+            self.loader = (self.loaders.train(self.dataset, self.sampler) if self.sampler is not None
+                           else self.loaders.train(self.source))
+        # Worker seeds come from the loader's own generator: a function of the epoch only,
+        # so a resumed epoch hands its workers the same seeds.
+        self.loader.generator.manual_seed(self.seed + epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch, start=consumed)
+        else:
+            self._stream_start(epoch, consumed)
+        return iter(self.loader)
+
+    def _stream_start(self, epoch: int, consumed: int) -> None:
+        restored, self._restored = self._restored, {}
+        if not consumed:
+            self.source.set_epoch(epoch)
+            return
+        was = restored.get("world_size", self.ctx.world_size)
+        states = restored.get("states")
+        if states and restored.get("epoch") == epoch and (not self.source.own or was == self.ctx.world_size):
+            # The last rank has read exactly the first `consumed` items; a self-sharding stream, its own.
+            self.dataset.load_state_dict(states[self.ctx.rank] if self.source.own else states[-1])
+            self.log(f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}")
+            self.source.set_epoch(epoch, consumed, skip=False)
+            return
+        if not self.source.own:
+            self.log(f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
+                     f"epoch {epoch + 1} (read and dropped)")
+            self.source.set_epoch(epoch, consumed)
+            return
+        # A stream that shards itself: each rank's share alone is known to it.
+        exact = was == self.ctx.world_size and not self.loader.num_workers
+        self.log(f"the training stream shards itself and has no state_dict(): each rank skips forward past its first "
+                 f"{consumed // was} samples (read and dropped)" + ("" if exact else
+                 "; not exact: that needs the same world size and data.num_workers=0"))
+        self.source.set_epoch(epoch, consumed // was)
+
+    def left(self) -> float:
+        """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
+        return len(self.sampler) if self.sampler is not None else math.inf
+
+    def next_step(self, batches: Iterator, accum: int) -> list:
+        """The micro-batches of the next optimizer step; none when the epoch is over. A stream's ranks
+        agree (one all-reduce of a count) to take as many as the rank with the fewest has, so that
+        shards of uneven length end the epoch together instead of leaving a rank in a collective alone."""
+        micro = list(islice(batches, accum))
+        if self.sampler is not None:
+            return micro  # the sampler gives every rank the same count
+        agreed = int(self.ctx.all_reduce(torch.tensor([float(len(micro))], device=self.ctx.device), "min").item())
+        return micro[:agreed]
+
+    def state_dict(self) -> dict:
+        """A collective for a stateful stream: every rank's stream state is gathered."""
+        if not self.stream:
+            return {}
+        states = self.ctx.gather_objects(self.dataset.state_dict()) if is_stateful(self.dataset) else None
+        return {"world_size": self.ctx.world_size, "epoch": self.source.epoch, "states": states}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self._restored = dict(state or {})

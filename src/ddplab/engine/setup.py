@@ -4,10 +4,19 @@ byte is written to a run folder."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import random
+import sys
+import traceback
+from collections.abc import Mapping
+from itertools import islice
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from ddplab.data.stream import is_stream, shards_itself, size
 from ddplab.errors import UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
@@ -91,17 +100,90 @@ def build_data(cfg, ctx, work: Workload) -> Data:
     if not isinstance(data, Data):
         raise UserError(f"{where} returned {type(data).__name__}, not ddplab.Data(train=..., val=..., task=...)")
     for split in ("train", "val", "test"):
-        value = getattr(data, split)
-        if value is not None and not isinstance(value, Dataset):
-            raise UserError(f"{where}: Data.{split} is a {type(value).__name__}, not a torch.utils.data.Dataset")
+        check_dataset(getattr(data, split), f"{where}: Data.{split}")
     if not isinstance(data.task, Task):
         raise UserError(f"{where}: Data.task is {data.task!r}; give ddplab.Classification(n), ddplab.Regression(), "
                         f"ddplab.LanguageModeling() or a ddplab.Task subclass")
-    if len(data.train) == 0:
+    n = size(data.train)
+    if n is None and not cfg.training.max_steps:
+        raise UserError(f"{where}: Data.train is a stream ({type(data.train).__name__}) that does not know its "
+                        f"length: set training.max_steps (the learning-rate schedule needs it), or give it a __len__")
+    if n == 0:
         raise UserError(f"{where}: the training set is empty")
-    if cfg.data.limit is not None and cfg.data.limit < len(data.train):
+    if cfg.data.limit is not None and n is not None and cfg.data.limit < n and not is_stream(data.train):
         data.train = Subset(data.train, range(cfg.data.limit))
+    if ctx is not None:
+        same_on_every_rank(data, ctx, where)
     return data
+
+
+def same_on_every_rank(data: Data, ctx, where: str) -> None:
+    """Every rank must build the same data (DDP averages gradients of one dataset): a tokenizer trained
+    on each rank, or a label map built from an unordered set, differ from rank to rank. Compared by a
+    digest of the task, `meta`, each split's kind and length, and its first items."""
+    digests = ctx.gather_objects(data_digest(data))
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise UserError(f"{where}: returns different data on rank {differ[0]} than on rank 0 (its task, meta or "
+                        f"first items differ): build it from the seed and the files alone, the same on every rank "
+                        f"(e.g. rank 0 builds a tokenizer and saves it, cfg.barrier(), every rank loads it)")
+
+
+def data_digest(data: Data) -> str:
+    plain = json.dumps([data.task.describe(), data.meta], sort_keys=True, default=lambda o: type(o).__name__)
+    h = hashlib.sha256(plain.encode())
+    state = random.getstate(), np.random.get_state()
+    # Random augmentations draw the same numbers on every rank, and training's draws are left as they were.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        for split in (data.train, data.val, data.test):
+            h.update(f"{type(split).__name__} {size(split)}".encode())
+            if split is None or shards_itself(split):  # its items are this rank's own
+                continue
+            for item in islice(split, 2) if is_stream(split) else (split[i] for i in range(min(2, len(split)))):
+                _digest(item, h)
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    return h.hexdigest()
+
+
+def _digest(obj, h) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach().cpu().contiguous()
+        h.update(str((obj.dtype, tuple(obj.shape))).encode())
+        h.update(obj.view(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray) and obj.dtype != object:
+        h.update(f"{obj.dtype.str} {obj.shape}".encode())
+        h.update(np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, Mapping):
+        for k in sorted(obj, key=str):
+            h.update(str(k).encode())
+            _digest(obj[k], h)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _digest(v, h)
+    elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        h.update(repr(obj).encode())
+    else:  # an image, a file handle: its repr may hold a memory address
+        h.update(type(obj).__name__.encode())
+
+
+ACCEPTED = ("a torch.utils.data.Dataset with __len__, a torch.utils.data.IterableDataset (a stream), "
+            "a Hugging Face datasets.Dataset or datasets.IterableDataset")
+
+
+def check_dataset(value, where: str) -> None:
+    """One of the datasets docs/your-workload.md lists, or None."""
+    if value is None or is_stream(value):  # Hugging Face's IterableDataset is a torch IterableDataset
+        return
+    hf = sys.modules.get("datasets")  # loaded wherever a user built one of its datasets
+    if hf is not None and isinstance(value, hf.Dataset):
+        return
+    if isinstance(value, Dataset) and size(value) is not None:
+        return
+    what = "a torch Dataset without __len__" if isinstance(value, Dataset) else f"a {type(value).__name__}"
+    hint = " (one split of it, e.g. ds['train'])" if isinstance(value, Mapping) else ""
+    raise UserError(f"{where} is {what}; ddplab takes {ACCEPTED}{hint}")
 
 
 def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
@@ -113,28 +195,48 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
     return model
 
 
+def _said(exc: BaseException) -> str:
+    """An exception's type and first line; where it has no text (an AttributeError raised bare), the
+    line of code that raised it."""
+    text = first_line(exc, 160)
+    if not text and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"no message, raised at {frame.filename}:{frame.lineno}: {frame.line}"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _text_hint(items: list) -> str:
+    """A collator that pads token ids fails on a text column left beside them."""
+    texts = sorted({k for item in items if isinstance(item, Mapping) for k, v in item.items() if isinstance(v, str)})
+    return f" (the items hold text fields {texts}: remove them, e.g. ds.remove_columns({texts}))" if texts else ""
+
+
 def check_output(model: torch.nn.Module, data: Data) -> None:
     """One forward pass on two training samples: an output the task cannot score, or a loss that
     is not a finite scalar tensor, fails here rather than in every worker's first step."""
-    items = [data.train[i] for i in range(min(2, len(data.train)))]
+    train = data.train
+    items = list(islice(train, 2)) if is_stream(train) else [train[i] for i in range(min(2, len(train)))]
     for item in items:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise UserError(f"data: a dataset item must be (inputs, target), got {type(item).__name__}"
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 or isinstance(item, Mapping)):
+            raise UserError(f"data: a dataset item must be (inputs, target) or a dict holding its target "
+                            f"('labels' or 'label'), got {type(item).__name__}"
                             f"{' of length ' + str(len(item)) if isinstance(item, (tuple, list)) else ''}")
     collate = data.collate_fn or torch.utils.data.default_collate
     try:
-        inputs, target = collate(items)
+        batch = collate(items)
     except Exception as exc:  # noqa: BLE001 - the user's data: say what broke, in one line
-        raise UserError(f"data: two items do not collate into a batch ({type(exc).__name__}: "
-                        f"{first_line(exc, 160)}); give Data(collate_fn=...)") from None
+        raise UserError(f"data: two items do not collate into a batch ({_said(exc)}); give Data(collate_fn=...)"
+                        f"{_text_hint(items)}") from None
+    inputs, target, _ = data.task.unpack(batch)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             output = call_model(model, inputs)
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"model: a forward pass on a batch of {len(target)} failed ({type(exc).__name__}: "
-                        f"{first_line(exc, 160)})") from None
+        given = (f"keywords {sorted(map(str, inputs))}" if isinstance(inputs, Mapping)
+                 else f"a {type(inputs).__name__}")
+        raise UserError(f"model: a forward pass on a batch of {len(target)} ({given}) failed ({_said(exc)})") from None
     finally:
         model.train(was_training)
     task = data.task

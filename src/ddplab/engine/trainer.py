@@ -16,21 +16,20 @@ import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import torch
 
 from ddplab.config import Config, batch_arithmetic, keep_global_batch
 from ddplab.config_io import parse_duration
-from ddplab.data.sampler import ResumableDistributedSampler
+from ddplab.data.stream import size
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import BEST, PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
 from ddplab.engine.clock import timed
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
-from ddplab.engine.loaders import Loaders
+from ddplab.engine.loaders import Loaders, TrainFeed
 from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
@@ -80,17 +79,16 @@ class Trainer:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
-        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, ctx.world_size, len(data.train))
+        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, ctx.world_size, size(data.train))
         self.raw = model
         self.model, self.comm = distribute(model, cfg, ctx)
         self.lr = scaled_lr(t.lr, t.lr_scaling, ctx.world_size)
         self.optimizer = build_optimizer(self.raw, t, self.lr, ctx.device)
         self.autocast = autocast(t.amp, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
-        self.sampler = ResumableDistributedSampler(data.train, ctx.world_size, ctx.rank, shuffle=True,
-                                                   seed=cfg.experiment.seed)
         self.loaders = Loaders(cfg, ctx, data.collate_fn)
-        self.train_loader = None  # made in fit(), after the callbacks' on_train_start
+        self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log)
+        self.sampler = self.feed.sampler  # None for a stream
         self.scheduler = Schedule(self.optimizer, t, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
@@ -120,6 +118,7 @@ class Trainer:
         parts.add("scheduler", self.scheduler)
         parts.add("scaler", self.scaler)
         parts.add("trainer", self.state)
+        parts.add("data", self.feed)  # a stream's own position (map-style data: the trainer's `consumed`)
         parts.add("rng", part(rng_state, set_rng_state), PER_RANK)
         parts.add("callbacks", self.callbacks)
         for name, obj in about.items():
@@ -144,7 +143,6 @@ class Trainer:
             self.resume()
         t, s = self.cfg.training, self.state
         self.callbacks.on_train_start(self.view)
-        self.train_loader = self.loaders.train(self.data.train, self.sampler)
         self.signals.install()
         self._mark = time.perf_counter()
         try:
@@ -166,17 +164,13 @@ class Trainer:
     def train_epoch(self) -> bool:
         """Train until the epoch ends (True) or a stop is agreed (False)."""
         t, s = self.cfg.training, self.state
-        self.sampler.set_epoch(s.epoch, start=s.consumed)
-        # Worker seeds come from the loader's own generator: a function of the epoch only,
-        # so a resumed epoch hands its workers the same seeds.
-        self.train_loader.generator.manual_seed(self.cfg.experiment.seed + s.epoch)
-        batches = iter(self.train_loader)
-        left = len(self.sampler)  # samples still to come on this rank
+        batches = self.feed.epoch(s.epoch, s.consumed)
+        left = self.feed.left()  # samples still to come on this rank
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
             waited = time.perf_counter()
             self.ctx.beat.mark("data", s.step + 1)
-            micro = list(islice(batches, t.grad_accum_steps))
+            micro = self.feed.next_step(batches, t.grad_accum_steps)
             s.epoch_data_wait += time.perf_counter() - waited
             if not micro:
                 break
@@ -201,15 +195,17 @@ class Trainer:
         """One optimizer step over `micro` batches, syncing gradients only on the last."""
         s, t, n, mark = self.state, self.cfg.training, len(micro), self.ctx.beat.mark
         step = s.step + 1
-        for i, (inputs, target) in enumerate(micro):
-            inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
+        samples = 0
+        for i, batch in enumerate(micro):
+            inputs, target, n_samples = self.task.unpack(to_device(batch, self.ctx.device))
+            samples += n_samples
             with micro_step(self.model, last=i == n - 1):
                 mark("forward")
                 with self.autocast():
                     loss = self.task.loss(call_model(self.model, inputs), target)
                 mark("backward")
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
-            self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
+            self.ledger.add(loss, n_samples, self.task.tokens(inputs, target), step)
         mark("optimizer")
         if t.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
@@ -225,7 +221,7 @@ class Trainer:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.last_step_samples = sum(len(b[1]) for b in micro)
+        self.last_step_samples = samples
         s.step = step
         s.consumed += self.last_step_samples * self.ctx.world_size
 
@@ -387,11 +383,11 @@ class Trainer:
             self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
                          f"{global_batch} on {self.ctx.world_size} processes")
             t.grad_accum_steps = accum
-            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, len(self.data.train))
+            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, self.feed.size)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
-        if dataset is None or len(dataset) == 0:
+        if dataset is None or size(dataset) == 0:
             return {}
         with timed(self, "eval"):
             metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
@@ -415,7 +411,7 @@ class Trainer:
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
-        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "train_loader", "loaders", "comm", "evaluator"):
+        for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()

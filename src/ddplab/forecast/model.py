@@ -73,7 +73,7 @@ def measure(run: Run) -> Measured | None:
     return Measured(
         name=run.name, nodes=run.nodes, per_node=max(1, run.processes // run.nodes),
         batch=int(run.ddp.get("per_process", 1)), accum=int(run.ddp.get("grad_accum_steps", 1)),
-        train_samples=int(run.summary.get("dataset", {}).get("train", 0)), steps_per_epoch=steps,
+        train_samples=int(run.summary.get("dataset", {}).get("train") or 0), steps_per_epoch=steps,
         epoch_times=[r["epoch_time_s"] for r in rows], forward=per_micro("forward_time_s"),
         backward=per_micro("backward_time_s"),
         data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / (steps * len(rows)),

@@ -59,7 +59,8 @@ class RunRecorder(Callback):
         run.log(f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
                 f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
                 f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
-                f"{b['steps_per_epoch']} steps per epoch; {view.data_workers} data workers per process"
+                + (f"{b['steps_per_epoch']} steps per epoch" if b["steps_per_epoch"] else "epochs end with the stream")
+                + f"; {view.data_workers} data workers per process"
                 + "".join(f"; {change}" for change in process_state.in_effect()))  # torch's defaults, unless listed
 
     def on_log(self, view, values):
@@ -82,7 +83,7 @@ class RunRecorder(Callback):
         row["predicted_end_s"] = elapsed + eta if eta is not None else None
         run.write_epochs(view.history)
         head = f"epoch {row['epoch']}"
-        if row.get("partial"):  # a run stopped mid-epoch (max_steps, time budget): say how far it got
+        if row.get("partial") and per_epoch:  # a run stopped mid-epoch (max_steps, time budget): say how far it got
             head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"
         run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
                 + f"; elapsed {format_duration(elapsed)}" + (f", ETA {format_duration(eta)}" if eta is not None else ""))
@@ -94,7 +95,8 @@ def eta_s(view) -> float | None:
     t, elapsed = view.config.training, view.elapsed
     if view.step == 0 or elapsed <= 0:
         return None
-    total = min(view.steps_per_epoch * t.epochs, t.max_steps or float("inf"))
+    per_epoch = view.steps_per_epoch or float("inf")  # a stream: until training.max_steps
+    total = min(per_epoch * t.epochs, t.max_steps or float("inf"))
     left = max(total - view.step, 0) * elapsed / view.step
     if view.time_budget_s is not None:
         left = min(left, max(view.time_budget_s - elapsed, 0.0))

@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from ddplab.data.stream import size
 from ddplab.engine.comm import comm_summary
 from ddplab.engine.sharding import fsdp_units, state_bytes
 
@@ -44,9 +45,10 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
     flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
     return {
         "status": status, "stop_reason": view.stop_reason, "config": cfg.to_dict(), "workload": workload or {},
-        "dataset": {"name": cfg.data.name, "task": data.task.describe()["kind"], "train": len(data.train),
-                    "val": len(data.val) if data.val is not None else 0,
-                    "test": len(data.test) if data.test is not None else 0,
+        # None: a stream that does not know its length
+        "dataset": {"name": cfg.data.name, "task": data.task.describe()["kind"], "train": size(data.train),
+                    "val": size(data.val) if data.val is not None else 0,
+                    "test": size(data.test) if data.test is not None else 0,
                     "num_classes": data.num_classes, "vocab_size": data.vocab_size},
         "model": {"name": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
                   "flops_per_token": flops},
