@@ -84,6 +84,15 @@ class ModelConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    monitor: Optional[str] = _f(None, "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
+                                      "stops improving; null: no early stopping")
+    mode: str = _f("min", "min: lower is better; max: higher is better", choices=("min", "max"))
+    patience: int = _f(3, "whole epochs without improvement before the run stops", positive=True)
+    min_delta: float = _f(0.0, "an improvement is a change by more than this", min=0.0)
+
+
+@dataclass
 class TrainingConfig:
     epochs: int = _f(2, "passes over the training set", positive=True)
     max_steps: Optional[int] = _f(None, "stop after this many optimizer steps", positive=True)
@@ -92,11 +101,17 @@ class TrainingConfig:
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step", positive=True)
     lr: float = _f(3e-3, "peak learning rate (before lr_scaling)", positive=True)
     min_lr_ratio: float = _f(0.1, "final learning rate as a share of the peak (cosine, linear)", min=0.0)
-    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
+    optimizer: str = _f("adamw", "adamw, sgd, any torch.optim class (RMSprop, Adagrad, ...) or your own "
+                                 "file.py:function / package.module:function of (cfg, model) -> optimizer")
+    optimizer_options: dict = _f({}, "keyword arguments of the optimizer (training.optimizer_options.KEY=VALUE; "
+                                     "your function's cfg.options)")
     momentum: float = _f(0.9, "SGD momentum", min=0.0)
     weight_decay: float = _f(0.01, "decoupled weight decay", min=0.0)
     warmup_steps: int = _f(50, "linear warm-up steps", min=0)
-    schedule: str = _f("cosine", "learning-rate schedule after warm-up", choices=("cosine", "linear", "constant"))
+    schedule: str = _f("cosine", "learning-rate schedule after warm-up: cosine, linear, constant, or your own "
+                                "file.py:function / package.module:function of (cfg, optimizer, total_steps) -> "
+                                "LR scheduler (no warm-up added)")
+    schedule_options: dict = _f({}, "free-form values for your own schedule function (its cfg.options)")
     lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
     clip_grad_norm: Optional[float] = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
     amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
@@ -106,6 +121,7 @@ class TrainingConfig:
                                     "on for convolutional models on CUDA", choices=("auto", "true", "false"))
     eval_every: Optional[int] = _f(None, "also evaluate every N optimizer steps", positive=True)
     nonfinite: str = _f("stop", "on a non-finite loss on any rank: stop or skip the step", choices=("stop", "skip"))
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     keep_host_memory: bool = _f(True, "glibc keeps freed host memory for the next step instead of returning it to "
                                       "the OS (no page faults per step on CPU; Linux)")
 

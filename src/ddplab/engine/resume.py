@@ -39,7 +39,7 @@ class TrainState:
     epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
     history: list = field(default_factory=list)  # one dict per epoch
     steps: list = field(default_factory=list)  # one dict per log interval
-    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted
+    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted | a callback's request
     resumes: int = 0  # how many times this run was resumed from a snapshot
     snapshot_stalls: list = field(default_factory=list)  # {step, stall_s, async}: training held by each snapshot
 
@@ -134,7 +134,8 @@ class Resumable:
         where, sd = found
         self.load_state_dict(sd, where)
         s = self.state
-        s.stop_reason = None
+        if s.stop_reason in ("epochs", "max_steps", "time_budget", "preempted"):  # the loop checks these again
+            s.stop_reason = None  # a callback's request stays: the run ended there
         s.resumes += 1
         self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
                      f"epoch, {s.elapsed:.1f} s already spent)")

@@ -5,9 +5,9 @@ It steps, accumulates, evaluates and stops; everything else (rows' extra columns
 console, progress) hangs on callbacks (engine/callbacks.py), which see a read-only TrainView.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
 
-Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1), so
-they all snapshot the same step; state_dict() / load_state_dict() (engine/resume.py) are the
-whole contract of a resume.
+Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1, a callback's
+view.request_stop), so they all snapshot the same step; state_dict() / load_state_dict()
+(engine/resume.py) are the whole contract of a resume.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ddplab.engine.clock import timed
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders
-from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
+from ddplab.engine.optim import build_optimizer, build_schedule, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.resume import Resumable, TrainState
 from ddplab.engine.run_folder import RunFolder
@@ -52,14 +52,14 @@ class Trainer(Resumable):
         self.raw = model
         self.model, self.comm = distribute(model, cfg, ctx)
         self.lr = scaled_lr(t.lr, t.lr_scaling, ctx.world_size)
-        self.optimizer = build_optimizer(self.raw, t, self.lr, ctx.device)
+        self.optimizer = build_optimizer(cfg, ctx, self.raw, self.lr)
         self.autocast = autocast(t.amp, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
         self.sampler = ResumableDistributedSampler(data.train, ctx.world_size, ctx.rank, shuffle=True,
                                                    seed=cfg.experiment.seed)
         self.loaders = Loaders(cfg, ctx, data.collate_fn)
         self.train_loader = None  # made in fit(), after the callbacks' on_train_start
-        self.scheduler = Schedule(self.optimizer, t, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
+        self.scheduler = build_schedule(cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last)
@@ -71,6 +71,9 @@ class Trainer(Resumable):
         self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
         self.activity = "train"  # train | eval | snapshot: what the loop is doing now
+        self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
+        self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
+        self.improved = False  # the last epoch-end evaluation set a new best
         self._resumed = False
         self._mark = time.perf_counter()
 
@@ -84,7 +87,9 @@ class Trainer(Resumable):
         self.signals.install()
         self._mark = time.perf_counter()
         try:
-            if t.max_steps and s.step >= t.max_steps:
+            if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
+                self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
+            elif t.max_steps and s.step >= t.max_steps:
                 s.stop_reason = "max_steps"
             while s.epoch < t.epochs and s.stop_reason is None:
                 if self.train_epoch():
@@ -108,6 +113,7 @@ class Trainer(Resumable):
         self.train_loader.generator.manual_seed(self.cfg.experiment.seed + s.epoch)
         batches = iter(self.train_loader)
         left = len(self.sampler)  # samples still to come on this rank
+        self.in_epoch = True
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
             waited = time.perf_counter()
@@ -170,14 +176,18 @@ class Trainer(Resumable):
         return self.ctx.all_reduce(flag, "max").item() == 0
 
     def log_interval(self) -> None:
-        """Reduce the train loss since the last log: the only host sync of the loop."""
+        """Reduce the train loss since the last log: the only host sync of the loop. Whether any rank's
+        callback asked to stop rides along in the same reduction."""
         s = self.state
         sums, first_bad = self.ledger.totals()
         bad = self.ctx.all_reduce(first_bad, "min").item()
         if math.isfinite(bad):
             raise UserError(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
                                 f"lower training.lr or enable training.clip_grad_norm")
-        loss_sum, samples, tokens = self.ctx.all_reduce(sums).tolist()
+        asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
+        loss_sum, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
+        if asking and s.stop_reason is None:
+            self._agree_on_request()
         if samples == 0:
             return
         s.epoch_loss_sum += loss_sum
@@ -190,10 +200,20 @@ class Trainer(Resumable):
         plan_for_budget(self.scheduler, self.ctx, s.step, s.elapsed, self.budget)
         self.callbacks.on_log(self.view, values)
 
+    def _agree_on_request(self) -> None:
+        """Some rank's callback asked to stop: every rank takes the lowest asking rank's reason (one
+        gather, once in a run)."""
+        reasons = self.ctx.gather_objects(self.stop_request)
+        rank, reason = next((r, why) for r, why in enumerate(reasons) if why is not None)
+        self.state.stop_reason = reason
+        self.run.log(f"stop requested ({reason}, by a callback on rank {rank}) after step {self.state.step}")
+
     def _should_stop(self) -> bool:
         """Agree on stopping after this step: every rank must stop at the same step, or one
         would wait forever in a collective for another."""
         s, t = self.state, self.cfg.training
+        if s.stop_reason is not None:  # a request, agreed at this step's log interval or snapshot
+            return True
         if t.max_steps and s.step >= t.max_steps:
             s.stop_reason = "max_steps"  # the same on every rank without asking
             return True
@@ -235,7 +255,7 @@ class Trainer(Resumable):
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
         self._tick()
         took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
-        row = {"epoch": s.epoch + 1, "step": s.step,
+        row = {"epoch": self.view.epoch, "step": s.step,
                "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
                **{f"val_{k}": v for k, v in val.items() if k != "samples"},
                "epoch_time_s": took, "eval_time_s": s.epoch_eval_time, "snapshot_time_s": s.epoch_snapshot_time,
@@ -246,17 +266,16 @@ class Trainer(Resumable):
         if partial:
             row["partial"] = True
         s.history.append(row)
-        self.callbacks.on_epoch_end(self.view, row)
-        improved = bool(val) and val["loss"] < s.best_val_loss
-        if improved:
-            s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
-            s.epoch += 1
+            s.epoch += 1  # whole now: its hooks and the snapshot after it see it done
+            self.in_epoch = False
+        self.callbacks.on_epoch_end(self.view, row)
+        if not partial:
             # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers. The clock runs on:
             # what follows this row (its files, the best model, the snapshot) is counted in the next epoch's.
             s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = s.epoch_time = 0.0
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
-        if self.cfg.checkpoint.save_best and (not val or improved):
+        if self.cfg.checkpoint.save_best and (not val or self.improved):
             with timed(self, "snapshot"):
                 self.checkpoints.save_best(full_state(self.raw), self.cfg, self.data, row["epoch"], s.step, val_loss=val.get("loss"))
         return row
@@ -275,6 +294,11 @@ class Trainer(Resumable):
         with timed(self, "eval"):
             metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
                                                self.autocast)
+            if self.phase == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
+                s = self.state
+                self.improved = metrics["loss"] < s.best_val_loss
+                if self.improved:
+                    s.best_val_loss, s.best_epoch = metrics["loss"], self.view.epoch
             self.callbacks.on_eval_end(self.view, split, metrics)
         return metrics
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from ddplab.engine.callbacks import Callback
+from ddplab.callbacks import Callback
 from ddplab.evaluators import per_class_scores
 import numpy as np
 

@@ -30,7 +30,7 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
     last = history[-1] if history else {}
     best_val_loss, best_epoch = view.best
     aggregates = {
-        "epochs_completed": view.epoch, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
+        "epochs_completed": view.epochs_completed, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
         # The rows' snapshots and the one after the last row (the end of training or a stop), which neither a row
         # nor train_time_s holds: train_time_s is the clock a resumed run goes on from, saved as that snapshot began.
         "snapshot_time_s": sum(r.get("snapshot_time_s") or 0.0 for r in history) + view.snapshot_time,
