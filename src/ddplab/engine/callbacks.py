@@ -119,3 +119,14 @@ class CallbackList:
             for cb in self.callbacks:
                 getattr(cb, hook)(*args, **kwargs)
         return call
+
+    def state_dict(self) -> dict:
+        """Each callback's own state_dict(), keyed by its place and class (a resume builds the same list)."""
+        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)
+                if callable(getattr(cb, "state_dict", None))}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, cb in enumerate(self.callbacks):
+            key = f"{i}:{type(cb).__name__}"
+            if key in state and callable(getattr(cb, "load_state_dict", None)):
+                cb.load_state_dict(state[key])

@@ -60,7 +60,7 @@ class Resumable:
         return {**weights, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "trainer": asdict(s), "rng": self.ctx.gather_objects(rng_state()), "world_size": self.ctx.world_size,
                 "sampler": {"seed": self.sampler.seed, "epoch": s.epoch, "consumed": s.consumed},
-                "config": self.cfg.to_dict(), "meta": self.data.meta}
+                "config": self.cfg.to_dict(), "meta": self.data.meta, "callbacks": self.callbacks.state_dict()}
 
     def load_state_dict(self, sd: dict, where: Path | None = None) -> None:
         if sd.get("sharded"):  # shards written by any world size, resharded to this one
@@ -74,6 +74,7 @@ class Resumable:
         self.scheduler.load_state_dict(sd["scheduler"])
         self.scaler.load_state_dict(sd["scaler"])
         self.state = TrainState(**sd["trainer"])
+        self.callbacks.load_state_dict(sd.get("callbacks", {}))
         self._keep_global_batch(sd)
         if sd["world_size"] == self.ctx.world_size:
             set_rng_state(sd["rng"][self.ctx.rank])
