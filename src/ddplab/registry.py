@@ -126,7 +126,7 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
             entry.call("check", cfg)
     check_decode(cfg)
     t = cfg.training
-    if t.optimizer not in ("adamw", "sgd") or t.schedule not in ("cosine", "linear", "constant"):
+    if t.optimizer not in ("adamw", "sgd") or t.optimizer_options or t.schedule not in ("cosine", "linear", "constant"):
         from ddplab.engine.optim import check_names  # imports torch: only for a name that is none of ddplab's own
         check_names(t)
     d = cfg.distributed

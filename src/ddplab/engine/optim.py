@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -62,6 +63,9 @@ def check_names(t) -> None:
     elif t.optimizer not in OPTIMIZERS and torch_optimizer(t.optimizer) is None:
         raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
                         f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function")
+    else:  # its options, tried on one parameter
+        build_optimizer(SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")),
+                        torch.nn.Linear(1, 1), t.lr)
     if is_reference(t.schedule):
         resolve(t.schedule, "training.schedule")
     elif t.schedule not in SCHEDULES:
