@@ -121,12 +121,20 @@ class CallbackList:
         return call
 
     def state_dict(self) -> dict:
-        """Each callback's own state_dict(), keyed by its place and class (a resume builds the same list)."""
-        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)
-                if callable(getattr(cb, "state_dict", None))}
+        """The state of each callback that has a state_dict(), a snapshot's part: keyed by its class name
+        and its index among callbacks of that class (`EarlyStopping.0`), so adding or removing a callback
+        of another class leaves the keys as they were."""
+        return {key: cb.state_dict() for key, cb in self._keyed() if callable(getattr(cb, "state_dict", None))}
 
     def load_state_dict(self, state: dict) -> None:
-        for i, cb in enumerate(self.callbacks):
-            key = f"{i}:{type(cb).__name__}"
+        """Each callback's own state back; one without a state in the snapshot (added since) stays as built."""
+        for key, cb in self._keyed():
             if key in state and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(state[key])
+
+    def _keyed(self):
+        seen: dict[str, int] = {}
+        for cb in self.callbacks:
+            name = type(cb).__name__
+            seen[name] = seen.get(name, -1) + 1
+            yield f"{name}.{seen[name]}", cb
