@@ -293,6 +293,35 @@ def test_a_users_optimizer_with_two_groups_and_schedule_resume_bit_identically_a
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
 
 
+def test_under_fsdp_a_users_optimizer_and_schedule_resume_exactly_after_a_sigkill(tmp_path, drift):
+    def job(spec, name):
+        args = ["train", *_own(drift, tmp_path, name), "training.batch_size=4", "distributed.strategy=fsdp",
+                "distributed.timeout=60"]
+        return subprocess.run(command(spec, args, nproc=2), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                              timeout=300)
+
+    assert_ok(job("none=0", "ref"))
+    assert job("kill_rank=1,step=7", "kill").returncode != 0
+    assert_ok(job("none=0", "kill"))
+    ref, resumed = _summary(tmp_path / "ref"), _summary(tmp_path / "kill")
+    assert resumed["aggregates"]["resumes"] == 1 and resumed["aggregates"]["steps"] == 12
+    assert [(r["step"], r["loss"], r["lr"]) for r in resumed["steps"]] == [(r["step"], r["loss"], r["lr"])
+                                                                           for r in ref["steps"]]
+
+
+def test_a_time_budget_replans_ddplabs_schedules_and_leaves_a_users_as_built():
+    from types import SimpleNamespace
+
+    from ddplab.engine.optim import plan_for_budget
+
+    one_rank = SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda t, op="sum": t)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    own = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    before = own.state_dict()
+    plan_for_budget(own, one_rank, step=10, elapsed_s=10.0, budget_s=20.0)
+    assert own.state_dict() == before
+
+
 def test_verify_passes_with_a_users_optimizer_and_schedule(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
     proc = ddplab_cli("verify", "--nproc", "2", *args, "training.max_steps=6", cwd=tmp_path)
