@@ -52,18 +52,23 @@ def model(cfg, data):
 
 
 class TwoLayers(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, normed=False):
         super().__init__()
         torch.manual_seed(0)
         self.body = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.BatchNorm1d(8) if normed else torch.nn.Dropout(0.2)
         self.head = torch.nn.Linear(8, 1)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.body(x))).squeeze(-1)
+        return self.head(self.norm(torch.tanh(self.body(x)))).squeeze(-1)
 
 
 def two_layers(cfg, data):
     return TwoLayers()
+
+
+def normed(cfg, data):
+    return TwoLayers(normed=True)
 
 
 def noisy(cfg):
@@ -322,11 +327,19 @@ def test_a_time_budget_replans_ddplabs_schedules_and_leaves_a_users_as_built():
     assert own.state_dict() == before
 
 
-def test_verify_passes_with_a_users_optimizer_and_schedule(tmp_path, drift):
+def test_verify_passes_with_a_users_optimizer_schedule_and_dropout(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
     proc = ddplab_cli("verify", "--nproc", "2", *args, "training.max_steps=6", cwd=tmp_path)
     assert_ok(proc)
-    assert "PASS" in proc.stdout
+    assert "randomness: dropout off in both runs" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_verify_names_batchnorm_when_only_it_remains(tmp_path, drift):
+    args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
+    proc = ddplab_cli("verify", "--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6",
+                      cwd=tmp_path)
+    assert "randomness: 1 BatchNorm module(s): each of the 2 processes normalises its own 8 samples" in proc.stdout
+    assert proc.returncode == 1 and "FAIL (see the randomness named above)" in proc.stdout, proc.stdout
 
 
 def test_any_torch_optimizer_by_name_with_its_options(tmp_path, drift):

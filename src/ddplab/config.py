@@ -75,6 +75,8 @@ class ModelConfig:
     ff_dim: Optional[int] = _f(None, "feed-forward width; default 4 x dim", positive=True)
     context: int = _f(64, "tokens of context (GPT block size)", positive=True)
     dropout: float = _f(0.0, "dropout probability", min=0.0)
+    dropout_off: bool = _f(False, "set p=0 in every torch.nn.Dropout module of the model, yours too (ddplab verify "
+                                  "sets it: each process draws its own dropout masks)")
     bias: bool = _f(False, "bias in linear layers and layer norms (GPT)")
     pooling: str = _f("cls", "sequence pooling of classifiers", choices=("cls", "mean"))
     patch_size: int = _f(4, "ViT patch side", positive=True)

@@ -110,7 +110,27 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
     check_output(model, data)
+    if cfg.model.dropout_off:
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                module.p = 0.0
     return model
+
+
+def stochastic_parts(model: torch.nn.Module, data: Data) -> dict:
+    """What makes an N-process run differ from one process by more than rounding, as far as it can be
+    seen: dropout modules still drawing (each rank its own masks), BatchNorm (statistics of each rank's
+    batch), random transforms on the training set (each rank's own draws)."""
+    dropout = sum(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    batchnorm = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    transforms, dataset = [], data.train
+    while dataset is not None:  # Subset / wrappers keep the dataset that holds the transform
+        transform = getattr(dataset, "transform", None)
+        for t in getattr(transform, "transforms", [transform] if transform is not None else []):
+            if type(t).__name__.startswith("Random"):
+                transforms.append(type(t).__name__)
+        dataset = getattr(dataset, "dataset", None)
+    return {"dropout_modules": int(dropout), "batchnorm_modules": batchnorm, "random_transforms": transforms}
 
 
 def check_output(model: torch.nn.Module, data: Data) -> None:

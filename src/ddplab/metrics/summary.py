@@ -7,6 +7,7 @@ import hashlib
 import torch
 
 from ddplab.engine.comm import comm_summary
+from ddplab.engine.setup import stochastic_parts
 from ddplab.engine.sharding import fsdp_units, state_bytes
 
 
@@ -49,7 +50,7 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
                     "test": len(data.test) if data.test is not None else 0,
                     "num_classes": data.num_classes, "vocab_size": data.vocab_size},
         "model": {"name": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
-                  "flops_per_token": flops},
+                  "flops_per_token": flops, "stochastic": stochastic_parts(model, data)},
         "ddp": {**view.batch, "backend": dist.backend, "launcher": dist.launch.launcher,
                 "lr": view.lr, "lr_scaling": cfg.training.lr_scaling,
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook,
