@@ -63,6 +63,16 @@ class TwoLayers(torch.nn.Module):
         return self.head(self.norm(torch.tanh(self.body(x)))).squeeze(-1)
 
 
+class Spare(TwoLayers):
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Linear(8, 8)  # never used in forward
+
+
+def spare(cfg, data):
+    return Spare()
+
+
 def two_layers(cfg, data):
     return TwoLayers()
 
@@ -363,3 +373,13 @@ def test_a_bad_optimizer_or_schedule_is_refused_in_one_line(tmp_path, drift, ove
                       "logging.progress=false", "training.optimizer=RMSprop", override, cwd=tmp_path)
     assert proc.returncode == 2 and phrase in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_unused_parameter_under_ddp_fails_in_one_line_naming_it_and_the_setting(tmp_path, drift):
+    args = [*_workload(drift, "spare", "noisy"), "training.max_steps=3", "logging.trackers=[]", "logging.progress=false",
+            "distributed.timeout=60", "experiment.name=spare"]
+    proc = ddplab_cli("train", "--nproc-per-node", "2", *args, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "parameters without a gradient (spare.weight, spare.bias): set distributed.find_unused_parameters=true" \
+        in proc.stderr, proc.stderr[-2000:]
+    assert _summary(tmp_path / "experiments" / "spare")["status"] == "failed"

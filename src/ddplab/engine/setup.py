@@ -4,11 +4,12 @@ byte is written to a run folder."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ddplab.errors import UserError, first_line
+from ddplab.errors import RunError, UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
@@ -169,3 +170,17 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
     if not torch.isfinite(loss):
         raise UserError(f"{where} returned {loss.item()} on the first two training samples; it must be finite")
 
+
+
+def unused_parameters(exc: RuntimeError, model: torch.nn.Module) -> RunError | None:
+    """DDP's error for parameters that got no gradient (its text runs to a page and names indices), as
+    one line naming them and the setting that allows them; None for any other error."""
+    text = str(exc)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    indices = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    unused = [names[int(i)] for i in indices.group(1).split() if int(i) < len(names)] if indices else []
+    shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+    return RunError(f"parameters without a gradient ({shown or 'unnamed'}): set "
+                    f"distributed.find_unused_parameters=true, or requires_grad=False on them")

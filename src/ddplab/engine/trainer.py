@@ -33,7 +33,7 @@ from ddplab.engine.optim import build_optimizer, build_schedule, plan_for_budget
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.resume import Resumable, TrainState
 from ddplab.engine.run_folder import RunFolder
-from ddplab.engine.setup import autocast, distribute
+from ddplab.engine.setup import autocast, distribute, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
@@ -147,8 +147,13 @@ class Trainer(Resumable):
             inputs, target = to_device(inputs, self.ctx.device), to_device(target, self.ctx.device)
             with micro_step(self.model, last=i == n - 1):
                 mark("forward")
-                with self.autocast():
-                    loss = self.task.loss(call_model(self.model, inputs), target)
+                try:
+                    with self.autocast():
+                        loss = self.task.loss(call_model(self.model, inputs), target)
+                except RuntimeError as exc:
+                    if (unused := unused_parameters(exc, self.raw)) is None:
+                        raise
+                    raise unused from None
                 mark("backward")
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, len(target), self.task.tokens(inputs, target), step)
