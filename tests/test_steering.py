@@ -385,6 +385,31 @@ def test_a_bad_optimizer_schedule_or_early_stopping_is_refused_in_one_line_befor
     assert phrase in err and not (tmp_path / "experiments").exists()
 
 
+def test_sync_batchnorm_without_cuda_is_refused_in_one_line_before_any_process(tmp_path, drift, monkeypatch, capfd):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.chdir(tmp_path)
+    err = _refused(["train", "--nproc-per-node", "2", *_workload(drift, "normed", "noisy"),
+                    "distributed.sync_batchnorm=true"], capfd)
+    assert "distributed.sync_batchnorm=true needs CUDA" in err and not (tmp_path / "experiments").exists()
+
+
+@pytest.mark.gpu
+def test_sync_batchnorm_converts_the_models_batchnorm_on_cuda(tmp_path, drift):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seen = []
+
+    class Look(ddplab.Callback):
+        def on_train_start(self, view):
+            seen.append(type(view.model.norm).__name__)
+
+    cfg = load_config(None, [*_workload(drift, "normed", "noisy"), "distributed.sync_batchnorm=true",
+                             "training.max_steps=2", "logging.trackers=[]", "logging.progress=false",
+                             f"experiment.output_dir={tmp_path}"])
+    assert train(cfg, callbacks=[Look()])["status"] == "complete" and seen == ["SyncBatchNorm"]
+
+
 def test_an_unused_parameter_under_ddp_fails_in_one_line_naming_it_and_the_setting(tmp_path, drift):
     args = [*_workload(drift, "spare", "noisy"), "training.max_steps=3", "logging.trackers=[]", "logging.progress=false",
             "distributed.timeout=60", "experiment.name=spare"]

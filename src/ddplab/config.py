@@ -148,6 +148,8 @@ class DistributedConfig:
     simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0)
     simulated_bandwidth_mbps: Optional[float] = _f(None, "cap on simulated link bandwidth", positive=True)
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
+    sync_batchnorm: bool = _f(False, "BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm), not each "
+                                     "process's own; CUDA only")
     strategy: str = _f("ddp", "ddp (replicas), fsdp (FSDP2: parameters, gradients and optimizer state sharded over "
                               "all processes) or hsdp (sharded within a node, replicated across nodes)",
                        choices=("ddp", "fsdp", "hsdp"))

@@ -125,6 +125,7 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
                 require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     check_decode(cfg)
+    check_sync_batchnorm(cfg)
     t = cfg.training
     if t.optimizer not in ("adamw", "sgd") or t.optimizer_options or t.schedule not in ("cosine", "linear", "constant"):
         from ddplab.engine.optim import check_names  # imports torch: only for a name that is none of ddplab's own
@@ -156,6 +157,17 @@ def check_decode(cfg: Config) -> None:
     if not torch.cuda.is_available():
         raise UserError("data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; "
                         "use data.decode=cpu")
+
+
+def check_sync_batchnorm(cfg: Config) -> None:
+    """distributed.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only."""
+    if not cfg.distributed.sync_batchnorm:
+        return
+    import torch  # only for distributed.sync_batchnorm: whether this machine has a GPU to run it on
+
+    if not torch.cuda.is_available():
+        raise UserError("distributed.sync_batchnorm=true needs CUDA (torch's SyncBatchNorm runs on GPUs only) and "
+                        "this machine has none; leave it false on CPU")
 
 
 def checked_without_torch(cfg: Config) -> bool:

@@ -114,8 +114,8 @@ def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
     if found.get("batchnorm_modules"):
         lines.append(f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
                      f"normalises its own {batch} samples, the single process all {nproc * batch}, so their batch "
-                     f"statistics differ by more than rounding; verify a model without BatchNorm (or with GroupNorm / "
-                     f"LayerNorm), or accept a larger --tolerance")
+                     f"statistics differ by more than rounding; on CUDA add distributed.sync_batchnorm=true, or verify a "
+                     f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance")
     if found.get("random_transforms"):
         lines.append(f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
                      f"each process draws its own; turn them off for verify")

@@ -26,6 +26,8 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
+    if cfg.distributed.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.distributed.strategy != "ddp":
         wrapped = shard(model, cfg, ctx)
         comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
