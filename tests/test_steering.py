@@ -134,8 +134,14 @@ def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains
     val = [row["val_loss"] for row in summary["epochs"]]
     assert len(val) == 6 and min(val) == val[2]  # best at epoch 3, stopped at 3 + patience
     assert summary["aggregates"]["best_epoch"] == 3 and summary["steps"][-1]["step"] == 6
-    # test and export use the best model: epoch 3's weights give epoch 3's loss on the same samples
+    # test and export use the best model: epoch 3's weights give epoch 3's loss on the same samples,
+    # and epoch 3's bias, 1 - 0.9^3
     assert summary["test"]["loss"] == pytest.approx(val[2], rel=1e-6)
+    from ddplab.cli import main
+    from safetensors.torch import load_file
+
+    assert main(["export", str(run)]) == 0
+    assert load_file(run / "model.safetensors")["b"].item() == pytest.approx(1 - 0.9**3, rel=1e-5)
     log = (run / "train.log").read_text()
     assert f"early stopping: epoch 6 val_loss {val[5]:.6g} is not < {val[2]:.6g}" in log and "3/3 epochs" in log
     assert "done: early_stopping;" in log
