@@ -1,25 +1,26 @@
 """A training loop users can steer: a stop asked for by a callback, early stopping whose count survives a
-SIGKILL, the hooks' timing as a contract, and any optimizer or schedule, resumed bit for bit."""
+SIGKILL, the hooks' timing as a contract, any optimizer or schedule resumed bit for bit (ddp, fsdp), a
+verify that takes dropout out and names BatchNorm, and users' models as they are (unused parameters,
+SyncBatchNorm)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import _env, assert_ok
+from conftest import ddplab as ddplab_cli
+from faults import command
 
 import ddplab
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.registry import load_config
 from ddplab.run import train
-
-from conftest import _env, assert_ok, ddplab as ddplab_cli
-from faults import command
 
 # One bias b, trained towards 1 with plain SGD, scored against targets around 0.3: b after epoch k is
 # 1 - 0.9^k (0.1, 0.19, 0.271, 0.344, ...), so the validation loss falls to epoch 3 and rises after it.
@@ -137,8 +138,9 @@ def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains
     # test and export use the best model: epoch 3's weights give epoch 3's loss on the same samples,
     # and epoch 3's bias, 1 - 0.9^3
     assert summary["test"]["loss"] == pytest.approx(val[2], rel=1e-6)
-    from ddplab.cli import main
     from safetensors.torch import load_file
+
+    from ddplab.cli import main
 
     assert main(["export", str(run)]) == 0
     assert load_file(run / "model.safetensors")["b"].item() == pytest.approx(1 - 0.9**3, rel=1e-5)
@@ -263,15 +265,14 @@ def test_what_each_hook_sees_is_the_documented_contract(tmp_path, drift):
     cfg = load_config(None, [*_workload(drift), *SGD, "data.options.samples=8", "training.epochs=2",
                              f"experiment.output_dir={tmp_path}", "experiment.name=hooks"])
     train(cfg, callbacks=[timeline])
-    # Epoch 3's loss is lower than epoch 1's: best moves with each epoch's evaluation.
-    epoch = lambda e, s0: [("on_epoch_start", e, s0, e - 1, e - 1 or None, None),  # noqa: E731
-                           ("on_step_end", e, s0 + 1, e - 1, e - 1 or None, None),
-                           ("on_log", e, s0 + 1, e - 1, e - 1 or None, None),
-                           ("on_step_end", e, s0 + 2, e - 1, e - 1 or None, None),
-                           ("on_log", e, s0 + 2, e - 1, e - 1 or None, None),
-                           ("on_eval_end", e, s0 + 2, e - 1, e, "val"),
-                           ("on_epoch_end", e, s0 + 2, e, e, False),
-                           ("on_snapshot", e, s0 + 2, e, e, None)]
+    # Epoch 2's loss is lower than epoch 1's: the best moves with each epoch's evaluation.
+    def epoch(e, s0):  # epoch e, whose first step is s0 + 1
+        before = e - 1 or None  # the best epoch before this one's evaluation
+        return [("on_epoch_start", e, s0, e - 1, before, None), ("on_step_end", e, s0 + 1, e - 1, before, None),
+                ("on_log", e, s0 + 1, e - 1, before, None), ("on_step_end", e, s0 + 2, e - 1, before, None),
+                ("on_log", e, s0 + 2, e - 1, before, None), ("on_eval_end", e, s0 + 2, e - 1, e, "val"),
+                ("on_epoch_end", e, s0 + 2, e, e, False), ("on_snapshot", e, s0 + 2, e, e, None)]
+
     assert timeline.seen == [("on_train_start", 0, 0, 0, None, None), *epoch(1, 0), *epoch(2, 2),
                              ("on_eval_end", 2, 4, 2, 2, "test"), ("on_train_end", 2, 4, 2, 2, None)]
 
