@@ -74,6 +74,10 @@ def spare(cfg, data):
     return Spare()
 
 
+def compiled(cfg, data):
+    return torch.compile(TwoLayers())
+
+
 def two_layers(cfg, data):
     return TwoLayers()
 
@@ -425,3 +429,12 @@ def test_an_unused_parameter_under_ddp_fails_in_one_line_naming_it_and_the_setti
     assert "parameters without a gradient (spare.weight, spare.bias): set distributed.find_unused_parameters=true" \
         in proc.stderr, proc.stderr[-2000:]
     assert _summary(tmp_path / "experiments" / "spare")["status"] == "failed"
+
+
+def test_a_model_returned_compiled_is_trained_and_saved_as_the_plain_module(tmp_path, drift):
+    summary = train(load_config(None, [*_workload(drift, "compiled", "noisy"), "training.max_steps=2",
+                                       "logging.trackers=[]", "logging.progress=false",
+                                       f"experiment.output_dir={tmp_path}", "experiment.name=compiled"]))
+    assert summary["status"] == "complete"
+    keys = set(_snapshot(tmp_path / "compiled")["model"])
+    assert keys == {"body.weight", "body.bias", "head.weight", "head.bias"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -112,6 +113,11 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
     model = _call(work.model, f"model.name={cfg.model.name}", build_config(cfg, "model", ctx), data)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
+    # Already torch.compile'd: the plain module is trained, checked without compiling it, and saved with its
+    # own keys (no _orig_mod.); training.compile compiles it where ddplab compiles its own (after DDP).
+    dynamo = sys.modules.get("torch._dynamo")  # imported already by whoever compiled it (slow to import for nothing)
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
     check_output(model, data)
     if cfg.model.dropout_off:
         for module in model.modules():
