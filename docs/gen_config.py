@@ -74,13 +74,23 @@ def render() -> str:
         cls = hints[section.name]
         lines += [f"## {section.name}", "", "| field | default | allowed | resume | what it does |",
                   "|---|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            dotted = f"{section.name}.{f.name}"
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{dotted}` | {_default(default)} | {_allowed(f.metadata)} | "
-                         f"{'yes' if safe(dotted) else ''} | {_cell(f.metadata.get('help', ''))} |")
+        lines += _rows(cls, section.name, safe)
         lines.append("")
     return "\n".join(lines)
+
+
+def _rows(cls, prefix: str, safe) -> list[str]:
+    """A table row per field; a section inside a section (training.early_stopping) as its dotted fields."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}.{f.name}"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            rows += _rows(type(default), dotted, safe)
+            continue
+        rows.append(f"| `{dotted}` | {_default(default)} | {_allowed(f.metadata)} | "
+                    f"{'yes' if safe(dotted) else ''} | {_cell(f.metadata.get('help', ''))} |")
+    return rows
 
 
 def main(argv: list[str]) -> int:

@@ -3,7 +3,7 @@
 The public interface for your own workloads (nothing heavy is imported until used):
 
     ddplab.Data, ddplab.Task, ddplab.Classification, ddplab.Regression, ddplab.LanguageModeling,
-    ddplab.Callback (its hooks get a read-only ddplab.TrainView),
+    ddplab.Callback (its hooks get a read-only ddplab.TrainView), ddplab.EarlyStopping,
     ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
 """
 
@@ -14,7 +14,8 @@ import importlib
 _PUBLIC = {
     "Data": "ddplab.workload", "BuildConfig": "ddplab.workload",
     "Task": "ddplab.tasks", "Classification": "ddplab.tasks", "Regression": "ddplab.tasks",
-    "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.engine.callbacks", "TrainView": "ddplab.engine.callbacks",
+    "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.callbacks", "EarlyStopping": "ddplab.callbacks",
+    "TrainView": "ddplab.engine.callbacks",
     "train": "ddplab.api", "UserError": "ddplab.errors", "ExitCode": "ddplab.errors",
 }
 __all__ = list(_PUBLIC)

@@ -75,12 +75,23 @@ class ModelConfig:
     ff_dim: Optional[int] = _f(None, "feed-forward width; default 4 x dim", positive=True)
     context: int = _f(64, "tokens of context (GPT block size)", positive=True)
     dropout: float = _f(0.0, "dropout probability", min=0.0)
+    dropout_off: bool = _f(False, "set p=0 in every torch.nn.Dropout module of the model, yours too (ddplab verify "
+                                  "sets it: each process draws its own dropout masks)")
     bias: bool = _f(False, "bias in linear layers and layer norms (GPT)")
     pooling: str = _f("cls", "sequence pooling of classifiers", choices=("cls", "mean"))
     patch_size: int = _f(4, "ViT patch side", positive=True)
     pretrained: Optional[str] = _f(None, "HF hub name or local folder (model.name=hf, vit)")
     weights: Optional[str] = _f(None, "local weights file for torchvision models")
     freeze: bool = _f(False, "freeze the pretrained encoder / feature extractor")
+
+
+@dataclass
+class EarlyStoppingConfig:
+    monitor: Optional[str] = _f(None, "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
+                                      "stops improving; null: no early stopping")
+    mode: str = _f("min", "min: lower is better; max: higher is better", choices=("min", "max"))
+    patience: int = _f(3, "whole epochs without improvement before the run stops", positive=True)
+    min_delta: float = _f(0.0, "an improvement is a change by more than this", min=0.0)
 
 
 @dataclass
@@ -92,11 +103,17 @@ class TrainingConfig:
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step", positive=True)
     lr: float = _f(3e-3, "peak learning rate (before lr_scaling)", positive=True)
     min_lr_ratio: float = _f(0.1, "final learning rate as a share of the peak (cosine, linear)", min=0.0)
-    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
+    optimizer: str = _f("adamw", "adamw, sgd, any torch.optim class (RMSprop, Adagrad, ...) or your own "
+                                 "file.py:function / package.module:function of (cfg, model) -> optimizer")
+    optimizer_options: dict = _f({}, "keyword arguments of the optimizer (training.optimizer_options.KEY=VALUE; "
+                                     "your function's cfg.options)")
     momentum: float = _f(0.9, "SGD momentum", min=0.0)
     weight_decay: float = _f(0.01, "decoupled weight decay", min=0.0)
     warmup_steps: int = _f(50, "linear warm-up steps", min=0)
-    schedule: str = _f("cosine", "learning-rate schedule after warm-up", choices=("cosine", "linear", "constant"))
+    schedule: str = _f("cosine", "learning-rate schedule after warm-up: cosine, linear, constant, or your own "
+                                "file.py:function / package.module:function of (cfg, optimizer, total_steps) -> "
+                                "LR scheduler (no warm-up added)")
+    schedule_options: dict = _f({}, "free-form values for your own schedule function (its cfg.options)")
     lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
     clip_grad_norm: Optional[float] = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
     amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
@@ -109,6 +126,7 @@ class TrainingConfig:
                                     "on for convolutional models on CUDA", choices=("auto", "true", "false"))
     eval_every: Optional[int] = _f(None, "also evaluate every N optimizer steps", positive=True)
     nonfinite: str = _f("stop", "on a non-finite loss on any rank: stop or skip the step", choices=("stop", "skip"))
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     keep_host_memory: bool = _f(True, "glibc keeps freed host memory for the next step instead of returning it to "
                                       "the OS (no page faults per step on CPU; Linux)")
 
@@ -133,6 +151,8 @@ class DistributedConfig:
     simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0)
     simulated_bandwidth_mbps: Optional[float] = _f(None, "cap on simulated link bandwidth", positive=True)
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
+    sync_batchnorm: bool = _f(False, "BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm), not each "
+                                     "process's own; CUDA only")
     strategy: str = _f("ddp", "ddp (replicas), fsdp (FSDP2: parameters, gradients and optimizer state sharded over "
                               "all processes) or hsdp (sharded within a node, replicated across nodes)",
                        choices=("ddp", "fsdp", "hsdp"))

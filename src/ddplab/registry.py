@@ -125,6 +125,11 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
                 require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     check_decode(cfg)
+    check_sync_batchnorm(cfg)
+    t = cfg.training
+    if t.optimizer not in ("adamw", "sgd") or t.optimizer_options or t.schedule not in ("cosine", "linear", "constant"):
+        from ddplab.engine.optim import check_names  # imports torch: only for a name that is none of ddplab's own
+        check_names(t)
     d = cfg.distributed
     if d.strategy != "ddp" and d.comm_hook != "none":
         raise UserError(f"distributed.comm_hook={d.comm_hook} is a DDP communication hook; distributed.strategy="
@@ -152,6 +157,17 @@ def check_decode(cfg: Config) -> None:
     if not torch.cuda.is_available():
         raise UserError("data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; "
                         "use data.decode=cpu")
+
+
+def check_sync_batchnorm(cfg: Config) -> None:
+    """distributed.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only."""
+    if not cfg.distributed.sync_batchnorm:
+        return
+    import torch  # only for distributed.sync_batchnorm: whether this machine has a GPU to run it on
+
+    if not torch.cuda.is_available():
+        raise UserError("distributed.sync_batchnorm=true needs CUDA (torch's SyncBatchNorm runs on GPUs only) and "
+                        "this machine has none; leave it false on CPU")
 
 
 def checked_without_torch(cfg: Config) -> bool:
@@ -197,10 +213,10 @@ def load_config(source: str | Path | dict | Config | None = None, overrides=(), 
 def absolute_references(cfg: Config) -> None:
     """file.py:function references become absolute, so every rank, a resume, predict and generate
     import the very file this run used, whatever their working directory."""
-    for section in (cfg.model, cfg.data):
-        where, _, name = section.name.rpartition(":")
+    for section, key in ((cfg.model, "name"), (cfg.data, "name"), (cfg.training, "optimizer"), (cfg.training, "schedule")):
+        where, _, name = getattr(section, key).rpartition(":")
         if where.endswith(".py") or "/" in where:
-            section.name = f"{Path(where).expanduser().resolve()}:{name}"
+            setattr(section, key, f"{Path(where).expanduser().resolve()}:{name}")
 
 
 # ---------------------------------------------------------------------------- building

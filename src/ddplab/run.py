@@ -8,6 +8,7 @@ import time
 import yaml
 
 from ddplab import distributed, process_state
+from ddplab.callbacks import configured
 from ddplab.config import Config
 from ddplab.engine import flight_recorder
 from ddplab.engine.fingerprint import check_resume_path
@@ -73,7 +74,8 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), ClassReports(), *callbacks, RunRecorder(), trackers])
+                              callbacks=[*column_callbacks(), ClassReports(), *configured(cfg), *callbacks, RunRecorder(),
+                                         trackers])
             view = trainer.view
             trainer.resume()
             phases.mark("trainer")

@@ -2,8 +2,10 @@
 
 Both runs see the same samples in the same order (the sampler's global order is split
 rank-strided, so N ranks' batches at step k are exactly the single process's batch k),
-start from the same weights, and have dropout off. DDP should then change nothing but
-speed: the loss at every step and the final weights agree up to float rounding.
+start from the same weights, and have dropout off (every torch.nn.Dropout module, the user's
+too) and ddplab's augmentation off. DDP should then change nothing but speed: the loss at
+every step and the final weights agree up to float rounding. What randomness remains in
+view (BatchNorm, the user's random transforms) is named in the verdict with its remedy.
 
 The two runs live in `<output_dir>/verify-<digest of the config>` until they are compared:
 a pre-empted verify (exit 75) keeps them, and the same command continues where it stopped.
@@ -56,7 +58,8 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     steps = cfg.training.max_steps or 20
     digest = hashlib.sha1(json.dumps([cfg.to_dict(), nproc], sort_keys=True, default=str).encode()).hexdigest()
     work = Path(cfg.experiment.output_dir) / f"verify-{digest[:10]}"
-    forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "logging.log_every=1",
+    forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "model.dropout_off=true",
+              "logging.log_every=1",
               "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
               "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
               "data.augment=false", f"experiment.output_dir={work}", "checkpoint.resume=auto"]
@@ -79,6 +82,7 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
         loss_diff = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in common)
         wa, wb = _weights(work / "ddp"), _weights(work / "single")
         weight_diff = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+        found = json.loads((work / "single" / RunFolder.METRICS_JSON).read_text())["model"].get("stochastic", {})
     except Preempted:
         keep = True
         raise
@@ -91,5 +95,28 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     print(f"largest relative loss difference: {loss_diff:.3e} (tolerance {tolerance:g})")
     print(f"largest weight difference: {weight_diff:.3e} (tolerance {weight_tolerance:g})")
     ok = loss_diff <= tolerance and weight_diff <= weight_tolerance
-    print("PASS" if ok else "FAIL")
+    for line in _randomness(found, nproc, batch):
+        print(line)
+    print("PASS" if ok else "FAIL" + (" (see the randomness named above)" if _remaining(found) else ""))
     return ExitCode.OK if ok else ExitCode.FAILED
+
+
+def _remaining(found: dict) -> bool:
+    return bool(found.get("batchnorm_modules") or found.get("random_transforms") or found.get("dropout_modules"))
+
+
+def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
+    """The stochastic parts of the model and data the runs reported, each with what verify did or what to do."""
+    lines = ["randomness: dropout off in both runs; data.augment off"]
+    if found.get("dropout_modules"):
+        lines.append(f"randomness: {found['dropout_modules']} dropout module(s) still drawing (not torch.nn.Dropout "
+                     f"subclasses?): set their p to 0 for verify")
+    if found.get("batchnorm_modules"):
+        lines.append(f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
+                     f"normalises its own {batch} samples, the single process all {nproc * batch}, so their batch "
+                     f"statistics differ by more than rounding; on CUDA add distributed.sync_batchnorm=true, or verify a "
+                     f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance")
+    if found.get("random_transforms"):
+        lines.append(f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
+                     f"each process draws its own; turn them off for verify")
+    return lines

@@ -7,8 +7,8 @@ same hooks (`ddplab.train(callbacks=[...])`).
 
 A hook gets a read-only `TrainView` of the run (below), never the trainer itself. Hooks run on
 every rank; a hook that calls a collective must do so on all ranks, and one that writes files
-should check `view.is_main`. A callback observes: changing the model or the optimizer breaks
-exact resume.
+should check `view.is_main`. A callback observes, and steers only through `view.request_stop`:
+changing the model or the optimizer breaks exact resume.
 """
 
 from __future__ import annotations
@@ -16,33 +16,8 @@ from __future__ import annotations
 import math
 import operator
 
+from ddplab.callbacks import Callback
 from ddplab.errors import UserError
-
-
-class Callback:
-    def on_train_start(self, view) -> None:
-        """After resuming, before the first step of this attempt."""
-
-    def on_epoch_start(self, view) -> None:
-        """Before the first step of an epoch (or of its rest, after a resume)."""
-
-    def on_step_end(self, view) -> None:
-        """After each optimizer step (view.step is the step just taken)."""
-
-    def on_log(self, view, values: dict) -> None:
-        """At each log interval: the global train loss and learning rate since the last one."""
-
-    def on_eval_end(self, view, split: str, metrics: dict) -> None:
-        """After a global evaluation of `split` (val, test)."""
-
-    def on_epoch_end(self, view, row: dict) -> None:
-        """An epoch's row (also a partial one, row["partial"]): add columns here; it is then recorded."""
-
-    def on_snapshot(self, view, path) -> None:
-        """After a snapshot is complete (path: its folder on rank 0, None elsewhere)."""
-
-    def on_train_end(self, view, summary: dict) -> None:
-        """After the run, with what metrics.json holds."""
 
 
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
@@ -63,11 +38,12 @@ class TrainView:
 
     # progress
     step = _read("state.step", "Optimizer steps taken.")
-    epoch = _read("state.epoch", "Epochs completed (the one in progress is epoch + 1).")
+    epochs_completed = _read("state.epoch", "Whole epochs trained so far.")
     elapsed = _read("state.elapsed", "Seconds of training so far, across restarts.")
     resumes = _read("state.resumes", "How many times this run continued from a snapshot.")
     snapshot_stalls = _read("state.snapshot_stalls", "Each snapshot's {step, stall_s, async}: training held.", tuple)
-    stop_reason = _read("state.stop_reason", "None while training; epochs, max_steps, time_budget or preempted.")
+    stop_reason = _read("state.stop_reason", "None while training; epochs, max_steps, time_budget, preempted, or the "
+                                             "reason given to request_stop.")
     # what is trained, where
     model = _read("raw", "The module being trained, without its DDP / torch.compile wrappers.")
     optimizer = _read("optimizer", "The optimizer (its param_groups hold the current learning rate).")
@@ -95,9 +71,26 @@ class TrainView:
     steps_per_epoch = _read("batch", "Optimizer steps in a whole epoch.", operator.itemgetter("steps_per_epoch"))
 
     @property
+    def epoch(self) -> int:
+        """The epoch the run is in, or last finished, counted from 1 as metrics.csv counts them: from
+        on_epoch_start to its on_epoch_end (and the snapshot after it) the same number, the `epoch` of
+        that epoch's row. Before the first epoch of an attempt: the whole epochs already trained."""
+        return self._t.state.epoch + 1 if self._t.in_epoch else self._t.state.epoch
+
+    @property
     def best(self) -> tuple[float, int | None]:
-        """(lowest validation loss, its epoch); (inf, None) before any validation."""
+        """(lowest validation loss at an epoch's end, that epoch); (inf, None) before any. It holds an
+        epoch's evaluation from that evaluation's on_eval_end on."""
         return self._t.state.best_val_loss, self._t.state.best_epoch
+
+    def request_stop(self, reason: str) -> None:
+        """End the run, complete, with `reason` as its stop_reason (in metrics.json and the last line).
+        Any hook on any rank may ask; all ranks agree where they meet anyway (the next log interval, or
+        the snapshot after an epoch's end), then snapshot, evaluate and end. The stop is kept in the
+        snapshot: running the same command again does not train on."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise TypeError(f"request_stop: give the reason as a word or two (a string), got {reason!r}")
+        self._t.stop_request = reason.strip()
 
     @property
     def epoch_samples(self) -> int | None:

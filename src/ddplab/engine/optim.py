@@ -1,10 +1,22 @@
-"""Optimizer, learning-rate schedule and world-size scaling of the learning rate."""
+"""Optimizer, learning-rate schedule and world-size scaling of the learning rate.
+
+training.optimizer is a name of the table below (ddplab's own recipes), any torch.optim class
+(RMSprop, Adagrad, ...) or a code reference to the user's function `(cfg, model) -> optimizer`;
+training.schedule a name of ddplab's schedules or a code reference to `(cfg, optimizer,
+total_steps) -> LR scheduler`. Code references go through the workloads' one resolver. Either way
+the trainer gets an optimizer and a scheduler whose state_dict() its snapshots hold.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
+from types import SimpleNamespace
 
 import torch
+
+from ddplab.errors import UserError
+from ddplab.workload import BuildConfig, Options, is_reference, resolve
 
 
 def scaled_lr(lr: float, rule: str, world_size: int) -> float:
@@ -19,15 +31,86 @@ def adamw_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
-    if t.optimizer == "sgd":
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+def _adamw(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
     # The fused kernel: one pass over all parameters instead of a loop of small ops per tensor.
     # On CPU the optimizer step itself is about 10x faster (4 M parameters); the gain in a whole
     # step grows with the parameter count (docs/benchmarks.md: speed_defaults, overhead).
-    return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, betas=(0.9, 0.95),
-                             fused=device.type in ("cpu", "cuda"))
+    options = {"betas": (0.9, 0.95), "fused": device.type in ("cpu", "cuda"), **t.optimizer_options}
+    return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, **options)
+
+
+def _sgd(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    options = {"momentum": t.momentum, "weight_decay": t.weight_decay, **t.optimizer_options}
+    return torch.optim.SGD(params, lr=lr, **options)
+
+
+OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd}  # ddplab's recipes; every other torch.optim class by its own name
+SCHEDULES = ("cosine", "linear", "constant")  # warm-up, then these: Schedule below
+
+
+def torch_optimizer(name: str) -> type | None:
+    """The torch.optim class of that name (any case), or None."""
+    found = {n.lower(): c for n, c in vars(torch.optim).items()
+             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    return found.get(name.lower())
+
+
+def check_names(t) -> None:
+    """training.optimizer and training.schedule name something that exists (imports a code reference)."""
+    if is_reference(t.optimizer):
+        resolve(t.optimizer, "training.optimizer")
+    elif t.optimizer not in OPTIMIZERS and torch_optimizer(t.optimizer) is None:
+        raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
+                        f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function")
+    else:  # its options, tried on one parameter
+        build_optimizer(SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")),
+                        torch.nn.Linear(1, 1), t.lr)
+    if is_reference(t.schedule):
+        resolve(t.schedule, "training.schedule")
+    elif t.schedule not in SCHEDULES:
+        raise UserError(f"training.schedule: unknown schedule '{t.schedule}'; choose one of {', '.join(SCHEDULES)} "
+                        f"or your own file.py:function")
+
+
+def _call_config(cfg, ctx, options: dict) -> BuildConfig:
+    return BuildConfig(Options(options), cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
+
+
+def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The configured optimizer over `model`'s parameters at peak rate `lr` (training.lr, scaled). A user's
+    function sets its groups' rates itself; training.lr_scaling multiplies them as it would training.lr."""
+    t = cfg.training
+    if not is_reference(t.optimizer):
+        try:
+            if t.optimizer in OPTIMIZERS:
+                return OPTIMIZERS[t.optimizer](model, t, lr, ctx.device)
+            cls = torch_optimizer(t.optimizer)
+            decay = {"weight_decay": t.weight_decay} if "weight_decay" in inspect.signature(cls).parameters else {}
+            return cls([p for p in model.parameters() if p.requires_grad], lr=lr, **{**decay, **t.optimizer_options})
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"training.optimizer_options {t.optimizer_options}: training.optimizer={t.optimizer} "
+                            f"refused them ({exc})") from None
+    optimizer = resolve(t.optimizer, "training.optimizer")(_call_config(cfg, ctx, t.optimizer_options), model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"training.optimizer: {t.optimizer} returned a {type(optimizer).__name__}, "
+                        f"not a torch.optim.Optimizer")
+    for group in optimizer.param_groups:
+        group["lr"] *= lr / t.lr
+    return optimizer
+
+
+def build_schedule(cfg, ctx, optimizer: torch.optim.Optimizer, total_steps: int):
+    """ddplab's warm-up + schedule, or the user's scheduler over `total_steps` (stepped once per optimizer step)."""
+    t = cfg.training
+    if not is_reference(t.schedule):
+        return Schedule(optimizer, t, total_steps)
+    scheduler = resolve(t.schedule, "training.schedule")(_call_config(cfg, ctx, t.schedule_options), optimizer,
+                                                         total_steps)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise UserError(f"training.schedule: {t.schedule} returned a {type(scheduler).__name__}, "
+                        f"not a torch.optim.lr_scheduler scheduler")
+    return scheduler
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -91,9 +174,9 @@ def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
 
 def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:
     """At a log interval: re-estimate the steps the budget allows and plan the schedule over
-    them. Every rank takes the slowest rank's elapsed time (one all-reduce), so all ranks hold
+    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest rank's elapsed time (one all-reduce), so all ranks hold
     the same plan and the same learning rate."""
-    if budget_s is None or step <= 0 or scheduler.kind == "constant":
+    if budget_s is None or step <= 0 or not isinstance(scheduler, Schedule) or scheduler.kind == "constant":
         return
     slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()
     if slowest > 0:

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import random
+import re
 import sys
 import traceback
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ddplab.data.stream import is_stream, shards_itself, size
-from ddplab.errors import UserError, first_line
+from ddplab.errors import RunError, UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
@@ -34,6 +35,8 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
+    if cfg.distributed.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.distributed.strategy != "ddp":
         wrapped = shard(model, cfg, ctx)
         comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
@@ -191,7 +194,16 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
     model = _call(work.model, f"model.name={cfg.model.name}", build_config(cfg, "model", ctx), data)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
+    # Already torch.compile'd: the plain module is trained, checked without compiling it, and saved with its
+    # own keys (no _orig_mod.); training.compile compiles it where ddplab compiles its own (after DDP).
+    dynamo = sys.modules.get("torch._dynamo")  # imported already by whoever compiled it (slow to import for nothing)
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
     check_output(model, data)
+    if cfg.model.dropout_off:
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                module.p = 0.0
     return model
 
 
@@ -209,6 +221,22 @@ def _text_hint(items: list) -> str:
     """A collator that pads token ids fails on a text column left beside them."""
     texts = sorted({k for item in items if isinstance(item, Mapping) for k, v in item.items() if isinstance(v, str)})
     return f" (the items hold text fields {texts}: remove them, e.g. ds.remove_columns({texts}))" if texts else ""
+
+
+def stochastic_parts(model: torch.nn.Module, data: Data) -> dict:
+    """What makes an N-process run differ from one process by more than rounding, as far as it can be
+    seen: dropout modules still drawing (each rank its own masks), BatchNorm (statistics of each rank's
+    batch), random transforms on the training set (each rank's own draws)."""
+    dropout = sum(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    batchnorm = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    transforms, dataset = [], data.train
+    while dataset is not None:  # Subset / wrappers keep the dataset that holds the transform
+        transform = getattr(dataset, "transform", None)
+        for t in getattr(transform, "transforms", [transform] if transform is not None else []):
+            if type(t).__name__.startswith("Random"):
+                transforms.append(type(t).__name__)
+        dataset = getattr(dataset, "dataset", None)
+    return {"dropout_modules": int(dropout), "batchnorm_modules": batchnorm, "random_transforms": transforms}
 
 
 def check_output(model: torch.nn.Module, data: Data) -> None:
@@ -251,3 +279,17 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
     if not torch.isfinite(loss):
         raise UserError(f"{where} returned {loss.item()} on the first two training samples; it must be finite")
 
+
+
+def unused_parameters(exc: RuntimeError, model: torch.nn.Module) -> RunError | None:
+    """DDP's error for parameters that got no gradient (its text runs to a page and names indices), as
+    one line naming them and the setting that allows them; None for any other error."""
+    text = str(exc)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    indices = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    unused = [names[int(i)] for i in indices.group(1).split() if int(i) < len(names)] if indices else []
+    shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+    return RunError(f"parameters without a gradient ({shown or 'unnamed'}): set "
+                    f"distributed.find_unused_parameters=true, or requires_grad=False on them")

@@ -5,9 +5,10 @@ It steps, accumulates, evaluates and stops; everything else (rows' extra columns
 console, progress) hangs on callbacks (engine/callbacks.py), which see a read-only TrainView.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
 
-Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1), so
-they all snapshot the same step. What a resume needs is the set of stateful parts registered in
-_register_parts(), written and read by engine/checkpoint.py: nothing else saves or restores a run.
+Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1, a callback's
+view.request_stop), so they all snapshot the same step. What a resume needs is the set of stateful
+parts registered in _register_parts(), written and read by engine/checkpoint.py: nothing else saves
+or restores a run.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from ddplab.engine.clock import timed
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders, TrainFeed
-from ddplab.engine.optim import Schedule, build_optimizer, plan_for_budget, scaled_lr
+from ddplab.engine.optim import build_optimizer, build_schedule, plan_for_budget, scaled_lr
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
-from ddplab.engine.setup import autocast, distribute
+from ddplab.engine.setup import autocast, distribute, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.errors import UserError
 from ddplab.tasks import call_model, to_device
@@ -59,7 +60,7 @@ class TrainState:
     epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
     history: list = field(default_factory=list)  # one dict per epoch
     steps: list = field(default_factory=list)  # one dict per log interval
-    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted
+    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted | a callback's request
     resumes: int = 0  # how many times this run was resumed from a snapshot
     snapshot_stalls: list = field(default_factory=list)  # {step, stall_s, async}: training held by each snapshot
 
@@ -83,13 +84,13 @@ class Trainer:
         self.raw = model
         self.model, self.comm = distribute(model, cfg, ctx)
         self.lr = scaled_lr(t.lr, t.lr_scaling, ctx.world_size)
-        self.optimizer = build_optimizer(self.raw, t, self.lr, ctx.device)
+        self.optimizer = build_optimizer(cfg, ctx, self.raw, self.lr)
         self.autocast = autocast(t.amp, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
         self.loaders = Loaders(cfg, ctx, data.collate_fn)
         self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log)
         self.sampler = self.feed.sampler  # None for a stream
-        self.scheduler = Schedule(self.optimizer, t, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
+        self.scheduler = build_schedule(cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last)
@@ -103,6 +104,9 @@ class Trainer:
         self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
         self.activity = "train"  # train | eval | snapshot: what the loop is doing now
+        self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
+        self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
+        self.improved = False  # the last epoch-end evaluation set a new best
         self._resumed = False
         self._mark = time.perf_counter()
 
@@ -146,7 +150,9 @@ class Trainer:
         self.signals.install()
         self._mark = time.perf_counter()
         try:
-            if t.max_steps and s.step >= t.max_steps:
+            if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
+                self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
+            elif t.max_steps and s.step >= t.max_steps:
                 s.stop_reason = "max_steps"
             while s.epoch < t.epochs and s.stop_reason is None:
                 if self.train_epoch():
@@ -166,6 +172,7 @@ class Trainer:
         t, s = self.cfg.training, self.state
         batches = self.feed.epoch(s.epoch, s.consumed)
         left = self.feed.left()  # samples still to come on this rank
+        self.in_epoch = True
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
             waited = time.perf_counter()
@@ -201,8 +208,13 @@ class Trainer:
             samples += n_samples
             with micro_step(self.model, last=i == n - 1):
                 mark("forward")
-                with self.autocast():
-                    loss = self.task.loss(call_model(self.model, inputs), target)
+                try:
+                    with self.autocast():
+                        loss = self.task.loss(call_model(self.model, inputs), target)
+                except RuntimeError as exc:
+                    if (unused := unused_parameters(exc, self.raw)) is None:
+                        raise
+                    raise unused from None
                 mark("backward")
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, n_samples, self.task.tokens(inputs, target), step)
@@ -230,14 +242,18 @@ class Trainer:
         return self.ctx.all_reduce(flag, "max").item() == 0
 
     def log_interval(self) -> None:
-        """Reduce the train loss since the last log: the only host sync of the loop."""
+        """Reduce the train loss since the last log: the only host sync of the loop. Whether any rank's
+        callback asked to stop rides along in the same reduction."""
         s = self.state
         sums, first_bad = self.ledger.totals()
         bad = self.ctx.all_reduce(first_bad, "min").item()
         if math.isfinite(bad):
             raise UserError(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
                                 f"lower training.lr or enable training.clip_grad_norm")
-        loss_sum, samples, tokens = self.ctx.all_reduce(sums).tolist()
+        asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
+        loss_sum, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
+        if asking and s.stop_reason is None:
+            self._agree_on_request()
         if samples == 0:
             return
         s.epoch_loss_sum += loss_sum
@@ -250,10 +266,20 @@ class Trainer:
         plan_for_budget(self.scheduler, self.ctx, s.step, s.elapsed, self.budget)
         self.callbacks.on_log(self.view, values)
 
+    def _agree_on_request(self) -> None:
+        """Some rank's callback asked to stop: every rank takes the lowest asking rank's reason (one
+        gather, once in a run)."""
+        reasons = self.ctx.gather_objects(self.stop_request)
+        rank, reason = next((r, why) for r, why in enumerate(reasons) if why is not None)
+        self.state.stop_reason = reason
+        self.run.log(f"stop requested ({reason}, by a callback on rank {rank}) after step {self.state.step}")
+
     def _should_stop(self) -> bool:
         """Agree on stopping after this step: every rank must stop at the same step, or one
         would wait forever in a collective for another."""
         s, t = self.state, self.cfg.training
+        if s.stop_reason is not None:  # a request, agreed at this step's log interval or snapshot
+            return True
         if t.max_steps and s.step >= t.max_steps:
             s.stop_reason = "max_steps"  # the same on every rank without asking
             return True
@@ -295,7 +321,7 @@ class Trainer:
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
         self._tick()
         took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
-        row = {"epoch": s.epoch + 1, "step": s.step,
+        row = {"epoch": self.view.epoch, "step": s.step,
                "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
                **{f"val_{k}": v for k, v in val.items() if k != "samples"},
                "epoch_time_s": took, "eval_time_s": s.epoch_eval_time, "snapshot_time_s": s.epoch_snapshot_time,
@@ -306,17 +332,16 @@ class Trainer:
         if partial:
             row["partial"] = True
         s.history.append(row)
-        self.callbacks.on_epoch_end(self.view, row)
-        improved = bool(val) and val["loss"] < s.best_val_loss
-        if improved:
-            s.best_val_loss, s.best_epoch = val["loss"], s.epoch + 1
         if not partial:
-            s.epoch += 1
+            s.epoch += 1  # whole now: its hooks and the snapshot after it see it done
+            self.in_epoch = False
+        self.callbacks.on_epoch_end(self.view, row)
+        if not partial:
             # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers. The clock runs on:
             # what follows this row (its files, the best model, the snapshot) is counted in the next epoch's.
             s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = s.epoch_time = 0.0
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
-        if self.cfg.checkpoint.save_best and (not val or improved):
+        if self.cfg.checkpoint.save_best and (not val or self.improved):
             with timed(self, "snapshot"):
                 self.checkpoints.save(self.best_parts, self.ctx, BEST, self._about(val_loss=val.get("loss")))
         return row
@@ -369,7 +394,8 @@ class Trainer:
         if [name for name in left if name != "rng"]:
             self.run.log(f"not restored from the snapshot (absent, or per rank at another world size), left as "
                          f"built: {', '.join(name for name in left if name != 'rng')}")
-        s.stop_reason = None
+        if s.stop_reason in ("epochs", "max_steps", "time_budget", "preempted"):  # the loop checks these again
+            s.stop_reason = None  # a callback's request stays: the run ended there
         s.resumes += 1
         self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
                      f"epoch, {s.elapsed:.1f} s already spent)")
@@ -392,6 +418,11 @@ class Trainer:
         with timed(self, "eval"):
             metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
                                                self.autocast)
+            if self.phase == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
+                s = self.state
+                self.improved = metrics["loss"] < s.best_val_loss
+                if self.improved:
+                    s.best_val_loss, s.best_epoch = metrics["loss"], self.view.epoch
             self.callbacks.on_eval_end(self.view, split, metrics)
         return metrics
 

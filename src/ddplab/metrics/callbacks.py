@@ -10,7 +10,7 @@ import torch
 
 from ddplab import process_state
 from ddplab.config_io import format_duration
-from ddplab.engine.callbacks import Callback
+from ddplab.callbacks import Callback
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
 from ddplab.metrics.stragglers import Stragglers
@@ -68,7 +68,7 @@ class RunRecorder(Callback):
         if view.is_main:  # for `ddplab status`, through rank 0's heartbeat
             view.dist.beat.progress = {"elapsed_s": view.elapsed, "eta_s": eta_s(view), "at": time.time()}
         if not _bar_shown(view) and (step % (every * 10) == 0 or every == 1):
-            view.run.log(f"epoch {view.epoch + 1} step {step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
+            view.run.log(f"epoch {view.epoch} step {step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
 
     def on_eval_end(self, view, split, metrics):
         every = view.config.training.eval_every
@@ -117,7 +117,7 @@ class ProgressBar(Callback):
             return
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), console=view.run.console, transient=True)
-        self.progress.add_task(f"epoch {view.epoch + 1}", total=view.epoch_samples)
+        self.progress.add_task(f"epoch {view.epoch}", total=view.epoch_samples)
         self.progress.start()
 
     def on_step_end(self, view):
@@ -127,7 +127,7 @@ class ProgressBar(Callback):
     def on_log(self, view, values):
         if self.progress is not None:
             eta = eta_s(view)
-            self.progress.update(self.progress.task_ids[0], description=f"epoch {view.epoch + 1} "
+            self.progress.update(self.progress.task_ids[0], description=f"epoch {view.epoch} "
                                  f"loss {values['loss']:.4f} lr {values['lr']:.2e} elapsed {format_duration(view.elapsed)}"
                                  + (f" ETA {format_duration(eta)}" if eta is not None else ""))
 

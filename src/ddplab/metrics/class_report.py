@@ -8,7 +8,7 @@ import csv
 import io
 from pathlib import Path
 
-from ddplab.engine.callbacks import Callback
+from ddplab.callbacks import Callback
 from ddplab.engine.files import write_atomic
 from ddplab.evaluators import per_class_scores
 import numpy as np

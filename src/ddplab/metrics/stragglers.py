@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ddplab.engine.callbacks import Callback
+from ddplab.callbacks import Callback
 
 STREAK = 3  # log intervals in a row: one slow interval (a page fault, a GC pause) is not a straggler
 

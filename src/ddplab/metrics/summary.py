@@ -8,6 +8,7 @@ import torch
 
 from ddplab.data.stream import size
 from ddplab.engine.comm import comm_summary
+from ddplab.engine.setup import stochastic_parts
 from ddplab.engine.sharding import fsdp_units, state_bytes
 
 
@@ -31,7 +32,7 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
     last = history[-1] if history else {}
     best_val_loss, best_epoch = view.best
     aggregates = {
-        "epochs_completed": view.epoch, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
+        "epochs_completed": view.epochs_completed, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
         # The rows' snapshots and the one after the last row (the end of training or a stop), which neither a row
         # nor train_time_s holds: train_time_s is the clock a resumed run goes on from, saved as that snapshot began.
         "snapshot_time_s": sum(r.get("snapshot_time_s") or 0.0 for r in history) + view.snapshot_time,
@@ -51,7 +52,7 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
                     "test": size(data.test) if data.test is not None else 0,
                     "num_classes": data.num_classes, "vocab_size": data.vocab_size},
         "model": {"name": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
-                  "flops_per_token": flops},
+                  "flops_per_token": flops, "stochastic": stochastic_parts(model, data)},
         "ddp": {**view.batch, "backend": dist.backend, "launcher": dist.launch.launcher,
                 "lr": view.lr, "lr_scaling": cfg.training.lr_scaling,
                 "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from itertools import takewhile
 
-from ddplab.engine.callbacks import Callback
+from ddplab.callbacks import Callback
 from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import LOG_ROW_SKIP, TensorBoard, numbers, read_json
 from ddplab.trackers.mlflow_run import MLflow, finish_study

@@ -1,0 +1,108 @@
+"""What a callback is written against: the hooks, and ddplab's own steering callback, EarlyStopping.
+
+The trainer calls each hook at a fixed point, on every rank, in list order, with a read-only
+`ddplab.TrainView` of the run (engine/callbacks.py); docs/your-workload.md states what the view
+holds at each hook. A callback observes, and may ask the run to end (`view.request_stop`).
+
+A callback with `state_dict()` / `load_state_dict()` has that state saved in every snapshot and
+restored on resume, on every rank: what it counts (a best value, a patience) survives a restart.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ddplab.errors import RunError, UserError
+
+
+class Callback:
+    def on_train_start(self, view) -> None:
+        """After resuming, before the first step of this attempt."""
+
+    def on_epoch_start(self, view) -> None:
+        """Before the first step of an epoch (or of its rest, after a resume)."""
+
+    def on_step_end(self, view) -> None:
+        """After each optimizer step (view.step is the step just taken)."""
+
+    def on_log(self, view, values: dict) -> None:
+        """At each log interval: the global train loss and learning rate since the last one."""
+
+    def on_eval_end(self, view, split: str, metrics: dict) -> None:
+        """After a global evaluation of `split` (val, test)."""
+
+    def on_epoch_end(self, view, row: dict) -> None:
+        """An epoch's row (also a partial one, row["partial"]): add columns here; it is then recorded."""
+
+    def on_snapshot(self, view, path) -> None:
+        """After a snapshot is complete (path: its folder on rank 0, None elsewhere)."""
+
+    def on_train_end(self, view, summary: dict) -> None:
+        """After the run, with what metrics.json holds."""
+
+
+class EarlyStopping(Callback):
+    """End the run when `monitor` (a column of the epoch rows: val_loss, val_accuracy, ...) has not
+    improved by more than `min_delta` for `patience` epochs; `mode` says which way is better.
+
+    It decides at each whole epoch's end, from the row every rank holds alike, and asks for the stop
+    with reason "early_stopping"; the run ends complete, and its test and export use the best model
+    (checkpoint.save_best, by validation loss). Every decision is logged with the values compared.
+    """
+
+    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise UserError(f"EarlyStopping(mode={mode!r}): choose min or max")
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+            raise UserError(f"EarlyStopping(patience={patience!r}): needs an integer >= 1")
+        if not isinstance(min_delta, (int, float)) or min_delta < 0:
+            raise UserError(f"EarlyStopping(min_delta={min_delta!r}): needs a number >= 0")
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.best_epoch: int | None = None
+        self.wait = 0  # whole epochs since the last improvement
+        self.stopped_epoch: int | None = None
+
+    def _improves(self, value: float) -> bool:
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_epoch_end(self, view, row: dict) -> None:
+        if row.get("partial"):  # part of an epoch is not an epoch of patience
+            return
+        value = row.get(self.monitor)
+        if value is None:
+            columns = ", ".join(k for k, v in row.items() if isinstance(v, (int, float)) and k != "epoch")
+            raise RunError(f"EarlyStopping: epoch {row['epoch']}'s row has no {self.monitor} (no validation split?); "
+                           f"monitor one of: {columns}")
+        epoch, sign = row["epoch"], "<" if self.mode == "min" else ">"
+        bound = self.best - self.min_delta if self.mode == "min" else self.best + self.min_delta
+        if self._improves(value):
+            view.run.log(f"early stopping: epoch {epoch} {self.monitor} {value:.6g} {sign} {bound:.6g} "
+                         f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): improved")
+            self.best, self.best_epoch, self.wait = value, epoch, 0
+            return
+        self.wait += 1
+        view.run.log(f"early stopping: epoch {epoch} {self.monitor} {value:.6g} is not {sign} {bound:.6g} "
+                     f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): "
+                     f"{self.wait}/{self.patience} epochs without improvement")
+        if self.wait >= self.patience:
+            self.stopped_epoch = epoch
+            view.run.log(f"early stopping: stop after epoch {epoch}; best {self.monitor} {self.best:.6g} "
+                         f"of epoch {self.best_epoch}")
+            view.request_stop("early_stopping")
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait,
+                "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_epoch = state["best"], state["best_epoch"]
+        self.wait, self.stopped_epoch = state["wait"], state["stopped_epoch"]
+
+
+def configured(cfg) -> list[Callback]:
+    """The callbacks the config asks for: training.early_stopping.* (monitor set)."""
+    e = cfg.training.early_stopping
+    return [EarlyStopping(e.monitor, e.mode, e.patience, e.min_delta)] if e.monitor else []
