@@ -3,6 +3,9 @@ ddplab.cli only when asked for. None imports torch at its top: `ddplab status` a
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 from ddplab.errors import UserError
 
 
@@ -15,5 +18,19 @@ def split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def at_least(name: str, value: float | None, least: float = 1, note: str = "") -> None:
-    if value is not None and not value >= least:  # NaN too
-        raise UserError(f"{name} must be >= {least}{note}, got {value}")
+    """A command-line number: None (not given), or finite and at least `least`."""
+    if value is not None and not least <= value < math.inf:  # NaN too
+        raise UserError(f"{name} must be >= {least}{note} and finite, got {value}")
+
+
+def output_folder(name: str, path: str) -> None:
+    """An --output that names a folder to write into: neither it nor a folder above it may be a file."""
+    for place in (Path(path), *Path(path).parents):
+        if place.exists() and not place.is_dir():
+            raise UserError(f"{name}: {place} is a file; give a folder (one is made if missing)")
+
+
+def output_file(name: str, path: str | None) -> None:
+    """An --output that names a file to write: not a folder."""
+    if path and Path(path).is_dir():
+        raise UserError(f"{name}: {path} is a folder; give a file name in it, e.g. {Path(path) / 'out'}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddplab.commands import at_least
+from ddplab.commands import at_least, output_file
 from ddplab.errors import ExitCode, UserError
 from ddplab.engine.checkpoint import find_checkpoint, load_file
 from ddplab.inference import load_model, sample
@@ -31,6 +31,7 @@ def predict(ns) -> int:
         raise UserError("predict: give inputs on the command line or --file")
     at_least("--batch-size", ns.batch_size)
     at_least("--top-k", ns.top_k)
+    output_file("--output", ns.output)
     if ns.output:
         output_format(ns.output)  # a wrong name is refused before the model is built
     rows = predict_rows(ns.run, expand(items), ns.batch_size, ns.top_k, ns.trust_code)
@@ -46,6 +47,7 @@ def export(ns) -> int:
     shards gathered), for `model.load_state_dict(safetensors.torch.load_file(FILE))` without ddplab."""
     from safetensors.torch import save_file  # imported by this command only
 
+    output_file("--output", ns.output)
     found = find_checkpoint(ns.run)
     ckpt = load_file(found)
     run = Path(ns.run)

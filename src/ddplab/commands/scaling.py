@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.commands import at_least, split_args
+from ddplab.commands import at_least, output_folder, split_args
 from ddplab.config_io import parse_duration
 from ddplab.engine.lock import RunLock
 from ddplab.errors import ExitCode
@@ -43,6 +43,7 @@ def report(ns) -> int:
 
     budget = parse_duration(ns.budget, "--budget")
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
+    output_folder("--output", out)
     print(f"report: {make_report(ns.dirs, out, budget)}")
     return ExitCode.OK
 
@@ -55,6 +56,7 @@ def forecast(ns) -> int:
     opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook,
                    ns.strategy)
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
+    output_folder("--output", out)
     path = make_forecast(ns.dirs, out, opts)
     print(f"{path.read_text()}forecast: {path}")
     return ExitCode.OK

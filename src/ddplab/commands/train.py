@@ -90,6 +90,8 @@ def preflight(cfg) -> None:
 def verify(ns) -> int:
     """N-process DDP against one process with N x the batch (ddplab.verify)."""
     at_least("--nproc", ns.nproc)
+    at_least("--tolerance", ns.tolerance, 0)
+    at_least("--weight-tolerance", ns.weight_tolerance, 0)
     from ddplab.verify import verify as compare  # torch: never the launcher's import
     return compare(*split_args(ns.args), ns.nproc, ns.tolerance, ns.weight_tolerance)
 
