@@ -116,6 +116,11 @@ def _report(name: str, text: str) -> bool:
     return True
 
 
+def listened() -> bool:
+    """A ddplab launcher started this worker and prints what it reports (the workers stay quiet)."""
+    return bool(os.environ.get(REPORT_ENV)) and Path(os.environ[REPORT_ENV]).is_dir()
+
+
 def report_error(message: str) -> bool:
     """A worker's user error, for the launcher to print once; False when no ddplab launcher listens."""
     return _report("error", message)

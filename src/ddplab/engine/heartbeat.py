@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.engine.flight_recorder import unfinished
+from ddplab.errors import RunError, first_line
 
 _FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
 # Held while a beat is taken; a fork (DataLoader workers) waits for it: a child forked mid-beat hung a loader worker.
@@ -82,8 +83,15 @@ def where_raised(exc: BaseException) -> dict | None:
     return _place(frames[-1]) if frames else None
 
 
+def place_of(exc: BaseException) -> str:
+    """Where `exc` was raised, as FILE:LINE in FUNCTION: in a workload, the user's line."""
+    return _at(where_raised(exc))
+
+
 def gist(exc: BaseException) -> str:
     """An error in one line: a gloo timeout comes wrapped in DDP's callback errors and a C++ source path."""
+    if isinstance(exc, RunError):  # its message says what happened
+        return first_line(exc, 400)
     text = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(exc).strip())
     if "Original Traceback" in text:  # raised in a DataLoader worker: its own message, and where in the dataset
         file, line, function = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)[-1]
@@ -201,17 +209,20 @@ class Heartbeat:
         os._exit(1)
 
     # ------------------------------------------------------------------ failure
-    def fail(self, exc: BaseException) -> dict | None:
-        """This rank's training raised: dump, tell every rank, and (rank 0) write the report."""
+    def fail(self, exc: BaseException, line: str | None = None) -> dict | None:
+        """This rank's training raised: dump, tell every rank, and (rank 0) write the report. `line`: the
+        failure in one line, what the terminal shows when this rank's error is the job's."""
         with self._ending:
             if self._ended:
                 return None
             self._ended = True
-        self._dump(f"rank {self.ctx.rank} failed", exc)
+        with contextlib.suppress(OSError):  # a full disk: the report still goes to the store and the terminal
+            self._dump(f"rank {self.ctx.rank} failed", exc)
         # A rank that timed out in a collective is described as it stood while it waited there, any other by
         # where its error was raised (its main thread is here now, in the handler).
         waited, raised = self.mine is not None and self.mine["waiting"], where_raised(exc)
-        error = {"error": gist(exc), "where": raised, "beat": self.mine if waited else {**self._describe(), "where": raised}}
+        error = {"error": gist(exc), "where": raised, "line": line,
+                 "beat": self.mine if waited else {**self._describe(), "where": raised}}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         try:
@@ -238,9 +249,12 @@ class Heartbeat:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
             self._read_all()
         failure = compose(self.seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
-        self.run.log(failure["report"], echo=False)
-        self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
-        self.announce(failure["report"])
+        with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
+            self.run.log(failure["report"], echo=False)
+            self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
+        # A rank's error of known cause (or a bug, named with its place) in one line; a rank that died or
+        # stalled in the full report, which says what every other rank was doing.
+        self.announce(errors.get(failure["culprit"]["rank"], {}).get("line") or failure["report"])
         if self.store is not None:
             self.store.set(_REPORTED, "1")
         return failure

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddplab.errors import write_failed
+
 EPOCH_COLUMNS = [
     "epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_top5_accuracy", "val_precision", "val_recall",
     "val_f1", "val_perplexity", "val_mae", "val_rmse", "val_r2", "epoch_time_s", "eval_time_s", "snapshot_time_s", "elapsed_s", "samples_per_s", "tokens_per_s", "lr",
@@ -72,8 +74,11 @@ class RunFolder:
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
             tmp = self.path / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.path / name)
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self.path / name)
+            except OSError as exc:  # a full disk: one line naming the file, exit 1
+                raise write_failed(self.path / name, exc) from exc
 
     def write_json(self, name: str, obj) -> None:
         self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")

@@ -8,12 +8,13 @@ import contextlib
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ddplab.errors import UserError, first_line
+from ddplab.errors import RunError, UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
 from ddplab.engine import fsdp_comm
 from ddplab.engine.comm import install_comm_hook
+from ddplab.engine.heartbeat import place_of
 from ddplab.engine.sharding import shard
 
 
@@ -75,13 +76,14 @@ def autocast(amp: str, device: torch.device):
 
 
 def _call(fn, where: str, *args):
-    """A workload function that raises fails the start in one line naming it, not a traceback."""
+    """A workload function that raises fails the start in one line naming it and the file and line that
+    raised: its own UserError is bad input (exit 2), anything else a bug (exit 1, the traceback in logs/)."""
     try:
         return fn(*args)
-    except UserError:
+    except (UserError, RunError):
         raise
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{where} raised {type(exc).__name__}: {first_line(exc)}") from None
+        raise RunError(f"{where} raised {type(exc).__name__}: {first_line(exc)} at {place_of(exc)}") from exc
 
 
 def build_data(cfg, ctx, work: Workload) -> Data:
@@ -132,9 +134,9 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
     try:
         with torch.no_grad():
             output = call_model(model, inputs)
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"model: a forward pass on a batch of {len(target)} failed ({type(exc).__name__}: "
-                        f"{first_line(exc, 160)})") from None
+    except Exception as exc:  # noqa: BLE001 - a bug in the model's code: exit 1, its traceback in logs/
+        raise RunError(f"model: a forward pass on a batch of {len(target)} failed ({type(exc).__name__}: "
+                       f"{first_line(exc, 160)}) at {place_of(exc)}") from exc
     finally:
         model.train(was_training)
     task = data.task

@@ -35,7 +35,7 @@ from ddplab.engine.resume import Resumable, TrainState
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute
 from ddplab.engine.sharding import full_state, load_full, micro_step
-from ddplab.errors import UserError
+from ddplab.errors import RunError
 from ddplab.tasks import call_model, to_device
 
 
@@ -175,8 +175,10 @@ class Trainer(Resumable):
         sums, first_bad = self.ledger.totals()
         bad = self.ctx.all_reduce(first_bad, "min").item()
         if math.isfinite(bad):
-            raise UserError(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
-                                f"lower training.lr or enable training.clip_grad_norm")
+            raise RunError(f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
+                           f"as the train loss is logged, each logging.log_every={self.cfg.logging.log_every} steps; "
+                           f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
+                           f"training.nonfinite=skip to skip such steps")
         loss_sum, samples, tokens = self.ctx.all_reduce(sums).tolist()
         if samples == 0:
             return

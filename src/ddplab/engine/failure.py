@@ -1,0 +1,53 @@
+"""What a failure at run time is, in one line, and its record when it came before the run folder was set up.
+
+Once ddplab owns a run folder, every failure ends the same way (exit 1): a `RunError` says its cause
+as it is; bad input that only showed at run time (a `UserError` then), a full disk and a bug (named by
+the file and line that raised it) become one. A failure in training is recorded by the heartbeat
+(engine/heartbeat.py); one while the workload's data or model was built, by `record` here: the
+traceback in logs/rank<N>.log, `status: failed` and the line in metrics.json.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+from ddplab.engine.heartbeat import gist, place_of
+from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import RunError, UserError, no_space, write_failed
+
+
+def as_run_error(exc: BaseException, run_dir: Path) -> RunError:
+    """`exc`, raised once the run folder `run_dir` was in use, as the RunError the terminal shows."""
+    if isinstance(exc, RunError):
+        return exc
+    if isinstance(exc, UserError):
+        return RunError(str(exc))
+    if no_space(exc, run_dir):
+        return write_failed(getattr(exc, "filename", None) or run_dir, exc)
+    return RunError(f"{gist(exc)} at {place_of(exc)}; traceback in {Path(run_dir) / RunFolder.LOGS}")
+
+
+def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
+    """The traceback of a failure before training began in logs/rank<N>.log; rank 0 also marks the run
+    failed in metrics.json, with the line. Nothing more is tried on a full disk: the terminal has the line."""
+    try:
+        logs = Path(run_dir) / RunFolder.LOGS
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"rank{rank}.log", "a") as f:
+            f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, host {socket.gethostname()}, "
+                    f"pid {os.getpid()}: failed before training began\n")
+            f.write("".join(traceback.format_exception(exc)))
+        if rank == 0:
+            run = RunFolder(run_dir, is_main=True)
+            try:
+                run.log(f"failed: {line}", echo=False)
+                run.update_json(RunFolder.METRICS_JSON, status="failed",
+                                failure={"summary": f"job failed: {line}", "error": line, "logs": str(logs)})
+            finally:
+                run.close()
+    except (OSError, RunError):
+        pass
