@@ -207,8 +207,10 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
     outs = _wait(_srun_like(tmp_path, args, "nan_rank=1,step=5"))
     run = tmp_path / "experiments" / mode
     if mode == "stop":
-        for code, _, err in outs:  # each rank, the same step, one line, exit 2
-            assert code == 2 and err.strip().splitlines()[-1].startswith("ddplab: error: non-finite loss at step 5"), err
+        for rank, (code, _, err) in enumerate(outs):  # each rank, the same step, one line, exit 1: a run-time failure
+            assert code == 1 and err.strip().splitlines()[-1].startswith(
+                f"ddplab: failed: rank {rank}: non-finite loss at step 5"), err
+        assert _summary(run)["status"] == "failed"
         assert "epoch 1 step 6:" not in (run / "train.log").read_text()
     else:
         assert [code for code, _, _ in outs] == [0, 0], outs[0][2][-2000:]

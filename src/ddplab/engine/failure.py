@@ -17,17 +17,18 @@ from pathlib import Path
 
 from ddplab.engine.heartbeat import gist, place_of
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import RunError, UserError, no_space, write_failed
+from ddplab.errors import RunError, UserError, disk_full, no_space, write_failed
 
 
 def as_run_error(exc: BaseException, run_dir: Path) -> RunError:
     """`exc`, raised once the run folder `run_dir` was in use, as the RunError the terminal shows."""
     if isinstance(exc, RunError):
         return exc
+    if no_space(exc, run_dir):  # also behind a UserError or RuntimeError that names no cause
+        full = disk_full(exc)
+        return write_failed(full.filename if full is not None and full.filename else run_dir, exc)
     if isinstance(exc, UserError):
         return RunError(str(exc))
-    if no_space(exc, run_dir):
-        return write_failed(getattr(exc, "filename", None) or run_dir, exc)
     return RunError(f"{gist(exc)} at {place_of(exc)}; traceback in {Path(run_dir) / RunFolder.LOGS}")
 
 

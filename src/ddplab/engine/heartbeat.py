@@ -221,7 +221,7 @@ class Heartbeat:
         # A rank that timed out in a collective is described as it stood while it waited there, any other by
         # where its error was raised (its main thread is here now, in the handler).
         waited, raised = self.mine is not None and self.mine["waiting"], where_raised(exc)
-        error = {"error": gist(exc), "where": raised, "line": line,
+        error = {"error": gist(exc), "where": raised, "line": line, "known": isinstance(exc, RunError),
                  "beat": self.mine if waited else {**self._describe(), "where": raised}}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
@@ -279,8 +279,12 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     gone = [b for r, b in beats.items() if r not in errors and _gone(b)] or [
         {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}  # ended before its first beat
         for r in range(world_size) if r not in beats and r not in errors]
-    stalled = gone or sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
-                             key=lambda b: -b["still_s"])
+    # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
+    # when a peer that has not yet told its own error looks still.
+    known = sorted(r for r, e in errors.items() if e.get("known"))
+    still = sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
+                   key=lambda b: -b["still_s"])
+    stalled = [] if known else gone or still
     if stalled:
         b = stalled[0]
         culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
@@ -290,7 +294,7 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
                 f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
                 f"{b['still_s']:.0f} s): {_at(b['where'])}")
     else:
-        rank = min(errors) if errors else 0
+        rank = known[0] if known else min(errors) if errors else 0
         e, b = errors.get(rank, {}), beats.get(rank, {})
         culprit = {"rank": rank, "host": b.get("host"), "phase": b.get("phase"), "step": b.get("step"),
                    "where": e.get("where") or b.get("where"), "error": e.get("error")}

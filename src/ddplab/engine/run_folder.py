@@ -78,6 +78,7 @@ class RunFolder:
                 tmp.write_text(text)
                 os.replace(tmp, self.path / name)
             except OSError as exc:  # a full disk: one line naming the file, exit 1
+                tmp.unlink(missing_ok=True)
                 raise write_failed(self.path / name, exc) from exc
 
     def write_json(self, name: str, obj) -> None:
