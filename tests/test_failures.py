@@ -2,18 +2,21 @@
 field, exit 2), failures at run time in one line with exit 1 and `status: failed`, their cause kept in the
 run folder (errors.py). Most cases call the CLI in this process (`ddplab.cli.main`)."""
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, ddplab
+from conftest import TINY_GPT, _env, ddplab
 from ddplab.cli import main
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, write_failed
@@ -284,3 +287,47 @@ def test_under_the_launcher_a_non_finite_loss_is_one_line_exit_1(corpus, tmp_pat
     assert lines[0].startswith("ddplab: failed: rank ") and "non-finite loss at step" in lines[0]
     summary = json.loads((tmp_path / "experiments" / "nf" / "metrics.json").read_text())
     assert summary["status"] == "failed"
+
+
+def test_a_rank_stopped_with_sigstop_is_named_as_stalled(corpus, tmp_path):
+    """Rank 1 frozen (alive, not advancing, its heartbeat thread stopped with it): rank 0 warns after
+    distributed.stall_warning, and its report names rank 1, not itself, within the timeout + 10 s."""
+    timeout = 12
+    run = tmp_path / "experiments" / "stop"
+    proc = subprocess.Popen([sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", f"data.path={corpus}",
+                             *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1",
+                             f"distributed.timeout={timeout}", "distributed.stall_warning=3", "experiment.name=stop"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 180
+        while pid is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            try:
+                rank1 = json.loads((run / "heartbeat.json").read_text())["ranks"]["1"]
+            except (OSError, ValueError, KeyError):
+                continue
+            pid = rank1["pid"] if rank1["step"] >= 3 else None
+        assert pid is not None, "rank 1 never reached step 3"
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < timeout + 60:
+            summary = json.loads((run / "metrics.json").read_text())
+            if summary.get("status") == "failed":
+                break
+            time.sleep(0.5)
+        named = time.monotonic() - stopped
+        failure = summary["failure"]
+        assert failure["culprit"]["rank"] == 1 and "frozen" in failure["summary"], failure["summary"]
+        assert named < timeout + 10, named
+        assert "WARNING: rank 1" in (run / "train.log").read_text()  # the stall warning, while the job still ran
+        err = proc.communicate(timeout=120)[1]
+        assert proc.returncode == 1 and "rank 1 stalled" in err, err[-3000:]
+    finally:
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -124,12 +124,12 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
         except Exception as exc:
             if isinstance(exc, UserError) and run is None:
                 raise  # bad input, found before anything was written: one line, exit 2
-            error = failure.as_run_error(exc, run_dir)
+            error, known = failure.as_run_error(exc, run_dir)
             line = f"rank {ctx.rank}: {error}" if ctx.world_size > 1 else str(error)
             if ctx.is_distributed and not ctx.is_main and not listened():  # plain torchrun: say whose
                 print(f"ddplab: failed: {line}", file=sys.stderr, flush=True)
-            if beat is not None:
-                beat.fail(exc, f"failed: {line}")  # the report; the traceback went to logs/rank<N>.log
+            if beat is not None:  # the report; the traceback goes to logs/rank<N>.log
+                beat.fail(exc, f"failed: {line}", known)
             else:
                 failure.record(run_dir, ctx.rank, exc, line)
                 if ctx.is_distributed and ctx.is_main:

@@ -20,16 +20,17 @@ from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, UserError, disk_full, no_space, write_failed
 
 
-def as_run_error(exc: BaseException, run_dir: Path) -> RunError:
-    """`exc`, raised once the run folder `run_dir` was in use, as the RunError the terminal shows."""
+def as_run_error(exc: BaseException, run_dir: Path) -> tuple[RunError, bool]:
+    """`exc`, raised once the run folder `run_dir` was in use, as the RunError the terminal shows, and
+    whether its cause is known (False: a bug, or a collective that failed because of a peer)."""
     if isinstance(exc, RunError):
-        return exc
+        return exc, True
     if no_space(exc, run_dir):  # also behind a UserError or RuntimeError that names no cause
         full = disk_full(exc)
-        return write_failed(full.filename if full is not None and full.filename else run_dir, exc)
+        return write_failed(full.filename if full is not None and full.filename else run_dir, exc), True
     if isinstance(exc, UserError):
-        return RunError(str(exc))
-    return RunError(f"{gist(exc)} at {place_of(exc)}; traceback in {Path(run_dir) / RunFolder.LOGS}")
+        return RunError(str(exc)), True
+    return RunError(f"{gist(exc)} at {place_of(exc)}; traceback in {Path(run_dir) / RunFolder.LOGS}"), False
 
 
 def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:

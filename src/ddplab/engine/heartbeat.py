@@ -110,6 +110,21 @@ def _gone(beat: dict) -> bool:
         return True
 
 
+# A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
+# debugger, a host that stopped scheduling it). Its heartbeat thread stopped with it, so the `still_s` it
+# last published stopped growing.
+_FROZEN_AFTER = 5.0
+
+
+def frozen(beat: dict, now: float) -> dict:
+    """A rank's beat as it stands now: a frozen rank still since its last beat, and waiting for nobody
+    (it may have stopped inside a collective, but the others wait for it)."""
+    late = now - beat.get("at", now)
+    if late <= _FROZEN_AFTER:
+        return beat
+    return {**beat, "still_s": round(beat["still_s"] + late, 1), "waiting": False, "frozen": True}
+
+
 def _at(place: dict | None) -> str:
     return f"{place['file']}:{place['line']} in {place['function']}" if place else "an unknown place"
 
@@ -181,16 +196,18 @@ class Heartbeat:
                                                          "progress": b.progress})
 
     def _read_all(self) -> None:
+        now = time.time()
         for rank in range(self.ctx.world_size):
             key = f"ddplab/beat/{rank}"
             if self.store.check([key]):
-                self.seen[rank] = json.loads(self.store.get(key))
+                self.seen[rank] = frozen(json.loads(self.store.get(key)), now)
 
     def _warn(self) -> None:
         for rank, b in self.seen.items():
             if not b["waiting"] and b["still_s"] >= self.stall_warning and self._warned.get(rank) != b["ticks"]:
                 self._warned[rank] = b["ticks"]
-                self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s "
+                note = " (its heartbeat stopped too: the process is frozen)" if b.get("frozen") else ""
+                self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s{note} "
                              f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
                              + "".join(f"; rank {r} waits in {o['collective']}" for r, o in self.seen.items()
                                        if o["waiting"]))
@@ -209,9 +226,10 @@ class Heartbeat:
         os._exit(1)
 
     # ------------------------------------------------------------------ failure
-    def fail(self, exc: BaseException, line: str | None = None) -> dict | None:
+    def fail(self, exc: BaseException, line: str | None = None, known: bool = False) -> dict | None:
         """This rank's training raised: dump, tell every rank, and (rank 0) write the report. `line`: the
-        failure in one line, what the terminal shows when this rank's error is the job's."""
+        failure in one line, what the terminal shows when this rank's error is the job's; `known`: its
+        cause is known (a non-finite loss, a full disk), so this rank is the culprit, not a peer that looks still."""
         with self._ending:
             if self._ended:
                 return None
@@ -221,7 +239,7 @@ class Heartbeat:
         # A rank that timed out in a collective is described as it stood while it waited there, any other by
         # where its error was raised (its main thread is here now, in the handler).
         waited, raised = self.mine is not None and self.mine["waiting"], where_raised(exc)
-        error = {"error": gist(exc), "where": raised, "line": line, "known": isinstance(exc, RunError),
+        error = {"error": gist(exc), "where": raised, "line": line, "known": known,
                  "beat": self.mine if waited else {**self._describe(), "where": raised}}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
@@ -292,7 +310,8 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
                 f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
                 f"(host {b['host']}): {_at(b['where'])}" if gone else
                 f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
-                f"{b['still_s']:.0f} s): {_at(b['where'])}")
+                f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
+                f"): {_at(b['where'])}")
     else:
         rank = known[0] if known else min(errors) if errors else 0
         e, b = errors.get(rank, {}), beats.get(rank, {})
