@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -289,45 +290,71 @@ def test_under_the_launcher_a_non_finite_loss_is_one_line_exit_1(corpus, tmp_pat
     assert summary["status"] == "failed"
 
 
+def _job_at_step_3(corpus, tmp_path, rank: int, timeout: float) -> tuple[subprocess.Popen, int, Path]:
+    """A 2-process job under the launcher, and the PID of `rank` once it has reached step 3."""
+    run = tmp_path / "experiments" / "job"
+    proc = subprocess.Popen([sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", f"data.path={corpus}",
+                             *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1",
+                             f"distributed.timeout={timeout}", "distributed.stall_warning=3", "experiment.name=job"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        try:
+            beat = json.loads((run / "heartbeat.json").read_text())["ranks"][str(rank)]
+        except (OSError, ValueError, KeyError):
+            continue
+        if beat["step"] >= 3:
+            return proc, beat["pid"], run
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"rank {rank} never reached step 3: {proc.communicate()[1][-3000:]}")
+
+
+def _failed_within(run: Path, seconds: float) -> dict:
+    """metrics.json once it says failed (waiting `seconds` at most)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        summary = json.loads((run / "metrics.json").read_text())
+        if summary.get("status") == "failed":
+            return summary
+        time.sleep(0.5)
+    raise AssertionError(f"not failed after {seconds} s: {summary.get('status')}")
+
+
 def test_a_rank_stopped_with_sigstop_is_named_as_stalled(corpus, tmp_path):
     """Rank 1 frozen (alive, not advancing, its heartbeat thread stopped with it): rank 0 warns after
     distributed.stall_warning, and its report names rank 1, not itself, within the timeout + 10 s."""
     timeout = 12
-    run = tmp_path / "experiments" / "stop"
-    proc = subprocess.Popen([sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", f"data.path={corpus}",
-                             *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1",
-                             f"distributed.timeout={timeout}", "distributed.stall_warning=3", "experiment.name=stop"],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    pid = None
+    proc, pid, run = _job_at_step_3(corpus, tmp_path, 1, timeout)
     try:
-        deadline = time.monotonic() + 180
-        while pid is None and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-            try:
-                rank1 = json.loads((run / "heartbeat.json").read_text())["ranks"]["1"]
-            except (OSError, ValueError, KeyError):
-                continue
-            pid = rank1["pid"] if rank1["step"] >= 3 else None
-        assert pid is not None, "rank 1 never reached step 3"
         os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        while time.monotonic() - stopped < timeout + 60:
-            summary = json.loads((run / "metrics.json").read_text())
-            if summary.get("status") == "failed":
-                break
-            time.sleep(0.5)
-        named = time.monotonic() - stopped
-        failure = summary["failure"]
+        failure = _failed_within(run, timeout + 10)["failure"]
         assert failure["culprit"]["rank"] == 1 and "frozen" in failure["summary"], failure["summary"]
-        assert named < timeout + 10, named
         assert "WARNING: rank 1" in (run / "train.log").read_text()  # the stall warning, while the job still ran
         err = proc.communicate(timeout=120)[1]
         assert proc.returncode == 1 and "rank 1 stalled" in err, err[-3000:]
     finally:
-        if pid is not None:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_when_rank_0_dies_rank_1_writes_the_report(corpus, tmp_path):
+    proc, pid, run = _job_at_step_3(corpus, tmp_path, 0, 30)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        err = proc.communicate(timeout=120)[1]
+        failure = json.loads((run / "metrics.json").read_text())["failure"]
+        # Rank 1's report when it lives long enough to write it, else the launcher's from torchrun's summary.
+        died = re.compile(r"rank 0 (\(host \S+\) )?died")
+        assert failure["culprit"]["rank"] == 0 and died.search(failure["summary"]), failure
+        assert proc.returncode == 1 and died.search(err) and "Traceback" not in err, err[-3000:]
+        status = ddplab("status", str(run), cwd=tmp_path)
+        assert died.match(status.stdout.removeprefix("failed: ")), status.stdout
+    finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -12,7 +12,9 @@ Python stack into logs/rank<N>.log and raises a failure count in the store; ever
 rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
 its process, so nothing waits for torchrun's kill. Rank 0, whichever way it learns of the failure, writes
 the report: train.log, metrics.json's `failure`, the terminal; on NCCL it names the collectives each
-rank never completed, from torch's flight recorder (flight_recorder.py).
+rank never completed, from torch's flight recorder (flight_recorder.py). When rank 0 itself died, the
+first other rank to see it gone writes the report (else the launcher does, launch.py). A rank whose beat
+stops coming (SIGSTOP) is frozen: named as stalled, not the ranks that wait for it.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ import sysconfig
 import threading
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ddplab.engine.flight_recorder import unfinished
+from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, first_line
 
-_FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
+_FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
 # Held while a beat is taken; a fork (DataLoader workers) waits for it: a child forked mid-beat hung a loader worker.
 _BEATING, _fork_guard = threading.Lock(), {"registered": False}
 
@@ -257,11 +259,32 @@ class Heartbeat:
         keys = [f"{_FAILED}/{r}" for r in range(self.ctx.world_size)]
         return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
 
-    def _wait_reported(self) -> None:
+    def _wait_reported(self, patience: float = 10) -> None:
+        """Until rank 0 has written the report (`patience` seconds at most). When rank 0's process is gone,
+        the first other rank to see it writes the report instead: the torchrun agent's store outlives rank 0."""
+        deadline = time.monotonic() + patience
         try:
-            self.store.wait([_REPORTED], timedelta(seconds=10))
-        except Exception:  # rank 0 could not report: end anyway
+            while not self.store.check([_REPORTED]) and time.monotonic() < deadline:
+                if self._main_gone():
+                    if self.store.add(_REPORTER, 1) == 1:
+                        self._report_for_rank_0()
+                    return
+                time.sleep(0.2)
+        except Exception:  # the store went with rank 0 (it held it: no agent): nothing more to tell
             pass
+
+    def _main_gone(self) -> bool:
+        key = "ddplab/beat/0"
+        return bool(self.store.check([key])) and _gone(json.loads(self.store.get(key)))
+
+    def _report_for_rank_0(self) -> None:
+        """The report, written by this rank into the run folder that rank 0 kept."""
+        mine, self.run = self.run, RunFolder(self.run.path, is_main=True)
+        try:
+            self._report(self._failures())
+        finally:
+            self.run.close()
+            self.run = mine
 
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
