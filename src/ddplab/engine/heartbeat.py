@@ -274,8 +274,12 @@ class Heartbeat:
             pass
 
     def _main_gone(self) -> bool:
+        """Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes)."""
         key = "ddplab/beat/0"
-        return bool(self.store.check([key])) and _gone(json.loads(self.store.get(key)))
+        if not self.store.check([key]):
+            return False
+        beat = json.loads(self.store.get(key))
+        return _gone(beat) if beat["host"] == socket.gethostname() else time.time() - beat["at"] > 15
 
     def _report_for_rank_0(self) -> None:
         """The report, written by this rank into the run folder that rank 0 kept."""
