@@ -132,7 +132,7 @@ def _wait(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
 def test_an_exception_on_one_rank_ends_every_rank_without_a_launcher(tmp_path, data):
     (code0, _, err0), (code1, _, err1) = _wait(_srun_like(tmp_path, _args(data, "crash"), "raise_rank=1,step=3"))
     assert code0 != 0 and code1 != 0
-    assert "ddplab: rank 1 failed: RuntimeError: injected fault on rank 1 after step 3" in err1
+    assert "ddplab: failed: rank 1: RuntimeError: injected fault on rank 1 after step 3 at " in err1
     assert "job failed: rank 1 failed" in err0  # rank 0 heard of it through the heartbeat, and reported it
 
 
@@ -141,8 +141,7 @@ def test_a_hung_rank_fails_the_others_at_the_process_group_timeout(tmp_path, dat
     procs = _srun_like(tmp_path, args, "hang_rank=1,step=3")
     try:
         out, err = procs[0].communicate(timeout=240)
-        assert procs[0].returncode != 0 and "ddplab: rank 0 failed" in err
-        assert "job failed: rank 1 stalled" in err
+        assert procs[0].returncode != 0 and "job failed: rank 1 stalled" in err  # rank 0's report
         procs[1].communicate(timeout=30)  # the stuck rank's heartbeat thread ended it, its stack dumped
         assert procs[1].returncode != 0
     finally:

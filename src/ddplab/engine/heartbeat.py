@@ -297,9 +297,14 @@ class Heartbeat:
         with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
             self.run.log(failure["report"], echo=False)
             self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
-        # A rank's error of known cause (or a bug, named with its place) in one line; a rank that died or
-        # stalled in the full report, which says what every other rank was doing.
-        self.announce(errors.get(failure["culprit"]["rank"], {}).get("line") or failure["report"])
+        # A rank's error in one line: of a known cause, as its RunError says it; else (a bug) the report's first
+        # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
+        # says what every other rank was doing.
+        rank = failure["culprit"]["rank"]
+        error = errors.get(rank, {})
+        self.announce(error["line"] if error.get("known") and error.get("line") else
+                      f"{failure['summary']} (traceback in {failure['logs']}/rank{rank}.log)" if error else
+                      failure["report"])
         if self.store is not None:
             self.store.set(_REPORTED, "1")
         return failure
