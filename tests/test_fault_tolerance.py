@@ -92,7 +92,7 @@ def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
     ended = datetime.now()
     assert proc.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", proc.stderr), proc.stderr[-2000:]
-    assert "ddplab: rank 0 failed" in proc.stderr  # the survivor says why it stopped, and does not hang
+    assert "ddplab: failed: rank 0: " in proc.stderr  # the survivor says why it stopped, and does not hang
     log = (tmp_path / "experiments" / "dead" / "train.log").read_text()
     steps = [line for line in log.splitlines() if re.search(r"epoch \d+ step \d+:", line)]
     assert "step 2:" in steps[-1]  # step 3's loss is reduced after rank 1 died: rank 0 fails there

@@ -126,7 +126,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 raise  # bad input, found before anything was written: one line, exit 2
             error, known = failure.as_run_error(exc, run_dir)
             line = f"rank {ctx.rank}: {error}" if ctx.world_size > 1 else str(error)
-            if ctx.is_distributed and not ctx.is_main and not listened():  # plain torchrun: say whose
+            if ctx.is_distributed and not listened():  # plain torchrun: ranks' output interleaves, say whose, now
                 print(f"ddplab: failed: {line}", file=sys.stderr, flush=True)
             if beat is not None:  # the report; the traceback goes to logs/rank<N>.log
                 beat.fail(exc, f"failed: {line}", known)
