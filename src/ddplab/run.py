@@ -126,7 +126,9 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 raise  # bad input, found before anything was written: one line, exit 2
             error, known = failure.as_run_error(exc, run_dir)
             line = f"rank {ctx.rank}: {error}" if ctx.world_size > 1 else str(error)
-            if ctx.is_distributed and not listened():  # plain torchrun: ranks' output interleaves, say whose, now
+            # Plain torchrun: ranks' output interleaves, so each says whose, at once (what rank 0 announces
+            # below is this same line when its cause is known, or when it failed before the heartbeat began).
+            if ctx.is_distributed and not listened() and not (ctx.is_main and (known or beat is None)):
                 print(f"ddplab: failed: {line}", file=sys.stderr, flush=True)
             if beat is not None:  # the report; the traceback goes to logs/rank<N>.log
                 beat.fail(exc, f"failed: {line}", known)
