@@ -102,13 +102,18 @@ def gist(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line[:200]}"
 
 
+_PF_EXITING = 0x4  # linux/sched.h: the process is exiting (its sockets close before it turns zombie)
+
+
 def _gone(beat: dict) -> bool:
-    """On this host: the process has exited (a zombie not yet reaped counts); elsewhere: no beat for 3 s."""
+    """On this host: the process has exited or is exiting (a zombie not yet reaped counts); elsewhere: no
+    beat for 3 s."""
     if beat["host"] != socket.gethostname():
         return time.time() - beat.get("at", time.time()) > 3
     try:
-        return Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return True
 
 
