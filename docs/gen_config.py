@@ -28,7 +28,10 @@ One typed tree, loaded from YAML with `yaml.safe_load`, then `key=value` overrid
 path (`training.amp=bf16`). A value is converted to its field's type (`null` where a field may be empty,
 e.g. `training.clip_grad_norm=null`); `data.options.*` and `model.options.*` values are read as YAML (`64`,
 `[1, 2]`, `{a: 1}`). An unknown key, a wrong type or a value outside "allowed" ends with one line
-naming the field, and exit 2. `ddplab train --help` prints the same fields with their defaults.
+naming the field, and exit 2, before a lock or a run folder exists. Every number must be finite (no
+`.nan`, `.inf`, `1e400`), an integer at most 2^63 - 1, a duration at most 365 days. A YAML file must be
+UTF-8, nested at most 100 levels deep, and expand to at most 100,000 values once its anchors and aliases
+are resolved. `ddplab train --help` prints the same fields with their defaults.
 
 "Resume" marks the fields that may change when an unfinished run is continued
 (`checkpoint.resume=auto`); changing any other field asks for a new run
@@ -39,11 +42,9 @@ naming the field, and exit 2. `ddplab train --help` prints the same fields with 
 def _allowed(meta: dict) -> str:
     if meta.get("choices"):
         return " \\| ".join("null" if c is None else f"`{c}`" for c in meta["choices"])
-    if meta.get("positive"):
-        return "> 0"
-    if meta.get("min") is not None:
-        return f">= {meta['min']:g}"
-    return ""
+    low = "> 0" if meta.get("positive") else f">= {meta['min']:g}" if meta.get("min") is not None else ""
+    high = f"<= {meta['max']}" if meta.get("max") is not None else ""
+    return ", ".join(part for part in (low, high) if part)
 
 
 def _cell(text: str) -> str:

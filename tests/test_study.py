@@ -163,7 +163,7 @@ def test_a_failing_point_stops_the_study_and_keeps_the_finished_ones(tmp_path, c
                   "--name", "broken", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     message = proc.stderr.strip().splitlines()[-1]
-    assert message.startswith("ddplab: error: study stopped: point n1-path_") and "launcher.log" in message
+    assert message.startswith("ddplab: failed: study stopped: point n1-path_") and "launcher.log" in message
     assert "holds no .txt files" in proc.stderr  # the failing run's own words, from its log
     study = tmp_path / "experiments" / "broken"
     finished = [json.loads(m.read_text()) for m in study.glob("*/metrics.json")]

@@ -1,4 +1,5 @@
-"""The `ddplab` command: one line and exit 2 for bad input, never a traceback."""
+"""The `ddplab` command: one line and exit 2 for bad input, one line and exit 1 for a failure at run time
+(errors.py); never a traceback."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import importlib
 import sys
 
 from ddplab.config import describe_fields
-from ddplab.errors import ExitCode, Preempted, UserError
-from ddplab.launch import report_error
+from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.launch import report_error, report_failure
 from ddplab.registry import builtin_names
 
 
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
             print(f"ddplab: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except RunError as err:  # a failure at run time whose cause is known, recorded in the run folder
+        if not report_failure(f"failed: {err}"):
+            print(f"ddplab: failed: {err}", file=sys.stderr)
         return err.exit_code
     except Preempted as stop:  # a job this command launched saved its snapshot
         print(f"ddplab: {stop}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """One typed config tree, loaded from YAML and `key=value` overrides.
 
 Field names are public (command line, YAML files, tests, docs). Each field's `help` becomes
-`ddplab train --help` and the docs' config reference; config_io.validate checks `choices`, `min`, `positive`.
+`ddplab train --help` and the docs' config reference; config_io.validate checks `choices`, `min`, `max`,
+`positive`. Every number must also be finite, and an integer at most INT_MAX, whatever its field says.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from typing import Any, Optional
 from ddplab.errors import UserError
 
 
+# The largest integer any field takes: torch's int64. Fields with a tighter bound declare their own `max`.
+INT_MAX = 2**63 - 1
+# The longest duration a field takes (seconds): a year. Longer ones overflow timedelta or mean a typo.
+MAX_SECONDS = 365 * 86400
+
+
 def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-       positive: bool = False) -> Any:
-    meta = {"help": help, "choices": choices, "min": min, "positive": positive}
+       max: float | None = None, positive: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "positive": positive}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -26,7 +33,7 @@ def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | No
 class ExperimentConfig:
     name: Optional[str] = _f(None, "run folder name under output_dir; default <model>-<data>")
     output_dir: str = _f("experiments", "folder that holds run folders")
-    seed: int = _f(1337, "seed for weights, data order, dropout", min=0)
+    seed: int = _f(1337, "seed for weights, data order, dropout", min=0, max=2**31 - 1)  # + rank: NumPy's 32 bits
     repeats: int = _f(1, "runs of each point in `ddplab study` (same seed); --repeat overrides", positive=True)
 
 
@@ -98,16 +105,16 @@ class EarlyStoppingConfig:
 class TrainingConfig:
     epochs: int = _f(2, "passes over the training set", positive=True)
     max_steps: Optional[int] = _f(None, "stop after this many optimizer steps", positive=True)
-    time_budget: Optional[str] = _f(None, "stop after this much training time: 2h, 90m, 30s")
+    time_budget: Optional[str] = _f(None, "stop after this much training time: 2h, 90m, 30s (at most 365d)")
     batch_size: int = _f(32, "samples per process per micro-step", positive=True)
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step", positive=True)
     lr: float = _f(3e-3, "peak learning rate (before lr_scaling)", positive=True)
-    min_lr_ratio: float = _f(0.1, "final learning rate as a share of the peak (cosine, linear)", min=0.0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a share of the peak (cosine, linear)", min=0.0, max=1.0)
     optimizer: str = _f("adamw", "adamw, sgd, any torch.optim class (RMSprop, Adagrad, ...) or your own "
                                  "file.py:function / package.module:function of (cfg, model) -> optimizer")
     optimizer_options: dict = _f({}, "keyword arguments of the optimizer (training.optimizer_options.KEY=VALUE; "
                                      "your function's cfg.options)")
-    momentum: float = _f(0.9, "SGD momentum", min=0.0)
+    momentum: float = _f(0.9, "SGD momentum", min=0.0, max=1.0)
     weight_decay: float = _f(0.01, "decoupled weight decay", min=0.0)
     warmup_steps: int = _f(50, "linear warm-up steps", min=0)
     schedule: str = _f("cosine", "learning-rate schedule after warm-up: cosine, linear, constant, or your own "
@@ -144,11 +151,12 @@ class CheckpointConfig:
 @dataclass
 class DistributedConfig:
     backend: str = _f("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
-    timeout: float = _f(600.0, "seconds before a stuck collective fails the job", positive=True)
-    stall_warning: float = _f(60.0, "seconds without progress before rank 0 names the stalled rank", positive=True)
+    timeout: float = _f(600.0, "seconds before a stuck collective fails the job", positive=True, max=MAX_SECONDS)
+    stall_warning: float = _f(60.0, "seconds without progress before rank 0 names the stalled rank", positive=True,
+                              max=MAX_SECONDS)
     bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size", positive=True)
     comm_hook: str = _f("none", "DDP communication hook", choices=("none", "fp16", "bf16", "powersgd"))
-    simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0)
+    simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0, max=MAX_SECONDS * 1000)
     simulated_bandwidth_mbps: Optional[float] = _f(None, "cap on simulated link bandwidth", positive=True)
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
     sync_batchnorm: bool = _f(False, "BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm), not each "

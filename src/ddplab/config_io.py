@@ -7,6 +7,7 @@ by ddplab.registry.load_config, the loader every command uses.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from ddplab.config import Config
+from ddplab.config import INT_MAX, MAX_SECONDS, Config
 from ddplab.errors import UserError
 
 
@@ -42,16 +43,74 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise UserError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise UserError(f"config file {path} is not valid YAML{where}") from None
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
+    tree = load_yaml(text, f"config file {path}")
     if tree is None:
         return {}
     if not isinstance(tree, dict):
         raise UserError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
     return tree
+
+
+# A config is a few sections of a few keys: these bounds are far above any real one, and refuse a file
+# nested deep enough to exhaust Python's recursion (thousands of levels) or an alias bomb (a few lines of
+# anchors and aliases that expand to billions of values once anything walks the tree).
+MAX_YAML_DEPTH = 100
+MAX_YAML_NODES = 100_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with the nesting depth checked as nodes are composed."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _TooBig(f"is nested more than {MAX_YAML_DEPTH} levels deep", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+class _TooBig(yaml.YAMLError):
+    def __init__(self, what: str, mark=None) -> None:
+        super().__init__(what)
+        self.what, self.problem_mark = what, mark
+
+
+def _expanded_size(node: yaml.Node, sizes: dict) -> int:
+    """Values the tree holds once every alias is expanded: each node counted once per place it is used."""
+    if id(node) in sizes and sizes[id(node)] is None:
+        raise _TooBig("holds itself (an alias inside its own anchor)", node.start_mark)
+    if id(node) not in sizes:
+        sizes[id(node)] = None  # being counted
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        sizes[id(node)] = min(1 + sum(_expanded_size(c, sizes) for c in children), MAX_YAML_NODES + 1)
+    return sizes[id(node)]
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """YAML text (safe: plain values only) with its depth and alias expansion bounded; `what` names it in
+    the one line a bad document gets."""
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise _TooBig(f"expands to more than {MAX_YAML_NODES:,} values (YAML anchors and aliases)")
+        return loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise UserError(f"{what} {getattr(exc, 'what', 'is not valid YAML')}{where}") from None
+    finally:
+        loader.dispose()
 
 
 def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
@@ -105,10 +164,7 @@ def apply_override(cfg: Config, item: str) -> None:
 
 def _yaml_value(raw: str, dotted: str) -> Any:
     """A free-form option's value as YAML reads it: 64 -> int, [1, 2] -> list, {a: 1} -> dict."""
-    try:
-        return yaml.safe_load(raw) if raw else None
-    except yaml.YAMLError:
-        raise UserError(f"'{dotted}': {raw!r} is not a YAML value") from None
+    return load_yaml(raw, f"'{dotted}'") if raw else None
 
 
 # Null on the command line, for optional fields only: `training.amp=none` stays the choice "none".
@@ -131,13 +187,7 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
             return value if isinstance(value, bool) else text in TRUE_WORDS
         raise UserError(f"'{dotted}' must be true or false, got {value!r}")
     if hint in (int, float):
-        number = float(value) if text is not None and _NUMBER.match(text) else value
-        if isinstance(number, (int, float)) and not isinstance(number, bool):
-            if hint is float:
-                return float(number)
-            if isinstance(number, int) or number.is_integer():
-                return int(number)
-        raise UserError(f"'{dotted}' must be {'an integer' if hint is int else 'a number'}, got {value!r}")
+        return _number(value, text, hint, dotted)
     if hint is str:
         if isinstance(value, bool):  # YAML's true/false in a field of words; data.cache was a bool: true meant raw
             return ("raw" if value else "false") if dotted == "data.cache" else str(value).lower()
@@ -156,6 +206,36 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
             return dict(value)
         raise UserError(f"'{dotted}' must be a mapping of free-form options, got {value!r}")
     raise UserError(f"'{dotted}' has an unsupported type {hint}")
+
+
+def _number(value: Any, text: str | None, hint: type, dotted: str) -> int | float:
+    """A finite number of the field's type: YAML's .nan and .inf, 1e400 (read as inf) and integers past
+    INT_MAX are refused here, before anything downstream overflows or trains on them."""
+    kind = "an integer" if hint is int else "a number"
+    number = value
+    if text is not None and _NUMBER.match(text):
+        number = int(text) if hint is int and text.lstrip("+-").isdigit() else float(text)
+    if not isinstance(number, (int, float)) or isinstance(number, bool):
+        raise UserError(f"'{dotted}' must be {kind}, got {value!r}")
+    if isinstance(number, float) and not math.isfinite(number):
+        raise UserError(f"'{dotted}' must be a finite number, got {_shown(value)}")
+    if hint is float:
+        if abs(number) > 1e300:  # a YAML integer of 400 digits: float() would overflow
+            raise UserError(f"'{dotted}' must be a finite number, got {_shown(value)}")
+        return float(number)
+    if isinstance(number, float):
+        if not number.is_integer():
+            raise UserError(f"'{dotted}' must be an integer, got {value!r}")
+        number = int(number)
+    if abs(number) > INT_MAX:
+        raise UserError(f"'{dotted}' is out of range (at most {INT_MAX:.3g} in size), got {_shown(value)}")
+    return number
+
+
+def _shown(value: Any) -> str:
+    """A value for a one-line message: a 400-digit number shortened."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -205,6 +285,8 @@ def _check_fields(node: Any, prefix: str) -> None:
             raise UserError(f"'{dotted}' must be > 0, got {value}")
         if meta.get("min") is not None and value < meta["min"]:
             raise UserError(f"'{dotted}' must be >= {meta['min']}, got {value}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise UserError(f"'{dotted}' must be <= {meta['max']}, got {value}")
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -216,11 +298,13 @@ def parse_duration(text: str | None, dotted: str = "duration") -> float | None:
         return None
     match = _DURATION.match(str(text))
     if not match:
-        raise UserError(f"'{dotted}' must be a duration like 2h, 90m, 30s; got {text!r}")
+        raise UserError(f"'{dotted}' must be a duration like 2h, 90m, 30s; got {_shown(text)}")
     number, unit = float(match.group(1)), match.group(2) or "s"
     seconds = number * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
     if seconds <= 0:
-        raise UserError(f"'{dotted}' must be positive; got {text!r}")
+        raise UserError(f"'{dotted}' must be positive; got {_shown(text)}")
+    if seconds > MAX_SECONDS:  # also a 400-digit number, read as inf
+        raise UserError(f"'{dotted}' must be at most {MAX_SECONDS // 86400}d; got {_shown(text)}")
     return seconds
 
 

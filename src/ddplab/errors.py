@@ -6,6 +6,9 @@ a bug and keeps its traceback (exit 1)."""
 from __future__ import annotations
 
 import enum
+import errno
+import shutil
+from pathlib import Path
 
 
 class ExitCode(enum.IntEnum):
@@ -38,3 +41,57 @@ class Preempted(Exception):
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """An exception's first line of text ("" if it has none), for a one-line UserError about it."""
     return (str(exc).strip().splitlines() or [""])[0][:limit]
+
+
+# A write that fails with these means the disk (or the user's quota) is full.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Less than this free, a write that failed for a reason its library did not name (torch.save's zip writer
+# says "unexpected pos") failed for want of space too.
+_NEARLY_FULL = 1 << 20
+
+
+def disk_full(exc: BaseException | None) -> OSError | None:
+    """The OSError saying "no space left" in an exception or the chain of causes behind it, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def free_space(path: str | Path) -> int | None:
+    """Bytes free on the disk that holds `path` (or the nearest folder above it that exists)."""
+    for place in (Path(path), *Path(path).parents):
+        try:
+            return shutil.disk_usage(place).free
+        except OSError:
+            continue
+    return None
+
+
+def no_space(exc: BaseException, path: str | Path) -> bool:
+    """`exc` says the disk is full, or was raised while the disk that holds `path` is (nearly) full."""
+    free = free_space(path)
+    return disk_full(exc) is not None or (free is not None and free < _NEARLY_FULL)
+
+
+def write_failed(path: str | Path, exc: BaseException) -> RunError:
+    """The one line for a file ddplab could not write: "no space left on device writing <file> (<free> free)"
+    when the disk is full, else the reason. Raise it `from exc`: the traceback stays in logs/."""
+    if no_space(exc, path):
+        return RunError(f"no space left on device writing {path} ({_size(free_space(path))} free)")
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {first_line(exc)}"
+    return RunError(f"cannot write {path}: {reason}")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unknown space"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"

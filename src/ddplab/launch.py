@@ -9,8 +9,10 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
   kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
   SIGKILL of the launcher or of an agent leaves no worker behind.
 - Workers report how they ended through files in a folder the launcher names
-  (DDPLAB_REPORT_DIR): a user error is printed once, as one line, with exit 2, instead of
-  torchrun's failure summary.
+  (DDPLAB_REPORT_DIR): a user error is printed once, as one line, with exit 2, a failure at run
+  time as one line (a known cause) or the heartbeat's report, with exit 1, instead of torchrun's
+  failure summary. A job that failed with no worker left to report (rank 0 killed) is marked
+  failed in metrics.json by the launcher, with the rank torchrun saw fail first.
 
 `python -m ddplab.launch ARGS` is torchrun with the parent-death signal set (the agent).
 """
@@ -20,13 +22,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
@@ -113,6 +118,11 @@ def _report(name: str, text: str) -> bool:
     return True
 
 
+def listened() -> bool:
+    """A ddplab launcher started this worker and prints what it reports (the workers stay quiet)."""
+    return bool(os.environ.get(REPORT_ENV)) and Path(os.environ[REPORT_ENV]).is_dir()
+
+
 def report_error(message: str) -> bool:
     """A worker's user error, for the launcher to print once; False when no ddplab launcher listens."""
     return _report("error", message)
@@ -137,6 +147,7 @@ class Ended(NamedTuple):
     code: int  # ExitCode.PREEMPTED when a worker saved a snapshot, USAGE when one reported bad input
     error: str | None  # that user error, one line (USAGE), or the failure report (FAILED)
     stopped: bool  # a signal asked the job to stop
+    root_cause: tuple[int, str] | None = None  # torchrun's "Root Cause" of a failure no worker reported (rank 0 killed)
 
 
 class _Job(StopSignals):
@@ -154,6 +165,7 @@ class _Job(StopSignals):
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.received: list[int] = []  # every signal, in order
+        self.tail: deque[str] = deque(maxlen=200)  # the agents' last stderr lines (torchrun's failure summary)
         self.requested = False  # a worker received a stop signal (preemption.ASK_ENV)
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
 
@@ -167,7 +179,7 @@ class _Job(StopSignals):
                                 start_new_session=True)
         self.procs.append(proc)
         if self.log is None:
-            pump = threading.Thread(target=_pump, args=(proc.stderr, self.report), daemon=True)
+            pump = threading.Thread(target=_pump, args=(proc.stderr, self.report, self.tail), daemon=True)
             pump.start()
             self.pumps.append(pump)
 
@@ -217,11 +229,19 @@ class _Job(StopSignals):
             pump.join(timeout=10)
 
 
-def _pump(stream, report: Path) -> None:
-    """Copy the job's stderr through until a worker has reported a user error or a pre-emption:
-    what follows is torchrun's failure summary or its SignalException traceback."""
+# A log line of torchrun's agent handling a failure ("Sending process 123 closing signal SIGTERM"): what
+# follows is its failure summary and traceback, which the launcher's one line or report replaces.
+_AGENT_FAILING = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ torch/distributed/elastic/")
+
+
+def _pump(stream, report: Path, tail: deque) -> None:
+    """Copy the job's stderr through until a worker has reported (a user error, a failure, a pre-emption)
+    or torchrun's agent begins to handle a failure: what follows is its failure summary or traceback."""
+    failing = False
     for line in iter(stream.readline, b""):
-        if not any(report.glob("*-rank*")):
+        tail.append(line.decode(errors="replace"))
+        failing = failing or bool(_AGENT_FAILING.match(tail[-1]))
+        if not failing and not any(report.glob("*-rank*")):
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
     stream.close()
@@ -239,6 +259,38 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
     if stopped and agent_code:
         return ExitCode.INTERRUPTED, None  # stopped before the workers could save anything
     return (128 - agent_code if agent_code < 0 else agent_code), None  # killed by signal N: 128 + N, as a shell says
+
+
+def root_cause(lines) -> tuple[int, str] | None:
+    """torchrun's first observed failure, from its summary: (0, "rank 0 (host h) died: Signal 9 (SIGKILL)
+    received by PID 123") or (1, "rank 1 (host h) died: exit code 1")."""
+    text = "".join(lines)
+    section = text[text.find("Root Cause"):] if "Root Cause" in text else ""
+    rank, host = re.search(r"rank\s*:\s*(\d+)", section), re.search(r"host\s*:\s*(\S+)", section)
+    if rank is None:
+        return None
+    signal_ = re.search(r"traceback\s*:\s*(Signal .*)", section)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
+    said = signal_.group(1).strip() if signal_ else f"exit code {code.group(1)}" if code else "ended"
+    return int(rank.group(1)), f"rank {rank.group(1)}{f' (host {host.group(1)})' if host else ''} died: {said}"
+
+
+def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
+    """A job that failed with no worker left to report it (rank 0 killed first, then the rest by torchrun):
+    the launcher marks the run failed with what torchrun saw, so that `ddplab status` does not guess."""
+    rank, said = cause or (None, "a worker died")
+    summary = f"job failed: {said}; no rank could report (see {run_dir / 'train.log'} and {run_dir / 'logs'})"
+    path = run_dir / "metrics.json"
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads(path.read_text())
+        if record.get("status") == "running":
+            record.update(status="failed", failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"})
+            tmp = path.with_name(".metrics.json.launcher.tmp")
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, path)
+            with open(run_dir / "train.log", "a") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {summary}\n")
+    return summary
 
 
 def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path | None = None,
@@ -269,7 +321,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
         code, line = outcome(report, code, stopped := bool(job.received) or job.requested)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
-    return Ended(code, line, stopped)
+    return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
 
 
 def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwargs) -> int:
@@ -280,6 +332,8 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwarg
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
+    elif locked_run and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        print(f"ddplab: {record_unreported(Path(locked_run), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:

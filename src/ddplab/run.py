@@ -10,16 +10,16 @@ import yaml
 from ddplab import distributed, process_state
 from ddplab.callbacks import configured
 from ddplab.config import Config
-from ddplab.engine import flight_recorder
+from ddplab.engine import failure, flight_recorder
 from ddplab.engine.fingerprint import check_resume_path
-from ddplab.engine.heartbeat import Heartbeat, PeerFailed, gist
+from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.trainer import Trainer
-from ddplab.errors import ExitCode, UserError
-from ddplab.launch import report_failure, report_preempted
+from ddplab.errors import ExitCode, UserError, disk_full, write_failed
+from ddplab.launch import listened, report_failure, report_preempted
 from ddplab.metrics import env as env_info
 from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports
@@ -40,7 +40,12 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
     with process_state.changes():  # a notebook calling train() again finds its process as it was
         process_state.freeze_gc()
         process_state.tf32(cfg.training.tf32)
-        return _train(cfg, data_fn, model_fn, callbacks)
+        try:
+            return _train(cfg, data_fn, model_fn, callbacks)
+        except OSError as exc:  # a full disk anywhere (a tracker's flush at teardown too): one line, exit 1
+            if disk_full(exc) is None:
+                raise
+            raise write_failed(exc.filename or cfg.experiment.output_dir, exc) from exc
 
 
 def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
@@ -66,7 +71,8 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             phases.mark("model")
             run = RunFolder(run_dir, ctx.is_main)
             flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
-            beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, _announce).start()
+            # One process alone: its failure reaches the terminal as the exception ddplab.cli prints.
+            beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, _announce if ctx.is_distributed else _quiet).start()
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -116,13 +122,25 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
         except PeerFailed:  # told by this rank's heartbeat; rank 0 wrote the job's report
             raise SystemExit(ExitCode.FAILED) from None
         except Exception as exc:
-            if ctx.is_distributed and not isinstance(exc, UserError):  # ranks' output interleaves: say whose
-                print(f"ddplab: rank {ctx.rank} failed: {gist(exc)}", file=sys.stderr, flush=True)
-            if beat is not None and not isinstance(exc, UserError):
-                beat.fail(exc)  # the report; the traceback went to logs/rank<N>.log
-                if ctx.is_distributed:
-                    raise SystemExit(ExitCode.FAILED) from None
-            raise
+            if isinstance(exc, UserError) and run is None:
+                raise  # bad input, found before anything was written: one line, exit 2
+            error, known = failure.as_run_error(exc, run_dir)
+            line = f"rank {ctx.rank}: {error}" if ctx.world_size > 1 else str(error)
+            # Plain torchrun: ranks' output interleaves, so each says whose, at once (what rank 0 announces
+            # below is this same line when its cause is known, or when it failed before the heartbeat began).
+            if ctx.is_distributed and not listened() and not (ctx.is_main and (known or beat is None)):
+                print(f"ddplab: failed: {line}", file=sys.stderr, flush=True)
+            if beat is not None:  # the report; the traceback goes to logs/rank<N>.log
+                beat.fail(exc, f"failed: {line}", known)
+            else:
+                failure.record(run_dir, ctx.rank, exc, line)
+                if ctx.is_distributed and ctx.is_main:
+                    _announce(f"failed: {line}")
+            if ctx.is_distributed:
+                raise SystemExit(ExitCode.FAILED) from None
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             if beat is not None:
                 beat.stop()
@@ -136,6 +154,10 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
         phases.add_teardown(run_dir)
     return result
 
+
+
+def _quiet(report: str) -> None:
+    pass
 
 
 def _announce(report: str) -> None:

@@ -26,7 +26,7 @@ from ddplab.registry import load_config
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import ExitCode, Preempted, UserError
+from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.launch import log_tail, run, torchrun_command
 
 LOG_FILE = "verify.log"
@@ -38,9 +38,11 @@ def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
         raise Preempted("verify pre-empted; the same command continues it")
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
+    if ended.error and ended.code == ExitCode.FAILED and len(ended.error.splitlines()) == 1:
+        raise RunError(f"verify: the {label} run {ended.error}")  # "failed: <its cause>"
     if ended.code != 0:
         print(log_tail(work / LOG_FILE), file=sys.stderr)
-        raise UserError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
+        raise RunError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

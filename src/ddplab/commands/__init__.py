@@ -3,6 +3,7 @@ ddplab.cli only when asked for. None imports torch at its top: `ddplab status` a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ddplab.engine.run_folder import RunFolder
@@ -18,8 +19,9 @@ def split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def at_least(name: str, value: float | None, least: float = 1, note: str = "") -> None:
-    if value is not None and not value >= least:  # NaN too
-        raise UserError(f"{name} must be >= {least}{note}, got {value}")
+    """A command-line number: None (not given), or finite and at least `least`."""
+    if value is not None and not least <= value < math.inf:  # NaN too
+        raise UserError(f"{name} must be >= {least}{note} and finite, got {value}")
 
 
 def output_file(given: str | Path, force: bool, option: str = "--output") -> Path:
@@ -40,3 +42,10 @@ def output_file(given: str | Path, force: bool, option: str = "--output") -> Pat
     if run is not None:
         raise UserError(f"{option} {given}: inside the run folder {run}; write elsewhere, or pass --force")
     return path
+
+
+def output_folder(name: str, path: str) -> None:
+    """An --output that names a folder to write into: neither it nor a folder above it may be a file."""
+    for place in (Path(path), *Path(path).parents):
+        if place.exists() and not place.is_dir():
+            raise UserError(f"{name}: {place} is a file; give a folder (one is made if missing)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.commands import at_least, output_file, split_args
+from ddplab.commands import at_least, output_file, output_folder, split_args
 from ddplab.config_io import parse_duration
 from ddplab.engine.lock import RunLock
 from ddplab.errors import ExitCode, UserError
@@ -43,9 +43,10 @@ def report(ns) -> int:
 
     budget = parse_duration(ns.budget, "--budget")
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "report")
+    output_folder("--output", out)
     if ns.output:  # a folder for the report: a new one, or one whose report --force replaces
-        if Path(out).is_symlink() or Path(out).exists() and not Path(out).is_dir():
-            raise UserError(f"--output {out}: not a folder; name a folder for the report")
+        if Path(out).is_symlink():
+            raise UserError(f"--output {out}: a symbolic link; name a folder for the report")
         if Path(out).is_dir():
             output_file(Path(out) / "report.md", ns.force)
     print(f"report: {make_report(ns.dirs, out, budget)}")
@@ -60,6 +61,7 @@ def forecast(ns) -> int:
     opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook,
                    ns.strategy)
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
+    output_folder("--output", out)
     path = make_forecast(ns.dirs, out, opts)
     print(f"{path.read_text()}forecast: {path}")
     return ExitCode.OK

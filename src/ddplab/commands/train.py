@@ -12,7 +12,7 @@ from ddplab.config_io import format_duration
 from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import ExitCode, UserError
+from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.launch import die_with_parent, quick_exit, run_workers, under_agent
 from ddplab.metrics.phases import note_launch
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
@@ -42,12 +42,12 @@ def train(ns) -> int:
 
 def launch(cfg, ns) -> int:
     """Start the job's workers; the launcher owns the run folder for the whole job, restarts included."""
-    if not checked_without_torch(cfg):
-        preflight(cfg)
     lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
     if error:
         raise UserError(error)
     try:
+        if not checked_without_torch(cfg):
+            preflight(cfg, run_dir)
         check_global_batch(cfg, run_dir, ns.nproc_per_node or 1)
         if note:
             print(note, flush=True)
@@ -75,24 +75,31 @@ def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
         keep_global_batch(info["global_batch"], cfg.training.batch_size, world_size)
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, run_dir: Path) -> None:
     """For a workload without torch-free checks: build its data and model once on the CPU, so that
-    bad code fails in one line before any worker starts."""
+    bad code fails in one line before any worker starts (a bug: its traceback in the run folder's logs/)."""
     # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
     import torch
     from ddplab.distributed import DistContext, LaunchInfo
+    from ddplab.engine import failure
     from ddplab.engine.rng import seed_everything
     from ddplab.engine.setup import build_data, build_model
 
     seed_everything(cfg.experiment.seed)
     ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
     work = workload(cfg)
-    build_model(cfg, ctx, work, build_data(cfg, ctx, work))
+    try:
+        build_model(cfg, ctx, work, build_data(cfg, ctx, work))
+    except RunError as err:
+        failure.record(run_dir, 0, err, str(err))
+        raise
 
 
 def verify(ns) -> int:
     """N-process DDP against one process with N x the batch (ddplab.verify)."""
     at_least("--nproc", ns.nproc)
+    at_least("--tolerance", ns.tolerance, 0)
+    at_least("--weight-tolerance", ns.weight_tolerance, 0)
     from ddplab.verify import verify as compare  # torch: never the launcher's import
     return compare(*split_args(ns.args), ns.nproc, ns.tolerance, ns.weight_tolerance)
 

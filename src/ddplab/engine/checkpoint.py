@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ddplab.engine.files import NEW_FILE, subfolder
 from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, verify
-from ddplab.errors import RunError, UserError, first_line
+from ddplab.errors import RunError, UserError, first_line, no_space, write_failed
 
 STATE = "state.pt"
 SHARDS = "shards"
@@ -201,7 +201,7 @@ class Checkpointer:
                 if not (sharded and background):
                     self._finish(tmp, final, manifest)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
-            raise self._failed(name, exc) from None
+            raise self._failed(name, exc) from exc
         if self.is_main and sharded and background:
             self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
                                               args=(self._pending, tmp, final, manifest))
@@ -263,9 +263,13 @@ class Checkpointer:
     def _failed(self, name: str, exc: BaseException) -> RunError:
         if isinstance(exc, CheckpointException) and exc.failures:  # DCP's gathered failures: the first rank's
             exc = next(iter(exc.failures.values()))[0]
+        if self.is_main and name:
+            _remove(self.root / f".tmp-{name}")  # a full disk: its room back, so the run can record why it failed
         previous = self.latest()
-        return RunError(f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); "
-                        f"the previous complete snapshot {'(' + str(previous) + ') ' if previous else ''}is kept")
+        kept = f"the previous complete snapshot {'(' + str(previous) + ') ' if previous else ''}is kept"
+        if no_space(exc, self.root):  # "no space left on device writing <file> (<free> free)"
+            return RunError(f"{write_failed(getattr(exc, 'filename', None) or self.root / name, exc)}; {kept}")
+        return RunError(f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); {kept}")
 
     # ------------------------------------------------------------------ reading
     def newest(self, log=print) -> tuple[Path, dict, dict] | None:

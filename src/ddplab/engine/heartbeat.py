@@ -12,7 +12,9 @@ Python stack into logs/rank<N>.log and raises a failure count in the store; ever
 rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
 its rank through the main thread, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
 of the failure, writes the report: train.log, metrics.json's `failure`, the terminal; on NCCL it names the
-collectives each rank never completed, from torch's flight recorder (flight_recorder.py).
+collectives each rank never completed, from torch's flight recorder (flight_recorder.py). When rank 0
+itself died, the first other rank to see it gone writes the report (else the launcher does, launch.py).
+A rank whose beat stops coming (SIGSTOP) is frozen: named as stalled, not the ranks that wait for it.
 
 A beat that raises is reported once (train.log or stderr, its traceback in logs/rank<N>.log) and the
 beats go on, without the store when the store was what failed.
@@ -32,7 +34,6 @@ import sysconfig
 import threading
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,8 +42,10 @@ import torch.distributed as dist
 from ddplab import process_state
 from ddplab.engine.files import open_append
 from ddplab.engine.flight_recorder import unfinished
+from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import RunError, first_line
 
-_FAILED, _REPORTED = "ddplab/failed", "ddplab/reported"
+_FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
 # during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
 # forked mid-beat once hung a loader worker.
@@ -101,8 +104,15 @@ def where_raised(exc: BaseException) -> dict | None:
     return _place(frames[-1]) if frames else None
 
 
+def place_of(exc: BaseException) -> str:
+    """Where `exc` was raised, as FILE:LINE in FUNCTION: in a workload, the user's line."""
+    return _at(where_raised(exc))
+
+
 def gist(exc: BaseException) -> str:
     """An error in one line: a gloo timeout comes wrapped in DDP's callback errors and a C++ source path."""
+    if isinstance(exc, RunError):  # its message says what happened
+        return first_line(exc, 400)
     text = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(exc).strip())
     if "Original Traceback" in text:  # raised in a DataLoader worker: its own message, and where in the dataset
         file, line, function = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)[-1]
@@ -111,14 +121,34 @@ def gist(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line[:200]}"
 
 
+_PF_EXITING = 0x4  # linux/sched.h: the process is exiting (its sockets close before it turns zombie)
+
+
 def _gone(beat: dict) -> bool:
-    """On this host: the process has exited (a zombie not yet reaped counts); elsewhere: no beat for 3 s."""
+    """On this host: the process has exited or is exiting (a zombie not yet reaped counts); elsewhere: no
+    beat for 3 s."""
     if beat["host"] != socket.gethostname():
         return time.time() - beat.get("at", time.time()) > 3
     try:
-        return Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return True
+
+
+# A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
+# debugger, a host that stopped scheduling it). Its heartbeat thread stopped with it, so the `still_s` it
+# last published stopped growing.
+_FROZEN_AFTER = 5.0
+
+
+def frozen(beat: dict, now: float) -> dict:
+    """A rank's beat as it stands now: a frozen rank still since its last beat, and waiting for nobody
+    (it may have stopped inside a collective, but the others wait for it)."""
+    late = now - beat.get("at", now)
+    if late <= _FROZEN_AFTER:
+        return beat
+    return {**beat, "still_s": round(beat["still_s"] + late, 1), "waiting": False, "frozen": True}
 
 
 def _at(place: dict | None) -> str:
@@ -225,15 +255,17 @@ class Heartbeat:
                                                          "progress": self.beat.progress})
 
     def _read_all(self) -> dict[int, dict]:
-        """Every rank's last beat in the store."""
-        keys = {rank: f"ddplab/beat/{rank}" for rank in range(self.ctx.world_size)}
-        return {rank: json.loads(self.store.get(key)) for rank, key in keys.items() if self.store.check([key])}
+        """Every rank's last beat in the store, each marked frozen or not."""
+        now, keys = time.time(), {rank: f"ddplab/beat/{rank}" for rank in range(self.ctx.world_size)}
+        return {rank: frozen(json.loads(self.store.get(key)), now) for rank, key in keys.items()
+                if self.store.check([key])}
 
     def _warn(self, seen: dict[int, dict]) -> None:
         for rank, b in seen.items():
             if not b["waiting"] and b["still_s"] >= self.stall_warning and self._warned.get(rank) != b["ticks"]:
                 self._warned[rank] = b["ticks"]
-                self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s "
+                note = " (its heartbeat stopped too: the process is frozen)" if b.get("frozen") else ""
+                self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s{note} "
                              f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
                              + "".join(f"; rank {r} waits in {o['collective']}" for r, o in seen.items()
                                        if o["waiting"]))
@@ -264,20 +296,23 @@ class Heartbeat:
                     signal.pthread_kill(self._main, _END_SIGNAL)
 
     # ------------------------------------------------------------------ failure
-    def fail(self, exc: BaseException) -> dict | None:
-        """This rank's training raised: dump, tell every rank, and (rank 0) write the report."""
+    def fail(self, exc: BaseException, line: str | None = None, known: bool = False) -> dict | None:
+        """This rank's training raised: dump, tell every rank, and (rank 0) write the report. `line`: the
+        failure in one line, what the terminal shows when this rank's error is the job's; `known`: its
+        cause is known (a non-finite loss, a full disk), so this rank is the culprit, not a peer that looks still."""
         with self._ending:
             if self._ended:
                 return None
             self._ended = True
-        self._dump(f"rank {self.ctx.rank} failed", exc)
+        with contextlib.suppress(OSError):  # a full disk: the report still goes to the store and the terminal
+            self._dump(f"rank {self.ctx.rank} failed", exc)
         # A rank that timed out in a collective is described as it stood while it waited there, any other by
         # where its error was raised (its main thread is here now, in the handler).
         raised = where_raised(exc)
         with _BEATING:
             waited = self.mine is not None and self.mine["waiting"]
             beat = self.mine if waited else {**self._describe(), "where": raised}
-        error = {"error": gist(exc), "where": raised, "beat": beat}
+        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "beat": beat}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         try:
@@ -294,11 +329,36 @@ class Heartbeat:
         keys = [f"{_FAILED}/{r}" for r in range(self.ctx.world_size)]
         return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
 
-    def _wait_reported(self) -> None:
+    def _wait_reported(self, patience: float = 10) -> None:
+        """Until rank 0 has written the report (`patience` seconds at most). When rank 0's process is gone,
+        the first other rank to see it writes the report instead: the torchrun agent's store outlives rank 0."""
+        deadline = time.monotonic() + patience
         try:
-            self.store.wait([_REPORTED], timedelta(seconds=10))
-        except Exception:  # rank 0 could not report: end anyway
+            while not self.store.check([_REPORTED]) and time.monotonic() < deadline:
+                if self._main_gone():
+                    if self.store.add(_REPORTER, 1) == 1:
+                        self._report_for_rank_0()
+                    return
+                time.sleep(0.2)
+        except Exception:  # the store went with rank 0 (it held it: no agent): nothing more to tell
             pass
+
+    def _main_gone(self) -> bool:
+        """Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes)."""
+        key = "ddplab/beat/0"
+        if not self.store.check([key]):
+            return False
+        beat = json.loads(self.store.get(key))
+        return _gone(beat) if beat["host"] == socket.gethostname() else time.time() - beat["at"] > 15
+
+    def _report_for_rank_0(self) -> None:
+        """The report, written by this rank into the run folder that rank 0 kept."""
+        mine, self.run = self.run, RunFolder(self.run.path, is_main=True)
+        try:
+            self._report(self._failures())
+        finally:
+            self.run.close()
+            self.run = mine
 
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
@@ -308,9 +368,17 @@ class Heartbeat:
         with _BEATING:
             seen = dict(self.seen)
         failure = compose(seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
-        self.run.log(failure["report"], echo=False)
-        self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
-        self.announce(failure["report"])
+        with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
+            self.run.log(failure["report"], echo=False)
+            self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
+        # A rank's error in one line: of a known cause, as its RunError says it; else (a bug) the report's first
+        # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
+        # says what every other rank was doing.
+        rank = failure["culprit"]["rank"]
+        error = errors.get(rank, {})
+        self.announce(error["line"] if error.get("known") and error.get("line") else
+                      f"{failure['summary']} (traceback in {failure['logs']}/rank{rank}.log)" if error else
+                      failure["report"])
         if self.store is not None:
             self.store.set(_REPORTED, "1")
         return failure
@@ -335,8 +403,12 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     gone = [b for r, b in beats.items() if r not in errors and _gone(b)] or [
         {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}  # ended before its first beat
         for r in range(world_size) if r not in beats and r not in errors]
-    stalled = gone or sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
-                             key=lambda b: -b["still_s"])
+    # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
+    # when a peer that has not yet told its own error looks still.
+    known = sorted(r for r, e in errors.items() if e.get("known"))
+    still = sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
+                   key=lambda b: -b["still_s"])
+    stalled = [] if known else gone or still
     if stalled:
         b = stalled[0]
         culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
@@ -344,9 +416,10 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
                 f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
                 f"(host {b['host']}): {_at(b['where'])}" if gone else
                 f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
-                f"{b['still_s']:.0f} s): {_at(b['where'])}")
+                f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
+                f"): {_at(b['where'])}")
     else:
-        rank = min(errors) if errors else 0
+        rank = known[0] if known else min(errors) if errors else 0
         e, b = errors.get(rank, {}), beats.get(rank, {})
         culprit = {"rank": rank, "host": b.get("host"), "phase": b.get("phase"), "step": b.get("step"),
                    "where": e.get("where") or b.get("where"), "error": e.get("error")}

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ddplab.engine.files import open_append, write_atomic
+from ddplab.errors import write_failed
 
 EPOCH_COLUMNS = [
     "epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_top5_accuracy", "val_precision", "val_recall",
@@ -71,7 +72,10 @@ class RunFolder:
     # -- files --------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
-            write_atomic(self.path, name, text)
+            try:
+                write_atomic(self.path, name, text)
+            except OSError as exc:  # a full disk: one line naming the file, exit 1
+                raise write_failed(self.path / name, exc) from exc
 
     def write_json(self, name: str, obj) -> None:
         self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")

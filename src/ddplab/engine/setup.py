@@ -24,6 +24,7 @@ from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
 from ddplab.engine import fsdp_comm
 from ddplab.engine.comm import install_comm_hook
+from ddplab.engine.heartbeat import place_of
 from ddplab.engine.sharding import shard
 
 
@@ -87,13 +88,14 @@ def autocast(amp: str, device: torch.device):
 
 
 def _call(fn, where: str, *args):
-    """A workload function that raises fails the start in one line naming it, not a traceback."""
+    """A workload function that raises fails the start in one line naming it and the file and line that
+    raised: its own UserError is bad input (exit 2), anything else a bug (exit 1, the traceback in logs/)."""
     try:
         return fn(*args)
-    except UserError:
+    except (UserError, RunError):
         raise
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{where} raised {type(exc).__name__}: {first_line(exc)}") from None
+        raise RunError(f"{where} raised {type(exc).__name__}: {first_line(exc)} at {place_of(exc)}") from exc
 
 
 def build_data(cfg, ctx, work: Workload) -> Data:
@@ -261,10 +263,11 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
     try:
         with torch.no_grad():
             output = call_model(model, inputs)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a bug in the model's code: exit 1, its traceback in logs/
         given = (f"keywords {sorted(map(str, inputs))}" if isinstance(inputs, Mapping)
                  else f"a {type(inputs).__name__}")
-        raise UserError(f"model: a forward pass on a batch of {len(target)} ({given}) failed ({_said(exc)})") from None
+        raise RunError(f"model: a forward pass on a batch of {len(target)} ({given}) failed ({_said(exc)}) "
+                       f"at {place_of(exc)}") from exc
     finally:
         model.train(was_training)
     task = data.task

@@ -37,7 +37,7 @@ from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, distribute, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
-from ddplab.errors import UserError
+from ddplab.errors import RunError
 from ddplab.tasks import call_model, to_device
 
 
@@ -248,8 +248,10 @@ class Trainer:
         sums, first_bad = self.ledger.totals()
         bad = self.ctx.all_reduce(first_bad, "min").item()
         if math.isfinite(bad):
-            raise UserError(f"non-finite loss at step {int(bad)} (training.nonfinite=stop); "
-                                f"lower training.lr or enable training.clip_grad_norm")
+            raise RunError(f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
+                           f"as the train loss is logged, each logging.log_every={self.cfg.logging.log_every} steps; "
+                           f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
+                           f"training.nonfinite=skip to skip such steps")
         asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
         loss_sum, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
         if asking and s.stop_reason is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ddplab.errors import ExitCode, Preempted, UserError
+from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.engine.files import write_atomic
 from ddplab.engine.lock import finished
@@ -26,10 +26,8 @@ from ddplab.engine.run_folder import RunFolder
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 
 
-class PointFailed(UserError):
-    """A point's job ended badly: the study stops; finished points are kept."""
-
-    exit_code = ExitCode.FAILED
+class PointFailed(RunError):
+    """A point's job ended badly: the study stops (exit 1); finished points are kept."""
 
 
 def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]]:
