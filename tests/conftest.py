@@ -1,4 +1,4 @@
-"""Shared helpers: run the CLI as a user would, in fresh processes."""
+"""Shared helpers: run the CLI as a user would, in fresh processes (or in this one, where a process adds nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tiers import pytest_collection_modifyitems, pytest_runtest_call  # noqa: F401 (hooks: the tiers)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +50,17 @@ def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 3
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def main(*args: str) -> int:
+    """`ddplab ARGS` in this process, for bad input where a process adds nothing: its exit code (argparse's
+    errors included); read what it printed with capfd."""
+    from ddplab.cli import main as cli_main
+
+    try:
+        return cli_main(list(args))
+    except SystemExit as exit:
+        return exit.code
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
