@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench docs core-check constraints clean
+.PHONY: demo test test-fast lint install bench docs core-check constraints clean
 
 # Every extra and the test tools, at the versions in constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
@@ -18,8 +18,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/ddplab train --nproc-per-node 2
 
+# The whole suite on every core (pytest-xdist); a test file's tests share one worker, so a run trained once
+# per file (a module fixture) is trained once. Tiers: unit, inproc, multiproc (tests/tiers.py).
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n auto --dist loadscope
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+	$(PYTEST)
+
+# The unit and in-process tiers: no test starts a process.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not multiproc"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy src
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tiers import pytest_collection_modifyitems, pytest_runtest_call  # noqa: F401 (hooks: the tiers)
+from tiers import (  # noqa: F401 (hooks: the tiers)
+    pytest_collection_modifyitems,
+    pytest_runtest_call,
+    pytest_runtest_logreport,
+    pytest_terminal_summary,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

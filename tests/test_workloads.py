@@ -192,18 +192,22 @@ def test_verify_passes_on_a_user_workload(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "PASS"
 
 
-def test_predict_imports_recorded_code_only_from_inside_the_tree_unless_trusted(tmp_path):
+def test_predict_imports_recorded_code_only_from_inside_the_tree_unless_trusted(tmp_path, monkeypatch, capfd):
     wl = _workload(tmp_path)
-    assert_ok(ddplab("train", *_names(wl), "training.epochs=1", "experiment.name=r", *FAST, cwd=tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main("train", *_names(wl), "training.epochs=1", "experiment.name=r", *FAST) == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     run = str(tmp_path / "experiments" / "r")
-    refused = ddplab("predict", run, "1,2,3,4,5,6", cwd=elsewhere)
-    assert refused.returncode == 2 and "--trust-code" in refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1
-    trusted = ddplab("predict", run, "1,2,3,4,5,6", "--trust-code", cwd=elsewhere)
-    assert_ok(trusted)
-    assert f"importing model.name code from {wl}" in trusted.stderr
+    capfd.readouterr()
+    assert main("predict", run, "1,2,3,4,5,6") == 2
+    refused = capfd.readouterr()
+    assert refused.out == "" and len(refused.err.strip().splitlines()) == 1 and "--trust-code" in refused.err
+    assert main("predict", run, "1,2,3,4,5,6", "--trust-code") == 0
+    trusted = capfd.readouterr()
+    assert f"importing model.name code from {wl}" in trusted.err
+    assert len(trusted.out.strip().splitlines()) == 1  # one prediction for the one input
 
 
 def test_study_and_report_sweep_a_user_option(tmp_path):

@@ -208,3 +208,21 @@ def pytest_runtest_call(item: pytest.Item):
         return (yield)
     finally:
         subprocess.Popen.__init__ = init
+
+
+_spent: dict[str, list] = {t: [set(), 0.0] for t in TIERS}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Adds up each tier's time: setup, call and teardown, on whichever worker ran them."""
+    for tier in TIERS:
+        if tier in report.keywords:
+            _spent[tier][0].add(report.nodeid)
+            _spent[tier][1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not any(tests for tests, _ in _spent.values()):
+        return
+    parts = [f"{tier} {len(tests)} tests {seconds:.0f} s" for tier, (tests, seconds) in _spent.items() if tests]
+    terminalreporter.write_line(f"tiers (test time, summed over workers): {'; '.join(parts)}")
