@@ -18,15 +18,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/ddplab train --nproc-per-node 2
 
-# The whole suite on every core (pytest-xdist); a test file's tests share one worker, so a run trained once
-# per file (a module fixture) is trained once. Tiers: unit, inproc, multiproc (tests/tiers.py).
-PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n auto --dist loadscope
+# The whole suite: on every core (pytest-xdist; a test file's tests share one worker, so a run trained once
+# per file is trained once), then the tests that check wall-clock time, alone. Tiers: tests/tiers.py.
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 test: $(STAMP)
-	$(PYTEST)
+	$(PYTEST) -n auto --dist loadscope -m "not serial"
+	$(PYTEST) -m serial || [ $$? -eq 5 ]  # 5: no such test
 
 # The unit and in-process tiers: no test starts a process.
 test-fast: $(STAMP)
-	$(PYTEST) -m "not multiproc"
+	$(PYTEST) -n auto --dist loadscope -m "not multiproc"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
