@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench docs core-check constraints clean
+.PHONY: demo test test-fast lint install bench docs core-check constraints clean
 
 # Every extra and the test tools, at the versions in constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
@@ -18,8 +18,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/ddplab train --nproc-per-node 2
 
+# The whole suite: on every core (pytest-xdist; a test file's tests share one worker, so a run trained once
+# per file is trained once), then the tests that check wall-clock time, alone. Tiers: tests/tiers.py.
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+	$(PYTEST) -n auto --dist loadscope -m "not serial"
+	$(PYTEST) -m serial || [ $$? -eq 5 ]  # 5: no such test
+
+# The unit and in-process tiers: no test starts a process.
+test-fast: $(STAMP)
+	$(PYTEST) -n auto --dist loadscope -m "not multiproc"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy src
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'

@@ -1,4 +1,4 @@
-"""Shared helpers: run the CLI as a user would, in fresh processes."""
+"""Shared helpers: run the CLI as a user would, in fresh processes (or in this one, where a process adds nothing)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,27 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tiers import (  # noqa: F401 (hooks: the tiers)
+    pytest_collection_modifyitems,
+    pytest_runtest_call,
+    pytest_runtest_logreport,
+    pytest_terminal_summary,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """The record of code trained with on this machine (workload.py) is the suite's own, not the user's: one
+    folder for the whole run, made before xdist's workers start (they inherit it)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="ddplab-tests-state-")
 
 # A GPT small enough that a 2-process run takes seconds on one core each.
 TINY_GPT = ["model.layers=1", "model.dim=32", "model.heads=2", "model.context=32", "training.batch_size=8",
@@ -48,6 +63,17 @@ def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 3
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def main(*args: str) -> int:
+    """`ddplab ARGS` in this process, for bad input where a process adds nothing: its exit code (argparse's
+    errors included); read what it printed with capfd."""
+    from ddplab.cli import main as cli_main
+
+    try:
+        return cli_main(list(args))
+    except SystemExit as exit:
+        return exit.code
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_GPT, assert_ok, ddplab
-from ddplab.cli import main
+from conftest import TINY_GPT, ddplab, main
 from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.lock import RunLock
 
@@ -30,8 +29,9 @@ def place(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("bad")
     (root / "corpus.txt").write_text(embedded_corpus()[:20_000])
-    assert_ok(ddplab("train", "data.path=corpus.txt", *TINY_GPT, "training.max_steps=3", "experiment.name=done",
-                     cwd=root))
+    with pytest.MonkeyPatch.context() as here:  # trained in this process: the cases meet what a process leaves
+        here.chdir(root)
+        assert main("train", "data.path=corpus.txt", *TINY_GPT, "training.max_steps=3", "experiment.name=done") == 0
     done = root / "experiments" / "done"
     shutil.copytree(done, root / "experiments" / "open")
     summary = json.loads((done / "metrics.json").read_text())
@@ -158,18 +158,11 @@ CASES = [
 ]
 
 
-def _run_here(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exit:  # argparse's errors
-        return exit.code
-
-
 @pytest.mark.parametrize("argv, phrase", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_nothing_changes(place, argv, phrase, monkeypatch, capfd):
     monkeypatch.chdir(place)
     before = tree_digest(place / "experiments")
-    code = _run_here(argv)
+    code = main(*argv)
     out, err = capfd.readouterr()
     lines = err.strip().splitlines()
     assert code == 2, (code, err[-3000:])
@@ -187,7 +180,7 @@ def test_a_held_run_folder_is_refused_naming_the_holder(place, monkeypatch, capf
     before = tree_digest(place / "experiments" / "done")
     with RunLock(place / "experiments" / "open"):
         before_open = {k: v for k, v in tree_digest(place / "experiments" / "open").items()}
-        code = _run_here(["train", *TRAIN, "experiment.name=open"])
+        code = main("train", *TRAIN, "experiment.name=open")
         err = capfd.readouterr().err
         assert tree_digest(place / "experiments" / "open") == before_open
     assert code == 2 and len(err.strip().splitlines()) == 1 and "is in use by another ddplab job (host" in err
@@ -214,12 +207,12 @@ def test_temperature_0_is_greedy_and_top_k_0_is_no_top_k(place, monkeypatch, cap
     monkeypatch.chdir(place)
     texts = []
     for seed in ("1", "2"):
-        assert main(["generate", DONE, "--temperature", "0", "--max-new-tokens", "30", "--seed", seed]) == 0
+        assert main("generate", DONE, "--temperature", "0", "--max-new-tokens", "30", "--seed", seed) == 0
         texts.append(capfd.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0].strip()) > 0  # greedy: the seed does not matter
     sampled = []
     for seed in ("1", "2"):
-        assert main(["generate", DONE, "--top-k", "0", "--temperature", "2", "--max-new-tokens", "30",
-                     "--seed", seed]) == 0
+        assert main("generate", DONE, "--top-k", "0", "--temperature", "2", "--max-new-tokens", "30",
+                    "--seed", seed) == 0
         sampled.append(capfd.readouterr().out)
     assert sampled[0] != sampled[1]  # still sampling, over the whole vocabulary

@@ -12,7 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from conftest import _env, ddplab
+import pytest
+
+from conftest import _env, ddplab, main
 
 WORKLOAD = textwrap.dedent('''
     import os, time
@@ -83,6 +85,7 @@ def _stalled_job(tmp_path, name, cmd_head, *extra):
     return proc, time.time() - t0, tmp_path / "experiments" / name
 
 
+@pytest.mark.serial  # bounds the job's wall time
 def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends(tmp_path):
     proc, took, run = _stalled_job(tmp_path, "fwd", [sys.executable, "-m", "ddplab"], "--nproc-per-node", "2",
                                    "model.options.stall_rank=1", "model.options.stall_call=5")
@@ -102,6 +105,7 @@ def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends
     assert status.returncode == 1 and status.stdout.startswith(f"failed: {head}"), status.stdout
 
 
+@pytest.mark.serial  # bounds the job's wall time
 def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab"]
     proc, took, run = _stalled_job(tmp_path, "data", torchrun, "data.options.stall_rank=0",
@@ -119,6 +123,7 @@ def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
     assert status.returncode == 1 and status.stdout.startswith("failed: rank 0 stalled in data")
 
 
+@pytest.mark.serial  # the ETA is checked against the wall clock
 def test_a_slow_rank_is_named_a_straggler_and_the_eta_is_close(tmp_path):
     proc = ddplab(*_args(tmp_path, "slow", "--nproc-per-node", "2", "model.options.delay=0.03", "training.epochs=3",
                          "logging.log_every=2"), cwd=tmp_path, timeout=180)
@@ -135,7 +140,8 @@ def test_a_slow_rank_is_named_a_straggler_and_the_eta_is_close(tmp_path):
     assert "ETA" in [line for line in proc.stdout.splitlines() if line.startswith("epoch 1:")][0]
 
 
-def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path):
+def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path, capfd):
+    """In this process: the heartbeat's age is read to the second, which a process's start-up would change."""
     from ddplab.engine.lock import RunLock
 
     run = tmp_path / "r"
@@ -144,10 +150,11 @@ def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path):
     (run / "heartbeat.json").write_text(json.dumps({"time": time.time(), "ranks": {"0": {"step": 7, "still_s": 2}},
                                                     "progress": {"elapsed_s": 65, "eta_s": 130, "at": time.time()}}))
     with RunLock(run):
-        live = ddplab("status", str(run))
-    assert live.stdout.startswith("running: step 7 (2s ago), elapsed 1m05s, ETA 2m10s"), live.stdout
-    dead = ddplab("status", str(run))  # the lock's owner is gone, and no report was written
-    assert (dead.returncode, dead.stdout.split(":")[0]) == (1, "failed")
+        main("status", str(run))
+    live = capfd.readouterr().out
+    assert live.startswith("running: step 7 (2s ago), elapsed 1m05s, ETA 2m10s"), live
+    assert main("status", str(run)) == 1  # the lock's owner is gone, and no report was written
+    assert capfd.readouterr().out.split(":")[0] == "failed"
 
 
 def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path):

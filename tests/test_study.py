@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab
+from conftest import TINY_GPT, _env, assert_ok, ddplab, main
 from ddplab.errors import UserError
 from ddplab.study.grid import Setup, expand, parse_setups, parse_sweeps
 from ddplab.study.runner import slurm_command
@@ -50,10 +50,12 @@ def test_bad_grids_are_one_line_errors(call, words):
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
 
 
-def test_bad_study_input_exits_2_before_anything_starts(tmp_path):
-    proc = ddplab("study", "--nproc", "1,2", "--set", "training.batch_size=8,zero", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "training.batch_size" in proc.stderr and not (tmp_path / "experiments").exists()
+def test_bad_study_input_exits_2_before_anything_starts(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    assert main("study", "--nproc", "1,2", "--set", "training.batch_size=8,zero") == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("ddplab: error:"), err
+    assert "training.batch_size" in err and not (tmp_path / "experiments").exists()
 
 
 def test_slurm_points_run_one_agent_per_node_through_srun():

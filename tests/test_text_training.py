@@ -8,7 +8,7 @@ import pytest
 import torch
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
-from conftest import assert_ok, ddplab, torchrun
+from conftest import assert_ok, ddplab, main, torchrun
 from ddplab.config_io import from_dict
 from ddplab.engine.setup import build_data
 from ddplab.registry import workload
@@ -104,7 +104,7 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
 
 
 @pytest.mark.parametrize("case", ["no_text_column", "no_model_folder", "labels_do_not_fit"])
-def test_bad_text_input_is_one_line_and_exit_2(tmp_path, case):
+def test_bad_text_input_is_one_line_and_exit_2(tmp_path, case, monkeypatch, capfd):
     data = tmp_path / "d.csv"
     data.write_text("review,label\nfine film,0\nbad film,1\nodd film,2\n")
     args = {"no_text_column": ["model.name=transformer", f"data.train={data}"],
@@ -112,10 +112,11 @@ def test_bad_text_input_is_one_line_and_exit_2(tmp_path, case):
                                 "data.text_column=review"],
             "labels_do_not_fit": ["model.name=transformer", f"data.train={data}", "data.text_column=review",
                                   "data.num_classes=2"]}[case]
-    proc = ddplab("train", "data.name=text_files", *args, cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main("train", "data.name=text_files", *args) == 2
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddplab: error:"), err
     field = {"no_text_column": "data.text_column", "no_model_folder": "model.pretrained",
              "labels_do_not_fit": "data.num_classes=2"}[case]
     assert field in lines[0]

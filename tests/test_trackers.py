@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab
+from conftest import TINY_GPT, _env, assert_ok, ddplab, main
 from faults import command
 
 pytest.importorskip("mlflow", reason="the track extra is not installed (pip install 'ddplab[track]')")
@@ -105,10 +105,12 @@ def test_a_tracking_server_that_is_down_warns_once_and_training_completes(tmp_pa
     assert len(list(csv.DictReader(open(run / "metrics.csv")))) == 1 and not (run / "trackers.json").exists()
 
 
-def test_an_unknown_tracker_or_a_missing_extra_exits_2_before_anything_starts(tmp_path, monkeypatch):
-    proc = ddplab("train", "logging.trackers=[tensorboard, neptune]", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "logging.trackers" in proc.stderr and "tensorboard, mlflow, wandb" in proc.stderr
+def test_an_unknown_tracker_or_a_missing_extra_exits_2_before_anything_starts(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    assert main("train", "logging.trackers=[tensorboard, neptune]") == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ddplab: error:")
+    assert "logging.trackers" in err and "tensorboard, mlflow, wandb" in err
     assert not (tmp_path / "experiments").exists()
 
     import importlib.util

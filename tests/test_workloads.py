@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_ok, ddplab, torchrun
+from conftest import ROOT, _env, assert_ok, ddplab, main, torchrun
 from faults import command
 
 EXAMPLES = ROOT / "examples"
@@ -255,20 +255,39 @@ def ten_logits(cfg, data):
 '''
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_user_code_ends_in_one_line(tmp_path, case):
-    _workload(tmp_path)
-    _workload(tmp_path, BAD_CODE, "bad.py")
-    _workload(tmp_path, "raise ValueError('boom at import')\n", "broken.py")
-    _workload(tmp_path, "def data(cfg)\n    return 1\n", "syntax.py")
-    override, message = BAD[case]
+def _bad_workloads(folder: Path, case: str) -> list[str]:
+    """The workload files of the BAD cases in `folder`, and the names that pick `case`'s."""
+    _workload(folder)
+    _workload(folder, BAD_CODE, "bad.py")
+    _workload(folder, "raise ValueError('boom at import')\n", "broken.py")
+    _workload(folder, "def data(cfg)\n    return 1\n", "syntax.py")
+    override = BAD[case][0]
     names = {"model.name": "model.name=wl.py:model", "data.name": "data.name=wl.py:data"}
     names[override.split("=")[0]] = override
-    extra = ["--nproc-per-node", "2"] if case == "logits_for_regression" else []
-    proc = ddplab("train", *extra, *names.values(), "training.epochs=1", *FAST, cwd=tmp_path, timeout=120)
+    return [*names.values(), "training.epochs=1", *FAST]
+
+
+IN_WORKERS = ("logits_for_regression",)  # found by the workers: run under the launcher
+
+
+@pytest.mark.parametrize("case", [c for c in BAD if c not in IN_WORKERS])
+def test_bad_user_code_ends_in_one_line(tmp_path, case, monkeypatch, capfd):
+    args = _bad_workloads(tmp_path, case)
+    monkeypatch.chdir(tmp_path)
+    assert main("train", *args) == 2
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddplab: error:") and BAD[case][1] in lines[0], err[-1500:]
+    assert not (tmp_path / "experiments").exists()  # nothing written
+
+
+@pytest.mark.parametrize("case", IN_WORKERS)
+def test_bad_user_code_found_by_workers_ends_in_one_line(tmp_path, case):
+    args = _bad_workloads(tmp_path, case)
+    proc = ddplab("train", "--nproc-per-node", "2", *args, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-1500:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert len(lines) == 1 and BAD[case][1] in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert not (tmp_path / "experiments").exists()  # nothing written
 
 
@@ -328,9 +347,10 @@ def test_options_take_yaml_values_from_the_command_line():
     assert cfg.data.options == {"csv": "h.csv", "split": {"seed": 3}}
 
 
-def test_help_lists_the_builtins_from_the_registry():
+def test_help_lists_the_builtins_from_the_registry(capsys):
     from ddplab.registry import DATA, MODELS
 
-    proc = ddplab("train", "--help")
+    assert main("train", "--help") == 0
+    out = capsys.readouterr().out
     for name in [*MODELS, *DATA]:
-        assert name in proc.stdout
+        assert name in out
