@@ -78,6 +78,7 @@ def test_time_spent_in_callbacks_is_counted_in_the_epoch(tmp_path):
         assert row["samples_per_s"] == pytest.approx(100 / row["epoch_time_s"])
 
 
+@pytest.mark.serial  # the parts of the clock add up within 2 %: not beside another worker
 def test_training_evaluation_and_snapshots_add_up_to_the_wall_clock(tmp_path):
     watch = Stopwatch(0.01)
     rows = _train(tmp_path, "checkpoint.every=4", "training.eval_every=5", "logging.log_every=2",

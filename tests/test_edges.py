@@ -225,7 +225,7 @@ def test_output_never_replaces_a_file_nor_writes_into_a_run_folder_without_force
         ("export", str(run), "--output", str(existing)): "the file exists",
         ("export", str(run), "--output", str(link), "--force"): "symbolic link",
         ("export", str(run), "--output", str(tmp_path)): "a folder",
-        ("report", str(run), "--output", str(existing)): "not a folder",
+        ("report", str(run), "--output", str(existing)): "give a folder",
     }
     for argv, phrase in refused.items():
         assert main(list(argv)) == 2, argv

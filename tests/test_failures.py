@@ -19,6 +19,7 @@ import pytest
 
 from conftest import TINY_GPT, _env, ddplab
 from ddplab.cli import main
+from ddplab.engine import run_folder
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, write_failed
 
@@ -225,14 +226,14 @@ def test_a_bug_in_a_workload_names_its_file_and_line(tmp_path, monkeypatch, capf
 def test_a_full_disk_is_named_with_the_file_and_free_space(corpus, tmp_path, monkeypatch, capfd):
     """ENOSPC injected into the write of metrics.csv: one line naming it, exit 1, not a traceback."""
     monkeypatch.chdir(tmp_path)
-    real = Path.write_text
+    real = run_folder.write_atomic
 
-    def full(self, text, *args, **kwargs):
-        if self.name == f".{RunFolder.METRICS_CSV}.tmp":
+    def full(folder, name, content, *args, **kwargs):
+        if str(name) == RunFolder.METRICS_CSV:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, text, *args, **kwargs)
+        return real(folder, name, content, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(run_folder, "write_atomic", full)
     code = _run_here(["train", f"data.path={corpus}", *TRAIN, "training.max_steps=null", "training.epochs=1",
                       "data.limit=64", "experiment.name=full"])
     line = _one_failure_line(code, capfd.readouterr().err)

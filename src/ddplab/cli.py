@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 
+from ddplab import process_state
 from ddplab.config import describe_fields
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.launch import report_error, report_failure
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return getattr(importlib.import_module(f"ddplab.commands.{COMMANDS[ns.command]}"), ns.command)(ns)
+        with process_state.changes():  # called in a Python process of the user's: it is left as it was
+            return getattr(importlib.import_module(f"ddplab.commands.{COMMANDS[ns.command]}"), ns.command)(ns)
     except UserError as err:
         if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
             print(f"ddplab: error: {err}", file=sys.stderr)

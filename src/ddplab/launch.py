@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.engine.files import open_append, write_atomic
+from ddplab.engine.lock import LOCKED_ENV
 from ddplab.engine.preemption import ASK_ENV, StopSignals
 from ddplab.errors import ExitCode, Preempted, UserError
 
@@ -332,8 +333,8 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwarg
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
-    elif locked_run and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
-        print(f"ddplab: {record_unreported(Path(locked_run), ended.root_cause)}", file=sys.stderr)
+    elif (env or {}).get(LOCKED_ENV) and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        print(f"ddplab: {record_unreported(Path(env[LOCKED_ENV]), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:
