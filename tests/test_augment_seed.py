@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from conftest import assert_ok
 from conftest import ddplab as ddplab_cli
@@ -14,6 +15,7 @@ from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler
 
 JITTER = '''
+import pytest
 import torch
 from torch.utils.data import Dataset
 
@@ -104,3 +106,12 @@ def test_verify_passes_with_random_augmentation(tmp_path):
     assert_ok(proc)
     assert "random transforms on the training set (RandomJitter) drawn from per-sample seeds" in proc.stdout
     assert "PASS" in proc.stdout, proc.stdout
+
+
+def test_datasets_that_fetch_whole_batches_keep_doing_so_unless_they_transform():
+    datasets = pytest.importorskip("datasets")
+    plain = datasets.Dataset.from_dict({"x": [1.0, 2.0, 3.0], "label": [0, 1, 0]})
+    assert PerSampleSeed(plain, 0).whole_batches
+    assert not PerSampleSeed(plain.with_transform(lambda b: b), 0).whole_batches  # may draw: item by item
+    assert not PerSampleSeed(Noisy(), 0).whole_batches
+    assert PerSampleSeed(plain, 0).__getitems__([(1, 0), (1, 2)]) == [plain[0], plain[2]]
