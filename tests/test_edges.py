@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import _env
 from ddplab.cli import main

@@ -4,7 +4,6 @@ export, and the bad inputs of sharded training."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections import Counter

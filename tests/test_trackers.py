@@ -3,7 +3,6 @@ kill and a resume, a study is one parent MLflow run, and a tracker that fails ne
 
 import csv
 import json
-import os
 import subprocess
 from pathlib import Path
 
