@@ -35,6 +35,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -151,7 +152,7 @@ class Checkpointer:
         self.root = Path(root)
         self.is_main = is_main
         self.keep_last = keep_last
-        self._pending = self._finisher = self._error = self._group = None  # a background save
+        self._pending = self._saving = self._finisher = self._error = self._group = None  # a background save
 
     # ------------------------------------------------------------------ listing
     def snapshots(self) -> list[Path]:
@@ -203,6 +204,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(name, exc) from exc
         if self.is_main and sharded and background:
+            self._saving = self._pending
             self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
                                               args=(self._pending, tmp, final, manifest))
             self._finisher.start()
@@ -259,6 +261,19 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def settle(self, grace_s: float = 2.0) -> None:
+        """On the way out of a failed run: a background save whose shards are all written still gets
+        its checksums and marker. The finisher is a daemon thread, so the process would end it half-way;
+        a save still waiting on a rank that died is given `grace_s`, then left incomplete."""
+        finisher, saved = self._finisher, self._saving
+        if finisher is None or not finisher.is_alive():
+            return
+        deadline = time.monotonic() + grace_s
+        while not saved.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if saved.done():
+            finisher.join()
 
     def _failed(self, name: str, exc: BaseException) -> RunError:
         if isinstance(exc, CheckpointException) and exc.failures:  # DCP's gathered failures: the first rank's

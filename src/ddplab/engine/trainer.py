@@ -161,6 +161,9 @@ class Trainer:
                 else:
                     self.stop_mid_epoch()
             self.checkpoints.wait()  # a background snapshot is complete before the run goes on or ends
+        except BaseException:
+            self.checkpoints.settle()  # a background snapshot already written still gets its marker
+            raise
         finally:
             self.signals.restore()
         if s.stop_reason is None:
