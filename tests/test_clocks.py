@@ -79,9 +79,6 @@ def test_time_spent_in_callbacks_is_counted_in_the_epoch(tmp_path):
 
 
 @pytest.mark.serial  # the parts of the clock add up within 2 %: not beside another worker
-@pytest.mark.xfail(strict=False, reason="known regression, open in issue 33: since the snapshot-parts, stopping and "
-                   "streaming merges about 3 % of an epoch's wall time (9 ms of 306 ms) falls outside epoch, eval "
-                   "and snapshot time")
 def test_training_evaluation_and_snapshots_add_up_to_the_wall_clock(tmp_path):
     watch = Stopwatch(0.01)
     rows = _train(tmp_path, "checkpoint.every=4", "training.eval_every=5", "logging.log_every=2",

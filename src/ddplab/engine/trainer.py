@@ -146,9 +146,9 @@ class Trainer:
         if not self._resumed:
             self.resume()
         t, s = self.cfg.training, self.state
+        self._mark = time.perf_counter()  # callbacks' time counts, on_train_start's too (in the first epoch)
         self.callbacks.on_train_start(self.view)
         self.signals.install()
-        self._mark = time.perf_counter()
         try:
             if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
                 self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
