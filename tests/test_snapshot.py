@@ -220,9 +220,12 @@ def test_the_launchers_readers_take_a_garbage_marker_and_the_snapshots_config(tm
     ck = Checkpointer(run / "checkpoints", is_main=True)
     _save(ck, 2, global_batch=16)
     (_save(ck, 4) / MARKER).write_text("[garbage")
+    ck.keep_last = 3
+    state = _save(ck, 6, global_batch=24) / STATE
+    state.write_bytes(state.read_bytes()[:-10])  # truncated: the workers would skip it
     cfg = load_config(None, ["training.batch_size=8"])
     with pytest.raises(UserError, match="cannot keep the run's global batch of 16 on 3 processes"):
-        check_global_batch(cfg, run, 3)  # step 2's manifest, step 4's marker skipped
+        check_global_batch(cfg, run, 3)  # step 2's manifest: step 4's marker and step 6's files skipped
     check_global_batch(cfg, run, 2)
     # No config.yaml at all: the snapshot's own config is the run's.
     with pytest.raises(UserError, match=r"training.lr: 0.1 -> 0.5"):

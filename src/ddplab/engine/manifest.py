@@ -68,9 +68,10 @@ def read(folder: Path) -> dict:
     return manifest
 
 
-def verify(folder: Path) -> dict:
-    """The manifest, once every file it names has its recorded size and checksum (a format 1 manifest
-    as it is: it has none). A snapshot folder named for another step than its manifest's is damaged too."""
+def verify(folder: Path, checksums: bool = True) -> dict:
+    """The manifest, once every file it names has its recorded size and (unless `checksums` is false)
+    checksum; a format 1 manifest as it is: it has none. A snapshot folder named for another step than
+    its manifest's is damaged too."""
     folder = Path(folder)
     manifest = read(folder)
     if folder.name.startswith("step-") and manifest and manifest["step"] != int(folder.name.split("-")[1]):
@@ -81,17 +82,18 @@ def verify(folder: Path) -> dict:
             raise Damaged(f"{path}: missing")
         if (actual := path.stat().st_size) != size:
             raise Damaged(f"{path}: {'truncated: ' if actual < size else ''}{actual} bytes where the manifest says {size}")
-        if checksum(path) != crc:
+        if checksums and checksum(path) != crc:
             raise Damaged(f"{path}: damaged (its checksum differs from the manifest's)")
     return manifest
 
 
 def newest(root: Path) -> dict | None:
-    """The manifest of the newest snapshot under `root` whose marker reads as one (files not checked:
-    the launcher's look, before any worker loads and verifies the snapshot)."""
+    """The manifest of the newest snapshot under `root` whose files are all there at their recorded
+    sizes: the launcher's look, before any worker verifies the checksums too (reading every byte once
+    is the workers' part; a snapshot they then skip was written by the same run, under the same config)."""
     for folder in sorted(Path(root).glob("step-*"), key=_step, reverse=True):
         try:
-            return read(folder)
+            return verify(folder, checksums=False)
         except Damaged:
             continue
     return None
