@@ -106,6 +106,18 @@ def test_a_manifest_names_every_file_with_its_size_and_checksum(tmp_path):
     assert torch.equal(ck.load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
 
 
+def test_without_checksums_a_manifest_checks_sizes_only(tmp_path):
+    ck = Checkpointer(tmp_path, is_main=True, checksums=False)
+    folder = _save(ck, 3)
+    m = manifest.verify(folder)
+    assert m["checksum"] is None and m["files"] == {STATE: [(folder / STATE).stat().st_size, None]}
+    _flip(folder / STATE)
+    assert manifest.verify(folder) == m  # what checkpoint.checksums=false gives up
+    (folder / STATE).write_bytes((folder / STATE).read_bytes()[:-1])
+    with pytest.raises(Damaged, match="truncated"):
+        manifest.verify(folder)
+
+
 @pytest.mark.parametrize("damage, says", [
     (lambda f: _flip(f / STATE), "state.pt: damaged (its checksum differs"),
     (lambda f: (f / STATE).write_bytes((f / STATE).read_bytes()[:-10]), "state.pt: truncated"),

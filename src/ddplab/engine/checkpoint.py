@@ -148,10 +148,11 @@ def _remove(path: Path) -> None:
 class Checkpointer:
     """The snapshots under `root` (a run's checkpoints/): written, listed, checked, loaded and pruned."""
 
-    def __init__(self, root: Path, is_main: bool, keep_last: int = 2) -> None:
+    def __init__(self, root: Path, is_main: bool, keep_last: int = 2, checksums: bool = True) -> None:
         self.root = Path(root)
         self.is_main = is_main
         self.keep_last = keep_last
+        self.checksums = checksums
         self._pending = self._saving = self._finisher = self._error = self._group = None  # a background save
 
     # ------------------------------------------------------------------ listing
@@ -235,7 +236,8 @@ class Checkpointer:
         """Checksums, the marker, the rename into place, then old step snapshots pruned."""
         if (tmp / SHARDS).is_dir():
             _fsync_dir(tmp / SHARDS)
-        write_marker(tmp, {**manifest, "checksum": CHECKSUM, "files": describe(tmp)})
+        crc = self.checksums
+        write_marker(tmp, {**manifest, "checksum": CHECKSUM if crc else None, "files": describe(tmp, crc)})
         _fsync_dir(tmp)
         if final.exists():  # the same name saved again: the best model, or a step snapshot that ends an epoch
             old = self.root / f".old-{final.name}"

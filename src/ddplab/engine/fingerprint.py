@@ -34,6 +34,7 @@ SAFE_TO_CHANGE = (
     "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/trainer.py)
     "training.grad_accum_steps",
     "checkpoint.async_save",
+    "checkpoint.checksums",
     "checkpoint.every",
     "checkpoint.keep_last",
     "checkpoint.resume",

@@ -93,7 +93,8 @@ class Trainer:
         self.scheduler = build_schedule(cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
-        self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last)
+        self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last,
+                                        cfg.checkpoint.checksums)
         self.signals = StopSignals()
         self.callbacks = CallbackList(callbacks)
         self.view = TrainView(self)
