@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_GPT, _env, ddplab
 from ddplab.cli import main
 from ddplab.engine import run_folder
+from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, write_failed
 
@@ -265,20 +267,33 @@ def _tmpfs(folder: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-def test_a_real_full_disk_ends_in_one_line(corpus, tmp_path):
-    """End to end on a 1 MB tmpfs (where the machine lets us mount one): snapshots fill it."""
+def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, tmp_path):
+    """End to end on a 1 MB tmpfs (where the machine lets us mount one): snapshots fill it. Given room,
+    the same command continues from the last complete snapshot and ends as a run never interrupted."""
     disk = tmp_path / "disk"
     if not _tmpfs(disk, "1m"):
         pytest.skip("cannot mount a tmpfs here (needs root and mount)")
+    args = ["train", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.max_steps=40",
+            "checkpoint.every=2", "checkpoint.keep_last=10", "experiment.name=full"]  # a few snapshots fit in 1 MB
     try:
-        proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "model.dim=64", "model.layers=2",
-                      "generate.max_new_tokens=0", "training.max_steps=40", "checkpoint.every=2",
-                      "checkpoint.keep_last=10", f"experiment.output_dir={disk}", "experiment.name=full",
-                      cwd=tmp_path, timeout=300)
+        proc = ddplab(*args, f"experiment.output_dir={disk}", cwd=tmp_path, timeout=300)
         line = _one_failure_line(proc.returncode, proc.stderr)
         assert "no space left on device writing" in line and "Traceback" not in proc.stderr
+        assert json.loads((disk / "full" / RunFolder.METRICS_JSON).read_text())["status"] == "failed"
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = ddplab(*args, f"experiment.output_dir={disk}", cwd=tmp_path, timeout=300)
+        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-2000:]
+        weights = _final_weights(disk / "full")
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+    assert ddplab(*args, f"experiment.output_dir={tmp_path / 'ref'}", cwd=tmp_path, timeout=300).returncode == 0
+    reference = _final_weights(tmp_path / "ref" / "full")
+    assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def _final_weights(run: Path) -> dict:
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    return ck.load_snapshot(ck.latest())["model"]
 
 
 def test_under_the_launcher_a_non_finite_loss_is_one_line_exit_1(corpus, tmp_path):
