@@ -99,11 +99,17 @@ def test_a_manifest_names_every_file_with_its_size_and_checksum(tmp_path):
     folder = _save(ck, 3)
     m = json.loads((folder / MARKER).read_text())
     assert m["format"] == manifest.FORMAT and m["step"] == 3 and m["config"] == {"training": {"lr": 0.1}}
-    assert m["parts"] == {"model": STATE, "trainer": STATE} and m["checksum"] == "crc32"
+    assert m["parts"] == {"model": STATE, "trainer": STATE} and m["checksum"] == "crc32c"
     size = (folder / STATE).stat().st_size
     assert m["files"] == {STATE: [size, manifest.checksum(folder / STATE)]}
     assert manifest.verify(folder) == m
     assert torch.equal(ck.load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
+    older = {**m, "checksum": "crc32", "files": {STATE: [size, manifest.checksum(folder / STATE, "crc32")]}}
+    (folder / MARKER).write_text(json.dumps(older))  # as written before CRC-32C: still verified
+    assert manifest.verify(folder) == older
+    _flip(folder / STATE)
+    with pytest.raises(Damaged, match="damaged"):
+        manifest.verify(folder)
 
 
 def test_without_checksums_a_manifest_checks_sizes_only(tmp_path):
