@@ -17,7 +17,8 @@ import pytest
 from conftest import _env
 from ddplab.cli import main
 from ddplab.engine.files import open_append, write_atomic
-from ddplab.engine.lock import LOCKED_ENV, TOKEN_ENV, RunLock
+from ddplab.engine.lock import LOCKED_ENV, RunLock
+from ddplab.handoff import Handoff
 from ddplab.errors import RunError, UserError
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "training.epochs=1", "training.batch_size=32"]
@@ -259,7 +260,7 @@ def test_a_forged_locked_run_takes_no_lock_from_anyone(trained, tmp_path, monkey
     before = _tree(done)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(LOCKED_ENV, str(done))
-    monkeypatch.setenv(TOKEN_ENV, "guessed")
+    monkeypatch.setenv(Handoff.variable("lock_token"), "guessed")
     assert main(["train", f"model.name={wl}:model", f"data.name={wl}:data", "experiment.name=other", *FAST]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and LOCKED_ENV in err[0], err
@@ -271,7 +272,7 @@ def test_a_worker_believes_the_launcher_that_holds_its_run_folder(tmp_path):
     with RunLock(tmp_path / "run") as lock:
         ok = subprocess.run(probe, env={**_env(), **lock.worker_env()}, capture_output=True, text=True)
         assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "run"), ok.stderr
-        forged = subprocess.run(probe, env={**_env(), **lock.worker_env(), TOKEN_ENV: "0" * 32},
+        forged = subprocess.run(probe, env={**_env(), **lock.worker_env(), Handoff.variable("lock_token"): "0" * 32},
                                 capture_output=True, text=True)
         assert forged.returncode == 1 and LOCKED_ENV in forged.stderr
     gone = subprocess.run(probe, env={**_env(), **lock.worker_env()}, capture_output=True, text=True)

@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "ddplab"
 
 LAYERS = [
-    ("contracts", ["ddplab.errors", "ddplab.process_state", "ddplab.extras", "ddplab.config", "ddplab.config_io", "ddplab.workload", "ddplab.tasks", "ddplab.evaluators",
+    ("contracts", ["ddplab.errors", "ddplab.process_state", "ddplab.handoff", "ddplab.extras", "ddplab.config", "ddplab.config_io", "ddplab.workload", "ddplab.tasks", "ddplab.evaluators",
                    "ddplab.callbacks"]),
     ("parts", ["ddplab.distributed", "ddplab.data", "ddplab.models"]),
     ("engine", ["ddplab.engine"]),

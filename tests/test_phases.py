@@ -6,13 +6,14 @@ import time
 
 from conftest import assert_ok, ddplab
 from ddplab.metrics import phases as phases_mod
+from ddplab.handoff import Handoff
 from ddplab.metrics.phases import Phases
 
 
 def test_process_start_is_in_the_past_and_phases_add_up(monkeypatch):
     started = phases_mod.process_started_at()
     assert started is not None and time.time() - 3600 < started <= time.time()
-    monkeypatch.setenv(phases_mod.LAUNCHED_AT, repr(started - 2.0))
+    monkeypatch.setenv(Handoff.variable("launched_at"), repr(started - 2.0))
     p = Phases()
     assert 1.9 < p.seconds["launcher_s"] < 2.1 and p.seconds["imports_s"] >= 0
     time.sleep(0.05)
@@ -56,7 +57,7 @@ def test_a_launched_run_records_its_phases(tmp_path):
     assert got["imports_s"] > 0.1  # torch alone takes longer than that to import
     assert "phases (rank 0, wall time): launcher" in (run / "train.log").read_text().splitlines()[-1]
     assert json.loads((run / "metrics.json").read_text())["ddp"]["launcher"] == "torchrun"
-    assert os.environ.get(phases_mod.LAUNCHED_AT) is None
+    assert os.environ.get(Handoff.variable("launched_at")) is None
 
 
 def test_the_launcher_checks_built_in_workloads_without_importing_torch(tmp_path):

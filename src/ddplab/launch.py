@@ -9,7 +9,7 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
   kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
   SIGKILL of the launcher or of an agent leaves no worker behind.
 - Workers report how they ended through files in a folder the launcher names
-  (DDPLAB_REPORT_DIR): a user error is printed once, as one line, with exit 2, a failure at run
+  (handoff.py: report_dir): a user error is printed once, as one line, with exit 2, a failure at run
   time as one line (a known cause) or the heartbeat's report, with exit 1, instead of torchrun's
   failure summary. A job that failed with no worker left to report (rank 0 killed) is marked
   failed in metrics.json by the launcher, with the rank torchrun saw fail first.
@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.engine.files import open_append, write_atomic
-from ddplab.engine.lock import LOCKED_ENV
-from ddplab.engine.preemption import ASK_ENV, StopSignals
+from ddplab.engine.preemption import StopSignals
 from ddplab.errors import ExitCode, Preempted, UserError
+from ddplab.handoff import Handoff
 
-REPORT_ENV = "DDPLAB_REPORT_DIR"
 STOPPING = "stopping"  # in the report folder: the launcher has asked the agents to stop
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -112,7 +111,7 @@ def under_agent() -> bool:
 
 # ------------------------------------------------------------------ worker side
 def _report(name: str, text: str) -> bool:
-    folder = os.environ.get(REPORT_ENV)
+    folder = Handoff.read().report_dir
     if not folder or not Path(folder).is_dir():
         return False
     write_atomic(folder, f"{name}-rank{int(os.environ.get('RANK', '0')):05d}", text)
@@ -121,7 +120,8 @@ def _report(name: str, text: str) -> bool:
 
 def listened() -> bool:
     """A ddplab launcher started this worker and prints what it reports (the workers stay quiet)."""
-    return bool(os.environ.get(REPORT_ENV)) and Path(os.environ[REPORT_ENV]).is_dir()
+    folder = Handoff.read().report_dir
+    return bool(folder) and Path(folder).is_dir()
 
 
 def report_error(message: str) -> bool:
@@ -138,7 +138,7 @@ def report_preempted() -> None:
     """Then wait (10 s at most) until the launcher has asked the agents to stop: an agent that saw
     this worker exit first would take it for a failure and restart the workers (--max-restarts)."""
     if _report("preempted", ""):
-        deadline, stopping = time.monotonic() + 10, Path(os.environ[REPORT_ENV]) / STOPPING
+        deadline, stopping = time.monotonic() + 10, Path(Handoff.read().report_dir or ".") / STOPPING
         while not stopping.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -305,7 +305,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
     with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, \
             contextlib.ExitStack() as stack:
         report = Path(folder)
-        env[REPORT_ENV], env[ASK_ENV] = folder, str(report / "stop")
+        env.update(Handoff(report_dir=folder, stop_request=str(report / "stop")).env())
         out = stack.enter_context(open_append(log.parent, log.name)) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
@@ -333,8 +333,9 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwarg
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
-    elif (env or {}).get(LOCKED_ENV) and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
-        print(f"ddplab: {record_unreported(Path(env[LOCKED_ENV]), ended.root_cause)}", file=sys.stderr)
+    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED,
+                                                                                  ExitCode.INTERRUPTED):
+        print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:

@@ -7,7 +7,7 @@ writes who it is (host, PID) to `<run>/.lock` and removes it at release; a secon
 finds the folder locked and names that holder in its one-line error.
 
 Under `ddplab train --nproc-per-node` the launcher holds the lock (so `--max-restarts`
-restarts keep it) and tells the workers through DDPLAB_LOCKED_RUN and a token that its
+restarts keep it) and tells the workers (handoff.py: locked_run) and a token that its
 holder file holds too; a worker believes it only when that holder is a process above it
 (an environment variable alone takes no lock away). Under plain torchrun or srun, rank 0
 holds it.
@@ -23,13 +23,13 @@ import secrets
 import socket
 from pathlib import Path
 
-from ddplab.errors import UserError
 from ddplab.engine.files import write_atomic
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import UserError
+from ddplab.handoff import Handoff
 
 HOLDER_FILE = ".lock"
-LOCKED_ENV = "DDPLAB_LOCKED_RUN"  # the run folder a ddplab launcher already holds
-TOKEN_ENV = "DDPLAB_LOCK_TOKEN"  # ... and the token in its holder file
+LOCKED_ENV = Handoff.variable("locked_run")  # what a refusal names
 
 
 def finished(run_dir: Path) -> bool:
@@ -110,7 +110,7 @@ class RunLock:
 
     def worker_env(self) -> dict:
         """What tells the workers this process starts that it holds their run folder."""
-        return {LOCKED_ENV: str(self.path), TOKEN_ENV: self.token}
+        return Handoff(locked_run=str(self.path), lock_token=self.token).env()
 
     def release(self) -> None:
         if self.fd is None:
@@ -187,12 +187,13 @@ def launcher_lock() -> Path | None:
     """The run folder the ddplab launcher that started this process holds; None when none does.
     The variables are believed only when the folder's lock is held, its holder file carries their
     token, and its holder is a process above this one."""
-    named = os.environ.get(LOCKED_ENV)
+    told = Handoff.read()
+    named = told.locked_run
     if not named:
         return None
     try:
         info = json.loads((Path(named) / HOLDER_FILE).read_text())
-        ours = (secrets.compare_digest(str(info["token"]), os.environ.get(TOKEN_ENV, ""))
+        ours = (secrets.compare_digest(str(info["token"]), told.lock_token or "")
                 and info["pid"] in _ancestors() and held(Path(named)))
     except (OSError, ValueError, KeyError, TypeError):
         ours = False

@@ -11,14 +11,14 @@ ddplab's launcher comes back from the agent as SIGTERM) must not cut the snapsho
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+from ddplab.handoff import Handoff
+
 ECHO_S = 5.0
-ASK_ENV = "DDPLAB_STOP_REQUEST"  # ddplab's launcher: the file by which a worker asks it to stop the whole job
 
 
 class StopSignals:
@@ -55,6 +55,6 @@ def _ask_launcher(name: str) -> None:
     """The signal may have reached this worker alone (`kill PID`): ddplab's launcher then stops the job
     as if it had received it, so that torchrun's agent ends the job instead of restarting the workers
     once they exit (--max-restarts). A stop the launcher began already is not begun twice."""
-    if path := os.environ.get(ASK_ENV):
+    if path := Handoff.read().stop_request:
         with contextlib.suppress(OSError):
             Path(path).write_text(name)

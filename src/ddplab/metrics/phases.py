@@ -1,7 +1,7 @@
 """Where a run's wall time goes before, around and after training: one mark per phase.
 
 `imports_s` reaches back to the process's creation (from /proc), so Python's start and the imports are counted;
-`launcher_s` runs from the start of `ddplab train --nproc-per-node` (DDPLAB_LAUNCHED_AT) to the worker's creation.
+`launcher_s` runs from the start of `ddplab train --nproc-per-node` (handoff.py's launched_at) to the worker's creation.
 The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training, and
 under training.compile the time torch.compile spends compiling (dynamo's frames, the lazy backward) is `compile_s`.
 """
@@ -16,8 +16,7 @@ from pathlib import Path
 
 from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.run_folder import RunFolder
-
-LAUNCHED_AT = "DDPLAB_LAUNCHED_AT"
+from ddplab.handoff import Handoff
 
 
 def process_started_at() -> float | None:
@@ -35,7 +34,7 @@ def note_launch() -> None:
     """In the launcher, before it starts workers: they inherit the launcher's start time."""
     started = process_started_at()
     if started is not None:
-        os.environ[LAUNCHED_AT] = repr(started)
+        os.environ.update(Handoff(launched_at=started).env())
 
 
 class Phases:
@@ -44,8 +43,9 @@ class Phases:
         self.seconds: dict[str, float] = {}
         started = process_started_at()
         if started is not None:
-            with contextlib.suppress(ValueError, TypeError):  # not launched by ddplab, or a value not its own
-                self.seconds["launcher_s"] = max(started - float(os.environ.get(LAUNCHED_AT)), 0.0)
+            launched = Handoff.read().launched_at
+            if launched is not None:  # started by ddplab's launcher
+                self.seconds["launcher_s"] = max(started - launched, 0.0)
             self.seconds["imports_s"] = max(now - started, 0.0)
         self._last = now
         self._first_step_at: float | None = None
