@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Literal
 
 import torch
 
 
 @contextlib.contextmanager
-def timed(trainer, activity: str):
+def timed(trainer, activity: Literal["eval", "snapshot"]):
     """Adds the block's seconds to state.epoch_<activity>_time (eval, snapshot); the epoch's training time is the
     rest of its wall clock. On CUDA the clock starts once the training work queued before is done, so each
     holds its own device time."""
@@ -21,8 +22,11 @@ def timed(trainer, activity: str):
     try:
         yield
     finally:
-        name = f"epoch_{activity}_time"
-        setattr(trainer.state, name, getattr(trainer.state, name) + time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if activity == "eval":
+            trainer.state.epoch_eval_time += seconds
+        else:
+            trainer.state.epoch_snapshot_time += seconds
         trainer.activity = "train"
 
 
