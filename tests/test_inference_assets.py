@@ -9,11 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from test_vision_data import image_tree
 
 import ddplab
 from conftest import main
 from ddplab.data.text_lm import embedded_corpus
+from ddplab.engine import assets
+from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import RunError
 from ddplab.inference import load_model, sample
 from ddplab.predict import predict
 
@@ -187,3 +191,18 @@ def test_data_assets_that_do_not_exist_are_one_line_before_a_run_folder(tmp_path
     err = [line for line in capfd.readouterr().err.strip().splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "Data.assets['vocab'] = 'gone' is no file or folder" in err[0], err
     assert not (tmp_path / "experiments" / "bad").exists()
+
+
+def test_inference_files_are_never_written_through_a_link(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = RunFolder(tmp_path / "run", is_main=True)
+    (run.path / "inference").symlink_to(elsewhere)  # planted in a run folder about to be resumed
+    (tmp_path / "vocab.json").write_text("{}")
+    data = ddplab.Data(
+        train=[(torch.zeros(2), 1)], task=ddplab.Classification(2), assets={"vocab": tmp_path / "vocab.json"}
+    )
+    with pytest.raises(RunError, match="symbolic link"):
+        assets.save(run, data)
+    run.close()
+    assert list(elsewhere.iterdir()) == []
