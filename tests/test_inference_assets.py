@@ -111,6 +111,8 @@ def test_text_classification_predicts_after_its_csv_and_token_cache_are_deleted(
     after = predict(str(run), inputs)
     _same_rows(before, after)
     assert [r["label"] for r in after[:2]] == ["pos", "neg"]
+    shutil.rmtree(run / "inference")  # a run folder from before inference/ was saved
+    _same_rows(before, predict(str(run), inputs))
 
 
 def test_an_image_folder_run_predicts_after_its_images_are_deleted(tmp_path, monkeypatch):

@@ -80,8 +80,11 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
 
 
 def _example(data) -> dict:
-    """The form of the data's first item, for a run folder saved before inference/ was."""
-    dataset = next(d for d in (data.val, data.train) if d is not None)
+    """The form of the data's first item, for a run folder saved before inference/ was; where its data
+    function built no dataset, the built-ins' form: (inputs, an integer target)."""
+    dataset = next((d for d in (data.val, data.train) if d is not None), None)
+    if dataset is None:
+        return {"kind": "pair", "target": 0}
     return assets.example(assets.first_item(dataset), data.task)
 
 
