@@ -208,3 +208,27 @@ def test_inference_files_are_never_written_through_a_link(tmp_path):
         assets.save(run, data)
     run.close()
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_folder_asset_is_saved_whole_and_found_from_a_snapshot(tmp_path):
+    (tmp_path / "tok" / "sub").mkdir(parents=True)
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"a": 1}')
+    (tmp_path / "tok" / "sub" / "merges.txt").write_text("a b\n")
+    run = RunFolder(tmp_path / "run", is_main=True)
+    item = {"input_ids": torch.ones(3, dtype=torch.long), "labels": torch.tensor([0.5])}  # holds its target
+    data = ddplab.Data(train=[item], task=ddplab.Regression(), meta={"max_len": 8}, assets={"tok": tmp_path / "tok"})
+    assets.save(run, data)
+    run.close()
+    snapshot = run.path / "checkpoints" / "step-000000001"
+    snapshot.mkdir(parents=True)
+    saved, example = assets.load(snapshot, {"max_len": 8}, ddplab.Regression())
+    assert (saved.path("tok") / "tokenizer.json").read_text() == '{"a": 1}'
+    assert (saved.path("tok") / "sub" / "merges.txt").read_text() == "a b\n"
+    assert example == {
+        "kind": "dict",
+        "field": "labels",
+        "target": {"dtype": "float32", "shape": [1]},
+        "input_dtype": None,
+    }
+    with pytest.raises(ddplab.UserError, match=r"saved: tok"):
+        saved.path("vocab")
