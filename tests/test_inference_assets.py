@@ -210,7 +210,7 @@ def test_inference_files_are_never_written_through_a_link(tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
-def test_a_folder_asset_is_saved_whole_and_found_from_a_snapshot(tmp_path):
+def test_a_folder_asset_is_saved_whole_once_and_found_from_a_snapshot(tmp_path):
     (tmp_path / "tok" / "sub").mkdir(parents=True)
     (tmp_path / "tok" / "tokenizer.json").write_text('{"a": 1}')
     (tmp_path / "tok" / "sub" / "merges.txt").write_text("a b\n")
@@ -218,6 +218,10 @@ def test_a_folder_asset_is_saved_whole_and_found_from_a_snapshot(tmp_path):
     item = {"input_ids": torch.ones(3, dtype=torch.long), "labels": torch.tensor([0.5])}  # holds its target
     data = ddplab.Data(train=[item], task=ddplab.Regression(), meta={"max_len": 8}, assets={"tok": tmp_path / "tok"})
     assets.save(run, data)
+    written = (run.path / "inference" / "assets.json").read_text()
+    data.meta, data.assets = {"max_len": 9}, {}
+    assets.save(run, data)  # a resume leaves what the first start saved
+    assert (run.path / "inference" / "assets.json").read_text() == written
     run.close()
     snapshot = run.path / "checkpoints" / "step-000000001"
     snapshot.mkdir(parents=True)
