@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "Data": "ddplab.workload", "BuildConfig": "ddplab.workload",
+    "Data": "ddplab.workload", "BuildConfig": "ddplab.workload", "Assets": "ddplab.workload",
     "Task": "ddplab.tasks", "Classification": "ddplab.tasks", "Regression": "ddplab.tasks",
     "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.callbacks", "EarlyStopping": "ddplab.callbacks",
     "TrainView": "ddplab.engine.callbacks",

@@ -2,9 +2,11 @@
 
 The run's own workload rebuilds it, built-in or the user's (imported only from the path the run
 recorded, and only code this machine trained with, an installed module, or with --trust-code): `predict`
-rebuilds the run's Data through its data function, then the model through its model function;
+calls the run's data function with what the run saved for inference (`cfg.assets`: the checkpoint's
+meta and task, the files of the run folder's inference/), from which it builds its preprocessing
+without reading the data (a data function that ignores them builds its datasets as in training);
 `generate` builds the model from the task and meta the checkpoint stored (a character model
-needs nothing else, and its corpus may be gone). Then come the checkpoint's weights.
+needs nothing else). Then come the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -14,46 +16,57 @@ from pathlib import Path
 import torch
 
 from ddplab.config_io import from_dict
+from ddplab.data.text_lm import CharTokenizer
+from ddplab.engine import assets
 from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import UserError, first_line
 from ddplab.registry import workload
 from ddplab.tasks import restore
-from ddplab.workload import Data, build_config, check_trusted
-from ddplab.data.text_lm import CharTokenizer
+from ddplab.workload import Assets, Data, build_config, check_trusted
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, object]:
-    """(checkpoint dict, its Config) from a run folder or checkpoint file, checked against its manifest."""
-    _, ckpt = load_checkpoint(path)
+def read_checkpoint(path: str | Path) -> tuple[dict, object, Path]:
+    """(checkpoint dict, its Config, where it was found) from a run folder or checkpoint file, checked
+    against its manifest."""
+    found, ckpt = load_checkpoint(path)
     cfg = from_dict(ckpt["config"])
     cfg.model.weights = None  # the checkpoint holds every weight; the original file may be gone
-    return ckpt, cfg
+    return ckpt, cfg, found
 
 
 def recorded_task(ckpt: dict):
-    """The task the checkpoint describes (what generate needs; predict uses the run's own)."""
+    """The task the checkpoint describes."""
     meta = ckpt.get("meta", {})
     return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
 
 
-def load_model(path: str | Path, trust_code: bool = False, rebuild_data: bool = False, checkpoint=None):
-    """(model in eval mode, checkpoint dict, Data). With rebuild_data the Data is the run's own,
-    from its data function (with its preprocess, datasets and task); else the checkpoint's task and
-    meta only. `checkpoint`: what read_checkpoint(path) gave, when the caller has read it already."""
-    ckpt, cfg = checkpoint or read_checkpoint(path)
+def saved_assets(checkpoint: tuple) -> tuple[Assets, dict]:
+    """(cfg.assets for the data function, the form of one training item) of what read_checkpoint gave."""
+    ckpt, _, found = checkpoint
+    return assets.load(found, ckpt.get("meta", {}), recorded_task(ckpt))
+
+
+def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, saved: Assets | None = None):
+    """(model in eval mode, checkpoint dict, Data). Given `saved` (what the run saved for inference), the
+    Data is what the run's data function builds from it; else the checkpoint's task and meta only.
+    `checkpoint`: what read_checkpoint(path) gave, when the caller has read it already."""
+    ckpt, cfg, _ = checkpoint or read_checkpoint(path)
     meta = ckpt.get("meta", {})
     check_trusted(cfg.model.name, trust_code, "model.name", path)
     check_trusted(cfg.data.name, trust_code, "data.name", path)
     work = workload(cfg)
-    if rebuild_data:
-        data = build_data(cfg, None, work)
+    if saved is not None:
+        data = build_data(cfg, None, work, saved)
         data.meta = {**data.meta, **meta}  # what the weights were trained with wins
-        model = _rebuilt(cfg, lambda: build_model(cfg, None, work, data))
     else:
-        shape = meta.get("input_shape")
-        data = Data(train=None, task=recorded_task(ckpt), meta=meta, input_shape=tuple(shape) if shape else None)
+        data = Data(train=None, task=recorded_task(ckpt), meta=meta)
+    if data.train is None:
+        shape = data.input_shape or meta.get("input_shape")
+        data.input_shape = tuple(shape) if shape else None
         model = _rebuilt(cfg, lambda: work.model(build_config(cfg, "model"), data))
+    else:  # checked on two training samples, as training checks it
+        model = _rebuilt(cfg, lambda: build_model(cfg, None, work, data))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:

@@ -1,16 +1,20 @@
 """`ddplab predict`: one row per input, from any trained model: a label and its probability
 (classifiers), the predicted values (regression), or what the run's own Task.predict makes.
 
-The run's Data is rebuilt through its own data function, the same for built-in and user
-workloads, and a raw input (a string) becomes one sample's model inputs by, in this order:
-- `Data.preprocess`, when the workload gives one;
-- the validation dataset's torchvision-style `transform` (ImageFolder and the like): the input is
-  an image file, opened as the dataset opens its own (its `loader`, else PIL in RGB);
+The run's data function is called with what the run saved for inference (`cfg.assets`,
+engine/assets.py), the same for built-in and user workloads, and a raw input (a string) becomes
+one sample's model inputs by, in this order:
+- `Data.preprocess`, when the workload gives one (the built-ins build theirs from the saved assets
+  alone, so their training data may be gone);
+- the validation dataset's torchvision-style `transform` (ImageFolder and the like), where the data
+  function built its datasets: the input is an image file, opened as the dataset opens its own
+  (its `loader`, else PIL in RGB);
 - otherwise numbers: `0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one
-  sample's tensor, in the dtype of the dataset's own inputs.
+  sample's tensor, in the dtype of the training inputs.
 Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them,
-beside a target taken from a real item (the run's collate_fn may need one); where items are dicts
-(Hugging Face's), `preprocess` gives the dict of one sample's inputs and the target joins it.
+beside a stand-in target of the training items' form (the run's collate_fn may need one); where
+items are dicts (Hugging Face's), `preprocess` gives the dict of one sample's inputs and the target
+joins it.
 """
 
 from __future__ import annotations
@@ -18,17 +22,16 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping
-from itertools import islice
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
+from ddplab.engine import assets
 from ddplab.engine.files import write_atomic
 from ddplab.errors import UserError, first_line
-from ddplab.inference import load_model, read_checkpoint, recorded_task
+from ddplab.inference import load_model, read_checkpoint, recorded_task, saved_assets
 from ddplab.tasks import CONTINUES_TEXT, call_model
 
 
@@ -57,36 +60,40 @@ def _unwrapped(dataset):
     return dataset
 
 
-def encoder(data) -> Callable[[str], object]:
-    """raw input -> one sample's model inputs, as described at the top of this file."""
+def encoder(data, example: dict | None = None) -> Callable[[str], object]:
+    """raw input -> one sample's model inputs, as described at the top of this file; `example`: the
+    form of a training item (engine/assets.example), else read from the data's first item."""
     if data.preprocess is not None:
         return data.preprocess
-    dataset = next(d for d in (data.val, data.test, data.train) if d is not None)
-    if isinstance(first_item(dataset), Mapping):
+    example = example or _example(data)
+    if example.get("kind") == "dict":
         raise UserError("this run's items are dicts (as Hugging Face's are): predict reads raw inputs through "
                         "Data(preprocess=...), a function from one input to one sample's dict, which its data does "
                         "not give")
+    dataset = next((d for d in (data.val, data.test, data.train) if d is not None), None)
     source = _unwrapped(dataset)
     transform = getattr(source, "transform", None)
     if callable(transform):
         return lambda item: transform(_open_image(item, getattr(source, "loader", None)))
-    sample = dataset[0][0]
-    dtype = sample.dtype if isinstance(sample, torch.Tensor) else torch.float32
+    dtype = getattr(torch, example.get("input_dtype") or "float32")
     return lambda item: read_numbers(item).to(dtype)
 
 
-def first_item(dataset):
-    return next(iter(islice(dataset, 1))) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+def _example(data) -> dict:
+    """The form of the data's first item, for a run folder saved before inference/ was; where its data
+    function built no dataset, the built-ins' form: (inputs, an integer target)."""
+    dataset = next((d for d in (data.val, data.train) if d is not None), None)
+    if dataset is None:
+        return {"kind": "pair", "target": 0}
+    return assets.example(assets.first_item(dataset), data.task)
 
 
-def _sample(data) -> Callable:
-    """One sample's inputs -> an item like the dataset's, its target taken from a real one."""
-    first = first_item(next(d for d in (data.val, data.train) if d is not None))
-    if isinstance(first, Mapping):
-        names = (data.task.target_field,) if data.task.target_field else ("labels", "label")
-        field = next((n for n in names if n in first), None)
-        return lambda inputs: {**inputs, **({field: first[field]} if field else {})}
-    return lambda inputs: (inputs, first[1])
+def _sample(example: dict) -> Callable:
+    """One sample's inputs -> an item of the training items' form, with a stand-in target."""
+    field, target = example.get("field"), assets.stand_in(example.get("target", 0))
+    if example.get("kind") == "dict":
+        return lambda inputs: {**inputs, **({field: target} if field else {})}
+    return lambda inputs: (inputs, target)
 
 
 def _open_image(item: str, loader: Callable | None):
@@ -125,10 +132,12 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
     checkpoint = read_checkpoint(run)
     if recorded_task(checkpoint[0]).kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
         raise UserError(CONTINUES_TEXT)
-    model, _, data = load_model(run, trust_code, rebuild_data=True, checkpoint=checkpoint)
-    encode, task = encoder(data), data.task
+    saved, example = saved_assets(checkpoint)
+    model, _, data = load_model(run, trust_code, checkpoint=checkpoint, saved=saved)
+    example = example or _example(data)  # a run folder saved before inference/ was: the rebuilt data's
+    encode, task = encoder(data, example), data.task
     collate = data.collate_fn or torch.utils.data.default_collate
-    sample = _sample(data)
+    sample = _sample(example)
     rows = []
     with torch.no_grad():
         for i in range(0, len(items), batch_size):

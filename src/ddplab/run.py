@@ -10,7 +10,7 @@ import yaml
 from ddplab import distributed, process_state
 from ddplab.callbacks import configured
 from ddplab.config import Config
-from ddplab.engine import failure, flight_recorder
+from ddplab.engine import assets, failure, flight_recorder
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
@@ -77,6 +77,7 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             run.write_json(RunFolder.ENV, {**env_info.collect(ctx), "host_memory_kept_below_bytes": kept})
+            assets.save(run, data)  # what predict reads in place of the data
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
             trainer = Trainer(cfg, ctx, data, model, run,

@@ -36,6 +36,8 @@ class Data:
 
     `inputs` is a tensor, or a dict of tensors passed to the model as keywords. `meta` holds
     plain values that inference needs (tokenizer, label names); it is stored in checkpoints.
+    `assets` names files inference needs (a tokenizer's file or folder, a vocabulary): training
+    copies them into the run folder, and `ddplab predict` hands them back as `cfg.assets`.
     `state` names objects with state_dict() / load_state_dict() (a stream's position, a counter)
     that every snapshot holds, each rank's own, and a resume gives back (engine/checkpoint.py).
     """
@@ -50,6 +52,7 @@ class Data:
     # One raw input (a file path, a text, numbers) -> one sample's inputs, for `ddplab predict`.
     preprocess: Callable | None = None
     state: dict = field(default_factory=dict)  # name -> stateful object, saved and restored per rank
+    assets: dict = field(default_factory=dict)  # name -> a file or folder, saved into the run folder's inference/
 
     # What built-in model builders read.
     @property
@@ -72,6 +75,26 @@ class Options(dict):
 
 
 @dataclass
+class Assets:
+    """What a run saved for inference when its training started (the run folder's inference/):
+    `ddplab predict` gives it to the data function as `cfg.assets`, which may then return
+    Data(train=None, preprocess=..., collate_fn=...) built from it alone, reading no data."""
+
+    meta: dict  # Data.meta, as the weights were trained with
+    task: Any  # the Data.task, rebuilt from its description
+    folder: Path | None = None  # the run's inference/ folder; None for a checkpoint away from its run folder
+    files: dict = field(default_factory=dict)  # Data.assets' names -> path inside `folder`
+
+    def path(self, name: str) -> Path:
+        """Where the file or folder that training's Data.assets[name] named was saved."""
+        if name not in self.files:
+            saved = ", ".join(sorted(self.files)) or "none"
+            raise UserError(f"cfg.assets.path({name!r}): this run saved no such asset (saved: {saved}); "
+                            f"name it in Data(assets=...) at training, and predict from the run folder")
+        return self.folder / self.files[name]
+
+
+@dataclass
 class BuildConfig:
     """What a workload function is given: its section's options, the whole config, and the job."""
 
@@ -81,6 +104,7 @@ class BuildConfig:
     world_size: int = 1
     local_rank: int = 0
     dist: Any = None  # the DistContext (built-ins use it; user code rarely needs it)
+    assets: Assets | None = None  # set by `ddplab predict` only: what the run saved for inference
 
     @property
     def is_main(self) -> bool:
@@ -105,11 +129,11 @@ class Workload:
     references: dict
 
 
-def build_config(cfg, section: str, ctx=None) -> BuildConfig:
+def build_config(cfg, section: str, ctx=None, assets: Assets | None = None) -> BuildConfig:
     """What a workload function of `section` ("data", "model") is given, in the job `ctx` (or none)."""
     options = Options(getattr(cfg, section).options or {})
     job = () if ctx is None else (ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
-    return BuildConfig(options, cfg, *job)
+    return BuildConfig(options, cfg, *job, assets=assets)
 
 
 # ---------------------------------------------------------------------------- code references

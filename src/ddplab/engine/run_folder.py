@@ -1,7 +1,8 @@
 """The run folder: rank 0 writes it, other ranks never touch shared files.
 
 config.yaml, env.json, metrics.csv (one row per epoch), metrics.json, train.log,
-tensorboard/ and trackers.json (ddplab.trackers), checkpoints/ (SPEC section 4). Reports read only these files.
+tensorboard/ and trackers.json (ddplab.trackers), checkpoints/ (SPEC section 4), inference/
+(engine/assets.py). Reports read only these files.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RunFolder:
     POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
     HEARTBEAT = "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status` (engine/heartbeat.py)
     LOGS = "logs"  # rank<N>.log: a failed rank's traceback and every thread's stack
+    INFERENCE = "inference"  # what predict needs of the data: assets.json and Data.assets' files (engine/assets.py)
 
     def __init__(self, path: Path, is_main: bool) -> None:
         from rich.console import Console  # only rank 0 prints
@@ -77,8 +79,9 @@ class RunFolder:
             except OSError as exc:  # a full disk: one line naming the file, exit 1
                 raise write_failed(self.path / name, exc) from exc
 
-    def write_json(self, name: str, obj) -> None:
-        self.write_text(name, json.dumps(_clean(obj), indent=2) + "\n")
+    def write_json(self, name: str, obj, default=None) -> None:
+        """`default`: what json.dumps makes of a value it cannot write (None: refuse it)."""
+        self.write_text(name, json.dumps(_clean(obj), indent=2, default=default) + "\n")
 
     def update_json(self, name: str, **fields) -> None:
         try:

@@ -18,14 +18,15 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ddplab.data.stream import is_stream, shards_itself, size
-from ddplab.errors import RunError, UserError, first_line
-from ddplab.tasks import Task, call_model
-from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
+from ddplab.engine import assets as saved_assets
 from ddplab.engine import fsdp_comm
 from ddplab.engine.comm import install_comm_hook
 from ddplab.engine.heartbeat import place_of
 from ddplab.engine.sharding import shard
+from ddplab.errors import RunError, UserError, first_line
+from ddplab.tasks import Task, call_model
+from ddplab.workload import Assets, Data, Workload, build_config
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
@@ -98,17 +99,23 @@ def _call(fn, where: str, *args):
         raise RunError(f"{where} raised {type(exc).__name__}: {first_line(exc)} at {place_of(exc)}") from exc
 
 
-def build_data(cfg, ctx, work: Workload) -> Data:
-    """The workload's Data, checked: what a data function hands back is the user's to fix."""
+def build_data(cfg, ctx, work: Workload, assets: Assets | None = None) -> Data:
+    """The workload's Data, checked: what a data function hands back is the user's to fix. Given
+    `assets` (predict: what the run saved), it may hand back Data without datasets, built from
+    them alone (its task, where it gives none, is the saved one)."""
     where = f"data.name={cfg.data.name}"
-    data = _call(work.data, where, build_config(cfg, "data", ctx))
+    data = _call(work.data, where, build_config(cfg, "data", ctx, assets))
     if not isinstance(data, Data):
         raise UserError(f"{where} returned {type(data).__name__}, not ddplab.Data(train=..., val=..., task=...)")
+    if assets is not None and all(split is None for split in (data.train, data.val, data.test)):
+        data.task = assets.task if data.task is None else data.task
+        check_task(data.task, where)
+        return data
     for split in ("train", "val", "test"):
         check_dataset(getattr(data, split), f"{where}: Data.{split}")
-    if not isinstance(data.task, Task):
-        raise UserError(f"{where}: Data.task is {data.task!r}; give ddplab.Classification(n), ddplab.Regression(), "
-                        f"ddplab.LanguageModeling() or a ddplab.Task subclass")
+    check_task(data.task, where)
+    if assets is None:
+        saved_assets.check(data, where)
     n = size(data.train)
     if n is None and not cfg.training.max_steps:
         raise UserError(f"{where}: Data.train is a stream ({type(data.train).__name__}) that does not know its "
@@ -120,6 +127,12 @@ def build_data(cfg, ctx, work: Workload) -> Data:
     if ctx is not None:
         same_on_every_rank(data, ctx, where)
     return data
+
+
+def check_task(task, where: str) -> None:
+    if not isinstance(task, Task):
+        raise UserError(f"{where}: Data.task is {task!r}; give ddplab.Classification(n), ddplab.Regression(), "
+                        f"ddplab.LanguageModeling() or a ddplab.Task subclass")
 
 
 def same_on_every_rank(data: Data, ctx, where: str) -> None:

@@ -22,6 +22,10 @@ SOURCES = {"digits": images.digits, "mnist": images.torchvision_set, "fashion_mn
 
 
 def data(cfg: ddplab.BuildConfig) -> ddplab.Data:
+    if cfg.assets is not None:  # `ddplab predict`: the transform and labels from the saved meta; no image is read
+        meta = cfg.assets.meta
+        return ddplab.Data(train=None, meta=meta, collate_fn=images.stack_images,
+                           input_shape=tuple(meta["input_shape"]), preprocess=images.ImageFile(meta))
     config = cfg.config
     spec = image_spec(config, *image_needs(config.model.name), log=_say if cfg.is_main else None)
     splits = SOURCES[config.data.name](config, cfg.dist, spec)

@@ -28,6 +28,10 @@ from ddplab.models.transformer import TransformerClassifier, TransformerConfig
 
 
 def data(cfg) -> ddplab.Data:
+    if cfg.assets is not None:  # `ddplab predict`: the tokenizer the run saved in meta; no text is read
+        meta = cfg.assets.meta
+        collate = partial(pad_collate, pad_id=meta.get("pad_id", 0))
+        return ddplab.Data(train=None, meta=meta, collate_fn=collate, preprocess=Encoder(meta))
     c = cfg.config
     read, describe = SOURCES[c.data.name]
     description = {"source": describe(c), "tokenizer": tokenizer_description(c)}
