@@ -146,7 +146,7 @@ class CheckpointConfig:
     save_best: bool = _f(True, "keep the model with the best validation loss")
     async_save: bool = _f(False, "fsdp/hsdp: write snapshots in the background (DCP async_save) while training "
                                  "goes on (`async` is a Python keyword)")
-    checksums: bool = _f(True, "record each snapshot file's CRC-32 in its manifest and check it before the "
+    checksums: bool = _f(True, "record each snapshot file's CRC-32C in its manifest and check it before the "
                                "snapshot is trusted (false: sizes only)")
 
 
