@@ -124,8 +124,8 @@ def hsdp_preempted(tmp_path_factory, data) -> Path:
     return cwd
 
 
-def _hsdp_args(data: Path) -> list[str]:
-    return [*_args(data, "h", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
+def _hsdp_args(corpus: Path) -> list[str]:
+    return [*_args(corpus, "h", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
 
 
 def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data, hsdp_preempted):
