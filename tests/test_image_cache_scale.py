@@ -4,7 +4,6 @@ data.decode=gpu (refused without CUDA; on a GPU, decoded there)."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from conftest import _env, assert_ok, ddplab
+from conftest import _env, assert_ok, ddplab, main
 from ddplab.data import image_cache
 from ddplab.data.image_cache import CachedImages, EncodedImages
 from ddplab.registry import load_config
@@ -89,25 +88,27 @@ def test_encoded_batches_decode_on_arrival_to_the_pixels_of_the_workers_path(tmp
     assert torch.equal(batch.labels, expected.labels)
 
 
-def test_a_raw_cache_too_big_for_the_disk_is_one_line_naming_jpeg(tmp_path):
+def test_a_raw_cache_too_big_for_the_disk_is_one_line_naming_jpeg(tmp_path, monkeypatch, capfd):
     photo_tree(tmp_path / "tree")
-    script = ("import sys; from ddplab.data import image_cache; image_cache.free_space = lambda path: 4096; "
-              "from ddplab.cli import main; sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", script, "train", "model.name=cnn", "data.name=image_folder",
-                           f"data.root={tmp_path / 'tree'}", "data.image_size=24", "training.max_steps=1", *QUIET],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(image_cache, "free_space", lambda path: 4096)
+    code = main("train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
+                "data.image_size=24", "training.max_steps=1", *QUIET)
+    err = capfd.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "data.cache=jpeg" in lines[0] and "4.0 KiB free" in lines[0]
     assert not list((tmp_path / "experiments").glob("*/checkpoints/*"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_decode_gpu_without_cuda_is_one_line_before_any_process(tmp_path):
-    proc = ddplab("train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path}", "data.decode=gpu",
-                  "data.cache=jpeg", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
-    assert "data.decode=gpu needs CUDA" in proc.stderr and not (tmp_path / "experiments").exists()
+def test_decode_gpu_without_cuda_is_one_line_before_any_process(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    code = main("train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path}", "data.decode=gpu",
+                "data.cache=jpeg")
+    err = capfd.readouterr().err
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "data.decode=gpu needs CUDA" in err and not (tmp_path / "experiments").exists()
 
 
 def _run(tmp_path, name, *extra, spec=None):

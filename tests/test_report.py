@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import ddplab
+from conftest import main
 from ddplab.errors import UserError
 from ddplab.report.build import make_report
 from ddplab.report.runs import find_runs
@@ -68,13 +68,14 @@ def test_report_files(tmp_path):
         assert (tmp_path / "out" / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_no_finished_runs_is_a_user_error(tmp_path):
+def test_no_finished_runs_is_a_user_error(tmp_path, monkeypatch, capfd):
     with pytest.raises(UserError, match="no finished run folders"):
         find_runs([tmp_path])
-    proc = ddplab("report", str(tmp_path / "missing"), cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "missing" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    proc = ddplab("report", str(tmp_path), "--budget", "soon", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "--budget" in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    code, err = main("report", str(tmp_path / "missing")), capfd.readouterr().err
+    assert code == 2 and "missing" in err and len(err.strip().splitlines()) == 1
+    code, err = main("report", str(tmp_path), "--budget", "soon"), capfd.readouterr().err
+    assert code == 2 and "--budget" in err
 
 
 def _point(root, name, setup, rate, *, repeat=1, batch=8, epoch_time=None, test=None, budget=None):

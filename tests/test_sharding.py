@@ -5,6 +5,7 @@ export, and the bad inputs of sharded training."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
+from conftest import TINY_GPT, _env, assert_ok, ddplab, main, torchrun
 from ddplab.engine.checkpoint import Checkpointer
 from faults import command
 from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
@@ -113,15 +114,28 @@ def _two_nodes(spec: str, args: list[str], cwd: Path) -> list[subprocess.Complet
     return [p.communicate(timeout=240) and p for p in procs]
 
 
-def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data):
-    ref = tmp_path / "ref"
+@pytest.fixture(scope="module")
+def hsdp_preempted(tmp_path_factory, data) -> Path:
+    """A 2-node hsdp job (2 x 2 processes, batch 4: the global batch of 16) pre-empted at step 4, each rank's
+    samples traced into trace/. Each test resumes a copy of it its own way."""
+    cwd = tmp_path_factory.mktemp("hsdp")
+    _two_nodes(f"trace={cwd / 'trace'},signal_rank=3,step=4", _hsdp_args(data), cwd)
+    assert _summary(cwd / "experiments" / "h")["status"] == "preempted"
+    return cwd
+
+
+def _hsdp_args(corpus: Path) -> list[str]:
+    return [*_args(corpus, "h", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
+
+
+def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data, hsdp_preempted):
+    ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
-    args = [*_args(data, "h", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
+    args = _hsdp_args(data)
     _two_nodes("", args, ref)
-    _two_nodes("signal_rank=3,step=4", args, tmp_path)
-    assert _summary(tmp_path / "experiments" / "h")["status"] == "preempted"
-    _two_nodes("", args, tmp_path)
-    _same_as(tmp_path / "experiments" / "h", ref / "experiments" / "h")
+    shutil.copytree(hsdp_preempted, run)
+    _two_nodes("", args, run)
+    _same_as(run / "experiments" / "h", ref / "experiments" / "h")
     summary = _summary(ref / "experiments" / "h")
     assert summary["ddp"]["world_size"] == 4
     # 4 processes x batch 4 -> 6 steps an epoch, each with 3 gradient all-reduces across the nodes besides FSDP's 8
@@ -129,15 +143,13 @@ def test_hsdp_on_two_nodes_resumes_bit_identically(tmp_path, data):
     assert all(row["comm_calls"] == 66 and row["comm_time_s"] > 0 for row in summary["epochs"])
 
 
-def test_hsdp_from_two_nodes_resumes_on_one_resharded_with_the_global_batch_kept(tmp_path, data):
+def test_hsdp_from_two_nodes_resumes_on_one_resharded_with_the_global_batch_kept(tmp_path, data, hsdp_preempted):
+    shutil.copytree(hsdp_preempted, tmp_path, dirs_exist_ok=True)
     trace = tmp_path / "trace"
-    args = [*_args(data, "h1", "hsdp"), "training.batch_size=4"]  # 4 x 4 processes: the global batch of 16
-    _two_nodes(f"trace={trace},signal_rank=3,step=4", args, tmp_path)
-    assert _summary(tmp_path / "experiments" / "h1")["status"] == "preempted"
-    proc = _run(f"trace={trace}", args, tmp_path, nproc=2)  # 2 x 2 -> 1 node of 2: the shards are re-divided
+    proc = _run(f"trace={trace}", _hsdp_args(data), tmp_path, nproc=2)  # 2 x 2 -> 1 node of 2: the shards re-divided
     assert_ok(proc)
     assert "global batch = 4 per process x 2 accumulation x 2 processes = 16" in proc.stdout
-    summary = _summary(tmp_path / "experiments" / "h1")
+    summary = _summary(tmp_path / "experiments" / "h")
     assert summary["aggregates"]["steps"] == 12 and summary["aggregates"]["resumes"] == 1
     for epoch, ranks in _trace(trace).items():
         seen = Counter(i for indices in ranks.values() for i in indices)
@@ -160,11 +172,12 @@ def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference):
     assert torch.equal(fresh(idx), trained(idx))
 
 
-def test_bad_sharding_inputs_say_one_line(tmp_path, data):
+def test_bad_sharding_inputs_say_one_line(tmp_path, data, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
     for extra, says in ((["distributed.comm_hook=fp16"], "distributed.comm_hook=fp16 is a DDP communication hook"),
                         ([f"distributed.shard={tmp_path}/nope.py:shard"], "distributed.shard: no such file")):
-        proc = ddplab(*_args(data, "bad"), *extra, cwd=tmp_path)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+        code, err = main(*_args(data, "bad"), *extra), capfd.readouterr().err  # found before any process starts
+        assert code == 2 and err.count("\n") == 1 and says in err, err
     (tmp_path / "lazy.py").write_text("def shard(model, mesh):\n    pass\n")
     proc = torchrun(2, *_args(data, "lazy"), f"distributed.shard={tmp_path}/lazy.py:shard", cwd=tmp_path)
     assert proc.returncode != 0 and "lazy.py:shard sharded nothing" in proc.stderr + proc.stdout
@@ -172,8 +185,9 @@ def test_bad_sharding_inputs_say_one_line(tmp_path, data):
     args = [*_args(data, "one"), "training.max_steps=2"]
     assert_ok(_run("", args, tmp_path))  # one process: the snapshot is still written with DCP
     snap = Checkpointer(tmp_path / "experiments" / "one" / "checkpoints", False).latest()
-    proc = ddplab(*_args(data, "other"), "model.dim=16", f"checkpoint.resume={snap}", cwd=tmp_path)
-    assert proc.returncode == 2 and "tok_emb.weight is (" in proc.stderr and "this config builds" in proc.stderr
+    capfd.readouterr()
+    code, err = main(*_args(data, "other"), "model.dim=16", f"checkpoint.resume={snap}"), capfd.readouterr().err
+    assert code == 2 and "tok_emb.weight is (" in err and "this config builds" in err, err
 
 
 def test_hsdp_needs_whole_nodes_and_a_model_names_its_blocks():

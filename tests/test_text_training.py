@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score
 
 from conftest import assert_ok, ddplab, main, torchrun
 from ddplab.config_io import from_dict
@@ -30,6 +29,8 @@ def offline(monkeypatch):
 
 
 def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_path):
+    from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score  # seconds: not at collection
+
     proc = torchrun(2, "train", *SCRATCH, "experiment.name=s", cwd=tmp_path)
     assert_ok(proc)
     assert proc.stdout.count("tokenising synthetic_reviews") == 1  # rank 0 builds the cache, rank 1 waits

@@ -2,6 +2,7 @@
 kill and a resume, a study is one parent MLflow run, and a tracker that fails never stops training."""
 
 import csv
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -11,8 +12,9 @@ import pytest
 from conftest import TINY_GPT, _env, assert_ok, ddplab, main
 from faults import command
 
-pytest.importorskip("mlflow", reason="the track extra is not installed (pip install 'ddplab[track]')")
-pytest.importorskip("wandb", reason="the track extra is not installed (pip install 'ddplab[track]')")
+# Whether they are installed, not imported: importing them costs seconds of every worker's collection.
+pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("mlflow", "wandb")),
+                                reason="the track extra is not installed (pip install 'ddplab[track]')")
 
 # One process, batch 8 of 96 samples: 12 steps per epoch, 24 in all; a snapshot every 4 steps.
 ARGS = [*TINY_GPT, "data.limit=96", "training.epochs=2", "checkpoint.every=4", "logging.log_every=1",

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 import ddplab
-from conftest import assert_ok, ddplab as run_ddplab, torchrun
+from conftest import assert_ok, ddplab as run_ddplab, main, torchrun
 from ddplab.errors import UserError
 from ddplab.models.vision import CNN, compact
 from ddplab.registry import load_config
@@ -109,12 +109,14 @@ def test_what_a_torchvision_classifier_cannot_take_is_refused_with_the_config():
     load_config(None, ["model.name=vit_b_16", "data.name=digits", "data.image_size=32"])
 
 
-def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weights):
-    proc = run_ddplab("train", "model.name=vgg11", "data.name=digits", "data.image_size=32",
-                  f"model.weights={resnet18_weights}", cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "model.weights" in lines[0] and "does not fit vgg11" in lines[0], proc.stderr
+def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weights, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    code = main("train", "model.name=vgg11", "data.name=digits", "data.image_size=32",
+                f"model.weights={resnet18_weights}")
+    err = capfd.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "model.weights" in lines[0] and "does not fit vgg11" in lines[0], err
     assert not (tmp_path / "experiments").exists()
 
 

@@ -44,9 +44,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ddplab.engine.files import NEW_FILE, subfolder
 from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, verify
@@ -113,6 +110,14 @@ class Parts:
             else:
                 obj.load_state_dict(plain[name][ctx.rank] if kind == PER_RANK else plain[name])
         return left
+
+
+def _dcp_error() -> tuple:
+    """DCP's CheckpointException (a BaseException, which a failed sharded save raises) once DCP is imported, else
+    nothing. torch.distributed.checkpoint brings FSDP and DTensor with it, about a second of every process's start,
+    so only runs with sharded parts import it; until one has, nothing can raise its exception."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (api.CheckpointException,) if api is not None else ()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -202,7 +207,7 @@ class Checkpointer:
                 _write_synced(tmp / STATE, lambda f: torch.save(plain, f))
                 if not (sharded and background):
                     self._finish(tmp, final, manifest)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
+        except (Exception, *_dcp_error()) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(name, exc) from exc
         if self.is_main and sharded and background:
             self._saving = self._pending
@@ -212,6 +217,8 @@ class Checkpointer:
         return final if self.is_main else None
 
     def _save_shards(self, shards: dict, folder: Path, ctx, background: bool) -> None:
+        import torch.distributed.checkpoint as dcp  # sharded parts only: see _dcp_error
+
         if background:
             if ctx.is_distributed and self._group is None:
                 # DCP's own collectives run in a background thread: a group of their own keeps them apart from training's.
@@ -229,7 +236,7 @@ class Checkpointer:
         try:
             saved.result()
             self._finish(tmp, final, manifest)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised by wait(), in the training thread
+        except (Exception, *_dcp_error()) as exc:  # noqa: BLE001 - raised by wait(), in the training thread
             self._error = self._failed(final.name, exc)
 
     def _finish(self, tmp: Path, final: Path, manifest: dict) -> None:
@@ -255,7 +262,7 @@ class Checkpointer:
         try:
             if pending is not None:
                 pending.result()
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
+        except (Exception, *_dcp_error()) as exc:  # noqa: BLE001 - DCP's own is a BaseException
             self._error = self._error or self._failed("", exc)
         if self._finisher is not None:
             self._finisher.join()
@@ -278,7 +285,7 @@ class Checkpointer:
             finisher.join()
 
     def _failed(self, name: str, exc: BaseException) -> RunError:
-        if isinstance(exc, CheckpointException) and exc.failures:  # DCP's gathered failures: the first rank's
+        if isinstance(exc, _dcp_error()) and exc.failures:  # DCP's gathered failures: the first rank's
             exc = next(iter(exc.failures.values()))[0]
         if self.is_main and name:
             _remove(self.root / f".tmp-{name}")  # a full disk: its room back, so the run can record why it failed
@@ -420,6 +427,9 @@ def load_checkpoint(path: str | Path, log=_warn) -> tuple[Path, dict]:
 
 def _tensors(folder: Path, prefix: str = "model.") -> dict:
     """DCP's metadata: stored name (without prefix) -> its tensor's metadata, for `prefix` entries."""
+    import torch.distributed.checkpoint as dcp  # sharded snapshots only: see _dcp_error
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     try:
         found = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a missing or foreign folder: say which
@@ -441,6 +451,8 @@ def consolidated(folder: Path) -> dict:
 
 def load_shards(state: dict, folder: Path, distributed: bool) -> None:
     """DCP's load into `state` (its tensors, sharded or whole, say what each rank reads)."""
+    import torch.distributed.checkpoint as dcp  # sharded snapshots only: see _dcp_error
+
     with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(folder), no_dist=not distributed)

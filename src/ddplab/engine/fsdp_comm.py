@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from ddplab.engine.clock import InFlight, Stamps, covered_s
 
@@ -101,6 +100,8 @@ class _Timed:
 def install(model: torch.nn.Module, device: torch.device, beat=None) -> ShardedCommMonitor | None:
     """Time the collectives of every sharded module of `model`; None where FSDP offers no place to (a module
     with several parameter groups)."""
+    from torch.distributed.fsdp import FSDPModule  # about a second to import: only sharded runs get here
+
     monitor = ShardedCommMonitor(device, beat)
     for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
         groups = module._get_fsdp_state()._fsdp_param_groups

@@ -12,24 +12,28 @@ The model stays the module it was (FSDP2 shards in place), so the trainer's `raw
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ddplab.engine.checkpoint import part
 from ddplab.errors import UserError
 from ddplab.workload import resolve
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards `module`. torch's FSDP (with DTensor and DCP) costs about a second of every process's
+    start, so only sharded runs import it; until one has, no module can be an FSDPModule."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
     """The model sharded in place over the job's device mesh (a plain module on one process)."""
+    from torch.distributed.device_mesh import init_device_mesh  # FSDP: only for sharded runs (see _is_fsdp)
+    from torch.distributed.fsdp import fully_shard
+
     d, per_node = cfg.distributed, ctx.launch.local_world_size
     model.to(ctx.device)
     if not ctx.is_distributed:
@@ -45,7 +49,7 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
     options = {"mesh": mesh, "mp_policy": precision(cfg.training.amp, ctx.device)}
     if d.shard:
         resolve(d.shard, "distributed.shard")(model, mesh)
-        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        if not any(_is_fsdp(m) for m in model.modules()):
             raise UserError(f"distributed.shard={d.shard} sharded nothing: it must call "
                             f"torch.distributed.fsdp.fully_shard(module, mesh=mesh) on the model's blocks")
     else:
@@ -55,7 +59,7 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
         if ctx.is_main:
             print(f"{d.strategy}: {len(chosen)} blocks sharded on their own "
                   f"({_names(model, chosen)}), then the root", flush=True)
-    if not isinstance(model, FSDPModule):
+    if not _is_fsdp(model):
         fully_shard(model, **options)
     return model
 
@@ -80,8 +84,10 @@ def _names(model, chosen) -> str:
     return ", ".join(names[:4]) + (f", ... {len(names) - 4} more" if len(names) > 4 else "") if names else "none"
 
 
-def precision(amp: str, device: torch.device) -> MixedPrecisionPolicy:
-    """training.amp on CUDA: parameters in bf16/fp16 for compute, gradients reduced in fp32."""
+def precision(amp: str, device: torch.device):
+    """training.amp on CUDA: parameters in bf16/fp16 for compute, gradients reduced in fp32 (a MixedPrecisionPolicy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP: only for sharded runs (see _is_fsdp)
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     if dtype is None or device.type != "cuda":
         return MixedPrecisionPolicy()
@@ -91,7 +97,7 @@ def precision(amp: str, device: torch.device) -> MixedPrecisionPolicy:
 def micro_step(model: torch.nn.Module, last: bool):
     """The context of one micro-step: gradients are reduced (all-reduce, reduce-scatter) on the last only."""
     inner = getattr(model, "_orig_mod", model)  # under torch.compile
-    if isinstance(inner, FSDPModule):
+    if _is_fsdp(inner):
         inner.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     return inner.no_sync() if not last and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
@@ -99,19 +105,23 @@ def micro_step(model: torch.nn.Module, last: bool):
 
 def is_sharded(model: torch.nn.Module) -> bool:
     # Not its parameters' type: after a forward pass FSDP2 leaves the root's parameters gathered, plain tensors.
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(_is_fsdp(m) for m in model.modules())
 
 
 def full_state(model: torch.nn.Module) -> dict:
     """Every parameter whole, on the CPU (a collective when sharded; ranks other than 0 get {})."""
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=FULL)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # sharded: see _is_fsdp
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full(model: torch.nn.Module, state: dict) -> None:
     """Whole weights into the model, each rank keeping its shard."""
     if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # see _is_fsdp
+
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
     else:
         model.load_state_dict(state)
@@ -120,6 +130,14 @@ def load_full(model: torch.nn.Module, state: dict) -> None:
 def sharded_parts(model: torch.nn.Module, optimizer) -> tuple:
     """The model and the optimizer of a sharded run as a snapshot's parts: this rank's shards keyed by
     parameter names, as torch.distributed.checkpoint stores them (and reshards them on load, to any world size)."""
+    # Sharded runs only: see _is_fsdp.
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     return (part(lambda: get_model_state_dict(model), lambda state: set_model_state_dict(model, state)),
             part(lambda: get_optimizer_state_dict(model, optimizer),
                  lambda state: set_optimizer_state_dict(model, optimizer, state)))
@@ -127,8 +145,10 @@ def sharded_parts(model: torch.nn.Module, optimizer) -> tuple:
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict:
     """This rank's bytes of parameters, of their gradients (one per trainable parameter) and of optimizer state."""
+    tensor = sys.modules.get("torch.distributed.tensor")  # imported by every sharded run (see _is_fsdp)
+
     def local(t):
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if tensor is not None and isinstance(t, tensor.DTensor) else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
     return {"parameters": sum(local(p) for p in model.parameters()),
             "gradients": sum(local(p) for p in model.parameters() if p.requires_grad),
@@ -138,7 +158,7 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict:
 def fsdp_units(model: torch.nn.Module, min_params: int) -> list[dict]:
     """Bytes of the parameters FSDP gathers as one, root first then its blocks in registration order (about
     forward order): as the run sharded the model, or as distributed.strategy=fsdp would (for `ddplab forecast`)."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model, *blocks(model, min_params)]
+    units = [m for m in model.modules() if _is_fsdp(m)] or [model, *blocks(model, min_params)]
     seen, out = set(), []
     for unit in reversed(units):  # innermost first: a parameter belongs to the innermost unit holding it
         own = [p for p in unit.parameters() if id(p) not in seen]

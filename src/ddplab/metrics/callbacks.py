@@ -15,7 +15,6 @@ from ddplab.engine.comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
 from ddplab.metrics.stragglers import Stragglers
 from ddplab.metrics.throughput import mfu
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 class EpochColumns(Callback):
@@ -115,6 +114,9 @@ class ProgressBar(Callback):
     def on_epoch_start(self, view):
         if not _bar_shown(view):
             return
+        # Only a terminal shows the bar: a worker that never draws one is spared rich's import.
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), console=view.run.console, transient=True)
         self.progress.add_task(f"epoch {view.epoch}", total=view.epoch_samples)
