@@ -23,6 +23,9 @@ def train(ns) -> int:
     check_files(cfg)
     at_least("--nproc-per-node", ns.nproc_per_node)
     at_least("--max-restarts", ns.max_restarts, 0)
+    at_least("--replica-groups", ns.replica_groups)
+    if ns.replica_groups:
+        return launch_groups(cfg, ns)
     if ns.nproc_per_node or ns.max_restarts:
         return launch(cfg, ns)
     if under_agent():
@@ -56,6 +59,16 @@ def launch(cfg, ns) -> int:
                            env=lock.worker_env())
     finally:
         lock.release()
+
+
+def launch_groups(cfg, ns) -> int:
+    """`--replica-groups N`: the job as N replica groups (distributed.fault_tolerance=replicas) on this machine,
+    each of --nproc-per-node processes and with its own run folder (Config.run_name), which its rank 0 holds."""
+    if cfg.distributed.fault_tolerance != "replicas":
+        raise UserError("--replica-groups runs replica groups: set distributed.fault_tolerance=replicas")
+    note_launch()
+    return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
+                       groups=ns.replica_groups)
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
