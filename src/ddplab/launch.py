@@ -335,6 +335,7 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups:
     `groups`: that many replica groups of `nproc` processes (engine/replicas.py), each its own torchrun
     agent, with a torchft Lighthouse for them on this machine; a group that fails ends none of the others."""
     if groups:
+        env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}  # torchft's lines per step: RUST_LOG=info
         with lighthouse() as address:
             ended = run([torchrun_command(nproc, [*args, f"distributed.replica_group={i}",
                                                   f"distributed.replica_groups={groups}",

@@ -43,6 +43,7 @@ class Replicas:
         self.present = self.groups  # groups in the last step's quorum
         self._epoch: list[int] = []  # the global batch of each step committed this epoch
         self._fewest = self.groups  # the fewest groups in a committed step this epoch
+        self.timeout = d.timeout
         timeout = datetime.timedelta(seconds=d.timeout)
         store = {} if os.environ.get("MASTER_ADDR") else self._own_store()
         lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
@@ -65,11 +66,19 @@ class Replicas:
         self.rejoined = True
 
     def begin_step(self, step: int) -> bool:
-        """Join this step's quorum (before its data is read); True when a peer's state was loaded."""
+        """Join this step's quorum (before its data is read); True when a peer's state was loaded.
+
+        A run's first step waits (distributed.timeout at most) for every group: groups start a few seconds
+        apart, and one that began alone would train alone until the others arrive."""
         self.rejoined = False
         self.manager.start_quorum()
+        deadline = time.monotonic() + self.timeout
+        while self.manager.current_step() == 0 and self.manager.num_participants() < self.groups \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.manager.start_quorum()
         was, self.present = self.present, self.manager.num_participants()
-        if self.present != was:
+        if self.present != was or self.rejoined:
             self.log(f"step {step + 1}: {self.present} of {self.groups} replica groups in the quorum"
                      + (" (this group rejoined from a peer's live state)" if self.rejoined else ""))
         return self.rejoined
