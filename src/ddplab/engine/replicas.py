@@ -65,7 +65,7 @@ class Replicas:
         self._load(state)
         self.rejoined = True
 
-    def begin_step(self, step: int) -> bool:
+    def begin_step(self) -> bool:
         """Join this step's quorum (before its data is read); True when a peer's state was loaded.
 
         A run's first step waits (distributed.timeout at most) for every group: groups start a few seconds
@@ -79,7 +79,7 @@ class Replicas:
             self.manager.start_quorum()
         was, self.present = self.present, self.manager.num_participants()
         if self.present != was or self.rejoined:
-            self.log(f"step {step + 1}: {self.present} of {self.groups} replica groups in the quorum"
+            self.log(f"step {self.manager.current_step() + 1}: {self.present} of {self.groups} replica groups in the quorum"
                      + (" (this group rejoined from a peer's live state)" if self.rejoined else ""))
         return self.rejoined
 

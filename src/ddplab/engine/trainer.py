@@ -200,7 +200,7 @@ class Trainer:
         self.in_epoch = True
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
-            if self.replicas is not None and self.replicas.begin_step(s.step):
+            if self.replicas is not None and self.replicas.begin_step():
                 batches = self.feed.epoch(s.epoch, s.consumed)  # a peer's state: its position in its epoch
                 left = self.feed.left()
             waited = time.perf_counter()
