@@ -69,8 +69,11 @@ def _worker(group: int) -> int | None:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (f"distributed.replica_group={group}".encode() in cmd and b"train" in cmd
-                and not any(b"ddplab.launch" in c for c in cmd)):
+        if (
+            f"distributed.replica_group={group}".encode() in cmd
+            and b"train" in cmd
+            and not any(b"ddplab.launch" in c for c in cmd)
+        ):
             return int(proc.name)
     return None
 
@@ -104,13 +107,38 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path):
     gate = tmp_path / "slow"
     gate.touch()
     steps, kill_at = 600, 30  # 128 steps an epoch: the run crosses epochs' ends after the rejoin
-    cmd = [sys.executable, "-m", "ddplab", "train", "--replica-groups", "2", "--max-restarts", "1",
-           "distributed.fault_tolerance=replicas", "model.name=wl.py:model", "data.name=wl.py:data",
-           f"model.options.gate={gate}", "training.batch_size=8", f"training.max_steps={steps}", "training.epochs=100",
-           "training.warmup_steps=0", "logging.log_every=10", "logging.trackers=[]", "logging.progress=false",
-           "distributed.timeout=60", "experiment.name=ft"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddplab",
+        "train",
+        "--replica-groups",
+        "2",
+        "--max-restarts",
+        "1",
+        "distributed.fault_tolerance=replicas",
+        "model.name=wl.py:model",
+        "data.name=wl.py:data",
+        f"model.options.gate={gate}",
+        "training.batch_size=8",
+        f"training.max_steps={steps}",
+        "training.epochs=100",
+        "training.warmup_steps=0",
+        "logging.log_every=10",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "distributed.timeout=60",
+        "experiment.name=ft",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     runs = [tmp_path / "experiments" / f"ft-group{i}" for i in range(2)]
     try:
         _wait(lambda: True if len(_rows(runs[1])) >= kill_at else None, 120, proc)
@@ -118,7 +146,9 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path):
         os.kill(_worker(1), signal.SIGKILL)
         killed_at = len(_rows(runs[1]))
         # Back: a row of the restarted group, at a step past the kill (its state came from the peer: no snapshot yet).
-        back = _wait(lambda: next((r for r in _rows(runs[1])[killed_at:] if int(r["step"]) > killed_at), None), 120, proc)
+        back = _wait(
+            lambda: next((r for r in _rows(runs[1])[killed_at:] if int(r["step"]) > killed_at), None), 120, proc
+        )
         assert _worker(0) == survivor, "the healthy group was restarted"
         gate.unlink()
         out, _ = proc.communicate(timeout=120)

@@ -169,7 +169,7 @@ class DistributedConfig:
     fault_tolerance: str = _f("none", "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
                                       "that keep training when one dies and copy a rejoining group's state from a "
                                       "live one; see the fault-tolerance page", choices=("none", "replicas"))
-    lighthouse: Optional[str] = _f(None, "fault_tolerance=replicas: the torchft Lighthouse's address (http://host:"
+    lighthouse: str | None = _f(None, "fault_tolerance=replicas: the torchft Lighthouse's address (http://host:"
                                          "port); default $TORCHFT_LIGHTHOUSE (`--replica-groups N` starts one)")
     replica_group: int = _f(0, "fault_tolerance=replicas: this group's number, 0 to replica_groups - 1", min=0)
     replica_groups: int = _f(1, "fault_tolerance=replicas: how many groups the job has; the training data is split "

@@ -19,8 +19,8 @@ import csv
 import datetime
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -33,8 +33,15 @@ class Replicas:
     """This process's side of the replica groups: the quorum at each step's start, the gradient
     average across groups, and whether the step counts."""
 
-    def __init__(self, cfg, ctx, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
-                 log: Callable[[str], None], folder: Path) -> None:
+    def __init__(
+        self,
+        cfg,
+        ctx,
+        state_dict: Callable[[], dict],
+        load_state_dict: Callable[[dict], None],
+        log: Callable[[str], None],
+        folder: Path,
+    ) -> None:
         d = cfg.distributed
         self.group, self.groups, self.ctx, self.log = d.replica_group, d.replica_groups, ctx, log
         self.follow_lr = d.replica_lr == "follow"
@@ -48,10 +55,21 @@ class Replicas:
         store = {} if os.environ.get("MASTER_ADDR") else self._own_store()
         lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=self._rejoin,
-            state_dict=state_dict, use_async_quorum=False, init_sync=False, timeout=timeout,
-            quorum_timeout=timeout, connect_timeout=timeout, rank=ctx.rank, world_size=ctx.world_size,
-            lighthouse_addr=lighthouse, replica_id=f"group{self.group}", **store)
+            pg=ProcessGroupGloo(timeout=timeout),
+            min_replica_size=1,
+            load_state_dict=self._rejoin,
+            state_dict=state_dict,
+            use_async_quorum=False,
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            lighthouse_addr=lighthouse,
+            replica_id=f"group{self.group}",
+            **store,
+        )
         self.csv = (folder / STEPS_CSV).open("a", newline="") if ctx.is_main else None
         if self.csv is not None and self.csv.tell() == 0:
             csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time"])
@@ -73,14 +91,20 @@ class Replicas:
         self.rejoined = False
         self.manager.start_quorum()
         deadline = time.monotonic() + self.timeout
-        while self.manager.current_step() == 0 and self.manager.num_participants() < self.groups \
-                and time.monotonic() < deadline:
+        while (
+            self.manager.current_step() == 0
+            and self.manager.num_participants() < self.groups
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
             self.manager.start_quorum()
         was, self.present = self.present, self.manager.num_participants()
         if self.present != was or self.rejoined:
-            self.log(f"step {self.manager.current_step() + 1}: {self.present} of {self.groups} replica groups in the quorum"
-                     + (" (this group rejoined from a peer's live state)" if self.rejoined else ""))
+            joined = " (this group rejoined from a peer's live state)" if self.rejoined else ""
+            self.log(
+                f"step {self.manager.current_step() + 1}: {self.present} of {self.groups} replica groups in the quorum"
+                + joined
+            )
         return self.rejoined
 
     def reduce(self, params) -> None:
@@ -90,7 +114,7 @@ class Replicas:
             return
         flat = _flatten_dense_tensors(grads)
         self.manager.allreduce(flat).wait()
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(reduced)
 
     def commit(self, optimizer) -> bool:
