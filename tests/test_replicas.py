@@ -170,3 +170,12 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path):
     assert "rejoined from a peer's live state" in (runs[1] / "train.log").read_text()
     mine, theirs = _weights(runs[0]), _weights(runs[1])
     assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the rejoined group's parameters differ"
+
+
+def test_status_names_the_quorum(tmp_path):
+    from ddplab.commands.train import _quorum
+
+    rows = ["step,replicas,global_batch,committed,time", "1,2,16,1,1.0", "2,2,16,0,2.0", "2,1,8,1,3.0", "3,1,8,1,4.0"]
+    (tmp_path / "replicas.csv").write_text("\n".join(rows) + "\n")
+    assert _quorum(tmp_path) == "; 1 replica group(s) in the quorum since step 2"
+    assert _quorum(tmp_path / "absent") == ""

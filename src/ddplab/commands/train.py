@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 from pathlib import Path
@@ -130,7 +131,7 @@ def status(ns) -> int:
     except (OSError, ValueError, AttributeError):
         raise UserError(f"{path} is not a ddplab metrics.json") from None
     if status in ("running", "failed") and held(run):
-        print(f"running: {_progress(run)}")
+        print(f"running: {_progress(run)}{_quorum(run)}")
     elif status in ("running", "failed"):
         failure = summary.get("failure") or {}
         print("failed: " + (failure.get("summary", "").removeprefix("job failed: ")
@@ -139,6 +140,24 @@ def status(ns) -> int:
     else:
         print(status)
     return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
+
+
+def _quorum(run: Path) -> str:
+    """A replica group's run (distributed.fault_tolerance=replicas): the groups in its last step's quorum, and
+    since which step, from its replicas.csv."""
+    try:
+        with (run / "replicas.csv").open() as f:
+            rows = [row for row in csv.DictReader(f) if row.get("time")]
+    except OSError:
+        return ""
+    if not rows:
+        return ""
+    since = rows[-1]
+    for row in reversed(rows):
+        if row["replicas"] != rows[-1]["replicas"]:
+            break
+        since = row
+    return f"; {rows[-1]['replicas']} replica group(s) in the quorum since step {since['step']}"
 
 
 def _progress(run: Path) -> str:

@@ -114,7 +114,7 @@ class Trainer:
         self._resumed = False
         self._mark = time.perf_counter()
         self.replicas = None
-        if self.groups > 1 or d.fault_tolerance == "replicas":
+        if d.fault_tolerance == "replicas":
             from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
 
             self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
@@ -454,12 +454,12 @@ class Trainer:
         """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
         t, was = self.cfg.training, manifest["config"]["training"]
         global_batch = manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
-        accum = keep_global_batch(global_batch, t.batch_size, self.ctx.world_size)
+        accum = keep_global_batch(global_batch, t.batch_size, self.shares)
         if accum != t.grad_accum_steps:
             self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
-                         f"{global_batch} on {self.ctx.world_size} processes")
+                         f"{global_batch} on {self.shares} processes")
             t.grad_accum_steps = accum
-            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, self.feed.size)
+            self.batch = batch_arithmetic(t.batch_size, accum, self.shares, self.feed.size)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
