@@ -109,8 +109,8 @@ def replicas(cwd: Path, steps: int, kill_at: int) -> dict:
 def restart(cwd: Path, steps: int, kill_at: int, every: int) -> dict:
     began = time.time()
     proc = _start(["--nproc-per-node", "2", "--max-restarts", "1", f"training.max_steps={steps}",
-                   f"checkpoint.every={every}", "experiment.name=none", *MODEL], cwd)
-    run = cwd / "experiments" / "none"
+                   f"checkpoint.every={every}", "experiment.name=restart", *MODEL], cwd)
+    run = cwd / "experiments" / "restart"
     while (at := _step(run, "1"))[0] < kill_at:
         assert proc.poll() is None, "the job ended before the kill"
         time.sleep(0.01)
@@ -134,6 +134,7 @@ def main() -> None:
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-replicas-") as folder:
         a = replicas(Path(folder), ns.steps, ns.kill_at)
+        print(json.dumps({"replicas": a}), flush=True)
         b = restart(Path(folder), ns.steps, ns.kill_at, ns.every)
     load = os.getloadavg()
     print(f"kill at step {ns.kill_at} of {ns.steps}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
