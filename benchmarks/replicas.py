@@ -18,6 +18,7 @@ Both train the same small GPT (2 x batch 16 per step) on CPU; the load average i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -30,9 +31,21 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = ["model.layers=1", "model.dim=64", "model.heads=2", "model.context=64", "training.batch_size=16",
-         "training.epochs=100", "training.warmup_steps=0", "logging.trackers=[]", "logging.progress=false",
-         "logging.log_every=10", "generate.max_new_tokens=0", "checkpoint.save_best=false", "distributed.timeout=60"]
+MODEL = [
+    "model.layers=2",
+    "model.dim=128",
+    "model.heads=4",
+    "model.context=64",
+    "training.batch_size=32",
+    "training.epochs=100",
+    "training.warmup_steps=0",
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "logging.log_every=10",
+    "generate.max_new_tokens=0",
+    "checkpoint.save_best=false",
+    "distributed.timeout=60",
+]
 
 
 def _worker(marker: bytes) -> int | None:
@@ -42,7 +55,11 @@ def _worker(marker: bytes) -> int | None:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if marker in cmd and b"train" in cmd and not any(b"ddplab.launch" in c or b"torch.distributed" in c for c in cmd):
+        if (
+            marker in cmd
+            and b"train" in cmd
+            and not any(b"ddplab.launch" in c or b"torch.distributed" in c for c in cmd)
+        ):
             return int(proc.name)
     return None
 
@@ -64,28 +81,51 @@ def _step(run: Path, rank: str = "0") -> tuple[int, int | None]:
         return 0, None
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+@contextlib.contextmanager
+def _job(args: list[str], cwd: Path):
+    """`ddplab train ARGS` in its own session, killed whole if the measurement fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "ddplab", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddplab", "train", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def replicas(cwd: Path, steps: int, kill_at: int) -> dict:
     began = time.time()
-    proc = _start(["--replica-groups", "2", "--max-restarts", "1", "distributed.fault_tolerance=replicas",
-                   f"training.max_steps={steps}", "experiment.name=ft", *MODEL], cwd)
+    args = [
+        "--replica-groups",
+        "2",
+        "--max-restarts",
+        "1",
+        "distributed.fault_tolerance=replicas",
+        f"training.max_steps={steps}",
+        "experiment.name=ft",
+        *MODEL,
+    ]
     healthy, killed = cwd / "experiments" / "ft-group0", cwd / "experiments" / "ft-group1"
-    while len(_rows(killed)) < kill_at:
-        assert proc.poll() is None, "the job ended before the kill"
-        time.sleep(0.02)
-    old = _worker(b"distributed.replica_group=1")
-    os.kill(old, signal.SIGKILL)
-    kill_time = time.time()
-    restarted = None
-    while proc.poll() is None:
-        if restarted is None and (new := _worker(b"distributed.replica_group=1")) not in (None, old):
-            restarted = time.time()
-        time.sleep(0.02)
+    with _job(args, cwd) as proc:
+        while len(_rows(killed)) < kill_at:
+            assert proc.poll() is None, "the job ended before the kill"
+            time.sleep(0.02)
+        old = _worker(b"distributed.replica_group=1")
+        os.kill(old, signal.SIGKILL)
+        kill_time = time.time()
+        restarted = None
+        while proc.poll() is None:
+            if restarted is None and _worker(b"distributed.replica_group=1") not in (None, old):
+                restarted = time.time()
+            time.sleep(0.02)
     rows = _rows(healthy)
     times = [float(r["time"]) for r in rows]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -97,7 +137,7 @@ def replicas(cwd: Path, steps: int, kill_at: int) -> dict:
         "step_s_both": statistics.median(both[10:]),
         "step_s_alone": statistics.median(gaps[i - 1] for i in alone[1:]),
         "slow_steps_alone": sum(gaps[i - 1] > 1.2 * statistics.median(both[10:]) for i in alone[1:]),
-        "longest_stall_s": max(gaps[killed_row - 1:]),
+        "longest_stall_s": max(gaps[killed_row - 1 :]),
         "restart_to_quorum_s": back - restarted if restarted else None,
         "kill_to_quorum_s": back - kill_time,
         "steps_dropped": sum(r["committed"] == "0" for r in rows),
@@ -108,22 +148,35 @@ def replicas(cwd: Path, steps: int, kill_at: int) -> dict:
 
 def restart(cwd: Path, steps: int, kill_at: int, every: int) -> dict:
     began = time.time()
-    proc = _start(["--nproc-per-node", "2", "--max-restarts", "1", f"training.max_steps={steps}",
-                   f"checkpoint.every={every}", "experiment.name=restart", *MODEL], cwd)
+    args = [
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        f"training.max_steps={steps}",
+        f"checkpoint.every={every}",
+        "experiment.name=restart",
+        *MODEL,
+    ]
     run = cwd / "experiments" / "restart"
-    while (at := _step(run, "1"))[0] < kill_at:
-        assert proc.poll() is None, "the job ended before the kill"
-        time.sleep(0.01)
-    os.kill(at[1], signal.SIGKILL)
-    last = None
-    while proc.poll() is None:
-        if last is None and _step(run)[0] >= steps:
-            last = time.time()
-        time.sleep(0.02)
+    with _job(args, cwd) as proc:
+        while (at := _step(run, "1"))[0] < kill_at:
+            assert proc.poll() is None, "the job ended before the kill"
+            time.sleep(0.01)
+        os.kill(at[1], signal.SIGKILL)
+        last = None
+        while proc.poll() is None:
+            if last is None and _step(run)[0] >= steps:
+                last = time.time()
+            time.sleep(0.02)
     resumed = re.search(r"resumed from .* step (\d+),", (run / "train.log").read_text())
-    return {"killed_at_step": at[0], "resumed_at_step": int(resumed.group(1)) if resumed else None,
-            "steps_lost": at[0] - int(resumed.group(1)) if resumed else None,
-            "wall_to_last_step_s": (last or time.time()) - began, "exit": proc.returncode}
+    return {
+        "killed_at_step": at[0],
+        "resumed_at_step": int(resumed.group(1)) if resumed else None,
+        "steps_lost": at[0] - int(resumed.group(1)) if resumed else None,
+        "wall_to_last_step_s": (last or time.time()) - began,
+        "exit": proc.returncode,
+    }
 
 
 def main() -> None:
@@ -137,8 +190,10 @@ def main() -> None:
         print(json.dumps({"replicas": a}), flush=True)
         b = restart(Path(folder), ns.steps, ns.kill_at, ns.every)
     load = os.getloadavg()
-    print(f"kill at step {ns.kill_at} of {ns.steps}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
-          f"on {os.cpu_count()} cores")
+    print(
+        f"kill at step {ns.kill_at} of {ns.steps}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+        f"on {os.cpu_count()} cores"
+    )
     print(f"{'':34}{'replicas (torchft)':>20}{'none + restart':>18}")
     print(f"{'healthy step, both groups (s)':34}{a['step_s_both']:>20.4f}{'':>18}")
     print(f"{'healthy step, alone (s)':34}{a['step_s_alone']:>20.4f}{'':>18}")
