@@ -35,7 +35,7 @@ def data(cfg):
 
 
 class Gated(torch.nn.Sequential):
-    """Slow (0.1 s a step) while the gate file exists: the healthy group is still training when the
+    """Slow (0.15 s a step) while the gate file exists: the healthy group is still training when the
     killed one is back, however long its restart takes on a loaded machine."""
 
     def __init__(self, gate):
@@ -44,7 +44,7 @@ class Gated(torch.nn.Sequential):
 
     def forward(self, x):
         if os.path.exists(self.gate):
-            time.sleep(0.1)
+            time.sleep(0.15)
         return super().forward(x)
 
 
