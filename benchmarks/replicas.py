@@ -128,18 +128,26 @@ def replicas(cwd: Path, steps: int, kill_at: int) -> dict:
             time.sleep(0.02)
     rows = _rows(healthy)
     times = [float(r["time"]) for r in rows]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    killed_row = next(i for i, r in enumerate(rows) if float(r["time"]) > kill_time)
-    alone = [i for i, r in enumerate(rows) if r["replicas"] == "1" and r["committed"] == "1" and i > killed_row]
-    back = next(float(r["time"]) for r in rows[killed_row:] if r["replicas"] == "2")
-    both = [gaps[i - 1] for i in range(1, killed_row)]
+    gap = {i: times[i] - times[i - 1] for i in range(1, len(rows))}  # the time row i's step took
+    killed = next(i for i, r in enumerate(rows) if float(r["time"]) > kill_time)
+    alone = [i for i in range(killed, len(rows)) if rows[i]["replicas"] == "1" and rows[i]["committed"] == "1"]
+    back = next(i for i in range(alone[0], len(rows)) if rows[i]["replicas"] == "2")
+    normal = statistics.median(gap[i] for i in range(10, killed))
+    during = [
+        i for i in alone[1:] if restarted and times[i - 1] >= restarted
+    ]  # the restart shares this machine's cores
+    before = [i for i in alone[1:] if i not in during]
     return {
-        "step_s_both": statistics.median(both[10:]),
-        "step_s_alone": statistics.median(gaps[i - 1] for i in alone[1:]),
-        "slow_steps_alone": sum(gaps[i - 1] > 1.2 * statistics.median(both[10:]) for i in alone[1:]),
-        "longest_stall_s": max(gaps[killed_row - 1 :]),
-        "restart_to_quorum_s": back - restarted if restarted else None,
-        "kill_to_quorum_s": back - kill_time,
+        "step_s_both": normal,
+        "step_s_alone": statistics.median(gap[i] for i in alone[1:]),
+        "step_s_alone_before_restart": statistics.median(gap[i] for i in before) if before else None,
+        "step_s_alone_during_restart": statistics.median(gap[i] for i in during) if during else None,
+        "alone_steps": len(alone),
+        "slow_steps_alone": sum(gap[i] > 1.2 * normal for i in alone[1:]),
+        "longest_stall_s": max(gap[i] for i in range(killed, back + 11)),  # the failure, alone, the rejoin
+        "rejoin_step_s": gap[back],
+        "restart_to_quorum_s": times[back] - restarted if restarted else None,
+        "kill_to_quorum_s": times[back] - kill_time,
         "steps_dropped": sum(r["committed"] == "0" for r in rows),
         "wall_to_last_step_s": times[-1] - began,
         "exit": proc.returncode,
@@ -194,18 +202,25 @@ def main() -> None:
         f"kill at step {ns.kill_at} of {ns.steps}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
         f"on {os.cpu_count()} cores"
     )
-    print(f"{'':34}{'replicas (torchft)':>20}{'none + restart':>18}")
-    print(f"{'healthy step, both groups (s)':34}{a['step_s_both']:>20.4f}{'':>18}")
-    print(f"{'healthy step, alone (s)':34}{a['step_s_alone']:>20.4f}{'':>18}")
-    print(f"{'  ratio alone / both':34}{a['step_s_alone'] / a['step_s_both']:>20.2f}{'':>18}")
-    print(f"{'  alone steps > 1.2x normal':34}{a['slow_steps_alone']:>20}{'':>18}")
-    print(f"{'longest stall (s)':34}{a['longest_stall_s']:>20.2f}{'':>18}")
-    print(f"{'restart to back in quorum (s)':34}{a['restart_to_quorum_s'] or float('nan'):>20.2f}{'':>18}")
-    print(f"{'kill to back in quorum (s)':34}{a['kill_to_quorum_s']:>20.2f}{'':>18}")
-    print(f"{'steps lost (trained again)':34}{0:>20}{b['steps_lost'] if b['steps_lost'] is not None else '?':>18}")
-    print(f"{'  steps dropped (not committed)':34}{a['steps_dropped']:>20}{'':>18}")
-    print(f"{f'wall time to step {ns.steps} (s)':34}{a['wall_to_last_step_s']:>20.1f}{b['wall_to_last_step_s']:>18.1f}")
-    print(f"{'exit':34}{a['exit']:>20}{b['exit']:>18}")
+    print(f"{'':38}{'replicas (torchft)':>20}{'none + restart':>18}")
+    na = float("nan")
+    lines = [
+        ("healthy step, both groups (s)", f"{a['step_s_both']:.3f}", ""),
+        ("healthy step, alone (s)", f"{a['step_s_alone']:.3f}", ""),
+        ("  alone, before the restart began", f"{a['step_s_alone_before_restart'] or na:.3f}", ""),
+        ("  alone, while it starts (same cores)", f"{a['step_s_alone_during_restart'] or na:.3f}", ""),
+        ("  alone steps / those > 1.2x normal", f"{a['alone_steps']} / {a['slow_steps_alone']}", ""),
+        ("longest stall, kill to rejoin (s)", f"{a['longest_stall_s']:.2f}", ""),
+        ("  the rejoin step (s)", f"{a['rejoin_step_s']:.2f}", ""),
+        ("restart to back in quorum (s)", f"{a['restart_to_quorum_s'] or na:.1f}", ""),
+        ("kill to back in quorum (s)", f"{a['kill_to_quorum_s']:.1f}", ""),
+        ("steps lost (trained again)", "0", f"{b['steps_lost']}"),
+        ("  steps dropped (not committed)", f"{a['steps_dropped']}", ""),
+        (f"wall time to step {ns.steps} (s)", f"{a['wall_to_last_step_s']:.1f}", f"{b['wall_to_last_step_s']:.1f}"),
+    ]
+    for name, left, right in lines:
+        print(f"{name:38}{left:>20}{right:>18}")
+    print(f"{'exit':38}{a['exit']:>20}{b['exit']:>18}")
 
 
 if __name__ == "__main__":
