@@ -168,6 +168,17 @@ class DistributedConfig:
                        choices=("ddp", "fsdp", "hsdp"))
     shard: Optional[str] = _f(None, "your own shard(model, mesh) function (file.py:shard) that calls fully_shard on "
                                     "the model's blocks; default: the model's blocks, see the sharding page")
+    fault_tolerance: str = _f("none", "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
+                                      "that keep training when one dies and copy a rejoining group's state from a "
+                                      "live one; see the fault-tolerance page", choices=("none", "replicas"))
+    lighthouse: str | None = _f(None, "fault_tolerance=replicas: the torchft Lighthouse's address (http://host:"
+                                         "port); default $TORCHFT_LIGHTHOUSE (`--replica-groups N` starts one)")
+    replica_group: int = _f(0, "fault_tolerance=replicas: this group's number, 0 to replica_groups - 1", min=0)
+    replica_groups: int = _f(1, "fault_tolerance=replicas: how many groups the job has; the training data is split "
+                                "in as many shares", positive=True)
+    replica_lr: str = _f("fixed", "fault_tolerance=replicas, while groups are missing: fixed (the lr stays; the "
+                                  "gradient is the mean over the groups present) or follow (the lr is scaled by the "
+                                  "share of groups present, as the global batch is)", choices=("fixed", "follow"))
     shard_min_params: int = _f(1_000_000, "fsdp/hsdp on a model that names no blocks: every child module with at "
                                           "least this many parameters is sharded on its own", positive=True)
 
@@ -212,7 +223,10 @@ class Config:
         return asdict(self)
 
     def run_name(self) -> str:
-        return self.experiment.name or f"{_short(self.model.name)}-{_short(self.data.name)}"
+        """The run folder's name; each replica group of a fault-tolerant job has its own, <name>-group<i>."""
+        name = self.experiment.name or f"{_short(self.model.name)}-{_short(self.data.name)}"
+        d = self.distributed
+        return f"{name}-group{d.replica_group}" if d.fault_tolerance == "replicas" else name
 
 
 def _short(name: str) -> str:

@@ -8,7 +8,8 @@ import importlib.util
 from ddplab.errors import UserError
 
 EXTRAS = {"text": ("transformers", "datasets", "pandas", "pyarrow"), "vision": ("torchvision", "PIL", "sklearn"),
-          "report": ("matplotlib", "scipy"), "track": ("mlflow", "wandb")}
+          "report": ("matplotlib", "scipy"), "track": ("mlflow", "wandb"),
+          "ft": ("torchft",)}
 
 
 def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:

@@ -25,7 +25,9 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -201,15 +203,16 @@ class _Job(StopSignals):
             self._asked.add(proc.pid)
             proc.send_signal(signal.SIGTERM)
 
-    def wait(self) -> int:
-        """Until every agent has ended; the first to fail ends the others. Its exit code, else 0."""
+    def wait(self, independent: bool = False) -> int:
+        """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
+        groups go on without a failed one). The first failure's exit code, else 0."""
         while True:
             if not (self.received or self.requested) and (self.report / "stop").exists():
                 self.requested = True
                 self._stop_agents()
             codes = [p.poll() for p in self.procs]
             failed = [c for c in codes if c not in (None, 0)]
-            if failed:
+            if failed and (not independent or None not in codes):
                 return failed[0]  # run() stops the others
             if None not in codes:
                 return 0
@@ -295,7 +298,7 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
 
 
 def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path | None = None,
-        env: dict | None = None) -> Ended:
+        env: dict | None = None, independent: bool = False) -> Ended:
     """Run agents (torchrun_command, or srun around one) until all end, forwarding signals to them.
 
     With `log`, the agents' output is appended there; else stdout is this process's and stderr
@@ -315,7 +318,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
         try:
             for cmd in commands:
                 job.start(cmd, env)
-            code = job.wait()
+            code = job.wait(independent)
         finally:
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
@@ -325,10 +328,21 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
 
 
-def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwargs) -> int:
+def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
-    code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input."""
-    ended = run([torchrun_command(nproc, args, **kwargs)], env=env)
+    code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input.
+
+    `groups`: that many replica groups of `nproc` processes (engine/replicas.py), each its own torchrun
+    agent, with a torchft Lighthouse for them on this machine; a group that fails ends none of the others."""
+    if groups:
+        env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}  # torchft's lines per step: RUST_LOG=info
+        with lighthouse() as address:
+            ended = run([torchrun_command(nproc, [*args, f"distributed.replica_group={i}",
+                                                  f"distributed.replica_groups={groups}",
+                                                  f"distributed.lighthouse={address}"], **kwargs)
+                         for i in range(groups)], env=env, independent=True)
+    else:
+        ended = run([torchrun_command(nproc, args, **kwargs)], env=env)
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error:
@@ -341,6 +355,35 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwarg
     if ended.code == ExitCode.INTERRUPTED:
         print("ddplab: interrupted", file=sys.stderr)
     return ended.code
+
+
+LIGHTHOUSE_OPTIONS = ("--min_replicas=1",  # the groups left go on, however few
+                      "--heartbeat_timeout_ms=2000",  # a group silent this long is out of the next quorum
+                      "--join_timeout_ms=2000",  # how long a quorum waits for a group that is starting
+                      "--quorum_tick_ms=50")
+
+
+@contextlib.contextmanager
+def lighthouse():
+    """A torchft Lighthouse on this machine for the job's replica groups (its address), stopped after."""
+    found = Path(sys.executable).with_name("torchft_lighthouse")
+    program = str(found) if found.exists() else shutil.which("torchft_lighthouse")
+    if program is None:
+        raise UserError("--replica-groups needs torchft's torchft_lighthouse on PATH: pip install 'ddplab[ft]'")
+    with socket.socket() as probe:  # a free port, handed straight on
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([*AGENT, "--exec", program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield f"http://localhost:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; --exec CMD: CMD likewise

@@ -136,6 +136,11 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
                         f"{d.strategy} reduces gradients itself: set distributed.comm_hook=none or strategy=ddp")
     if d.shard:
         resolve(d.shard, "distributed.shard")
+    if d.fault_tolerance == "replicas":
+        require("ft", "distributed.fault_tolerance=replicas")
+        if d.replica_group >= d.replica_groups:
+            raise UserError(f"distributed.replica_group={d.replica_group} is not below distributed.replica_groups="
+                            f"{d.replica_groups}")
     for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
         if tracker != "tensorboard":
             require("track", f"logging.trackers={tracker}", (tracker,))

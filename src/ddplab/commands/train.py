@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ def train(ns) -> int:
     check_files(cfg)
     at_least("--nproc-per-node", ns.nproc_per_node)
     at_least("--max-restarts", ns.max_restarts, 0)
+    at_least("--replica-groups", ns.replica_groups)
+    if ns.replica_groups:
+        return launch_groups(cfg, ns)
     if ns.nproc_per_node or ns.max_restarts:
         return launch(cfg, ns)
     if under_agent():
@@ -56,6 +60,16 @@ def launch(cfg, ns) -> int:
                            env=lock.worker_env())
     finally:
         lock.release()
+
+
+def launch_groups(cfg, ns) -> int:
+    """`--replica-groups N`: the job as N replica groups (distributed.fault_tolerance=replicas) on this machine,
+    each of --nproc-per-node processes and with its own run folder (Config.run_name), which its rank 0 holds."""
+    if cfg.distributed.fault_tolerance != "replicas":
+        raise UserError("--replica-groups runs replica groups: set distributed.fault_tolerance=replicas")
+    note_launch()
+    return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
+                       groups=ns.replica_groups)
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
@@ -117,7 +131,7 @@ def status(ns) -> int:
     except (OSError, ValueError, AttributeError):
         raise UserError(f"{path} is not a ddplab metrics.json") from None
     if status in ("running", "failed") and held(run):
-        print(f"running: {_progress(run)}")
+        print(f"running: {_progress(run)}{_quorum(run)}")
     elif status in ("running", "failed"):
         failure = summary.get("failure") or {}
         print("failed: " + (failure.get("summary", "").removeprefix("job failed: ")
@@ -126,6 +140,24 @@ def status(ns) -> int:
     else:
         print(status)
     return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
+
+
+def _quorum(run: Path) -> str:
+    """A replica group's run (distributed.fault_tolerance=replicas): the groups in its last step's quorum, and
+    since which step, from its replicas.csv."""
+    try:
+        with (run / "replicas.csv").open() as f:
+            rows = [row for row in csv.DictReader(f) if row.get("time")]
+    except OSError:
+        return ""
+    if not rows:
+        return ""
+    since = rows[-1]
+    for row in reversed(rows):
+        if row["replicas"] != rows[-1]["replicas"]:
+            break
+        since = row
+    return f"; {rows[-1]['replicas']} replica group(s) in the quorum since step {since['step']}"
 
 
 def _progress(run: Path) -> str:

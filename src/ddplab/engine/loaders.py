@@ -75,19 +75,22 @@ class TrainFeed:
     state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
     """
 
-    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None]) -> None:
+    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None],
+                 share: tuple[int, int] | None = None) -> None:
+        """`share`: (this process's share, shares) of each epoch's order; default (rank, world size)."""
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
+        rank, world = share or (ctx.rank, ctx.world_size)
         self.seed = cfg.experiment.seed
         self.stream = is_stream(dataset)
         self.size = size(dataset)  # None: a stream that does not know its length
         if self.stream:
             self.sampler = None
-            self.source = Stream(dataset, ctx.rank, ctx.world_size, cfg.training.batch_size, cfg.data.limit)
+            self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit)
             if is_stateful(dataset) and loaders.workers:
                 log(f"the training stream keeps its own position (state_dict()): it is read in the training process, "
                     f"not by {loaders.workers} loader workers")
         else:
-            self.sampler = self.source = ResumableDistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=True,
+            self.sampler = self.source = ResumableDistributedSampler(dataset, world, rank, shuffle=True,
                                                                      seed=self.seed)
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes

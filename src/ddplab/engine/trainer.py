@@ -80,15 +80,19 @@ class Trainer:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
-        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, ctx.world_size, size(data.train))
+        d = cfg.distributed
+        self.groups = d.replica_groups if d.fault_tolerance == "replicas" else 1  # replica groups (engine/replicas.py)
+        self.shares = ctx.world_size * self.groups  # processes the data and the global batch are divided among
+        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, self.shares, size(data.train))
         self.raw = model
         self.model, self.comm = distribute(model, cfg, ctx)
-        self.lr = scaled_lr(t.lr, t.lr_scaling, ctx.world_size)
+        self.lr = scaled_lr(t.lr, t.lr_scaling, self.shares)
         self.optimizer = build_optimizer(cfg, ctx, self.raw, self.lr)
         self.autocast = autocast(t.amp, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
         self.loaders = Loaders(cfg, ctx, data.collate_fn)
-        self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log)
+        share = (d.replica_group * ctx.world_size + ctx.rank, self.shares)
+        self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log, share)
         self.sampler = self.feed.sampler  # None for a stream
         self.scheduler = build_schedule(cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
@@ -110,6 +114,11 @@ class Trainer:
         self.improved = False  # the last epoch-end evaluation set a new best
         self._resumed = False
         self._mark = time.perf_counter()
+        self.replicas = None
+        if d.fault_tolerance == "replicas":
+            from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
+
+            self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
 
     def _register_parts(self) -> tuple[Parts, Parts]:
         """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
@@ -136,6 +145,17 @@ class Trainer:
             best.add(name, obj)
         return parts, best
 
+    LIVE = ("model", "optimizer", "scheduler", "scaler", "trainer")  # what a rejoining replica group receives
+
+    def _live_state(self) -> dict:
+        """The state a healthy replica group sends one that rejoins (engine/replicas.py)."""
+        return {name: self.parts.objects[name].state_dict() for name in self.LIVE}
+
+    def _load_live_state(self, state: dict) -> None:
+        for name in self.LIVE:
+            self.parts.objects[name].load_state_dict(state[name])
+        self.ledger.totals()  # the loss this group summed before it left is not the run's: dropped
+
     def _about(self, **extra) -> dict:
         """What a snapshot's manifest says of the run besides its files."""
         s = self.state
@@ -146,6 +166,8 @@ class Trainer:
     def fit(self) -> TrainState:
         if not self._resumed:
             self.resume()
+        if self.replicas is not None:
+            self.replicas.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
         self._mark = time.perf_counter()  # callbacks' time counts, on_train_start's too (in the first epoch)
         self.callbacks.on_train_start(self.view)
@@ -179,6 +201,9 @@ class Trainer:
         self.in_epoch = True
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
+            if self.replicas is not None and self.replicas.begin_step():
+                batches = self.feed.epoch(s.epoch, s.consumed)  # a peer's state: its position in its epoch
+                left = self.feed.left()
             waited = time.perf_counter()
             self.ctx.beat.mark("data", s.step + 1)
             micro = self.feed.next_step(batches, t.grad_accum_steps)
@@ -223,6 +248,8 @@ class Trainer:
                 self.scaler.scale(loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, n_samples, self.task.tokens(inputs, target), step)
         mark("optimizer")
+        if self.replicas is not None and not self._replicas_agree(step, samples):
+            return
         if t.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), t.clip_grad_norm)
@@ -236,10 +263,26 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.replicas is not None:
+            self.replicas.restore_lr(self.optimizer)
         self.scheduler.step()
         self.last_step_samples = samples
         s.step = step
-        s.consumed += self.last_step_samples * self.ctx.world_size
+        s.consumed += self.last_step_samples * self.shares
+
+    def _replicas_agree(self, step: int, samples: int) -> bool:
+        """Average the gradients over the replica groups in the quorum; False when the step does not count
+        (a group failed during it): its gradients and loss are dropped, its data stays read (skipped)."""
+        self.replicas.reduce(self.raw.parameters())
+        committed = self.replicas.commit(self.optimizer)
+        self.replicas.record(step, samples * self.ctx.world_size * self.replicas.present, committed)
+        if not committed:
+            self.run.log(f"step {step}: not committed (a replica group failed during it); taken again")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ledger.drop_step(step)
+            self.last_step_samples = samples
+            self.state.consumed += samples * self.shares
+        return committed
 
     def _all_finite(self, loss_sum: torch.Tensor) -> bool:
         flag = (~torch.isfinite(loss_sum)).float().reshape(1)
@@ -335,6 +378,8 @@ class Trainer:
                "samples_per_s": s.epoch_samples / took if took else None,
                "tokens_per_s": s.epoch_tokens / took if took and s.epoch_tokens else None,
                "lr": self.scheduler.get_last_lr()[0], "data_wait_s": data_wait}
+        if self.replicas is not None:
+            row.update(self.replicas.epoch_columns())
         if partial:
             row["partial"] = True
         s.history.append(row)
@@ -410,12 +455,12 @@ class Trainer:
         """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
         t, was = self.cfg.training, manifest["config"]["training"]
         global_batch = manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
-        accum = keep_global_batch(global_batch, t.batch_size, self.ctx.world_size)
+        accum = keep_global_batch(global_batch, t.batch_size, self.shares)
         if accum != t.grad_accum_steps:
             self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
-                         f"{global_batch} on {self.ctx.world_size} processes")
+                         f"{global_batch} on {self.shares} processes")
             t.grad_accum_steps = accum
-            self.batch = batch_arithmetic(t.batch_size, accum, self.ctx.world_size, self.feed.size)
+            self.batch = batch_arithmetic(t.batch_size, accum, self.shares, self.feed.size)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
@@ -448,6 +493,8 @@ class Trainer:
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.close()
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
             if hasattr(self, name):
                 delattr(self, name)

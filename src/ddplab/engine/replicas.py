@@ -1,0 +1,158 @@
+"""Fault-tolerant replica groups (distributed.fault_tolerance=replicas), through torchft.
+
+The job is `distributed.replica_groups` groups, each a torchrun job of its own (its processes train
+as the config's strategy says). Across groups, each step's gradients are averaged by torchft's
+fault-tolerant all-reduce over the groups in the current quorum, which a torchft Lighthouse forms at
+the start of every step. When a group dies, the all-reduce in flight fails on the others, their
+`should_commit` says no, the step is taken again by the groups left (the quorum shrinks), and they go
+on. A group that starts again joins the next quorum and receives the live state (model, optimizer,
+schedule, scaler, progress) from a healthy group over HTTP, before its first step: from then on it
+holds the same numbers as its peers.
+
+Each group trains on its own share of every epoch's order (rank `group * world + rank` of
+`world * groups`): while a group is missing, its share is skipped, not re-read by the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torchft import Manager, ProcessGroupGloo
+
+STEPS_CSV = "replicas.csv"  # one row per step taken (or dropped): how many groups made it, and its global batch
+
+
+class Replicas:
+    """This process's side of the replica groups: the quorum at each step's start, the gradient
+    average across groups, and whether the step counts."""
+
+    def __init__(
+        self,
+        cfg,
+        ctx,
+        state_dict: Callable[[], dict],
+        load_state_dict: Callable[[dict], None],
+        log: Callable[[str], None],
+        folder: Path,
+    ) -> None:
+        d = cfg.distributed
+        self.group, self.groups, self.ctx, self.log = d.replica_group, d.replica_groups, ctx, log
+        self.follow_lr = d.replica_lr == "follow"
+        self._load = load_state_dict
+        self.rejoined = False  # the last quorum replaced this group's state with a peer's
+        self.present = self.groups  # groups in the last step's quorum
+        self._epoch: list[int] = []  # the global batch of each step committed this epoch
+        self._fewest = self.groups  # the fewest groups in a committed step this epoch
+        self.timeout = d.timeout
+        timeout = datetime.timedelta(seconds=d.timeout)
+        store = {} if os.environ.get("MASTER_ADDR") else self._own_store()
+        lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            min_replica_size=1,
+            load_state_dict=self._rejoin,
+            state_dict=state_dict,
+            use_async_quorum=False,
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            lighthouse_addr=lighthouse,
+            replica_id=f"group{self.group}",
+            **store,
+        )
+        self.csv = (folder / STEPS_CSV).open("a", newline="") if ctx.is_main else None
+        if self.csv is not None and self.csv.tell() == 0:
+            csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time"])
+
+    def _own_store(self) -> dict:
+        """One process started without torchrun: the store the Manager needs, made here."""
+        self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        return {"store_addr": "localhost", "store_port": self._store.port}
+
+    def _rejoin(self, state: dict) -> None:
+        self._load(state)
+        self.rejoined = True
+
+    def begin_step(self) -> bool:
+        """Join this step's quorum (before its data is read); True when a peer's state was loaded.
+
+        A run's first step waits (distributed.timeout at most) for every group: groups start a few seconds
+        apart, and one that began alone would train alone until the others arrive."""
+        self.rejoined = False
+        self.manager.start_quorum()
+        deadline = time.monotonic() + self.timeout
+        while (
+            self.manager.current_step() == 0
+            and self.manager.num_participants() < self.groups
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+            self.manager.start_quorum()
+        was, self.present = self.present, self.manager.num_participants()
+        if self.present != was or self.rejoined:
+            joined = " (this group rejoined from a peer's live state)" if self.rejoined else ""
+            self.log(
+                f"step {self.manager.current_step() + 1}: {self.present} of {self.groups} replica groups in the quorum"
+                + joined
+            )
+        return self.rejoined
+
+    def reduce(self, params) -> None:
+        """Average the gradients (this process's shards of them) over the groups in the quorum."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        self.manager.allreduce(flat).wait()
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(reduced)
+
+    def commit(self, optimizer) -> bool:
+        """Whether the step counts (every group present finished its all-reduce); with replica_lr=follow,
+        the optimizer's lr is scaled by the share of groups present for this step."""
+        if not self.manager.should_commit():
+            return False
+        if self.follow_lr and self.present != self.groups:
+            for group in optimizer.param_groups:
+                group["lr"] *= self.present / self.groups
+        return True
+
+    def restore_lr(self, optimizer) -> None:
+        if self.follow_lr and self.present != self.groups:
+            for group in optimizer.param_groups:
+                group["lr"] *= self.groups / self.present
+
+    def record(self, step: int, global_batch: int, committed: bool) -> None:
+        """A step's row in replicas.csv; a committed one counts in the epoch's columns."""
+        if committed:
+            self._epoch.append(global_batch)
+            self._fewest = min(self._fewest, self.present)
+        if self.csv is not None:
+            csv.writer(self.csv).writerow([step, self.present, global_batch, int(committed), f"{time.time():.3f}"])
+            self.csv.flush()
+
+    def epoch_columns(self) -> dict:
+        """The epoch row's `replicas` (the fewest groups any of its steps had) and `global_batch` (the
+        samples its steps actually trained on, on average); the count starts over."""
+        row = {"replicas": self._fewest, "global_batch": sum(self._epoch) / len(self._epoch) if self._epoch else None}
+        self._epoch, self._fewest = [], self.groups
+        return row
+
+    def sync_step(self, step: int) -> None:
+        """After a resume from a snapshot: the quorum compares groups by this step."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def close(self) -> None:
+        if self.csv is not None:
+            self.csv.close()
+        self.manager.shutdown(wait=False)

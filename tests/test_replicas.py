@@ -1,0 +1,181 @@
+"""Fault-tolerant replica groups (distributed.fault_tolerance=replicas, torchft): refused without torchft,
+and a real 2-group gloo job in which one group is killed and comes back."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import _env, main
+from ddplab.engine.checkpoint import Checkpointer
+
+WORKLOAD = '''
+import os, time
+import torch
+import ddplab
+from torch.utils.data import TensorDataset
+
+
+def data(cfg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2112, 8, generator=g)
+    y = x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(2112, generator=g)
+    return ddplab.Data(train=TensorDataset(x[:2048], y[:2048]), val=TensorDataset(x[2048:], y[2048:]),
+                       task=ddplab.Regression())
+
+
+class Gated(torch.nn.Sequential):
+    """Slow (0.15 s a step) while the gate file exists: the healthy group is still training when the
+    killed one is back, however long its restart takes on a loaded machine."""
+
+    def __init__(self, gate):
+        super().__init__(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.gate = gate
+
+    def forward(self, x):
+        if os.path.exists(self.gate):
+            time.sleep(0.15)
+        return super().forward(x)
+
+
+def model(cfg, data):
+    return Gated(cfg.options["gate"])
+'''
+
+
+def test_refused_without_torchft(monkeypatch, capfd):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    assert main("train", "distributed.fault_tolerance=replicas", "training.max_steps=1") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "distributed.fault_tolerance=replicas" in err[0], err
+    assert "pip install 'ddplab[ft]'" in err[0], err
+
+
+def _worker(group: int) -> int | None:
+    """The pid of replica group `group`'s training process (not its torchrun agent)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            f"distributed.replica_group={group}".encode() in cmd
+            and b"train" in cmd
+            and not any(b"ddplab.launch" in c for c in cmd)
+        ):
+            return int(proc.name)
+    return None
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run / "replicas.csv"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [row for row in csv.DictReader(f) if row.get("time")]
+
+
+def _weights(run: Path) -> dict:
+    ck = Checkpointer(run / "checkpoints", is_main=False)
+    return ck.load_snapshot(ck.latest())["model"]
+
+
+def _wait(what, timeout: float, proc: subprocess.Popen):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := what()) is not None:
+            return found
+        assert proc.poll() is None, f"the job ended early (exit {proc.returncode})"
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s")
+
+
+def test_a_killed_group_rejoins_from_its_peer(tmp_path):
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    (tmp_path / "wl.py").write_text(WORKLOAD)
+    gate = tmp_path / "slow"
+    gate.touch()
+    steps, kill_at = 600, 30  # 128 steps an epoch: the run crosses epochs' ends after the rejoin
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddplab",
+        "train",
+        "--replica-groups",
+        "2",
+        "--max-restarts",
+        "1",
+        "distributed.fault_tolerance=replicas",
+        "model.name=wl.py:model",
+        "data.name=wl.py:data",
+        f"model.options.gate={gate}",
+        "training.batch_size=8",
+        f"training.max_steps={steps}",
+        "training.epochs=100",
+        "training.warmup_steps=0",
+        "logging.log_every=10",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "distributed.timeout=60",
+        "experiment.name=ft",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    runs = [tmp_path / "experiments" / f"ft-group{i}" for i in range(2)]
+    try:
+        _wait(lambda: True if len(_rows(runs[1])) >= kill_at else None, 120, proc)
+        survivor = _worker(0)
+        os.kill(_worker(1), signal.SIGKILL)
+        killed_at = len(_rows(runs[1]))
+        # Back: a row of the restarted group, at a step past the kill (its state came from the peer: no snapshot yet).
+        back = _wait(
+            lambda: next((r for r in _rows(runs[1])[killed_at:] if int(r["step"]) > killed_at), None), 120, proc
+        )
+        assert _worker(0) == survivor, "the healthy group was restarted"
+        gate.unlink()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    healthy = [r for r in _rows(runs[0]) if r["committed"] == "1"]
+    assert [int(r["step"]) for r in healthy] == list(range(1, steps + 1)), "the healthy group skipped or redid steps"
+    alone = [int(r["step"]) for r in healthy if r["replicas"] == "1"]
+    assert alone and min(alone) > kill_at - 2 and max(alone) < int(back["step"]), alone
+    assert all(r["global_batch"] == "8" for r in healthy if r["replicas"] == "1")
+    with (runs[0] / "metrics.csv").open() as f:
+        epochs = list(csv.DictReader(f))
+    assert epochs[0]["replicas"] == "1" and float(epochs[0]["global_batch"]) < 16, epochs[0]
+    for run in runs:
+        assert json.loads((run / "metrics.json").read_text())["status"] == "complete"
+    assert "rejoined from a peer's live state" in (runs[1] / "train.log").read_text()
+    mine, theirs = _weights(runs[0]), _weights(runs[1])
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the rejoined group's parameters differ"
+
+
+def test_status_names_the_quorum(tmp_path):
+    from ddplab.commands.train import _quorum
+
+    rows = ["step,replicas,global_batch,committed,time", "1,2,16,1,1.0", "2,2,16,0,2.0", "2,1,8,1,3.0", "3,1,8,1,4.0"]
+    (tmp_path / "replicas.csv").write_text("\n".join(rows) + "\n")
+    assert _quorum(tmp_path) == "; 1 replica group(s) in the quorum since step 2"
+    assert _quorum(tmp_path / "absent") == ""
