@@ -223,3 +223,24 @@ def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job_with_75(tm
     summary = _summary(tmp_path / "experiments" / "w")
     assert summary["status"] == "preempted" and summary["aggregates"]["resumes"] == 0, summary["status"]
     assert 2 <= summary["aggregates"]["steps"] < 20 and "Traceback" not in err
+
+
+def test_a_worker_killed_under_max_restarts_is_restarted_and_the_job_ends_complete(tmp_path, corpus):
+    """SIGKILL is a failure, not a stop: torchrun's agent restarts the workers (its SIGTERM to the
+    survivor is not a request to stop the job), they resume, and the launcher exits 0."""
+    cmd = [*launcher(corpus, "k", SLOW, "checkpoint.every=2")[:6], "--max-restarts", "1",
+           *_args(corpus, "k", SLOW, "checkpoint.every=2")[1:]]
+    proc, tag, out = start(cmd, tmp_path)
+    try:
+        wait_for_step(proc, out, step=4)
+        [agent] = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        workers = [int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+        os.kill(workers[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    summary = _summary(tmp_path / "experiments" / "k")
+    assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1
+    assert summary["aggregates"]["steps"] == 20

@@ -252,7 +252,11 @@ def _pump(stream, report: Path, tail: deque) -> None:
 
 
 def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, str | None]:
-    """(exit code, one line to print) from what the workers reported."""
+    """(exit code, one line to print) from what the workers reported. Every agent ending with 0 is a
+    job that ended well: a failure reported before torchrun restarted the workers (--max-restarts) is
+    history, which train.log keeps."""
+    if agent_code == 0 and not stopped:
+        return ExitCode.OK, None
     errors = sorted(report.glob("error-rank*"))
     if errors:
         return ExitCode.USAGE, errors[0].read_text().strip()
