@@ -15,8 +15,8 @@ import importlib
 _PUBLIC = {
     "Data": "ddplab.workload", "BuildConfig": "ddplab.workload",
     "Task": "ddplab.tasks", "Classification": "ddplab.tasks", "Regression": "ddplab.tasks",
-    "LanguageModeling": "ddplab.tasks", "Shards": "ddplab.data.shards", "Callback": "ddplab.callbacks", "EarlyStopping": "ddplab.callbacks",
-    "TrainView": "ddplab.engine.callbacks",
+    "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.callbacks", "EarlyStopping": "ddplab.callbacks",
+    "TrainView": "ddplab.engine.callbacks", "Shards": "ddplab.data.shards",
     "train": "ddplab.api", "UserError": "ddplab.errors", "ExitCode": "ddplab.errors",
 }
 __all__ = list(_PUBLIC)

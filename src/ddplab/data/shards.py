@@ -30,9 +30,21 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ddplab.data.stream import owns
+from ddplab.errors import UserError
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
-           ".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text", ".text": "text", ".tar": "tar"}
+FORMATS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".txt": "text",
+    ".text": "text",
+    ".tar": "tar",
+}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
@@ -57,19 +69,30 @@ class Shards(IterableDataset):
     if given, is applied to each (it runs in the loader workers: decode, tokenize there).
     """
 
-    def __init__(self, paths, format: str | None = None, *, seed: int = 0, shuffle: bool = True, window: int = 10_000,
-                 columns: Sequence[str] | None = None, transform: Callable | None = None,
-                 storage_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        paths,
+        format: str | None = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        window: int = 10_000,
+        columns: Sequence[str] | None = None,
+        transform: Callable | None = None,
+        storage_options: dict | None = None,
+    ) -> None:
         self.files = _expand(paths, format, storage_options or {})
         if not self.files:
-            raise ValueError(f"Shards: no {format or 'shard'} files at {paths!r}")
+            raise UserError(f"Shards: no {format or 'shard'} files at {paths!r}")
         formats = {format or format_of(path) for _, path in self.files}
         if len(formats) != 1 or None in formats:
-            raise ValueError(f"Shards: cannot tell one format ({', '.join(sorted(set(FORMATS.values())))}) from the "
-                             f"files at {paths!r}: give format=")
+            raise UserError(
+                f"Shards: cannot tell one format ({', '.join(sorted(set(FORMATS.values())))}) from the "
+                f"files at {paths!r}: give format="
+            )
         self.format = formats.pop()
         if window < 1:
-            raise ValueError(f"Shards: window must be at least 1, not {window}")
+            raise UserError(f"Shards: window must be at least 1, not {window}")
         self.seed, self.shuffle, self.window = seed, shuffle, window
         self.columns = list(columns) if columns is not None else None
         self.transform = transform
@@ -95,8 +118,17 @@ class Shards(IterableDataset):
             return list(range(len(self.files)))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.files)).tolist()
 
-    def share(self, epoch: int, start: int, end: int | None, rank: int, world_size: int, batch_size: int,
-              worker: int, workers: int) -> Iterator:
+    def share(
+        self,
+        epoch: int,
+        start: int,
+        end: int | None,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        worker: int,
+        workers: int,
+    ) -> Iterator:
         """The samples at positions start <= j < end of the epoch's global order that data.stream.owns gives
         this rank's loader worker, in order; only the windows holding them are read."""
         order = self.order(epoch)
@@ -144,6 +176,7 @@ def _expand(paths, format: str | None, storage_options: dict) -> list[tuple]:
 # ---------------------------------------------------------------------------- formats
 # Each format counts a shard's samples, reads it in windows from any window's first row, and makes
 # the samples of a window's chosen rows.
+
 
 def _open(fs, path: str):
     return fs.open(path, "rb", compression="infer")
