@@ -130,7 +130,8 @@ class Shards(IterableDataset):
         workers: int,
     ) -> Iterator:
         """The samples at positions start <= j < end of the epoch's global order that data.stream.owns gives
-        this rank's loader worker, in order; only the windows holding them are read."""
+        this rank's loader worker (counting from `start`, as a DataLoader's workers take turns from the
+        first batch it yields), in order; only the windows holding them are read."""
         order = self.order(epoch)
         firsts = np.cumsum([0] + [self.counts[s] for s in order]).tolist()  # global position of each shard's first
         end = firsts[-1] if end is None else min(end, firsts[-1])
@@ -141,7 +142,7 @@ class Shards(IterableDataset):
             at = (j - first) // self.window * self.window  # the window holding position j, in the shard
             for block in _windows(self.format, *self.files[shard], at, self.window, self.columns):
                 where = np.arange(max(j, first + at), min(first + at + len(block), end))
-                where = where[owns(where, rank, world_size, batch_size, worker, workers)]
+                where = where[owns(where - start, rank, world_size, batch_size, worker, workers)]
                 if len(where):
                     rows = where - first - at
                     if self.shuffle:
