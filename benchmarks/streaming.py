@@ -28,8 +28,10 @@ import torch
 
 import ddplab
 
-WORDS = ("good great fine nice superb lovely bad awful poor sad dull worse the a film plot was very it and of to "
-         "actor scene story music end long short").split()
+WORDS = (
+    "good great fine nice superb lovely bad awful poor sad dull worse the a film plot was very it and of to "
+    "actor scene story music end long short"
+).split()
 LENGTH = 16  # words a text is cut or padded to
 SHARD_ROWS = 250_000
 
@@ -50,8 +52,9 @@ def make_set(folder: Path, rows: int) -> Path:
         ids = rng.integers(0, len(WORDS), (n, 15))
         lengths = rng.integers(4, 16, n)
         mood = ((ids < 6) & (np.arange(15) < lengths[:, None])).sum(1) - (
-            (ids >= 6) & (ids < 12) & (np.arange(15) < lengths[:, None])).sum(1)
-        texts = [" ".join(words[row[:m]]) for row, m in zip(ids, lengths)]
+            (ids >= 6) & (ids < 12) & (np.arange(15) < lengths[:, None])
+        ).sum(1)
+        texts = [" ".join(words[row[:m]]) for row, m in zip(ids, lengths, strict=True)]
         table = pa.table({"text": texts, "label": (mood > 0).astype(np.int64)})
         pq.write_table(table, folder / f"{k:04}.parquet", row_group_size=25_000)
     (folder / ".done").touch()
@@ -121,12 +124,28 @@ class Probe(ddplab.Callback):
 
 def train(kind: str, path: Path, rows: int, steps: int, root: Path) -> Probe:
     probe = Probe(100, steps)
-    ddplab.train(None, [f"data.options.kind={kind}", f"data.options.path={path}", f"data.options.rows={rows}",
-                        f"training.max_steps={steps}", "training.epochs=1", "training.batch_size=64",
-                        "training.warmup_steps=0", "logging.trackers=[]", "logging.progress=false",
-                        "logging.log_every=500", "checkpoint.save_best=false", "logging.plots=false",
-                        f"experiment.name={kind}", f"experiment.output_dir={root / 'runs'}"],
-                 model=model, data=data, callbacks=[probe])
+    ddplab.train(
+        None,
+        [
+            f"data.options.kind={kind}",
+            f"data.options.path={path}",
+            f"data.options.rows={rows}",
+            f"training.max_steps={steps}",
+            "training.epochs=1",
+            "training.batch_size=64",
+            "training.warmup_steps=0",
+            "logging.trackers=[]",
+            "logging.progress=false",
+            "logging.log_every=500",
+            "checkpoint.save_best=false",
+            "logging.plots=false",
+            f"experiment.name={kind}",
+            f"experiment.output_dir={root / 'runs'}",
+        ],
+        model=model,
+        data=data,
+        callbacks=[probe],
+    )
     return probe
 
 
@@ -179,8 +198,10 @@ def main() -> None:
             if kind == "stream":
                 growth.append(m2 / m1)
         speed.append(runs["stream"] / runs["memory"])
-        print(f"run {r + 1}: streamed {runs['stream']:.0f} steps/s, in memory {runs['memory']:.0f} steps/s, "
-              f"memory at step {a.steps} / step 100 {growth[-1]:.3f}")
+        print(
+            f"run {r + 1}: streamed {runs['stream']:.0f} steps/s, in memory {runs['memory']:.0f} steps/s, "
+            f"memory at step {a.steps} / step 100 {growth[-1]:.3f}"
+        )
 
     shards = ddplab.Shards(small, seed=0)
     at = int(len(shards) * 0.9) // 64 * 64
@@ -189,16 +210,22 @@ def main() -> None:
         fresh.append(first_batch_seconds(shards, 0))
         seek.append(first_batch_seconds(shards, at))
         skip.append(first_batch_seconds(Plain(shards), at))
-    print(f"first batch of an epoch of {len(shards):,} rows (s): fresh {spread(fresh)}, resumed at {at:,} by seeking "
-          f"{spread(seek)}, by skipping forward {spread(skip)}")
+    print(
+        f"first batch of an epoch of {len(shards):,} rows (s): fresh {spread(fresh)}, resumed at {at:,} by seeking "
+        f"{spread(seek)}, by skipping forward {spread(skip)}"
+    )
 
-    print(f"\nissue 35 figures, {a.rows:,} rows, {a.steps} steps, median of {a.repeat} (range); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"\nissue 35 figures, {a.rows:,} rows, {a.steps} steps, median of {a.repeat} (range); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"  memory, step {a.steps} / step 100:          {spread(growth)}x  (target <= 1.10)")
     print(f"  throughput, streamed / in memory:      {spread(speed)}x  (target >= 0.90)")
-    print(f"  resume at 90 %, seek / fresh start:     {spread([s / f for s, f in zip(seek, fresh)])}x  "
-          f"(target <= 1.20)")
-    print(f"  resume at 90 %, skip forward / fresh:   {spread([s / f for s, f in zip(skip, fresh)])}x")
+    print(
+        f"  resume at 90 %, seek / fresh start:     {spread([s / f for s, f in zip(seek, fresh, strict=True)])}x  "
+        f"(target <= 1.20)"
+    )
+    print(f"  resume at 90 %, skip forward / fresh:   {spread([s / f for s, f in zip(skip, fresh, strict=True)])}x")
 
 
 if __name__ == "__main__":

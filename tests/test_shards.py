@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import _env, assert_ok
-from faults import command
 
 import ddplab
+from conftest import _env, assert_ok
 from ddplab.data.stream import Stream, owns
+from faults import command
 
 HERE = Path(__file__).resolve().parent
 WORK = HERE / "shards_workloads.py"
@@ -31,8 +31,11 @@ def _parquet(folder: Path, sizes=SIZES) -> Path:
     start = 0
     for k, n in enumerate(sizes):
         rows = range(start, start + n)
-        pq.write_table(pa.table({"idx": list(rows), "text": [f"row {i}" for i in rows]}), folder / f"{k:03}.parquet",
-                       row_group_size=6)
+        pq.write_table(
+            pa.table({"idx": list(rows), "text": [f"row {i}" for i in rows]}),
+            folder / f"{k:03}.parquet",
+            row_group_size=6,
+        )
         start += n
     return folder
 
@@ -64,8 +67,10 @@ def _write(folder: Path, fmt: str) -> list:
                         info = tarfile.TarInfo(f"s/{r['idx']:04}.{ext}")
                         info.size = len(data.encode())
                         tar.addfile(info, io.BytesIO(data.encode()))
-            rows = [{"__key__": f"s/{r['idx']:04}", "txt": r["text"].encode(), "cls": str(r["idx"] % 2).encode()}
-                    for r in rows]
+            rows = [
+                {"__key__": f"s/{r['idx']:04}", "txt": r["text"].encode(), "cls": str(r["idx"] % 2).encode()}
+                for r in rows
+            ]
         items += rows
     return items
 
@@ -94,8 +99,9 @@ def test_the_window_bounds_how_far_a_sample_moves_within_its_shard(tmp_path):
         assert all((place[i] - first) // 8 == (i - starts[k]) // 8 for i in rows)
 
 
-@pytest.mark.parametrize(("world", "batch", "workers", "start"), [(1, 4, 1, 0), (2, 4, 2, 24), (3, 2, 2, 12),
-                                                                  (2, 5, 3, 50), (4, 3, 1, 95)])
+@pytest.mark.parametrize(
+    ("world", "batch", "workers", "start"), [(1, 4, 1, 0), (2, 4, 2, 24), (3, 2, 2, 12), (2, 5, 3, 50), (4, 3, 1, 95)]
+)
 def test_every_rank_and_worker_reads_its_share_of_one_global_order(tmp_path, world, batch, workers, start):
     """The shares of all ranks and loader workers, from any position, are exactly the global order's
     items that data.stream.owns gives them: the order does not depend on how it is read."""
@@ -124,14 +130,29 @@ def test_a_folder_without_shards_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------- a run killed and resumed
 
+
 def _run(cwd: Path, data: Path, log: Path, name: str, nproc: int, spec: str = "none", workers: int = 0):
     log.mkdir(exist_ok=True)
-    args = ["train", f"model.name={WORK}:recorder", f"data.name={WORK}:shards_data", f"data.options.path={data}",
-            f"model.options.log={log}", "training.epochs=2", "training.batch_size=4", "checkpoint.every=5",
-            "training.warmup_steps=0", "logging.trackers=[]", "logging.progress=false", "logging.log_every=1",
-            "distributed.timeout=60", f"data.num_workers={workers}", f"experiment.name={name}"]
-    return subprocess.run(command(spec, args, nproc=nproc), cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    args = [
+        "train",
+        f"model.name={WORK}:recorder",
+        f"data.name={WORK}:shards_data",
+        f"data.options.path={data}",
+        f"model.options.log={log}",
+        "training.epochs=2",
+        "training.batch_size=4",
+        "checkpoint.every=5",
+        "training.warmup_steps=0",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "logging.log_every=1",
+        "distributed.timeout=60",
+        f"data.num_workers={workers}",
+        f"experiment.name={name}",
+    ]
+    return subprocess.run(
+        command(spec, args, nproc=nproc), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def _order(log: Path, keep: Path, steps: int | None = None) -> list[int]:
