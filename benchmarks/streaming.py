@@ -6,10 +6,10 @@ bag-of-words classifier trained by ddplab.train in this process, one rank, batch
 - memory: resident set size at step 3,000 against step 100 of a streamed run (target <= 1.10x);
 - throughput: steps 100 to 3,000 streamed from the shards against the same rows held in memory
   (the first --memory-rows rows, a map-style dataset; target >= 0.9x);
-- resume: 90 % into a streamed epoch of --resume-rows rows, the time from asking for the epoch
-  (data.stream.Stream at `consumed`, a DataLoader) to its first batch, against a fresh epoch's
-  (target <= 1.2x); beside it the skip-forward path of a stream without state, which reads and
-  drops the 90 %.
+- resume: a snapshot 90 % into a streamed epoch of --resume-rows rows, resumed: the time from
+  ddplab.train() to the end of the first step, against a fresh run's (target <= 1.2x); beside it
+  the same snapshot resumed with the stream wrapped so that it cannot seek (a stream without state,
+  which ddplab reads forward past the 90 %).
 
     python benchmarks/streaming.py [--rows 5000000] [--steps 3000] [--memory-rows 200000]
                                    [--resume-rows 500000] [--repeat 3] [--root /tmp/ddplab-streaming]
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -81,6 +83,25 @@ class InMemory(torch.utils.data.Dataset):
         return encode(self.rows[i])
 
 
+SKIP_FORWARD = False  # set by main(): the stream is read without seeking (a resumed run reads and drops)
+
+
+class Plain(torch.utils.data.IterableDataset):
+    """The same stream without seeking or state: a resumed epoch reads and drops what was consumed."""
+
+    def __init__(self, shards) -> None:
+        self.shards = shards
+
+    def set_epoch(self, epoch: int) -> None:
+        self.shards.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __iter__(self):
+        return iter(self.shards)
+
+
 def data(cfg):
     o = cfg.options
     if o.kind == "memory":
@@ -88,7 +109,8 @@ def data(cfg):
 
         rows = pds.dataset(sorted(Path(o.path).glob("*.parquet")), format="parquet").head(o.rows).to_pylist()
         return ddplab.Data(train=InMemory(rows), task=ddplab.Classification(2))
-    return ddplab.Data(train=ddplab.Shards(o.path, seed=0, transform=encode), task=ddplab.Classification(2))
+    shards = ddplab.Shards(o.path, seed=0, transform=encode)
+    return ddplab.Data(train=Plain(shards) if SKIP_FORWARD else shards, task=ddplab.Classification(2))
 
 
 class Bag(torch.nn.Module):
@@ -112,61 +134,26 @@ def rss_bytes() -> int:
 
 
 class Probe(ddplab.Callback):
-    """The clock and the resident set size at steps `first` and `last`."""
+    """The clock and the resident set size at the end of the steps asked for, and the clock at the end of
+    the first step taken; at step `preempt`, the SIGUSR1 of a pre-emption (the run snapshots and stops)."""
 
-    def __init__(self, first: int, last: int) -> None:
-        self.first, self.last, self.at = first, last, {}
+    def __init__(self, *steps: int, preempt: int | None = None) -> None:
+        self.steps, self.preempt, self.at, self.first = steps, preempt, {}, None
 
     def on_step_end(self, view) -> None:
-        if view.step in (self.first, self.last):
+        self.first = self.first or time.perf_counter()
+        if view.step in self.steps:
             self.at[view.step] = (time.perf_counter(), rss_bytes())
+        if view.step == self.preempt:
+            os.kill(os.getpid(), signal.SIGUSR1)
 
 
-def train(kind: str, path: Path, rows: int, steps: int, root: Path) -> Probe:
-    probe = Probe(100, steps)
-    ddplab.train(
-        None,
-        [
-            f"data.options.kind={kind}",
-            f"data.options.path={path}",
-            f"data.options.rows={rows}",
-            f"training.max_steps={steps}",
-            "training.epochs=1",
-            "training.batch_size=64",
-            "training.warmup_steps=0",
-            "logging.trackers=[]",
-            "logging.progress=false",
-            "logging.log_every=500",
-            "checkpoint.save_best=false",
-            "logging.plots=false",
-            f"experiment.name={kind}",
-            f"experiment.output_dir={root / 'runs'}",
-        ],
-        model=model,
-        data=data,
-        callbacks=[probe],
-    )
-    return probe
-
-
-class Plain(torch.utils.data.IterableDataset):
-    """The same stream without seeking or state: a resumed epoch reads and drops what was consumed."""
-
-    def __init__(self, shards) -> None:
-        self.shards = shards
-
-    def __iter__(self):
-        return iter(self.shards)
-
-
-def first_batch_seconds(dataset, consumed: int) -> float:
-    from ddplab.data.stream import Stream
-
-    t0 = time.perf_counter()
-    stream = Stream(dataset, rank=0, world_size=1, batch_size=64)
-    stream.set_epoch(1, consumed)
-    next(iter(torch.utils.data.DataLoader(stream, batch_size=64)))
-    return time.perf_counter() - t0
+def train(kind: str, path: Path, steps: int, root: Path, name: str, probe: Probe, rows: int = 0) -> None:
+    options = [f"data.options.kind={kind}", f"data.options.path={path}", f"data.options.rows={rows}"]
+    run = [f"training.max_steps={steps}", "training.epochs=1", "training.batch_size=64", "training.warmup_steps=0"]
+    quiet = ["logging.trackers=[]", "logging.progress=false", "logging.log_every=100", "logging.plots=false"]
+    where = ["checkpoint.save_best=false", f"experiment.output_dir={root}", f"experiment.name={name}"]
+    ddplab.train(None, options + run + quiet + where, model=model, data=data, callbacks=[probe])
 
 
 def spread(values: list[float]) -> str:
@@ -174,6 +161,7 @@ def spread(values: list[float]) -> str:
 
 
 def main() -> None:
+    global SKIP_FORWARD
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=5_000_000, help="rows of the streamed set")
     p.add_argument("--steps", type=int, default=3000)
@@ -186,46 +174,57 @@ def main() -> None:
     t0 = time.perf_counter()
     big = make_set(a.root / f"rows-{a.rows}", a.rows)
     small = make_set(a.root / f"rows-{a.resume_rows}", a.resume_rows)
+    runs = a.root / f"runs-{time.time():.0f}"
     print(f"sets made or found in {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
 
     growth, speed = [], []
     for r in range(a.repeat):
-        runs = {}
+        rate = {}
         for kind in ("stream", "memory") if r % 2 == 0 else ("memory", "stream"):
-            probe = train(kind, big, a.memory_rows, a.steps, a.root / f"try{r}")
+            probe = Probe(100, a.steps)
+            train(kind, big, a.steps, runs, f"{kind}{r}", probe, a.memory_rows)
             (t1, m1), (t2, m2) = probe.at[100], probe.at[a.steps]
-            runs[kind] = (a.steps - 100) / (t2 - t1)
+            rate[kind] = (a.steps - 100) / (t2 - t1)
             if kind == "stream":
                 growth.append(m2 / m1)
-        speed.append(runs["stream"] / runs["memory"])
+        speed.append(rate["stream"] / rate["memory"])
         print(
-            f"run {r + 1}: streamed {runs['stream']:.0f} steps/s, in memory {runs['memory']:.0f} steps/s, "
-            f"memory at step {a.steps} / step 100 {growth[-1]:.3f}"
+            f"run {r + 1}: streamed {rate['stream']:.0f} steps/s, in memory {rate['memory']:.0f} steps/s, "
+            f"resident memory at step {a.steps} / step 100 {growth[-1]:.3f}"
         )
 
-    shards = ddplab.Shards(small, seed=0)
-    at = int(len(shards) * 0.9) // 64 * 64
-    fresh, seek, skip = [], [], []
-    for _ in range(a.repeat):
-        fresh.append(first_batch_seconds(shards, 0))
-        seek.append(first_batch_seconds(shards, at))
-        skip.append(first_batch_seconds(Plain(shards), at))
+    # A snapshot 90 % into the epoch, then alternating: a fresh run, the snapshot resumed by seeking, and
+    # resumed by skipping forward; each timed from ddplab.train() to the end of its first step.
+    steps = a.resume_rows // 64
+    at = int(steps * 0.9) // 100 * 100  # a stop signal is acted on at a log interval (logging.log_every=100)
+    t0 = time.perf_counter()
+    train("stream", small, steps, runs, "base", Probe(preempt=at))
     print(
-        f"first batch of an epoch of {len(shards):,} rows (s): fresh {spread(fresh)}, resumed at {at:,} by seeking "
-        f"{spread(seek)}, by skipping forward {spread(skip)}"
+        f"a snapshot {at} steps ({at * 64:,} rows) into an epoch of {a.resume_rows:,} rows made in "
+        f"{time.perf_counter() - t0:.0f} s"
     )
+    first = {"fresh": [], "seek": [], "skip": []}
+    for r in range(a.repeat):
+        for how in ("fresh", "seek", "skip"):
+            SKIP_FORWARD = how == "skip"
+            if how != "fresh":
+                shutil.copytree(runs / "base", runs / f"{how}{r}")
+            probe = Probe(preempt=1 if how == "fresh" else at + 1)  # stops at the next log interval
+            t0 = time.perf_counter()
+            train("stream", small, steps, runs, f"{how}{r}", probe)
+            first[how].append(probe.first - t0)
+    SKIP_FORWARD = False
+    print("start to the end of the first step (s): " + ", ".join(f"{k} {spread(v)}" for k, v in first.items()))
 
     print(
         f"\nissue 35 figures, {a.rows:,} rows, {a.steps} steps, median of {a.repeat} (range); "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    print(f"  memory, step {a.steps} / step 100:          {spread(growth)}x  (target <= 1.10)")
-    print(f"  throughput, streamed / in memory:      {spread(speed)}x  (target >= 0.90)")
-    print(
-        f"  resume at 90 %, seek / fresh start:     {spread([s / f for s, f in zip(seek, fresh, strict=True)])}x  "
-        f"(target <= 1.20)"
-    )
-    print(f"  resume at 90 %, skip forward / fresh:   {spread([s / f for s, f in zip(skip, fresh, strict=True)])}x")
+    print(f"  resident memory, step {a.steps} / step 100:  {spread(growth)}x  (target <= 1.10)")
+    print(f"  throughput, streamed / in memory:        {spread(speed)}x  (target >= 0.90)")
+    ratio = {k: [x / f for x, f in zip(first[k], first["fresh"], strict=True)] for k in ("seek", "skip")}
+    print(f"  resume at 90 %, seek / fresh start:       {spread(ratio['seek'])}x  (target <= 1.20)")
+    print(f"  resume at 90 %, skip forward / fresh:     {spread(ratio['skip'])}x")
 
 
 if __name__ == "__main__":
