@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 
-import fsspec
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -161,6 +160,8 @@ class Shards(IterableDataset):
 
 def _expand(paths, format: str | None, storage_options: dict) -> list[tuple]:
     """(filesystem, path) of every shard, sorted within each of `paths`."""
+    import fsspec  # optional, as pyarrow below: the `text` extra
+
     files = []
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
         fs, root = fsspec.core.url_to_fs(os.fspath(path), **storage_options)
@@ -185,7 +186,7 @@ def _open(fs, path: str):
 
 def _count(fmt: str, fs, path: str) -> int:
     if fmt == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: the `text` extra
 
         with fs.open(path, "rb") as f:
             return pq.ParquetFile(f).metadata.num_rows
@@ -202,7 +203,7 @@ def _count(fmt: str, fs, path: str) -> int:
 def _windows(fmt: str, fs, path: str, at: int, size: int, columns) -> Iterator:
     """Windows of `size` rows (the last may be shorter) of one shard, from row `at` on."""
     if fmt == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: the `text` extra
 
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
@@ -234,7 +235,7 @@ def _items(fmt: str, block, rows: np.ndarray) -> list:
 
 def _rebatch(batches, skip: int, size: int) -> Iterator:
     """Arrow tables of `size` rows from record batches of any size, after the first `skip` rows."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional: the `text` extra
 
     pending, have = [], 0
     for batch in batches:
@@ -254,7 +255,7 @@ def _rebatch(batches, skip: int, size: int) -> Iterator:
 
 def _arrow_batches(f, columns) -> Iterator:
     """The record batches of an Arrow IPC file, or of an IPC stream (as Hugging Face datasets saves)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional: the `text` extra
     import pyarrow.ipc as ipc
 
     try:
