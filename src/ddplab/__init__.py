@@ -3,6 +3,7 @@
 The public interface for your own workloads (nothing heavy is imported until used):
 
     ddplab.Data, ddplab.Task, ddplab.Classification, ddplab.Regression, ddplab.LanguageModeling,
+    ddplab.Shards (a stream from shard files, resumable at any world size),
     ddplab.Callback (its hooks get a read-only ddplab.TrainView), ddplab.EarlyStopping,
     ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
 """
@@ -15,7 +16,7 @@ _PUBLIC = {
     "Data": "ddplab.workload", "BuildConfig": "ddplab.workload", "Assets": "ddplab.workload",
     "Task": "ddplab.tasks", "Classification": "ddplab.tasks", "Regression": "ddplab.tasks",
     "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.callbacks", "EarlyStopping": "ddplab.callbacks",
-    "TrainView": "ddplab.engine.callbacks",
+    "TrainView": "ddplab.engine.callbacks", "Shards": "ddplab.data.shards",
     "train": "ddplab.api", "UserError": "ddplab.errors", "ExitCode": "ddplab.errors",
 }
 __all__ = list(_PUBLIC)

@@ -10,6 +10,11 @@ turn, yields the rank's batches in stream order whatever its worker count.
 A dataset whose attribute `shards_itself` is true yields only its own process's (and loader
 worker's) share, as one built with `datasets.distributed.split_dataset_by_node` does; it is read
 as it is.
+
+A dataset with a `share(epoch, start, end, rank, world_size, batch_size, worker, workers)` method
+(ddplab.Shards) seeks itself: it yields exactly the items `owns` gives a rank's loader worker, from
+any position of its global order without reading what comes before, so a run resumes at any world
+size or worker count with nothing read twice.
 """
 
 from __future__ import annotations
@@ -41,13 +46,23 @@ def shards_itself(dataset) -> bool:
     return bool(getattr(dataset, "shards_itself", False))
 
 
+def seeks_itself(dataset) -> bool:
+    return callable(getattr(dataset, "share", None))
+
+
+def owns(j, rank: int, world_size: int, batch_size: int, worker: int, workers: int):
+    """Whether item j of the global stream (an int or an array of them) is the given rank's and loader
+    worker's: rank j mod world_size, and within it whole batches to the workers in turn."""
+    return (j % world_size == rank) & ((j // world_size // batch_size) % workers == worker)
+
+
 class Stream(IterableDataset):
     """This rank's share of `dataset`, from item `start` of epoch `epoch` on (set_epoch), at most
     `limit` items of the whole stream (data.limit)."""
 
     def __init__(self, dataset, rank: int, world_size: int, batch_size: int, limit: int | None = None) -> None:
         self.dataset, self.batch_size, self.limit = dataset, batch_size, limit
-        self.own = shards_itself(dataset)
+        self.own, self.seeks = shards_itself(dataset), seeks_itself(dataset)
         self.rank, self.world_size = (0, 1) if self.own else (rank, world_size)
         self.epoch = self.start = 0
         self.skip = True
@@ -60,10 +75,14 @@ class Stream(IterableDataset):
     def __iter__(self) -> Iterator:
         info = get_worker_info()
         workers, worker = (1, 0) if info is None or self.own else (info.num_workers, info.id)
+        if self.seeks:
+            yield from self.dataset.share(self.epoch, self.start, self.limit, self.rank, self.world_size,
+                                          self.batch_size, worker, workers)
+            return
         if callable(getattr(self.dataset, "set_epoch", None)):  # a shuffling stream reshuffles per epoch
             self.dataset.set_epoch(self.epoch)
         end = self.limit if self.limit is None or self.skip else max(self.limit - self.start, 0)
         items = islice(self.dataset, self.start if self.skip else 0, end)
         for j, item in enumerate(items):
-            if j % self.world_size == self.rank and (j // self.world_size // self.batch_size) % workers == worker:
+            if owns(j, self.rank, self.world_size, self.batch_size, worker, workers):
                 yield item

@@ -69,8 +69,9 @@ class Loaders:
 class TrainFeed:
     """The training data's position: an epoch, and how many samples of its global order are consumed
     (TrainState.consumed). Map-style data go through ResumableDistributedSampler, which resumes by
-    slicing its permutation; a stream through data.stream.Stream, which resumes from the dataset's own
-    state_dict() where it has one, else by reading past the samples already consumed.
+    slicing its permutation; a stream through data.stream.Stream, which resumes a stream that seeks
+    itself (ddplab.Shards) at `consumed`, else from the dataset's own state_dict() where it has one,
+    else by reading past the samples already consumed.
 
     state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
     """
@@ -113,6 +114,11 @@ class TrainFeed:
         restored, self._restored = self._restored, {}
         if not consumed:
             self.source.set_epoch(epoch)
+            return
+        if self.source.seeks:
+            self.log(f"the training stream seeks to sample {consumed} of epoch {epoch + 1} itself (its order depends "
+                     f"on the seed and epoch alone: nothing is read twice, at any world size)")
+            self.source.set_epoch(epoch, consumed)
             return
         was = restored.get("world_size", self.ctx.world_size)
         states = restored.get("states")
