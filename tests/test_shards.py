@@ -187,3 +187,14 @@ def test_a_streamed_run_killed_mid_epoch_resumes_at_the_next_global_sample_at_2_
 
     assert_ok(_run(elsewhere, data, log, "cut", 1))
     assert before + _order(log, tmp_path / "one") == whole
+
+
+def test_without_the_text_extra_shards_are_refused_in_one_line(monkeypatch, tmp_path):
+    import importlib.util
+
+    from ddplab.errors import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fsspec" else real(name, *a))
+    with pytest.raises(UserError, match=r"ddplab.Shards needs fsspec: pip install 'ddplab\[text\]'"):
+        ddplab.Shards(tmp_path)

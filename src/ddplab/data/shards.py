@@ -30,6 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddplab.data.stream import owns
 from ddplab.errors import UserError
+from ddplab.extras import require
 
 FORMATS = {
     ".parquet": "parquet",
@@ -80,6 +81,7 @@ class Shards(IterableDataset):
         transform: Callable | None = None,
         storage_options: dict | None = None,
     ) -> None:
+        require("text", "ddplab.Shards", ("fsspec", "pyarrow"))
         self.files = _expand(paths, format, storage_options or {})
         if not self.files:
             raise UserError(f"Shards: no {format or 'shard'} files at {paths!r}")
