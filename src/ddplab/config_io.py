@@ -123,7 +123,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
         if key not in names:
             raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             value = {} if value is None else value
             if not isinstance(value, dict):
                 raise UserError(f"'{dotted}' must be a section (mapping), got {value!r}")

@@ -4,6 +4,7 @@ device (Stamps) and the time a rank spent in collectives (InFlight)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -66,6 +67,16 @@ class InFlight:
     """Seconds during which a collective was in flight on this rank, read per epoch: what the epoch row, the
     straggler check and the step timer read of engine/comm.py's CommMonitor (DDP) and engine/fsdp_comm.py's
     ShardedCommMonitor (FSDP) alike; each settles its own intervals (_settle) into _comm_s."""
+
+    # Set by each subclass's __init__.
+    _lock: threading.Lock
+    _comm_s: float
+    delay_s: float
+    buckets: int
+
+    def _settle(self) -> None:
+        """Add the intervals that have finished to _comm_s."""
+        raise NotImplementedError
 
     @property
     def comm_s(self) -> float:

@@ -5,6 +5,7 @@ gathers and reduce-scatters: forecast/sharded.py)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,7 +85,7 @@ def measure(run: Run) -> Measured | None:
         strategy=run.ddp.get("strategy") or "ddp", units=comm.get("units", []))
 
 
-def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:
+def _linear(xs: Sequence[float], ys: Sequence[float], proportional: bool) -> tuple[float, float]:
     """(a, c) of y = a + c * x: least squares over distinct x (through each x's median, so a
     repeat slowed by other jobs does not pull the line); from one x, the median of its repeats,
     all proportional to x (per-sample work) or all constant (per-step work)."""
@@ -123,11 +124,13 @@ def fit_compute(singles: list[Measured]) -> Compute:
                         "(e.g. ddplab study ... --nproc 1,2)")
     xs = [m.batch for m in singles]
     timed = all(m.forward is not None and m.backward is not None for m in singles)
-    fwd, bwd, rest = [], [], []
+    fwd: list[float] = []
+    bwd: list[float] = []
+    rest: list[float] = []
     for m in singles:
         model_s = m.step_s - m.data_wait
         untimed = ((1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum)
-        f, b = (m.forward, m.backward) if timed else untimed
+        f, b = (m.forward, m.backward) if timed and m.forward is not None and m.backward is not None else untimed
         fwd.append(f)
         bwd.append(b)
         rest.append(max(model_s - m.accum * (f + b), 0.0))

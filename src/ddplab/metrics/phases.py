@@ -13,9 +13,13 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.run_folder import RunFolder
+
+if TYPE_CHECKING:
+    from torch._dynamo.callback import CompilationCallbackHandler
 
 LAUNCHED_AT = "DDPLAB_LAUNCHED_AT"
 
@@ -45,7 +49,7 @@ class Phases:
         started = process_started_at()
         if started is not None:
             with contextlib.suppress(ValueError, TypeError):  # not launched by ddplab, or a value not its own
-                self.seconds["launcher_s"] = max(started - float(os.environ.get(LAUNCHED_AT)), 0.0)
+                self.seconds["launcher_s"] = max(started - float(os.environ.get(LAUNCHED_AT, "")), 0.0)
             self.seconds["imports_s"] = max(now - started, 0.0)
         self._last = now
         self._first_step_at: float | None = None
@@ -106,7 +110,8 @@ class CompileClock:
     recompile, and the backward pass compiled lazily at the first backward)."""
 
     def __init__(self) -> None:
-        self.seconds, self._began, self._handler = 0.0, 0.0, None
+        self.seconds, self._began = 0.0, 0.0
+        self._handler: CompilationCallbackHandler | None = None
 
     def start(self) -> None:
         # Imported here: only a compiled run pays for dynamo's import.

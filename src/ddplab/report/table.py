@@ -160,7 +160,7 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     for row in per_run:
         groups[row["_group"]].append(row)
     # The baseline of an experiment: its 1-process point (median throughput over repeats).
-    base: dict[str, tuple[str, float]] = {}
+    base: dict[str, tuple[str, float, float | None]] = {}
     for rows in groups.values():
         first = rows[0]
         rate = _spread([r["samples_per_s"] for r in rows])[0]
