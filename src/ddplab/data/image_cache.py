@@ -47,9 +47,10 @@ MARGIN = 1.1  # a raw cache must leave a tenth of itself free besides
 
 
 class ImageBatch(NamedTuple):
-    """A batch fetched whole: (N, C, H, W) images and their (N,) int64 labels."""
+    """A batch fetched whole: (N, C, H, W) images (or, under data.decode=gpu, still encoded) and their (N,)
+    int64 labels."""
 
-    images: torch.Tensor
+    images: torch.Tensor | EncodedImages
     labels: torch.Tensor
 
 
@@ -232,7 +233,9 @@ class CachedImages(Dataset):
     def blob(self, i: int) -> torch.Tensor:
         """Image i's JPEG bytes (a jpeg cache), copied out of the map."""
         images = self.images
-        return torch.from_numpy(np.array(images[self._offsets[i]:self._offsets[i + 1]]))
+        offsets = self._offsets
+        assert offsets is not None  # a jpeg cache: loaded with its images
+        return torch.from_numpy(np.array(images[offsets[i]:offsets[i + 1]]))
 
     def pixels(self, at: np.ndarray) -> torch.Tensor:
         """uint8 (N, C, S, S) of the images at `at`: rows of the map, or JPEGs decoded here."""
