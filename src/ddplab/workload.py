@@ -123,6 +123,8 @@ def _import_file(path: Path) -> Any:
     if key in sys.modules:
         return sys.modules[key]
     spec = importlib.util.spec_from_file_location(key, path)
+    if spec is None or spec.loader is None:  # a name Python has no loader for
+        raise UserError(f"cannot import {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
     # The file's folder is importable too, as when a user runs `python file.py`.
