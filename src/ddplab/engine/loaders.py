@@ -80,15 +80,15 @@ class TrainFeed:
         self.seed = cfg.experiment.seed
         self.stream = is_stream(dataset)
         self.size = size(dataset)  # None: a stream that does not know its length
+        self.sampler: ResumableDistributedSampler | None = None  # map-style data
+        self.source: Stream | None = None  # a stream
         if self.stream:
-            self.sampler = None
             self.source = Stream(dataset, ctx.rank, ctx.world_size, cfg.training.batch_size, cfg.data.limit)
             if is_stateful(dataset) and loaders.workers:
                 log(f"the training stream keeps its own position (state_dict()): it is read in the training process, "
                     f"not by {loaders.workers} loader workers")
         else:
-            self.sampler = self.source = ResumableDistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=True,
-                                                                     seed=self.seed)
+            self.sampler = ResumableDistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=True, seed=self.seed)
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
 
@@ -107,29 +107,31 @@ class TrainFeed:
         return iter(self.loader)
 
     def _stream_start(self, epoch: int, consumed: int) -> None:
+        source, loader = self.source, self.loader
+        assert source is not None and loader is not None  # a stream's, made by epoch()
         restored, self._restored = self._restored, {}
         if not consumed:
-            self.source.set_epoch(epoch)
+            source.set_epoch(epoch)
             return
         was = restored.get("world_size", self.ctx.world_size)
         states = restored.get("states")
-        if states and restored.get("epoch") == epoch and (not self.source.own or was == self.ctx.world_size):
+        if states and restored.get("epoch") == epoch and (not source.own or was == self.ctx.world_size):
             # The last rank has read exactly the first `consumed` items; a self-sharding stream, its own.
-            self.dataset.load_state_dict(states[self.ctx.rank] if self.source.own else states[-1])
+            self.dataset.load_state_dict(states[self.ctx.rank] if source.own else states[-1])
             self.log(f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}")
-            self.source.set_epoch(epoch, consumed, skip=False)
+            source.set_epoch(epoch, consumed, skip=False)
             return
-        if not self.source.own:
+        if not source.own:
             self.log(f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
                      f"epoch {epoch + 1} (read and dropped)")
-            self.source.set_epoch(epoch, consumed)
+            source.set_epoch(epoch, consumed)
             return
         # A stream that shards itself: each rank's share alone is known to it.
-        exact = was == self.ctx.world_size and not self.loader.num_workers
+        exact = was == self.ctx.world_size and not loader.num_workers
         self.log(f"the training stream shards itself and has no state_dict(): each rank skips forward past its first "
                  f"{consumed // was} samples (read and dropped)" + ("" if exact else
                  "; not exact: that needs the same world size and data.num_workers=0"))
-        self.source.set_epoch(epoch, consumed // was)
+        source.set_epoch(epoch, consumed // was)
 
     def left(self) -> float:
         """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
@@ -147,7 +149,7 @@ class TrainFeed:
 
     def state_dict(self) -> dict:
         """A collective for a stateful stream: every rank's stream state is gathered."""
-        if not self.stream:
+        if self.source is None:  # map-style data: TrainState's position is all
             return {}
         states = self.ctx.gather_objects(self.dataset.state_dict()) if is_stateful(self.dataset) else None
         return {"world_size": self.ctx.world_size, "epoch": self.source.epoch, "states": states}
