@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -73,6 +74,8 @@ class InFlight:
     _comm_s: float
     delay_s: float
     buckets: int
+    done_count: int  # collectives completed
+    last_done: Any  # the Stamps moment the latest of them completed at
 
     def _settle(self) -> None:
         """Add the intervals that have finished to _comm_s."""
