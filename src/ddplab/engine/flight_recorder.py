@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.flight_recorder.components.loader import read_dump
@@ -41,11 +42,13 @@ def unfinished(since: float) -> dict[int, dict]:
     """rank -> the first collective it entered and never completed, from the dumps written after `since`."""
     prefix = next((Path(os.environ[n]) for n in _FILE if os.environ.get(n)), None)
     found: dict[int, dict] = {}
-    for path in prefix.parent.glob(prefix.name + "*") if prefix else ():
+    if prefix is None:
+        return found
+    for path in prefix.parent.glob(prefix.name + "*"):
         try:
             if path.stat().st_mtime < since:
                 continue  # an earlier attempt's
-            dump = read_dump(prefix.name, str(path))
+            dump: dict[str, Any] = read_dump(prefix.name, str(path))  # its format says which value is which type
         except Exception:  # a dump cut short, or not one: the report goes on without it
             continue
         # gloo never marks an entry completed, only retired; a timed-out NCCL entry is neither.

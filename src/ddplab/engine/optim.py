@@ -86,6 +86,8 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
             if t.optimizer in OPTIMIZERS:
                 return OPTIMIZERS[t.optimizer](model, t, lr, ctx.device)
             cls = torch_optimizer(t.optimizer)
+            if cls is None:  # check_names says so before launch; here for a Trainer built directly
+                raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'")
             decay = {"weight_decay": t.weight_decay} if "weight_decay" in inspect.signature(cls).parameters else {}
             return cls([p for p in model.parameters() if p.requires_grad], lr=lr, **{**decay, **t.optimizer_options})
         except (TypeError, ValueError) as exc:
