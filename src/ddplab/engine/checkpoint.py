@@ -40,7 +40,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -153,7 +154,12 @@ class Checkpointer:
         self.is_main = is_main
         self.keep_last = keep_last
         self.checksums = checksums
-        self._pending = self._saving = self._finisher = self._error = self._group = None  # a background save
+        # A background save: DCP's future, the finisher thread, the error it met, DCP's own process group.
+        self._pending: Future | None = None
+        self._saving: Future | None = None
+        self._finisher: threading.Thread | None = None
+        self._error: RunError | None = None
+        self._group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ listing
     def snapshots(self) -> list[Path]:
@@ -164,7 +170,8 @@ class Checkpointer:
         return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
     def latest(self) -> Path | None:
-        return (self.snapshots() or [None])[-1]
+        snapshots = self.snapshots()
+        return snapshots[-1] if snapshots else None
 
     def clean_incomplete(self) -> list[str]:
         """Remove what a kill during a save left behind; returns the names removed."""
@@ -215,10 +222,13 @@ class Checkpointer:
         if background:
             if ctx.is_distributed and self._group is None:
                 # DCP's own collectives run in a background thread: a group of their own keeps them apart from training's.
-                self._group = dist.new_group(backend="gloo")
+                group = dist.new_group(backend="gloo")
+                assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+                self._group = group
             saved = dcp.async_save(shards, checkpoint_id=str(folder), process_group=self._group,
                                    no_dist=not ctx.is_distributed)
-            self._pending = getattr(saved, "upload_completion", saved)
+            # A newer torch returns an AsyncSaveResponse, whose upload future is the one to wait for.
+            self._pending = cast(Future, getattr(saved, "upload_completion", saved))
         else:
             with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
                 warnings.simplefilter("ignore", UserWarning)
@@ -269,7 +279,7 @@ class Checkpointer:
         its checksums and marker. The finisher is a daemon thread, so the process would end it half-way;
         a save still waiting on a rank that died is given `grace_s`, then left incomplete."""
         finisher, saved = self._finisher, self._saving
-        if finisher is None or not finisher.is_alive():
+        if finisher is None or saved is None or not finisher.is_alive():
             return
         deadline = time.monotonic() + grace_s
         while not saved.done() and time.monotonic() < deadline:
@@ -315,7 +325,11 @@ class Checkpointer:
         if chosen is None:
             return None
         folder, manifest = Path(chosen[0]), chosen[1]
-        plain = found[2] if self.is_main else _read_state(folder / STATE)
+        if self.is_main:
+            assert found is not None  # rank 0 chose it
+            plain = found[2]
+        else:
+            plain = _read_state(folder / STATE)
         return folder, manifest, parts.load(plain, folder, ctx, manifest["world_size"])
 
     def load_snapshot(self, path: Path, weights: bool = True) -> dict:
