@@ -59,7 +59,7 @@ BEST = "best"
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
 
 
-def part(state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None] = lambda state: None):
+def part(state_dict: Callable[[], Any], load_state_dict: Callable[[Any], object] = lambda state: None):
     """A stateful part made of two functions (without the second: a value saved, never loaded back)."""
     return SimpleNamespace(state_dict=state_dict, load_state_dict=load_state_dict)
 

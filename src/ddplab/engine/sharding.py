@@ -42,7 +42,7 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    options = {"mesh": mesh, "mp_policy": precision(cfg.training.amp, ctx.device)}
+    policy = precision(cfg.training.amp, ctx.device)
     if d.shard:
         resolve(d.shard, "distributed.shard")(model, mesh)
         if not any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -51,12 +51,12 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
     else:
         chosen = blocks(model, d.shard_min_params)
         for block in chosen:
-            fully_shard(block, **options)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
         if ctx.is_main:
             print(f"{d.strategy}: {len(chosen)} blocks sharded on their own "
                   f"({_names(model, chosen)}), then the root", flush=True)
     if not isinstance(model, FSDPModule):
-        fully_shard(model, **options)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -138,8 +138,10 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict:
 def fsdp_units(model: torch.nn.Module, min_params: int) -> list[dict]:
     """Bytes of the parameters FSDP gathers as one, root first then its blocks in registration order (about
     forward order): as the run sharded the model, or as distributed.strategy=fsdp would (for `ddplab forecast`)."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model, *blocks(model, min_params)]
-    seen, out = set(), []
+    units: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = units or [model, *blocks(model, min_params)]
+    seen: set[int] = set()
+    out = []
     for unit in reversed(units):  # innermost first: a parameter belongs to the innermost unit holding it
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
