@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ddplab.config import Config
 from ddplab.config_io import from_dict
 from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.setup import build_data, build_model
@@ -23,7 +24,7 @@ from ddplab.workload import Data, build_config, check_trusted
 from ddplab.data.text_lm import CharTokenizer
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, object]:
+def read_checkpoint(path: str | Path) -> tuple[dict, Config]:
     """(checkpoint dict, its Config) from a run folder or checkpoint file, checked against its manifest."""
     _, ckpt = load_checkpoint(path)
     cfg = from_dict(ckpt["config"])

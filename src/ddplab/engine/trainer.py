@@ -98,7 +98,7 @@ class Trainer:
         self.signals = StopSignals()
         self.callbacks = CallbackList(callbacks)
         self.view = TrainView(self)
-        self.evaluator = None  # the last evaluation's (the view hands it to the class report)
+        self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
         self.parts, self.best_parts = self._register_parts()

@@ -58,7 +58,7 @@ class Trackers(Callback):
         self._each(self.view, lambda tracker: tracker.finish(self.view, status))
         self.live = []
 
-    def _push(self, view, _=None) -> None:
+    def _push(self, view) -> None:
         remembered = False
         for entry in list(self.live):
             tracker, train_done, epoch_done = entry
@@ -79,7 +79,11 @@ class Trackers(Callback):
         if remembered:
             view.run.write_json(RunFolder.TRACKERS, self.record)
 
-    on_log = on_epoch_end = _push  # each brings new rows
+    def on_log(self, view, values: dict) -> None:  # new rows
+        self._push(view)
+
+    def on_epoch_end(self, view, row: dict) -> None:  # a new row
+        self._push(view)
 
     def _each(self, view, call) -> None:
         for entry in list(self.live):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,7 +56,8 @@ class Encoder:
     """`ddplab predict`: a raw text -> the token ids validation fed the model."""
 
     def __init__(self, meta: dict) -> None:
-        self.meta, self.tokenizer = meta, None
+        self.meta = meta
+        self.tokenizer: Any = None  # loaded at the first call
 
     def __call__(self, text: str) -> dict:
         if self.tokenizer is None:  # a pretrained tokenizer loads in seconds: only when predicting
