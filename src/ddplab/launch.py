@@ -165,13 +165,13 @@ class _Job(StopSignals):
         self.report, self.log = report, log
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        self.received: list[int] = []  # every signal, in order
+        self.caught: list[int] = []  # every signal, in order
         self.tail: deque[str] = deque(maxlen=200)  # the agents' last stderr lines (torchrun's failure summary)
         self.requested = False  # a worker received a stop signal (preemption.ASK_ENV)
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
 
     def start(self, cmd: list[str], env: dict) -> None:
-        if self.received:
+        if self.caught:
             return  # stopped while the others were starting
         if cmd[:3] != AGENT:
             cmd = [*AGENT, "--exec", *cmd]  # srun: it too must die with this process
@@ -185,8 +185,8 @@ class _Job(StopSignals):
             self.pumps.append(pump)
 
     def _handle(self, signum, frame) -> None:
-        self.received.append(signum)
-        if len(self.received) == 1:
+        self.caught.append(signum)
+        if len(self.caught) == 1:
             return self._stop_agents()
         for proc in (p for p in self.procs if p.poll() is None):
             proc.kill()
@@ -204,7 +204,7 @@ class _Job(StopSignals):
     def wait(self) -> int:
         """Until every agent has ended; the first to fail ends the others. Its exit code, else 0."""
         while True:
-            if not (self.received or self.requested) and (self.report / "stop").exists():
+            if not (self.caught or self.requested) and (self.report / "stop").exists():
                 self.requested = True
                 self._stop_agents()
             codes = [p.poll() for p in self.procs]
@@ -319,7 +319,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
         finally:
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
-        code, line = outcome(report, code, stopped := bool(job.received) or job.requested)
+        code, line = outcome(report, code, stopped := bool(job.caught) or job.requested)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
@@ -329,12 +329,13 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, **kwarg
     """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
     code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input."""
     ended = run([torchrun_command(nproc, args, **kwargs)], env=env)
+    locked = (env or {}).get(LOCKED_ENV)
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
-    elif (env or {}).get(LOCKED_ENV) and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
-        print(f"ddplab: {record_unreported(Path(env[LOCKED_ENV]), ended.root_cause)}", file=sys.stderr)
+    elif locked and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:

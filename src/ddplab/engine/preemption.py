@@ -16,9 +16,13 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
 ECHO_S = 5.0
 ASK_ENV = "DDPLAB_STOP_REQUEST"  # ddplab's launcher: the file by which a worker asks it to stop the whole job
+
+
+_Signals = TypeVar("_Signals", bound="StopSignals")
 
 
 class StopSignals:
@@ -29,7 +33,7 @@ class StopSignals:
         self._previous: dict = {}
         self._at = 0.0
 
-    def install(self) -> "StopSignals":
+    def install(self: _Signals) -> _Signals:
         # Signals can only be handled by the main thread (tests may call fit() from others).
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
