@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ddplab.config import Config
 from ddplab.config_io import read_config
@@ -53,9 +53,9 @@ TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image"
                       check="ddplab.models.vision:check_input", check_files="ddplab.models.vision:check_files",
                       extra="vision")
 
-_IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
+_IMAGES: dict[str, Any] = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
                check_files="ddplab.data.checks:check_image_files", extra="vision")
-_TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text")
+_TEXTS: dict[str, Any] = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text")
 DATA: dict[str, Builtin] = {
     "text": Builtin(_W + "char_lm:data", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Builtin(_W + "synthetic:data", "any", "any"),

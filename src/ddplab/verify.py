@@ -52,7 +52,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpts = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False)
-    return ckpts.load_snapshot(ckpts.latest())["model"]
+    latest = ckpts.latest()
+    if latest is None:
+        raise RunError(f"verify: {run_dir} holds no snapshot")
+    return ckpts.load_snapshot(latest)["model"]
 
 
 def verify(config: str | None, overrides: list[str], nproc: int, tolerance: float, weight_tolerance: float) -> int:

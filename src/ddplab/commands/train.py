@@ -32,8 +32,8 @@ def train(ns) -> int:
     from ddplab.run import train
 
     # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
-    summary = record(train)(cfg)
-    if summary["status"] == "preempted":
+    summary = record(train)(cfg)  # None: train() exited with SystemExit(0)
+    if summary is not None and summary["status"] == "preempted":
         return ExitCode.PREEMPTED
     if under_agent():
         quick_exit(ExitCode.OK)  # the run is recorded and its files closed
@@ -45,6 +45,7 @@ def launch(cfg, ns) -> int:
     lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
     if error:
         raise UserError(error)
+    assert lock is not None  # claim() locks the folder unless it reports an error (no launcher folder here)
     try:
         if not checked_without_torch(cfg):
             preflight(cfg, run_dir)

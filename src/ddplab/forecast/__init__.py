@@ -116,7 +116,7 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
         raise UserError("forecast: the runs do not record their gradient buckets (metrics.json 'comm'); "
                         "re-run them with this version of ddplab")
     strategies = asked or [s for s in STRATEGIES if any(m.strategy == s for m in measured)]
-    units = next((m.units for m in measured if m.units), [])
+    units: list[dict] = next((m.units for m in measured if m.units), [])
     comm = Comm(buckets, hook or ref.hook, rank)
     batch, accum, n_train = opts.batch_size or ref.batch, ref.accum, ref.train_samples
     one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,7 +80,7 @@ class Run:
         return json.dumps(config, sort_keys=True)
 
 
-def find_runs(dirs: list[str | Path], command: str = "report") -> tuple[list[Run], list[Path]]:
+def find_runs(dirs: Sequence[str | Path], command: str = "report") -> tuple[list[Run], list[Path]]:
     """Finished runs under the given folders (a run folder itself, or any folder holding some),
     and the unfinished ones that were passed over; errors name `command`."""
     runs, unfinished, seen = [], [], set()
