@@ -97,9 +97,9 @@ def main() -> int:
     p.add_argument("--no-netns", action="store_true", help="leave out the two-namespace rows")
     ns = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
+    from ddplab.config import batch_arithmetic
     from ddplab.forecast.fit import comm_of, fit_link
     from ddplab.forecast.links import Link, parse_bandwidth
-    from ddplab.config import batch_arithmetic
     from ddplab.forecast.model import fit_compute, predict_step
 
     out = Path(ns.out) / ns.workload

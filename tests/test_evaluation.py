@@ -49,8 +49,8 @@ class TwoRanks:
 def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, tmp_path):
     from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
-    from ddplab.metrics.class_report import class_reports
     from ddplab.evaluators import per_class_scores
+    from ddplab.metrics.class_report import class_reports
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 6, 150)

@@ -11,8 +11,8 @@ import torch
 
 from conftest import OneRankCtx
 from ddplab.cli import main
-from ddplab.forecast.links import Link, allreduce_s, parse_bandwidth, parse_latency, ring_allreduce_s, wire_messages
 from ddplab.config import batch_arithmetic
+from ddplab.forecast.links import Link, allreduce_s, parse_bandwidth, parse_latency, ring_allreduce_s, wire_messages
 from ddplab.forecast.model import overlapped_backward
 
 STUDY = Path(__file__).parent / "data" / "forecast_study"

@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
-from ddplab.registry import load_config
-from ddplab.engine.checkpoint import load_file
-from ddplab.run import train
-
 from conftest import TINY_GPT
+from ddplab.engine.checkpoint import load_file
+from ddplab.registry import load_config
+from ddplab.run import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_ok, ddplab, torchrun
 
+from conftest import assert_ok, ddplab, torchrun
 from ddplab.cli import main
 
 HERE = Path(__file__).resolve().parent

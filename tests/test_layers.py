@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "ddplab"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
 from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
 from ddplab.engine.checkpoint import Checkpointer
 from faults import command
-from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
 SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 

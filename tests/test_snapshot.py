@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _env, assert_ok, ddplab
-from faults import command
 
+from conftest import _env, assert_ok, ddplab
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine import manifest
 from ddplab.engine.callbacks import CallbackList
@@ -31,6 +30,7 @@ from ddplab.engine.checkpoint import (
 )
 from ddplab.engine.manifest import Damaged
 from ddplab.errors import UserError
+from faults import command
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _env, assert_ok
-from conftest import ddplab as ddplab_cli
-from faults import command
 
 import ddplab
+from conftest import _env, assert_ok
+from conftest import ddplab as ddplab_cli
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.registry import load_config
 from ddplab.run import train
+from faults import command
 
 # One bias b, trained towards 1 with plain SGD, scored against targets around 0.3: b after epoch k is
 # 1 - 0.9^k (0.1, 0.19, 0.271, 0.344, ...), so the validation loss falls to epoch 3 and rises after it.

@@ -11,13 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-from ddplab.registry import load_config
-from ddplab.engine.setup import build_data
-from ddplab.registry import workload
 from ddplab.data.text_synthetic import generate
 from ddplab.data.text_tokenize import HashTokenizer
 from ddplab.distributed import DistContext, LaunchInfo
+from ddplab.engine.setup import build_data
 from ddplab.errors import UserError
+from ddplab.registry import load_config, workload
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 

@@ -10,11 +10,11 @@ from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_sc
 
 from conftest import assert_ok, ddplab, main, torchrun
 from ddplab.config_io import from_dict
-from ddplab.engine.setup import build_data
-from ddplab.registry import workload
 from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.tasks import call_model
+from ddplab.engine.setup import build_data
 from ddplab.inference import load_model
+from ddplab.registry import workload
+from ddplab.tasks import call_model
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 # 3 classes; 1211 samples leave a validation split of 121, which 2 ranks cannot split evenly.

@@ -6,11 +6,10 @@ import re
 
 import pytest
 
-from ddplab.registry import load_config
-from ddplab.engine.optim import lr_lambda, scaled_lr
-from ddplab.run import train
-
 from conftest import TINY_GPT
+from ddplab.engine.optim import lr_lambda, scaled_lr
+from ddplab.registry import load_config
+from ddplab.run import train
 
 
 def _run(tmp_path, corpus, *overrides):

@@ -19,10 +19,9 @@ import yaml
 from ddplab.config import INT_MAX, MAX_SECONDS, Config
 from ddplab.errors import UserError
 
-
 # ---------------------------------------------------------------------------- loading
 
-def read_config(source: "str | Path | dict | Config | None" = None, overrides=()) -> Config:
+def read_config(source: str | Path | dict | Config | None = None, overrides=()) -> Config:
     """Types and ranges only (ddplab.registry.load_config also checks names): a YAML path (None:
     the defaults), a dict or a Config, then dotted `key=value` overrides."""
     if source is None or isinstance(source, (str, Path)):

@@ -12,8 +12,9 @@ import datetime
 import gc
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

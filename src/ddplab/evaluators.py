@@ -9,7 +9,7 @@ counts exactly once whatever the world size.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -15,13 +15,13 @@ import torch
 
 from ddplab.config import Config
 from ddplab.config_io import from_dict
+from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import UserError, first_line
 from ddplab.registry import workload
 from ddplab.tasks import restore
 from ddplab.workload import Data, build_config, check_trusted
-from ddplab.data.text_lm import CharTokenizer
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict, Config]:

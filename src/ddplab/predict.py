@@ -18,10 +18,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import islice
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 _undo: list[tuple[str, Callable[[], object]]] = []  # (what was changed, how to put it back), oldest first
 

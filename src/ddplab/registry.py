@@ -10,17 +10,18 @@ else) and names torch-free checks the launcher runs on the config alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddplab.config import Config
 from ddplab.config_io import read_config
+from ddplab.data.checks import image_spec
 from ddplab.errors import UserError
 from ddplab.extras import missing, require
-from ddplab.workload import Workload, is_reference, reference_of, resolve
-from ddplab.data.checks import image_spec
 from ddplab.models.checks import check_image_input
+from ddplab.workload import Workload, is_reference, reference_of, resolve
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,20 @@ from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
-from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.trainer import Trainer
 from ddplab.errors import ExitCode, UserError, disk_full, write_failed
+from ddplab.inference import sample
 from ddplab.launch import listened, report_failure, report_preempted
 from ddplab.metrics import env as env_info
 from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports
 from ddplab.metrics.phases import Phases
 from ddplab.metrics.summary import parameter_digest, summary
-from ddplab.trackers import Trackers
 from ddplab.registry import workload
+from ddplab.trackers import Trackers
 from ddplab.workload import reference_file, remember_code
-from ddplab.inference import sample
 
 
 def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:

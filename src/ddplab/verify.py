@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ddplab.registry import load_config
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.launch import log_tail, run, torchrun_command
+from ddplab.registry import load_config
 
 LOG_FILE = "verify.log"
 

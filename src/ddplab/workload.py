@@ -20,9 +20,10 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddplab import process_state
 from ddplab.errors import UserError, first_line

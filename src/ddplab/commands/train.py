@@ -29,6 +29,7 @@ def train(ns) -> int:
         die_with_parent()  # a worker never outlives its torchrun agent
     # A worker, or a plain process: only now is torch imported (the launcher never needs it).
     from torch.distributed.elastic.multiprocessing.errors import record
+
     from ddplab.run import train
 
     # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
@@ -81,6 +82,7 @@ def preflight(cfg, run_dir: Path) -> None:
     bad code fails in one line before any worker starts (a bug: its traceback in the run folder's logs/)."""
     # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
     import torch
+
     from ddplab.distributed import DistContext, LaunchInfo
     from ddplab.engine import failure
     from ddplab.engine.rng import seed_everything

@@ -6,8 +6,9 @@ launcher, and the workers import torch once each.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ddplab.errors import UserError
 

@@ -10,7 +10,8 @@ however many ranks there are now.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sized, cast
+from collections.abc import Iterator, Sized
+from typing import cast
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler

@@ -9,7 +9,7 @@ Generation is chunked and seeded per chunk: any size streams with flat memory, t
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -38,9 +38,9 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
-from concurrent.futures import Future
 from typing import Any, cast
 
 import torch

@@ -179,7 +179,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
             os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
             _fork_guard["registered"] = True

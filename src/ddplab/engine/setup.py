@@ -19,15 +19,15 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ddplab.data.stream import is_stream, shards_itself, size
-from ddplab.errors import RunError, UserError, first_line
-from ddplab.tasks import Task, call_model
-from ddplab.workload import Data, Workload, build_config
 from ddplab.distributed import wrap_model
 from ddplab.engine import fsdp_comm
 from ddplab.engine.clock import InFlight
 from ddplab.engine.comm import install_comm_hook
 from ddplab.engine.heartbeat import place_of
 from ddplab.engine.sharding import shard
+from ddplab.errors import RunError, UserError, first_line
+from ddplab.tasks import Task, call_model
+from ddplab.workload import Data, Workload, build_config
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):

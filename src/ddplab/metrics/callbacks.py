@@ -7,15 +7,15 @@ import sys
 import time
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ddplab import process_state
-from ddplab.config_io import format_duration
 from ddplab.callbacks import Callback
+from ddplab.config_io import format_duration
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
 from ddplab.metrics.stragglers import Stragglers
 from ddplab.metrics.throughput import mfu
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 class EpochColumns(Callback):

@@ -8,10 +8,11 @@ import csv
 import io
 from pathlib import Path
 
+import numpy as np
+
 from ddplab.callbacks import Callback
 from ddplab.engine.files import write_atomic
 from ddplab.evaluators import per_class_scores
-import numpy as np
 
 
 def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool, plots: bool = True) -> dict:

@@ -11,8 +11,16 @@ from ddplab.report import plots
 from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
 from ddplab.report.scaling_table import scaling_tables
-from ddplab.report.table import (QUALITY, build_rows, markdown, markdown_table, quality_columns_for, strategy_table,
-                                 study_budget, write_csv)
+from ddplab.report.table import (
+    QUALITY,
+    build_rows,
+    markdown,
+    markdown_table,
+    quality_columns_for,
+    strategy_table,
+    study_budget,
+    write_csv,
+)
 
 
 def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | None = None) -> Path:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplab.errors import UserError
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import UserError
 
 # Sections that name or present a run but do not change what it computes.
 _NOT_THE_EXPERIMENT = ("experiment", "logging", "checkpoint", "generate")

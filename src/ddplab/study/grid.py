@@ -6,8 +6,8 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from ddplab.registry import load_config
 from ddplab.errors import UserError
+from ddplab.registry import load_config
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ddplab.errors import ExitCode, Preempted, RunError, UserError
-from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.engine.files import write_atomic
 from ddplab.engine.lock import finished
-from ddplab.study.grid import Point, Setup
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.launch import log_tail, run, torchrun_command
+from ddplab.study.grid import Point, Setup
 
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from ddplab import process_state
-from ddplab.engine.fingerprint import flatten
 from ddplab.engine.files import write_atomic
+from ddplab.engine.fingerprint import flatten
 from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import Tracker, read_json
 
