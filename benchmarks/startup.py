@@ -91,7 +91,7 @@ def main() -> int:
         for side in sides:
             v = walls[side]
             print(f"  {side:14s} {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f})")
-        pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"])]
+        pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"], strict=True)]
         for side, runs in phases.items():
             if runs:
                 keys = [k for k in runs[0] if all(k in ph for ph in runs)]

@@ -35,7 +35,7 @@ def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
     assert row["comm_calls"] >= 1 and row["simulated_delay_s"] == pytest.approx(0.015 * row["comm_calls"])
     assert row["comm_time_s"] >= row["simulated_delay_s"] * 0.99 and row["compute_time_s"] == pytest.approx(10 - row["comm_time_s"])
     tol = 1e-6 if hook == "none" else 1e-2  # one rank: the all-reduced gradient is the gradient, up to compression
-    for a, b in zip(plain.parameters(), model.module.parameters()):
+    for a, b in zip(plain.parameters(), model.module.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol)
 
 

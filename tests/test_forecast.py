@@ -158,7 +158,7 @@ def test_forecast_of_a_study_folder_fits_the_link_and_writes_its_files(tmp_path,
     n1 = json.loads((STUDY / "n1" / "metrics.json").read_text())
     measured = n1["epochs"][0]["epoch_time_s"]
     assert float(one["epoch_s"]) == pytest.approx(measured, rel=0.01)
-    for setup, row in rows.items():
+    for row in rows.values():
         assert float(row["epoch_s"]) == pytest.approx(int(row["steps_per_epoch"]) * float(row["step_ms"]) / 1e3)
         assert float(row["epochs_in_budget"]) == pytest.approx(3600 / float(row["epoch_s"]))
     # More processes, more communication and a lower efficiency.

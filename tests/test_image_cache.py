@@ -27,7 +27,7 @@ def caches(tmp_path):
 def all_items(data, split):
     ds = getattr(data, split)
     loader = DataLoader(ds, batch_size=5, shuffle=False, collate_fn=data.collate_fn)
-    xs, ys = zip(*loader)
+    xs, ys = zip(*loader, strict=True)
     return torch.cat(xs), torch.cat(ys)
 
 

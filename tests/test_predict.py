@@ -116,7 +116,7 @@ def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [r["input"] for r in rows] == ["1,2,-1", "x.npy", "x.pt"] and set(rows[0]) == {"input", "value_1", "value_2"}
     want = [(2.0, -1.0), (2.0, -1.0), (0.0, 1.0)]  # sum and difference of the first two
-    for row, (a, b) in zip(rows, want):
+    for row, (a, b) in zip(rows, want, strict=True):
         assert row["value_1"] == pytest.approx(a, abs=0.05) and row["value_2"] == pytest.approx(b, abs=0.05)
     assert proc.stdout.splitlines()[2].split("\t")[-1] == "x.pt"
 

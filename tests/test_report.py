@@ -165,7 +165,7 @@ def test_scaling_table_has_the_reference_layout(tmp_path):
     names = [line.split("|")[1].strip(" *") for line in table[4:13]]
     assert names == ["Learning rate", "Global batch size", "Steps per epoch", "Avg epoch time (s)", "Epochs @ budget",
                      "Scaling efficiency", "Best validation loss", "Test loss", "Top-1 test accuracy"]
-    cells = {n: [c.strip() for c in line.split("|")[2:-1]] for n, line in zip(names, table[4:13])}
+    cells = {n: [c.strip() for c in line.split("|")[2:-1]] for n, line in zip(names, table[4:13], strict=True)}
     assert cells["Global batch size"] == ["8", "16", "32"]
     assert cells["Scaling efficiency"] == ["1.00", f"{160 / 100 / 2:.2f}", f"{260 / 100 / 4:.2f}"]
     assert cells["Top-1 test accuracy"] == ["86.90%", "87.30%", "87.50%"]
@@ -190,7 +190,7 @@ def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path)
         summary = json.loads((folder / "metrics.json").read_text())
         summary["config"]["distributed"] = {"strategy": strategy}  # its own experiment, with its own 1-process point
         summary["ddp"] |= {"strategy": strategy, "state_bytes_per_rank": dict(zip(
-            ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state)))}
+            ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state), strict=True))}
         summary["comm"] = {"timed": "all_reduce" if strategy == "ddp" else "all_gather, reduce_scatter"}
         for row in summary["epochs"]:
             row["peak_mem_mb"] = peak + row["epoch"]  # the largest epoch's counts

@@ -96,7 +96,7 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
 
     rows = {r["point"]: r for r in csv.DictReader(open(study / "report.csv"))}
     assert set(rows) == set(names)
-    for name, row in rows.items():
+    for row in rows.values():
         procs = int(row["processes"])
         assert int(row["global_batch"]) == procs * int(row["batch_per_process"])
         base = rows[f"n1-batch_size_{row['batch_per_process']}"]

@@ -218,5 +218,5 @@ def test_batched_fetch_and_collate_give_what_item_by_item_loading_gives():
     items = [data[i] for i in range(len(data))]  # one __getitem__ each
     expected = [default_collate(items[s:s + 8]) for s in range(0, len(items), 8)]
     assert len(batches) == len(expected) == 3
-    for (x, y), (xe, ye) in zip(batches, expected):
+    for (x, y), (xe, ye) in zip(batches, expected, strict=True):
         assert torch.equal(x, xe) and torch.equal(y, ye) and y.dtype == torch.int64

@@ -143,7 +143,7 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
                 raise UserError(f"the inputs do not fit the model ({first_line(exc, 120)})") from None
             where = f"{type(task).__name__}.predict(output)"
             values = _user(task.predict, where, output) if top_k is None else _user(task.predict, where, output, top_k)
-            rows += [{"input": item, **row} for item, row in zip(chunk, values)]
+            rows += [{"input": item, **row} for item, row in zip(chunk, values, strict=False)]
     return rows
 
 

@@ -121,7 +121,7 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, kind: str = 
         offset = text_cache.npy_offset(tmp / name, np.uint8, (n, channels, side, side)) if kind == "raw" else 0
         with open(tmp / name, "r+b" if kind == "raw" else "wb") as f:
             f.seek(offset)
-            for paths, blobs in zip(chunks, pool.map(partial(decode_chunk, meta=meta, kind=kind), chunks)):
+            for paths, blobs in zip(chunks, pool.map(partial(decode_chunk, meta=meta, kind=kind), chunks), strict=True):
                 if isinstance(blobs, str):
                     raise UserError(f"data.root: cannot read {blobs} as an image")
                 f.write(b"".join(blobs))

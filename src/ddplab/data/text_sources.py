@@ -64,7 +64,7 @@ def _hub_split(split, fields: tuple[str, ...]) -> TextSplit:
         for start in range(0, len(split), size):
             batch = split[start:start + size]  # Arrow-backed: only this chunk is materialised
             columns = [batch[f] for f in fields]
-            texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns)]
+            texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns, strict=True)]
             yield texts, np.asarray(batch["label"], dtype=np.int64)
 
     return TextSplit(len(split), chunks)

@@ -167,7 +167,7 @@ def stack_images(batch) -> tuple[torch.Tensor | image_cache.EncodedImages, torch
     per-batch type dispatch; a batch fetched whole (`ImageBatch`) passes straight through."""
     if isinstance(batch, ImageBatch):
         return batch.images, batch.labels
-    images, labels = zip(*batch)
+    images, labels = zip(*batch, strict=True)
     return torch.stack(images), torch.tensor(labels)
 
 

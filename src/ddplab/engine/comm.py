@@ -74,7 +74,7 @@ class CommMonitor(InFlight):
             while len(self._steps) > 1 and all(e is not None and self.clock.ready(b, e) for b, e in self._steps[0]):
                 bucket_times = self._steps.pop(0)
                 offsets = self.clock.seconds(bucket_times[0][0], *(t for pair in bucket_times for t in pair))
-                self._comm_s += covered_s(zip(offsets[::2], offsets[1::2]))
+                self._comm_s += covered_s(zip(offsets[::2], offsets[1::2], strict=True))
 
     def _begin(self, bucket: dist.GradBucket) -> list:
         interval = [self.clock.now(), None]
@@ -253,7 +253,7 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
         return {"comm_time_s": 0.0, "compute_time_s": epoch_time, **timed}
     mine = {**monitor.take_epoch(), **timed}
     totals = torch.tensor(list(mine.values()), dtype=torch.float64, device=ctx.device)
-    mean = dict(zip(mine, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist()))
+    mean = dict(zip(mine, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist(), strict=True))
     row = {"comm_time_s": mean["comm_time_s"], "compute_time_s": max(epoch_time - mean["comm_time_s"], 0.0),
            "simulated_delay_s": mean["simulated_delay_s"], "comm_calls": round(mean["comm_buckets"])}
     return row | {k: round(mean[k]) if k == "timed_micro_steps" else mean[k] for k in timed}

@@ -148,7 +148,7 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         """Reach the floor at `total_steps` instead (at most the configured plan, and at least
         one step beyond the current one); the current learning rate follows at once."""
         self.total = max(min(int(total_steps), self.planned), self.last_epoch + 1)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=False):
             group["lr"] = base * self._multiplier(self.last_epoch)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 

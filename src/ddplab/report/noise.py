@@ -5,6 +5,7 @@ is called what it is, within noise, instead of a ranking."""
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import pairwise
 
 from ddplab.report.table import fmt
 
@@ -44,7 +45,7 @@ def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
         for row in rows:
             held[tuple(row.get(f) for f in others)].append(row)
         for group in held.values():
-            for a, b in zip(group, group[1:]):
+            for a, b in pairwise(group):
                 lines.append(compare(a, b, key))
     return lines
 

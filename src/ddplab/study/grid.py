@@ -103,7 +103,7 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
     points = []
     for setup in setups:
         for values in itertools.product(*sweeps.values()):
-            swept = dict(zip(sweeps, values))
+            swept = dict(zip(sweeps, values, strict=True))
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
             load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
