@@ -168,9 +168,12 @@ def main() -> int:
                         # boundary hooks ran (collectives with a rank the scheduler held back), which cancels here.
                         real = result["real_epoch_times"][1:]
                         each = [t / r for t, r in zip(result["epoch_times"][1:], real, strict=True)]
-                        print(f"  reported/real ddplab {workload} nproc={nproc} round {i + 1}: "
-                              f"{sum(result['epoch_times'][1:]) / sum(real):.3f} over {len(real)} epochs "
-                              f"(each {min(each):.3f}-{max(each):.3f}); load average {os.getloadavg()[0]:.2f}", flush=True)
+                        print(
+                            f"  reported/real ddplab {workload} nproc={nproc} round {i + 1}: "
+                            f"{sum(result['epoch_times'][1:]) / sum(real):.3f} over {len(real)} epochs "
+                            f"(each {min(each):.3f}-{max(each):.3f}); load average {os.getloadavg()[0]:.2f}",
+                            flush=True,
+                        )
                     if contender in ("ddplab", "interleaved"):
                         waits += [w / t for w, t in zip(result["data_wait_s"][1:], timed, strict=True) if w is not None]
                         rates += [r for r in result.get("tokens_per_s", [])[1:] if r]

@@ -74,8 +74,10 @@ def main() -> int:
                    help="an override for the ddplab sides only, e.g. logging.plots=false (repeatable)")
     args = p.parse_args()
     sides = ["ddplab", "torchrun-hand"] + (["ddplab-before"] if args.before else [])
-    print(f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
-          f"load average {load()}" + (f"; ddplab overrides {' '.join(args.extra)}" if args.extra else ""))
+    print(
+        f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
+        f"load average {load()}" + (f"; ddplab overrides {' '.join(args.extra)}" if args.extra else "")
+    )
     for nproc in (int(n) for n in args.nproc.split(",")):
         walls: dict[str, list[float]] = {s: [] for s in sides}
         phases: dict[str, list[dict]] = {s: [] for s in sides}

@@ -169,7 +169,10 @@ def test_the_runs_last_snapshot_is_in_the_summary(tmp_path):
     # train_time_s runs to that snapshot's start (what a resumed run goes on from): with it, the whole run.
     assert run["train_time_s"] + last - in_rows >= saved[-1] - watch.ends[-1]
     assert run["train_time_s"] + last <= saved[-1] - watch.ends[0]  # on_train_start to the last snapshot, no more
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["aggregates"]["snapshot_time_s"] == run["snapshot_time_s"]
+    assert (
+        json.loads((tmp_path / "run" / "metrics.json").read_text())["aggregates"]["snapshot_time_s"]
+        == run["snapshot_time_s"]
+    )
 
 
 class LateEvent:

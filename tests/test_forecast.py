@@ -186,7 +186,9 @@ def test_a_strategy_that_was_not_measured_is_forecast_beside_the_runs_own(tmp_pa
     rows = {(r["strategy"], r["setup"]): r for r in csv.DictReader(open(out / "forecast.csv"))}
     ddp, fsdp = rows["ddp", "2x1"], rows["fsdp", "2x1"]
     grad = json.loads((STUDY / "n1" / "metrics.json").read_text())["comm"]["grad_bytes"]
-    assert float(ddp["sent_mb"]) == pytest.approx(grad / 1e6) and float(fsdp["sent_mb"]) == pytest.approx(1.5 * grad / 1e6)
+    assert float(ddp["sent_mb"]) == pytest.approx(grad / 1e6) and float(fsdp["sent_mb"]) == pytest.approx(
+        1.5 * grad / 1e6
+    )
     assert float(fsdp["comm_ms"]) == pytest.approx(1.5 * float(ddp["comm_ms"]))
     assert float(rows["fsdp", "1x1"]["step_ms"]) == pytest.approx(float(rows["ddp", "1x1"]["step_ms"]))
     assert "| fsdp | 2x1 |" in (out / "forecast.md").read_text()

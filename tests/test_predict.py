@@ -143,4 +143,8 @@ def test_a_folder_stands_for_its_files_sorted(tmp_path):
     for name in ("b.txt", "a.txt", ".hidden"):
         (tmp_path / "in" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "in" / name).write_text("1")
-    assert expand(["0,1", str(tmp_path / "in")]) == ["0,1", str(tmp_path / "in" / "a.txt"), str(tmp_path / "in" / "b.txt")]
+    assert expand(["0,1", str(tmp_path / "in")]) == [
+        "0,1",
+        str(tmp_path / "in" / "a.txt"),
+        str(tmp_path / "in" / "b.txt"),
+    ]

@@ -113,7 +113,9 @@ def test_repeats_fold_into_median_and_range_and_overlap_is_called_noise(tmp_path
 
     md = make_report([tmp_path], tmp_path / "out").read_text()
     assert "| 1x2 | 8 | 2 |" in md and "| 200.0 (180.0–230.0) |" in md and "| 110.0 (100.0–120.0) |" in md
-    assert "1x1 batch_size=8 110.0 (100.0–120.0) vs 1x2 batch_size=8 200.0 (180.0–230.0): 1x2 batch_size=8 is 1.82x" in md
+    assert (
+        "1x1 batch_size=8 110.0 (100.0–120.0) vs 1x2 batch_size=8 200.0 (180.0–230.0): 1x2 batch_size=8 is 1.82x" in md
+    )
     assert "1x2 batch_size=8 200.0 (180.0–230.0) vs 2x1 batch_size=8 215.0 (190.0–240.0): **within noise**" in md
     assert "epochs @ budget**: — (no budget: pass --budget" in md
     rows_csv = {r["setup"]: r for r in csv.DictReader(open(tmp_path / "out" / "report.csv"))}
@@ -184,8 +186,12 @@ def test_epochs_at_budget_is_measured_within_the_budget_or_says_why_not(tmp_path
 
 def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path):
     # (strategy, processes, parameter / gradient / optimizer MiB per rank, peak MiB, epoch s of 10 steps)
-    for strategy, world, state, peak, epoch_time in (("ddp", 1, (4, 4, 8), 500, 10.0), ("ddp", 2, (4, 4, 8), 600, 12.0),
-                                                     ("fsdp", 1, (4, 4, 8), 500, 10.0), ("fsdp", 2, (2, 2, 4), 450, 13.0)):
+    for strategy, world, state, peak, epoch_time in (
+        ("ddp", 1, (4, 4, 8), 500, 10.0),
+        ("ddp", 2, (4, 4, 8), 600, 12.0),
+        ("fsdp", 1, (4, 4, 8), 500, 10.0),
+        ("fsdp", 2, (2, 2, 4), 450, 13.0),
+    ):
         folder = _point(tmp_path, f"{strategy}-n{world}", f"1x{world}", 100.0 * world, epoch_time=epoch_time)
         summary = json.loads((folder / "metrics.json").read_text())
         summary["config"]["distributed"] = {"strategy": strategy}  # its own experiment, with its own 1-process point

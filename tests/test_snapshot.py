@@ -159,7 +159,9 @@ def test_a_snapshot_of_the_older_format_loads_unverified_in_one_line(tmp_path):
     folder.mkdir()
     torch.save({"model": {"w": torch.ones(2)}, "trainer": {"step": 5}, "config": {"training": {"lr": 1.0}},
                 "world_size": 2}, folder / STATE)
-    (folder / MARKER).write_text(json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16}))
+    (folder / MARKER).write_text(
+        json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16})
+    )
     lines = []
     _, m, _ = Checkpointer(tmp_path, is_main=False).newest(lines.append)
     assert lines == ["snapshot step-000000005 was written before snapshots had a manifest: loaded unverified"]

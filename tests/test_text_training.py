@@ -97,7 +97,9 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
     assert summary["test"]["samples"] == 15 and summary["test"]["accuracy"] > 0.6
     assert summary["dataset"]["num_classes"] == 2
     # Rebuilt offline from the checkpoint (its config names the local folder); labels keep their names.
-    out = ddplab("predict", str(tmp_path / "experiments/m"), "what a wonderful film", "a dreadful, boring mess", cwd=tmp_path)
+    out = ddplab(
+        "predict", str(tmp_path / "experiments/m"), "what a wonderful film", "a dreadful, boring mess", cwd=tmp_path
+    )
     assert_ok(out)
     labels = [line.split("\t")[0] for line in out.stdout.strip().splitlines()]
     assert labels == ["good", "bad"]

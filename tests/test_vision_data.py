@@ -138,7 +138,9 @@ def test_image_folder_layouts(tmp_path):
     assert data.meta["label_names"] == ["class_0", "class_1", "class_2"] and data.val[0][0].shape == (3, 16, 16)
 
     image_tree(tmp_path / "one", per_class=10, split=False)
-    data = build_data(folder_config(tmp_path, "one", "model.name=cnn", "data.val_fraction=0.2", "data.test_fraction=0.1"))
+    data = build_data(
+        folder_config(tmp_path, "one", "model.name=cnn", "data.val_fraction=0.2", "data.test_fraction=0.1")
+    )
     assert (len(data.train), len(data.val), len(data.test)) == (21, 6, 3)
     assert data.meta["image_size"] == 32  # the images' own size
 

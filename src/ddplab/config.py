@@ -38,20 +38,28 @@ class ExperimentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = _f("text", "dataset: a built-in name (listed below) or your own file.py:function / package.module:function")
+    name: str = _f(
+        "text", "dataset: a built-in name (listed below) or your own file.py:function / package.module:function"
+    )
     options: dict = _f({}, "free-form values for your own data function (data.options.KEY=VALUE)")
-    path: str | None = _f(None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus")
+    path: str | None = _f(
+        None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus"
+    )
     root: str | None = _f(None, "dataset folder for torchvision datasets and image_folder")
     train: str | None = _f(None, "train file (CSV/JSON/Parquet) for text_files")
     val: str | None = _f(None, "validation file for text_files")
     test: str | None = _f(None, "test file for text_files")
     text_column: str = _f("text", "text column of text_files")
     label_column: str = _f("label", "label column of text_files")
-    tokenizer: str | None = _f(None, "hash | hf | char | byte; default depends on the model", choices=("hash", "hf", "char", "byte", None))
+    tokenizer: str | None = _f(
+        None, "hash | hf | char | byte; default depends on the model", choices=("hash", "hf", "char", "byte", None)
+    )
     vocab_size: int = _f(30000, "hash tokenizer buckets", positive=True)
     max_len: int = _f(256, "tokens per text sample (truncation)", positive=True)
     val_fraction: float = _f(0.1, "share of train carved out for validation when no split exists", min=0.0)
-    test_fraction: float = _f(0.1, "share carved out as a test split when none exists (digits, image_folder without test/)", min=0.0)
+    test_fraction: float = _f(
+        0.1, "share carved out as a test split when none exists (digits, image_folder without test/)", min=0.0
+    )
     limit: int | None = _f(None, "cap on training samples (quick runs)", positive=True)
     num_samples: int = _f(2000, "size of generated datasets (synthetic, synthetic_reviews)", positive=True)
     num_classes: int | None = _f(None, "classes of generated datasets")
@@ -66,14 +74,20 @@ class DataConfig:
     decode: str = _f("cpu", "where JPEG images are decoded: cpu (in the loader workers) or gpu (nvJPEG on the rank's "
                             "GPU, in batches, after the loader; image_folder with data.cache=jpeg or false)",
                      choices=("cpu", "gpu"))
-    num_workers: int | None = _f(None, "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
-                                        "rank may use (CPU affinity / processes on the node) less one", min=0)
+    num_workers: int | None = _f(
+        None,
+        "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
+        "rank may use (CPU affinity / processes on the node) less one",
+        min=0,
+    )
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
 
 
 @dataclass
 class ModelConfig:
-    name: str = _f("gpt", "model: a built-in name (listed below) or your own file.py:function / package.module:function")
+    name: str = _f(
+        "gpt", "model: a built-in name (listed below) or your own file.py:function / package.module:function"
+    )
     options: dict = _f({}, "free-form values for your own model function (model.options.KEY=VALUE)")
     layers: int = _f(3, "transformer layers", positive=True)
     heads: int = _f(4, "attention heads", positive=True)
@@ -182,8 +196,9 @@ class LoggingConfig:
     wandb_project: str = _f("ddplab", "W&B project (WANDB_MODE=offline: files in the run folder's wandb/)")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
     log_every: int = _f(10, "optimizer steps between train-loss logs", positive=True)
-    straggler_threshold: float = _f(0.2, "a rank slower than the median by this share, log after log, is named a straggler",
-                                    positive=True)
+    straggler_threshold: float = _f(
+        0.2, "a rank slower than the median by this share, log after log, is named a straggler", positive=True
+    )
     plots: bool = _f(True, "draw confusion_matrix_<split>.png at the end of a classification run (about a second "
                            "and a half, matplotlib's import included; the .csv is always written)")
 

@@ -155,7 +155,10 @@ def apply_override(cfg: Config, item: str) -> None:
         if i == len(parts) - 1:
             hint = typing.get_type_hints(type(node))[part]
             if dataclasses.is_dataclass(hint):
-                raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
+                raise UserError(
+                    f"'{dotted}' is a section; set one of its fields, "
+                    f"e.g. {dotted}.{dataclasses.fields(hint)[0].name}=..."
+                )
             setattr(node, part, coerce(raw, hint, dotted))
         else:
             node = getattr(node, part)

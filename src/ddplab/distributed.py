@@ -121,7 +121,9 @@ class DistContext:
         """In place, and returned; a no-op with one process."""
         if self.is_distributed:
             with self.beat.inside(f"all_reduce ({op})"):
-                dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+                dist.all_reduce(
+                    tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+                )
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,16 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
-def torchrun_command(nproc: int, args: list[str], *, max_restarts: int = 0, nnodes: int = 1,
-                     node_rank: int | None = None, rdzv_endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    args: list[str],
+    *,
+    max_restarts: int = 0,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+) -> list[str]:
     """The agent's command: torch's launcher, as `torchrun` takes it, running `ddplab ARGS`."""
     cmd = [*AGENT, f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:

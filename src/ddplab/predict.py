@@ -136,7 +136,9 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
             try:
                 inputs = task.unpack(collate(samples))[0]
             except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
-                raise UserError(f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})") from None
+                raise UserError(
+                    f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})"
+                ) from None
             try:
                 output = call_model(model, inputs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:

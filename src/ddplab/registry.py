@@ -56,7 +56,9 @@ TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image"
 
 _IMAGES: dict[str, Any] = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
                check_files="ddplab.data.checks:check_image_files", extra="vision")
-_TEXTS: dict[str, Any] = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text")
+_TEXTS: dict[str, Any] = dict(
+    task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text"
+)
 DATA: dict[str, Builtin] = {
     "text": Builtin(_W + "char_lm:data", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Builtin(_W + "synthetic:data", "any", "any"),
@@ -214,7 +216,12 @@ def load_config(source: str | Path | dict | Config | None = None, overrides=(), 
 def absolute_references(cfg: Config) -> None:
     """file.py:function references become absolute, so every rank, a resume, predict and generate
     import the very file this run used, whatever their working directory."""
-    for section, key in ((cfg.model, "name"), (cfg.data, "name"), (cfg.training, "optimizer"), (cfg.training, "schedule")):
+    for section, key in (
+        (cfg.model, "name"),
+        (cfg.data, "name"),
+        (cfg.training, "optimizer"),
+        (cfg.training, "schedule"),
+    ):
         where, _, name = getattr(section, key).rpartition(":")
         if where.endswith(".py") or "/" in where:
             setattr(section, key, f"{Path(where).expanduser().resolve()}:{name}")

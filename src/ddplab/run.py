@@ -72,16 +72,23 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             run = RunFolder(run_dir, ctx.is_main)
             flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
             # One process alone: its failure reaches the terminal as the exception ddplab.cli prints.
-            beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, _announce if ctx.is_distributed else _quiet).start()
+            beat = Heartbeat(
+                ctx, run, cfg.distributed.stall_warning, _announce if ctx.is_distributed else _quiet
+            ).start()
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             run.write_json(RunFolder.ENV, {**env_info.collect(ctx), "host_memory_kept_below_bytes": kept})
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
-            trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), ClassReports(), *configured(cfg), *callbacks, RunRecorder(),
-                                         trackers])
+            trainer = Trainer(
+                cfg,
+                ctx,
+                data,
+                model,
+                run,
+                callbacks=[*column_callbacks(), ClassReports(), *configured(cfg), *callbacks, RunRecorder(), trackers],
+            )
             view = trainer.view
             trainer.resume()
             phases.mark("trainer")
@@ -107,12 +114,21 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             result["phases"] = phases.as_dict()
             run.write_json(RunFolder.METRICS_JSON, result)
             partial = bool(state.history and state.history[-1].get("partial"))
-            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
-                                                if partial and view.steps_per_epoch else " + 1 partial" if partial else "")
+            epochs = f"{state.epoch} epochs" + (
+                f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
+                if partial and view.steps_per_epoch
+                else " + 1 partial"
+                if partial
+                else ""
+            )
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             # Sharded, every rank takes part in each forward pass; rank 0 writes.
-            if (ctx.is_main or cfg.distributed.strategy != "ddp") and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
+            if (
+                (ctx.is_main or cfg.distributed.strategy != "ddp")
+                and data.meta.get("tokenizer") in ("char", "byte")
+                and cfg.generate.max_new_tokens > 0
+            ):
                 text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
                               cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)
                 run.write_text(RunFolder.SAMPLE, text)

@@ -117,10 +117,12 @@ def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
         lines.append(f"randomness: {found['dropout_modules']} dropout module(s) still drawing (not torch.nn.Dropout "
                      f"subclasses?): set their p to 0 for verify")
     if found.get("batchnorm_modules"):
-        lines.append(f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
-                     f"normalises its own {batch} samples, the single process all {nproc * batch}, so their batch "
-                     f"statistics differ by more than rounding; on CUDA add distributed.sync_batchnorm=true, or verify a "
-                     f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance")
+        lines.append(
+            f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
+            f"normalises its own {batch} samples, the single process all {nproc * batch}, so their batch "
+            f"statistics differ by more than rounding; on CUDA add distributed.sync_batchnorm=true, or verify a "
+            f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance"
+        )
     if found.get("random_transforms"):
         lines.append(f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
                      f"each process draws its own; turn them off for verify")

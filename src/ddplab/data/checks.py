@@ -80,7 +80,10 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
         if w == h:
             return w, f"every image is {w}x{h}: kept at {w}x{h}"
         side = min(w, h)
-        return side, f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}"
+        return (
+            side,
+            f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}",
+        )
     shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
     return FOLDER_SIDE, (f"images differ in size ({shown}): resized and centre-cropped to "
                          f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose")

@@ -221,7 +221,8 @@ class Checkpointer:
     def _save_shards(self, shards: dict, folder: Path, ctx, background: bool) -> None:
         if background:
             if ctx.is_distributed and self._group is None:
-                # DCP's own collectives run in a background thread: a group of their own keeps them apart from training's.
+                # DCP's own collectives run in a background thread: a group of their own keeps them apart from
+                # training's.
                 group = dist.new_group(backend="gloo")
                 assert isinstance(group, dist.ProcessGroup)  # every rank is a member
                 self._group = group
@@ -296,7 +297,9 @@ class Checkpointer:
         kept = f"the previous complete snapshot {'(' + str(previous) + ') ' if previous else ''}is kept"
         if no_space(exc, self.root):  # "no space left on device writing <file> (<free> free)"
             return RunError(f"{write_failed(getattr(exc, 'filename', None) or self.root / name, exc)}; {kept}")
-        return RunError(f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); {kept}")
+        return RunError(
+            f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); {kept}"
+        )
 
     # ------------------------------------------------------------------ reading
     def newest(self, log=print) -> tuple[Path, dict, dict] | None:
@@ -438,7 +441,9 @@ def _tensors(folder: Path, prefix: str = "model.") -> dict:
         found = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a missing or foreign folder: say which
         raise UserError(f"cannot read sharded checkpoint {folder}: {first_line(exc, 160)}") from None
-    return {k[len(prefix):]: m for k, m in found.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    return {
+        k[len(prefix) :]: m for k, m in found.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
 
 
 def shapes(folder: Path) -> dict:
@@ -479,7 +484,9 @@ def _why(message: str) -> str:
     """torch.load's long explanations, as a few words."""
     unsafe = re.search(r"GLOBAL ([\w.]+)", message)
     if unsafe:
-        return f"it holds Python objects ({unsafe.group(1)}) that could run code when loaded; refused (weights_only=True)"
+        return (
+            f"it holds Python objects ({unsafe.group(1)}) that could run code when loaded; refused (weights_only=True)"
+        )
     if "central directory" in message or "zip archive" in message or "eof" in message.lower():
         return "the file is truncated or not a torch checkpoint"
     return "not a torch checkpoint"

@@ -278,9 +278,14 @@ def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> d
     handed them to the hook), else the buckets DDP would make."""
     reducer = monitor.layout if monitor is not None else []  # empty until a step has recorded them
     layout = reducer or _computed_layout(model, dcfg.bucket_cap_mb)
-    return {"bucket_source": "reducer" if reducer else "computed",
-            "grad_dtype": layout[0]["dtype"] if layout else None,
-            "grad_bytes": sum(b["bytes"] for b in layout), "buckets": layout,
-            "timed": getattr(monitor, "collectives", None), "comm_hook": dcfg.comm_hook,
-            "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
-            "simulated_latency_ms": dcfg.simulated_latency_ms, "simulated_bandwidth_mbps": dcfg.simulated_bandwidth_mbps}
+    return {
+        "bucket_source": "reducer" if reducer else "computed",
+        "grad_dtype": layout[0]["dtype"] if layout else None,
+        "grad_bytes": sum(b["bytes"] for b in layout),
+        "buckets": layout,
+        "timed": getattr(monitor, "collectives", None),
+        "comm_hook": dcfg.comm_hook,
+        "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
+        "simulated_latency_ms": dcfg.simulated_latency_ms,
+        "simulated_bandwidth_mbps": dcfg.simulated_bandwidth_mbps,
+    }

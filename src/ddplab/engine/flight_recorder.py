@@ -54,8 +54,12 @@ def unfinished(since: float) -> dict[int, dict]:
         # gloo never marks an entry completed, only retired; a timed-out NCCL entry is neither.
         for e in sorted(dump["entries"], key=lambda e: e["record_id"]):
             if not e.get("retired") and e.get("state") != "completed":
-                found[dump["rank"]] = {"collective": e["profiling_name"], "group": e["process_group"][1] or
-                                       e["process_group"][0], "seq": e["p2p_seq_id" if e["is_p2p"] else "collective_seq_id"],
-                                       "sizes": e["input_sizes"], "state": e["state"]}
+                found[dump["rank"]] = {
+                    "collective": e["profiling_name"],
+                    "group": e["process_group"][1] or e["process_group"][0],
+                    "seq": e["p2p_seq_id" if e["is_p2p"] else "collective_seq_id"],
+                    "sizes": e["input_sizes"],
+                    "state": e["state"],
+                }
                 break
     return found

@@ -52,7 +52,9 @@ class ShardedCommMonitor(InFlight):
             if not n:
                 return
             done, self._open = self._open[:n], self._open[n:]
-            offsets = self.clock.seconds(done[0][0] if self._reach is None else self._reach, *(t for pair in done for t in pair))
+            offsets = self.clock.seconds(
+                done[0][0] if self._reach is None else self._reach, *(t for pair in done for t in pair)
+            )
             floor = 0.0 if self._reach is not None else float("-inf")
             pairs = [(max(b, floor), max(e, floor)) for b, e in zip(offsets[::2], offsets[1::2], strict=True)]
             self._comm_s += covered_s(pairs)

@@ -411,8 +411,17 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
     # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
     gone = [b for r, b in beats.items() if r not in errors and _gone(b)] or [
-        {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}  # ended before its first beat
-        for r in range(world_size) if r not in beats and r not in errors]
+        {
+            "rank": r,
+            "host": None,
+            "phase": "start",
+            "step": 0,
+            "where": None,
+            "waiting": False,
+        }  # ended before its first beat
+        for r in range(world_size)
+        if r not in beats and r not in errors
+    ]
     # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
     # when a peer that has not yet told its own error looks still.
     known = sorted(r for r, e in errors.items() if e.get("known"))
@@ -448,6 +457,14 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
                      f"(sizes {c['sizes']}, {c['state']}; flight recorder)")
     logs = Path(run_dir).resolve() / "logs"
     lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
-    return {"summary": lines[0], "culprit": culprit, "waiting": waits, "errors": {r: e.get("error") for r, e in errors.items()},
-            "ranks_heard": sorted(beats), "world_size": world_size, "logs": str(logs), "report": "\n".join(lines),
-            "unfinished_collectives": stuck or {}}
+    return {
+        "summary": lines[0],
+        "culprit": culprit,
+        "waiting": waits,
+        "errors": {r: e.get("error") for r, e in errors.items()},
+        "ranks_heard": sorted(beats),
+        "world_size": world_size,
+        "logs": str(logs),
+        "report": "\n".join(lines),
+        "unfinished_collectives": stuck or {},
+    }

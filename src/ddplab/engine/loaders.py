@@ -35,9 +35,16 @@ class Loaders:
 
     def _make(self, dataset, sampler=None, workers: int | None = None, persistent: bool = True, **extra) -> DataLoader:
         workers = self.workers if workers is None else workers
-        return DataLoader(dataset, batch_size=self.cfg.training.batch_size, sampler=sampler,
-                          collate_fn=self.collate_fn, num_workers=workers, persistent_workers=persistent and workers > 0,
-                          pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda", **extra)
+        return DataLoader(
+            dataset,
+            batch_size=self.cfg.training.batch_size,
+            sampler=sampler,
+            collate_fn=self.collate_fn,
+            num_workers=workers,
+            persistent_workers=persistent and workers > 0,
+            pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
+            **extra,
+        )
 
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
@@ -118,7 +125,9 @@ class TrainFeed:
         if states and restored.get("epoch") == epoch and (not source.own or was == self.ctx.world_size):
             # The last rank has read exactly the first `consumed` items; a self-sharding stream, its own.
             self.dataset.load_state_dict(states[self.ctx.rank] if source.own else states[-1])
-            self.log(f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}")
+            self.log(
+                f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}"
+            )
             source.set_epoch(epoch, consumed, skip=False)
             return
         if not source.own:

@@ -61,8 +61,10 @@ def check_names(t) -> None:
     if is_reference(t.optimizer):
         resolve(t.optimizer, "training.optimizer")
     elif t.optimizer not in OPTIMIZERS and torch_optimizer(t.optimizer) is None:
-        raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
-                        f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function")
+        raise UserError(
+            f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
+            f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
+        )
     else:  # its options, tried on one parameter
         build_optimizer(SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")),
                         torch.nn.Linear(1, 1), t.lr)
@@ -176,8 +178,8 @@ def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
 
 def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:
     """At a log interval: re-estimate the steps the budget allows and plan the schedule over
-    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest rank's elapsed time (one all-reduce), so all ranks hold
-    the same plan and the same learning rate."""
+    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest
+    rank's elapsed time (one all-reduce), so all ranks hold the same plan and the same learning rate."""
     if budget_s is None or step <= 0 or not isinstance(scheduler, Schedule) or scheduler.kind == "constant":
         return
     slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()

@@ -90,7 +90,9 @@ class Trainer:
         self.loaders = Loaders(cfg, ctx, data.collate_fn)
         self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log)
         self.sampler = self.feed.sampler  # None for a stream
-        self.scheduler = build_schedule(cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
+        self.scheduler = build_schedule(
+            cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs
+        )
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last,
@@ -370,7 +372,9 @@ class Trainer:
             s, background = self.state, self.sharded and self.cfg.checkpoint.async_save
             path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
             self.ctx.barrier()
-            stall = self.ctx.all_reduce(torch.tensor([time.perf_counter() - began], device=self.ctx.device), "max").item()
+            stall = self.ctx.all_reduce(
+                torch.tensor([time.perf_counter() - began], device=self.ctx.device), "max"
+            ).item()
             s.snapshot_stalls.append({"step": s.step, "stall_s": stall, "async": background})
             self.callbacks.on_snapshot(self.view, path)
 
@@ -409,7 +413,9 @@ class Trainer:
     def _keep_global_batch(self, manifest: dict) -> None:
         """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
         t, was = self.cfg.training, manifest["config"]["training"]
-        global_batch = manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
+        global_batch = (
+            manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
+        )
         accum = keep_global_batch(global_batch, t.batch_size, self.ctx.world_size)
         if accum != t.grad_accum_steps:
             self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "

@@ -85,8 +85,12 @@ class RunRecorder(Callback):
         head = f"epoch {row['epoch']}"
         if row.get("partial") and per_epoch:  # a run stopped mid-epoch (max_steps, time budget): say how far it got
             head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"
-        run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
-                + f"; elapsed {format_duration(elapsed)}" + (f", ETA {format_duration(eta)}" if eta is not None else ""))
+        run.log(
+            f"{head}: "
+            + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
+            + f"; elapsed {format_duration(elapsed)}"
+            + (f", ETA {format_duration(eta)}" if eta is not None else "")
+        )
 
 
 def eta_s(view) -> float | None:
@@ -127,9 +131,12 @@ class ProgressBar(Callback):
     def on_log(self, view, values):
         if self.progress is not None:
             eta = eta_s(view)
-            self.progress.update(self.progress.task_ids[0], description=f"epoch {view.epoch} "
-                                 f"loss {values['loss']:.4f} lr {values['lr']:.2e} elapsed {format_duration(view.elapsed)}"
-                                 + (f" ETA {format_duration(eta)}" if eta is not None else ""))
+            self.progress.update(
+                self.progress.task_ids[0],
+                description=f"epoch {view.epoch} "
+                f"loss {values['loss']:.4f} lr {values['lr']:.2e} elapsed {format_duration(view.elapsed)}"
+                + (f" ETA {format_duration(eta)}" if eta is not None else ""),
+            )
 
     def on_epoch_end(self, view, row):
         if self.progress is not None:

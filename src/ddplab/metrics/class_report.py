@@ -33,7 +33,9 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
                       "confusion_matrix": matrix}
         if write:
             table = io.StringIO(newline="")
-            csv.writer(table).writerows([["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix, strict=True))])
+            csv.writer(table).writerows(
+                [["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix, strict=True))]
+            )
             write_atomic(folder, f"confusion_matrix_{split}.csv", table.getvalue())
             if plots:
                 confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)

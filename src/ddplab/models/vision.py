@@ -113,7 +113,9 @@ def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, nam
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
-    shapes = [f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]]
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]
+    ]
     parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
              f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
              f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else ""]

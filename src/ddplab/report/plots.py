@@ -225,14 +225,19 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
     over training time."""
     plt = _pyplot()
     paths = []
-    for axis, xlabel, fname in (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png")):
+    for axis, xlabel, fname in (
+        ("epoch", "epoch", "loss_epochs.png"),
+        ("elapsed_s", "training time (s)", "loss_time.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.4))
         for name, run in _firsts(runs).items():
             if axis == "elapsed_s" and run.steps:  # per log interval: finer than per epoch
                 pts, marker = [(s["elapsed_s"], s["loss"]) for s in run.steps], None
             else:
                 pts, marker = [(r[axis], r["train_loss"]) for r in run.epochs if r.get("train_loss") is not None], "."
-            color = ax.plot(*zip(*pts, strict=True), marker=marker, label=f"{name} train")[0].get_color() if pts else None
+            color = (
+                ax.plot(*zip(*pts, strict=True), marker=marker, label=f"{name} train")[0].get_color() if pts else None
+            )
             val = [(r[axis], r["val_loss"]) for r in run.epochs if r.get("val_loss") is not None]
             if val:
                 ax.plot(*zip(*val, strict=True), marker="o", linestyle="--", color=color, label=f"{name} val")
@@ -262,7 +267,8 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
 
 
 def comm_plot(rows: list[dict], path: Path) -> Path | None:
-    """Per step: time with a collective in flight (DDP's all-reduce, FSDP's gathers and reduce-scatters) vs the rest of the step (medians)."""
+    """Per step: time with a collective in flight (DDP's all-reduce, FSDP's gathers and reduce-scatters) vs the
+    rest of the step (medians)."""
     rows = [r for r in rows if r.get("comm_ms_per_step") is not None]
     if not rows:
         return None

@@ -88,7 +88,9 @@ def find_runs(dirs: Sequence[str | Path], command: str = "report") -> tuple[list
         root = Path(d)
         if not root.exists():
             raise UserError(f"{command}: no such folder: {d}")
-        candidates = [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
+        candidates = (
+            [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
+        )
         for metrics in candidates:
             folder = metrics.parent
             if folder.resolve() in seen or "checkpoints" in folder.parts:

@@ -63,8 +63,15 @@ class Trackers(Callback):
         for entry in list(self.live):
             tracker, train_done, epoch_done = entry
             # In step order across both kinds of row: W&B ignores a step below one it was given.
-            rows = sorted([(r["step"], 1, r) for r in takewhile(lambda r, after=train_done: r["step"] > after, reversed(view.log_rows))]
-                          + [(r["step"], 2, r) for r in view.history if r["step"] > epoch_done], key=lambda t: t[:2])
+            rows = sorted(
+                [
+                    (r["step"], 1, r)
+                    # B023: takewhile runs here, in this iteration, with this iteration's train_done.
+                    for r in takewhile(lambda r: r["step"] > train_done, reversed(view.log_rows))  # noqa: B023
+                ]
+                + [(r["step"], 2, r) for r in view.history if r["step"] > epoch_done],
+                key=lambda t: t[:2],
+            )
             try:
                 for step, kind, row in rows:
                     values = numbers(row, LOG_ROW_SKIP) if kind == 1 else numbers(row)

@@ -44,7 +44,9 @@ def data(cfg) -> ddplab.Data:
     names = list(cache.meta["label_names"])
     k = c.data.num_classes or len(names)
     if k < len(names):
-        raise UserError(f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})")
+        raise UserError(
+            f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})"
+        )
     names += [str(i) for i in range(len(names), k)]
     train, val, test = splits(c, cache)
     meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
