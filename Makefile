@@ -21,7 +21,7 @@ demo: $(STAMP)
 # The whole suite: on every core (pytest-xdist; a test file's tests share one worker, so a run trained once
 # per file is trained once), then the tests that check wall-clock time, alone. Tiers: tests/tiers.py.
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
-test: $(STAMP)
+test: lint
 	$(PYTEST) -n auto --dist loadscope -m "not serial"
 	$(PYTEST) -m serial || [ $$? -eq 5 ]  # 5: no such test
 
@@ -29,9 +29,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -n auto --dist loadscope -m "not multiproc"
 
+# Lint, format and types, with zero findings (settings in pyproject.toml; mypy checks src/). `make test` runs it first.
+LINTED := src tests benchmarks
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/mypy src
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'

@@ -150,7 +150,7 @@ def paired_ratio(a: list[float], b: list[float], level: float = 0.95) -> tuple[f
     Fewer than two pairs give an unbounded interval."""
     from scipy.stats import t
 
-    logs = [math.log(x / y) for x, y in zip(a, b)]
+    logs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), 0.0, math.inf

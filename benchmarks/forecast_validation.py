@@ -97,9 +97,9 @@ def main() -> int:
     p.add_argument("--no-netns", action="store_true", help="leave out the two-namespace rows")
     ns = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
+    from ddplab.config import batch_arithmetic
     from ddplab.forecast.fit import comm_of, fit_link
     from ddplab.forecast.links import Link, parse_bandwidth
-    from ddplab.config import batch_arithmetic
     from ddplab.forecast.model import fit_compute, predict_step
 
     out = Path(ns.out) / ns.workload
@@ -115,7 +115,10 @@ def main() -> int:
         for rep in range(ns.repeats):  # alternate: every setting once per round
             for s in grid:
                 folder = out / f"{s['name']}-r{rep}"
-                if not (folder / "metrics.json").is_file() or json.loads((folder / "metrics.json").read_text()).get("status") != "complete":
+                if (
+                    not (folder / "metrics.json").is_file()
+                    or json.loads((folder / "metrics.json").read_text()).get("status") != "complete"
+                ):
                     print(f"round {rep + 1}/{ns.repeats}: {s['name']}", file=sys.stderr, flush=True)
                     run_one(ns.workload, s, folder, log)
                     ran = True
@@ -154,7 +157,9 @@ def main() -> int:
             inter = Link(fit.link.alpha, 1 / (1 / fit.link.bandwidth + 1 / parse_bandwidth(s["rate"])))
         step = predict_step(compute, comm, nodes, s["procs"] // nodes, s["b"], inter, fit.link, ms[0].accum,
                             fit.compute_scale, s.get("lat", 0.0), s.get("bw"))
-        predicted = step.step_s * batch_arithmetic(s["b"], ms[0].accum, s["procs"], ms[0].train_samples)["steps_per_epoch"]
+        predicted = (
+            step.step_s * batch_arithmetic(s["b"], ms[0].accum, s["procs"], ms[0].train_samples)["steps_per_epoch"]
+        )
         epochs = [m.epoch_s for m in ms]
         median = statistics.median(epochs)
         err = predicted / median - 1

@@ -205,7 +205,17 @@ def child(args) -> None:
 
 def in_child(argv: list[str], kind: str, root: Path) -> dict:
     out = root / f"{kind}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--root", str(root), "--child", kind, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *argv,
+        "--root",
+        str(root),
+        "--child",
+        kind,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{kind} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

@@ -9,8 +9,8 @@ trains on each, runs alternating:
     png-nocache data.name=image_folder data.cache=false (every PNG decoded every epoch)
     png-cache   data.name=image_folder (decoded once into the memory-mapped cache)
 
-and it prints the DataLoader's own images/s per path (no model), the median training images/s per path (the first epoch of every run is a
-warm-up and not counted; the cache is built before the timed runs) and
+and it prints the DataLoader's own images/s per path (no model), the median training images/s per path
+(the first epoch of every run is a warm-up and not counted; the cache is built before the timed runs) and
 
     ratio image_folder/idx cache=<on|off> nproc=<N> <value>
 
@@ -57,7 +57,9 @@ def export(root: Path) -> None:
             Image.fromarray(big[i]).save(folder / f"{i:05d}.png")
         prefix = "train" if name == "train" else "t10k"
         write_idx(root / "idx" / "FashionMNIST" / "raw" / f"{prefix}-images-idx3-ubyte", big[rows])
-        write_idx(root / "idx" / "FashionMNIST" / "raw" / f"{prefix}-labels-idx1-ubyte", digits.target[rows].astype(np.uint8))
+        write_idx(
+            root / "idx" / "FashionMNIST" / "raw" / f"{prefix}-labels-idx1-ubyte", digits.target[rows].astype(np.uint8)
+        )
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -123,16 +125,24 @@ def main() -> int:
         print("training DataLoader alone, no model (3 passes, in this process):")
         for path in paths:
             print(f"  loader {path:12s} {loader_rate(root, path):8.0f} images/s", flush=True)
-        print(f"load average before: {os.getloadavg()[0]:.2f}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
+        print(
+            f"load average before: {os.getloadavg()[0]:.2f}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}"
+        )
         rates: dict[str, list[float]] = {k: [] for k in paths}
         for i in range(args.runs):
             for path in paths[i % len(paths):] + paths[: i % len(paths)]:
                 rates[path].append(statistics.mean(train(root, path, args.nproc, args.epochs, i + 1)))
                 print(f"  run {i + 1} {path} nproc={args.nproc}: {rates[path][-1]:.0f} images/s", flush=True)
         print(f"load average after: {os.getloadavg()[0]:.2f}")
-        print(f"\nnproc={args.nproc}: median training images/s (all processes), {args.runs} runs of {args.epochs - 1} timed epochs")
+        print(
+            f"\nnproc={args.nproc}: median training images/s (all processes), "
+            f"{args.runs} runs of {args.epochs - 1} timed epochs"
+        )
         for path in paths:
-            print(f"  {path:12s} {statistics.median(rates[path]):7.0f} (min {min(rates[path]):.0f}, max {max(rates[path]):.0f})")
+            print(
+                f"  {path:12s} {statistics.median(rates[path]):7.0f} "
+                f"(min {min(rates[path]):.0f}, max {max(rates[path]):.0f})"
+            )
         for path, cache in (("png-nocache", "off"), ("png-cache", "on")):
             if path in rates and "idx" in rates:
                 ratio = statistics.median(rates[path]) / statistics.median(rates["idx"])

@@ -101,7 +101,7 @@ def report(times: dict[str, list[float]], workload: str, nproc: int, within: flo
         print(f"  {c:12s} {medians[c]:.3f} (min {min(v):.3f}, max {max(v):.3f}; "
               f"spread {100 * (max(v) - min(v)) / medians[c]:.1f} % of the median)")
     for c, (ratio, lo, hi, ok) in ratios(times, within).items():
-        pairs = [a / b for a, b in zip(times["ddplab"], times[c])]
+        pairs = [a / b for a, b in zip(times["ddplab"], times[c], strict=True)]
         print(f"ratio ddplab/{c} {workload} nproc={nproc} {ratio:.3f}")
         print(f"  95 % interval {lo:.3f}-{hi:.3f} (+-{100 * max(hi / ratio - 1, 1 - lo / ratio):.1f} %) from "
               f"{len(pairs)} pairs; pairs {min(pairs):.3f}-{max(pairs):.3f}; resolved to {100 * within:g} %: "
@@ -167,12 +167,15 @@ def main() -> int:
                         # Over all timed epochs: each epoch's own ratio also holds the jitter of where its
                         # boundary hooks ran (collectives with a rank the scheduler held back), which cancels here.
                         real = result["real_epoch_times"][1:]
-                        each = [t / r for t, r in zip(result["epoch_times"][1:], real)]
-                        print(f"  reported/real ddplab {workload} nproc={nproc} round {i + 1}: "
-                              f"{sum(result['epoch_times'][1:]) / sum(real):.3f} over {len(real)} epochs "
-                              f"(each {min(each):.3f}-{max(each):.3f}); load average {os.getloadavg()[0]:.2f}", flush=True)
+                        each = [t / r for t, r in zip(result["epoch_times"][1:], real, strict=True)]
+                        print(
+                            f"  reported/real ddplab {workload} nproc={nproc} round {i + 1}: "
+                            f"{sum(result['epoch_times'][1:]) / sum(real):.3f} over {len(real)} epochs "
+                            f"(each {min(each):.3f}-{max(each):.3f}); load average {os.getloadavg()[0]:.2f}",
+                            flush=True,
+                        )
                     if contender in ("ddplab", "interleaved"):
-                        waits += [w / t for w, t in zip(result["data_wait_s"][1:], timed) if w is not None]
+                        waits += [w / t for w, t in zip(result["data_wait_s"][1:], timed, strict=True) if w is not None]
                         rates += [r for r in result.get("tokens_per_s", [])[1:] if r]
                         mfus += [m for m in result.get("mfu", [])[1:] if m]
                 if i + 1 < args.runs:

@@ -64,11 +64,18 @@ def main() -> None:
     print(f"{'position':>9} {'ddplab seek (ms)':>17} {'replay (ms)':>12}")
     for position in (0.1, 0.9):
         consumed = int(a.samples * position) // step * step
-        seek = statistics.median(first_batch_seconds(data, a.world, a.batch_size, consumed, False) for _ in range(a.repeat))
-        replay = statistics.median(first_batch_seconds(data, a.world, a.batch_size, consumed, True) for _ in range(a.repeat))
+        seek = statistics.median(
+            first_batch_seconds(data, a.world, a.batch_size, consumed, False) for _ in range(a.repeat)
+        )
+        replay = statistics.median(
+            first_batch_seconds(data, a.world, a.batch_size, consumed, True) for _ in range(a.repeat)
+        )
         results[position] = (seek, replay)
         print(f"{position:>9.0%} {seek * 1e3:>17.1f} {replay * 1e3:>12.1f}")
-    print(f"ratio 90%/10%: ddplab {results[0.9][0] / results[0.1][0]:.2f}   replay {results[0.9][1] / results[0.1][1]:.2f}")
+    print(
+        f"ratio 90%/10%: ddplab {results[0.9][0] / results[0.1][0]:.2f}   "
+        f"replay {results[0.9][1] / results[0.1][1]:.2f}"
+    )
     print(f"at 90%: replay takes {results[0.9][1] / results[0.9][0]:.0f}x ddplab's seek")
 
 

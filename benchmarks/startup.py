@@ -74,8 +74,10 @@ def main() -> int:
                    help="an override for the ddplab sides only, e.g. logging.plots=false (repeatable)")
     args = p.parse_args()
     sides = ["ddplab", "torchrun-hand"] + (["ddplab-before"] if args.before else [])
-    print(f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
-          f"load average {load()}" + (f"; ddplab overrides {' '.join(args.extra)}" if args.extra else ""))
+    print(
+        f"workload {args.workload}, 1 step; runs alternate; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
+        f"load average {load()}" + (f"; ddplab overrides {' '.join(args.extra)}" if args.extra else "")
+    )
     for nproc in (int(n) for n in args.nproc.split(",")):
         walls: dict[str, list[float]] = {s: [] for s in sides}
         phases: dict[str, list[dict]] = {s: [] for s in sides}
@@ -91,7 +93,7 @@ def main() -> int:
         for side in sides:
             v = walls[side]
             print(f"  {side:14s} {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f})")
-        pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"])]
+        pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"], strict=True)]
         for side, runs in phases.items():
             if runs:
                 keys = [k for k in runs[0] if all(k in ph for ph in runs)]

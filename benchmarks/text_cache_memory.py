@@ -31,13 +31,11 @@ def memory() -> dict:
 
 
 def worker(a) -> None:
-    import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     from ddplab import distributed
-    from ddplab.registry import load_config
     from ddplab.engine.setup import build_data
-from ddplab.registry import workload
+    from ddplab.registry import load_config, workload
 
     cfg = load_config(None, ["model.name=transformer", "data.name=synthetic_reviews", f"data.num_samples={a.rows}",
                              f"data.max_len={a.max_len}", f"data.cache_dir={a.cache_dir}", "data.val_fraction=0.01"])
@@ -60,10 +58,10 @@ from ddplab.registry import workload
 
 
 def baseline(a) -> None:
+    import torch  # noqa: F401 - the same imports as a training process, for a fair floor
+
     from ddplab.data.text_synthetic import generate
     from ddplab.data.text_tokenize import HashTokenizer
-
-    import torch  # noqa: F401 - the same imports as a training process, for a fair floor
 
     before = memory()
     tok = HashTokenizer(30_000, a.max_len)

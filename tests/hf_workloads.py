@@ -169,7 +169,9 @@ def per_rank_vocabulary(cfg):
     (each process salts it differently): the ids of the same text differ between ranks."""
     vocab = {w: i for i, w in enumerate(list({*WORDS}))}
     texts, labels = reviews(32, 0)
-    items = [({"input_ids": torch.tensor([vocab[w] for w in t.split()][:2])}, y) for t, y in zip(texts, labels)]
+    items = [
+        ({"input_ids": torch.tensor([vocab[w] for w in t.split()][:2])}, y) for t, y in zip(texts, labels, strict=True)
+    ]
     return ddplab.Data(train=items and _Items(items), task=ddplab.Classification(2), meta={"vocab": vocab})
 
 

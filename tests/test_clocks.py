@@ -71,7 +71,7 @@ def test_time_spent_in_callbacks_is_counted_in_the_epoch(tmp_path):
     watch = Stopwatch(0.02)
     rows = _train(tmp_path, "data.options.val=false", "checkpoint.save_best=false", "logging.log_every=1",
                   "training.epochs=2", callbacks=[watch])["epochs"]
-    for row, start, end in zip(rows, watch.starts, watch.ends[1:]):
+    for row, start, end in zip(rows, watch.starts, watch.ends[1:], strict=True):
         real = end - start  # the same steps, on a clock that never stops
         assert row["eval_time_s"] == 0  # and the snapshot after the previous row lies before on_epoch_start
         assert 0.97 <= row["epoch_time_s"] / real <= 1.03, (row["epoch_time_s"], real)
@@ -83,7 +83,7 @@ def test_training_evaluation_and_snapshots_add_up_to_the_wall_clock(tmp_path):
     watch = Stopwatch(0.01)
     rows = _train(tmp_path, "checkpoint.every=4", "training.eval_every=5", "logging.log_every=2",
                   "training.epochs=2", callbacks=[watch])["epochs"]
-    for row, begun, end in zip(rows, watch.ends, watch.ends[1:]):
+    for row, begun, end in zip(rows, watch.ends, watch.ends[1:], strict=False):
         wall = end - begun  # from the previous row (or the start) to this one
         parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]
         assert abs(parts - wall) / wall < 0.02, (row, wall)
@@ -149,7 +149,7 @@ def test_on_cuda_channels_last_is_automatic_and_the_times_still_add_up(tmp_path)
     rows = _train(tmp_path, "training.epochs=2", "checkpoint.every=4", callbacks=[watch])["epochs"]
     weights = load_file(tmp_path / "run" / "checkpoints" / "best" / "state.pt")["model"]
     assert weights["conv.weight"].is_contiguous(memory_format=torch.channels_last)
-    for row, begun, end in zip(rows, watch.ends, watch.ends[1:]):
+    for row, begun, end in zip(rows, watch.ends, watch.ends[1:], strict=False):
         parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]
         assert abs(parts - (end - begun)) / (end - begun) < 0.02
 
@@ -169,7 +169,10 @@ def test_the_runs_last_snapshot_is_in_the_summary(tmp_path):
     # train_time_s runs to that snapshot's start (what a resumed run goes on from): with it, the whole run.
     assert run["train_time_s"] + last - in_rows >= saved[-1] - watch.ends[-1]
     assert run["train_time_s"] + last <= saved[-1] - watch.ends[0]  # on_train_start to the last snapshot, no more
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["aggregates"]["snapshot_time_s"] == run["snapshot_time_s"]
+    assert (
+        json.loads((tmp_path / "run" / "metrics.json").read_text())["aggregates"]["snapshot_time_s"]
+        == run["snapshot_time_s"]
+    )
 
 
 class LateEvent:

@@ -33,9 +33,11 @@ def test_delay_composes_with_compression_and_is_timed(one_rank_group, hook):
     model(x).square().mean().backward()
     row = epoch_comm_row(monitor, OneRankCtx(), epoch_time=10.0)
     assert row["comm_calls"] >= 1 and row["simulated_delay_s"] == pytest.approx(0.015 * row["comm_calls"])
-    assert row["comm_time_s"] >= row["simulated_delay_s"] * 0.99 and row["compute_time_s"] == pytest.approx(10 - row["comm_time_s"])
+    assert row["comm_time_s"] >= row["simulated_delay_s"] * 0.99 and row["compute_time_s"] == pytest.approx(
+        10 - row["comm_time_s"]
+    )
     tol = 1e-6 if hook == "none" else 1e-2  # one rank: the all-reduced gradient is the gradient, up to compression
-    for a, b in zip(plain.parameters(), model.module.parameters()):
+    for a, b in zip(plain.parameters(), model.module.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol)
 
 
@@ -63,7 +65,9 @@ def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):
     expected = 0.020 * buckets
     assert 0.5 * expected < slow - base < 1.5 * expected, (base, slow, buckets)
     rows = {r["point"]: r for r in csv.DictReader(open(study / "report.csv"))}
-    shown = float(rows["n2-simulated_latency_ms_20"]["comm_ms_per_step"]) - float(rows["n2-simulated_latency_ms_0"]["comm_ms_per_step"])
+    shown = float(rows["n2-simulated_latency_ms_20"]["comm_ms_per_step"]) - float(
+        rows["n2-simulated_latency_ms_0"]["comm_ms_per_step"]
+    )
     assert shown == pytest.approx(1000 * (slow - base), rel=1e-6)
     assert "comm ms/step" in (study / "report.md").read_text()
 

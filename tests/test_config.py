@@ -4,8 +4,8 @@ import pytest
 
 from ddplab.config import Config
 from ddplab.config_io import parse_duration
-from ddplab.registry import load_config
 from ddplab.errors import UserError
+from ddplab.registry import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

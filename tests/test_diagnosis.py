@@ -178,7 +178,9 @@ def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp
 
 def _without_torch_variables(monkeypatch) -> None:
     """The user's settings of the flight recorder, none; and the test's own do not outlive it."""
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR", "TORCH_NCCL"))})
+    monkeypatch.setattr(
+        os, "environ", {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR", "TORCH_NCCL"))}
+    )
 
 
 def test_the_report_names_the_collective_a_flight_recorder_dump_shows_unfinished(tmp_path, monkeypatch):
@@ -188,12 +190,17 @@ def test_the_report_names_the_collective_a_flight_recorder_dump_shows_unfinished
 
     import torch
     import torch.distributed as dist
+
     from ddplab.engine import flight_recorder
     from ddplab.engine.heartbeat import compose
 
     store, groups = dist.HashStore(), {}
-    joins = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30))}))
-             for r in (0, 1)]
+    joins = [
+        threading.Thread(
+            target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30))})
+        )
+        for r in (0, 1)
+    ]
     [t.start() for t in joins]
     [t.join() for t in joins]
     pending = groups[0].allreduce([torch.ones(3)])

@@ -11,7 +11,13 @@ def test_no_launcher_is_one_process():
 def test_torchrun_variables():
     info = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                           "MASTER_ADDR": "n1", "MASTER_PORT": "29400"})
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.master_port) == ("torchrun", 3, 4, 1, 29400)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.master_port) == (
+        "torchrun",
+        3,
+        4,
+        1,
+        29400,
+    )
 
 
 def test_torchrun_inside_srun_wins():

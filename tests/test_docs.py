@@ -22,9 +22,24 @@ def _generator():
 def test_site_builds_strict_with_no_broken_link(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[docs]')")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-                          "--site-dir", str(tmp_path / "site")], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     config_page = (tmp_path / "site" / "config" / "index.html").read_text()
     assert "training.time_budget" in config_page and "distributed.comm_hook" in config_page
@@ -32,7 +47,9 @@ def test_site_builds_strict_with_no_broken_link(tmp_path):
 
 def test_config_reference_is_generated_from_the_current_config():
     gen = _generator()
-    assert (ROOT / "docs" / "config.md").read_text() == gen.render(), "docs/config.md is stale: run python docs/gen_config.py"
+    assert (ROOT / "docs" / "config.md").read_text() == gen.render(), (
+        "docs/config.md is stale: run python docs/gen_config.py"
+    )
 
 
 def test_config_reference_lists_every_field_with_its_help_and_resume_safety():

@@ -18,8 +18,8 @@ from conftest import _env
 from ddplab.cli import main
 from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.lock import LOCKED_ENV, RunLock
-from ddplab.handoff import Handoff
 from ddplab.errors import RunError, UserError
+from ddplab.handoff import Handoff
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "training.epochs=1", "training.batch_size=32"]
 

@@ -50,8 +50,8 @@ class TwoRanks:
 def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, tmp_path):
     from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
-    from ddplab.metrics.class_report import class_reports
     from ddplab.evaluators import per_class_scores
+    from ddplab.metrics.class_report import class_reports
 
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 6, 150)
@@ -68,7 +68,9 @@ def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, t
     expected = confusion_matrix(y, p, labels=range(6))
     assert (ev.global_confusion.numpy() == expected).all() and ev.global_confusion.sum() == 150
 
-    precision, recall, f1, support = precision_recall_fscore_support(y, p, labels=range(6), average=None, zero_division=0)
+    precision, recall, f1, support = precision_recall_fscore_support(
+        y, p, labels=range(6), average=None, zero_division=0
+    )
     got = per_class_scores(ev.global_confusion)
     assert got["precision"] == pytest.approx(list(precision)) and got["recall"] == pytest.approx(list(recall))
     assert got["f1"] == pytest.approx(list(f1)) and got["support"] == list(support)
@@ -76,7 +78,12 @@ def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, t
     names = ["zero", "one", "two", "three", "four", "five"]
     report = class_reports({"val": ev}, tmp_path, names, write=True)
     assert report["val"]["confusion_matrix"] == expected.tolist()
-    assert report["val"]["per_class"]["five"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": int(support[5])}
+    assert report["val"]["per_class"]["five"] == {
+        "precision": 0.0,
+        "recall": 0.0,
+        "f1": 0.0,
+        "support": int(support[5]),
+    }
     rows = list(csv.reader(open(tmp_path / "confusion_matrix_val.csv")))
     assert rows[0][1:] == names and [[int(x) for x in r[1:]] for r in rows[1:]] == expected.tolist()
     assert (tmp_path / "confusion_matrix_val.png").read_bytes()[:4] == b"\x89PNG"

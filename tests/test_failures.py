@@ -56,11 +56,17 @@ def place(tmp_path_factory) -> Path:
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("training:\n  lr: 0.003\n")
     (run / "metrics.json").write_text(json.dumps({"status": "running"}))
-    files = {"nan.yaml": "training:\n  lr: .nan\n", "inf.yaml": "training:\n  clip_grad_norm: .inf\n",
-             "seed.yaml": "experiment:\n  seed: 1.0e+30\n", "budget.yaml": f"training:\n  time_budget: {'9' * 400}\n",
-             "lr.yaml": f"training:\n  lr: {'9' * 400}\n", "deep.yaml": "data:\n  options:\n    a: " + "[" * 5000 + "]" * 5000,
-             "bomb.yaml": _alias_bomb(), "self.yaml": "data:\n  options:\n    a: &a [*a]\n",
-             "a_file": "not a folder\n"}
+    files = {
+        "nan.yaml": "training:\n  lr: .nan\n",
+        "inf.yaml": "training:\n  clip_grad_norm: .inf\n",
+        "seed.yaml": "experiment:\n  seed: 1.0e+30\n",
+        "budget.yaml": f"training:\n  time_budget: {'9' * 400}\n",
+        "lr.yaml": f"training:\n  lr: {'9' * 400}\n",
+        "deep.yaml": "data:\n  options:\n    a: " + "[" * 5000 + "]" * 5000,
+        "bomb.yaml": _alias_bomb(),
+        "self.yaml": "data:\n  options:\n    a: &a [*a]\n",
+        "a_file": "not a folder\n",
+    }
     for name, text in files.items():
         (root / name).write_text(text)
     (root / "utf16.yaml").write_bytes("training:\n  lr: 0.001\n".encode("utf-16"))
@@ -240,7 +246,9 @@ def test_a_full_disk_is_named_with_the_file_and_free_space(corpus, tmp_path, mon
                       "data.limit=64", "experiment.name=full"])
     line = _one_failure_line(code, capfd.readouterr().err)
     run = tmp_path / "experiments" / "full"
-    assert line.startswith(f"ddplab: failed: no space left on device writing experiments/full/{RunFolder.METRICS_CSV} (")
+    assert line.startswith(
+        f"ddplab: failed: no space left on device writing experiments/full/{RunFolder.METRICS_CSV} ("
+    )
     assert line.endswith(" free)")
     _recorded_failed(run)
 

@@ -180,7 +180,11 @@ def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sam
         outs = _wait(_srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step},sig={sig}"))
         assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # ExitCode.PREEMPTED, both ranks
         summary = _summary(tmp_path / "experiments" / "p")
-        assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == ("preempted", "preempted", step)
+        assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == (
+            "preempted",
+            "preempted",
+            step,
+        )
     proc = _faulty(f"trace={trace}", args, tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process
     assert_ok(proc)
     assert "world size changed from 2 to 1" in proc.stdout

@@ -11,8 +11,8 @@ import torch
 
 from conftest import OneRankCtx
 from ddplab.cli import main
-from ddplab.forecast.links import Link, allreduce_s, parse_bandwidth, parse_latency, ring_allreduce_s, wire_messages
 from ddplab.config import batch_arithmetic
+from ddplab.forecast.links import Link, allreduce_s, parse_bandwidth, parse_latency, ring_allreduce_s, wire_messages
 from ddplab.forecast.model import overlapped_backward
 
 STUDY = Path(__file__).parent / "data" / "forecast_study"
@@ -158,7 +158,7 @@ def test_forecast_of_a_study_folder_fits_the_link_and_writes_its_files(tmp_path,
     n1 = json.loads((STUDY / "n1" / "metrics.json").read_text())
     measured = n1["epochs"][0]["epoch_time_s"]
     assert float(one["epoch_s"]) == pytest.approx(measured, rel=0.01)
-    for setup, row in rows.items():
+    for row in rows.values():
         assert float(row["epoch_s"]) == pytest.approx(int(row["steps_per_epoch"]) * float(row["step_ms"]) / 1e3)
         assert float(row["epochs_in_budget"]) == pytest.approx(3600 / float(row["epoch_s"]))
     # More processes, more communication and a lower efficiency.
@@ -186,7 +186,9 @@ def test_a_strategy_that_was_not_measured_is_forecast_beside_the_runs_own(tmp_pa
     rows = {(r["strategy"], r["setup"]): r for r in csv.DictReader(open(out / "forecast.csv"))}
     ddp, fsdp = rows["ddp", "2x1"], rows["fsdp", "2x1"]
     grad = json.loads((STUDY / "n1" / "metrics.json").read_text())["comm"]["grad_bytes"]
-    assert float(ddp["sent_mb"]) == pytest.approx(grad / 1e6) and float(fsdp["sent_mb"]) == pytest.approx(1.5 * grad / 1e6)
+    assert float(ddp["sent_mb"]) == pytest.approx(grad / 1e6) and float(fsdp["sent_mb"]) == pytest.approx(
+        1.5 * grad / 1e6
+    )
     assert float(fsdp["comm_ms"]) == pytest.approx(1.5 * float(ddp["comm_ms"]))
     assert float(rows["fsdp", "1x1"]["step_ms"]) == pytest.approx(float(rows["ddp", "1x1"]["step_ms"]))
     assert "| fsdp | 2x1 |" in (out / "forecast.md").read_text()

@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
-from ddplab.registry import load_config
-from ddplab.engine.checkpoint import load_file
-from ddplab.run import train
-
 from conftest import TINY_GPT
+from ddplab.engine.checkpoint import load_file
+from ddplab.registry import load_config
+from ddplab.run import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -59,7 +58,7 @@ def test_same_seed_same_losses_on_gpu_up_to_atomic_adds(tmp_path, corpus):
     _, one = _run(tmp_path, corpus, "training.max_steps=10", "experiment.name=one", "logging.log_every=1")
     _, two = _run(tmp_path, corpus, "training.max_steps=10", "experiment.name=two", "logging.log_every=1")
     a, b = [s["loss"] for s in one["steps"]], [s["loss"] for s in two["steps"]]
-    assert len(a) == 10 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert len(a) == 10 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fsdp over NCCL needs 2 CUDA devices")

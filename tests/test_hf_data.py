@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_ok, ddplab, torchrun
 
+from conftest import assert_ok, ddplab, torchrun
 from ddplab.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -166,7 +166,9 @@ def test_a_causal_lm_with_the_lm_collator_is_scored_on_its_shifted_labels():
 
     tok = hf_workloads.tokenizer()
     texts, _ = hf_workloads.reviews(8, 0)
-    ds = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
+    ds = datasets.Dataset.from_dict({"text": texts}).map(
+        lambda b: tok(b["text"]), batched=True, remove_columns=["text"]
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=32)).eval()
     task = LanguageModeling(len(tok), shift=True)

@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
+from test_vision_data import QUIET, build_data, image_tree
 from torch.utils.data import DataLoader
 
 from conftest import assert_ok, torchrun
 from ddplab.data.image_cache import CachedImages
 from ddplab.errors import UserError
 from ddplab.registry import load_config
-from test_vision_data import QUIET, build_data, image_tree
 
 
 def config(tmp_path, *extra):
@@ -27,7 +27,7 @@ def caches(tmp_path):
 def all_items(data, split):
     ds = getattr(data, split)
     loader = DataLoader(ds, batch_size=5, shuffle=False, collate_fn=data.collate_fn)
-    xs, ys = zip(*loader)
+    xs, ys = zip(*loader, strict=True)
     return torch.cat(xs), torch.cat(ys)
 
 

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_image_cache import all_items
+from test_vision_data import QUIET, build_data
 from torchvision.datasets import ImageFolder
 
 from conftest import _env, assert_ok, ddplab, main
@@ -17,8 +19,6 @@ from ddplab.data import image_cache
 from ddplab.data.image_cache import CachedImages, EncodedImages
 from ddplab.registry import load_config
 from faults import command
-from test_image_cache import all_items
-from test_vision_data import QUIET, build_data
 
 META = {"image_size": 24, "source_channels": 3, "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3}
 

@@ -15,19 +15,47 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "ddplab"
 
 LAYERS = [
-    ("contracts", ["ddplab.errors", "ddplab.process_state", "ddplab.handoff", "ddplab.extras", "ddplab.config", "ddplab.config_io", "ddplab.workload", "ddplab.tasks", "ddplab.evaluators",
-                   "ddplab.callbacks"]),
+    (
+        "contracts",
+        [
+            "ddplab.errors",
+            "ddplab.process_state",
+            "ddplab.handoff",
+            "ddplab.extras",
+            "ddplab.config",
+            "ddplab.config_io",
+            "ddplab.workload",
+            "ddplab.tasks",
+            "ddplab.evaluators",
+            "ddplab.callbacks",
+        ],
+    ),
     ("parts", ["ddplab.distributed", "ddplab.data", "ddplab.models"]),
     ("engine", ["ddplab.engine"]),
     ("beside", ["ddplab.registry", "ddplab.workloads", "ddplab.metrics", "ddplab.trackers"]),
-    ("commands", ["ddplab.run", "ddplab.api", "ddplab.cli", "ddplab.commands", "ddplab.launch", "ddplab.inference", "ddplab.predict",
-                  "ddplab.verify", "ddplab.study", "ddplab.report", "ddplab.forecast", "ddplab.export",
-                  "ddplab.__main__", "ddplab.status"]),
+    (
+        "commands",
+        [
+            "ddplab.run",
+            "ddplab.api",
+            "ddplab.cli",
+            "ddplab.commands",
+            "ddplab.launch",
+            "ddplab.inference",
+            "ddplab.predict",
+            "ddplab.verify",
+            "ddplab.study",
+            "ddplab.report",
+            "ddplab.forecast",
+            "ddplab.export",
+            "ddplab.__main__",
+            "ddplab.status",
+        ],
+    ),
 ]
 
 
@@ -110,6 +138,10 @@ def test_no_import_cycles():
     assert cycles == []
 
 
+def _is_import(text: str) -> bool:
+    return text.strip().startswith(("import ", "from "))
+
+
 def test_imports_inside_functions_say_why():
     """Start-up: the launcher and light commands must not pay for torch or a heavy optional library;
     such an import sits in the function that needs it, with a comment on its line or the line above."""
@@ -117,8 +149,11 @@ def test_imports_inside_functions_say_why():
     for module, path in modules().items():
         lines = path.read_text().splitlines()
         for _, line, inside in imports(path, module):
-            first = line - 1  # a reason may head a block of imports
-            while first > 0 and lines[first - 1].strip().startswith(("import ", "from ")):
+            # A reason may head a block of imports, whose sections (stdlib, libraries, ddplab) the import sorter
+            # parts with a blank line.
+            first = line - 1
+            while first > 0 and (_is_import(lines[first - 1]) or not lines[first - 1].strip() and first > 1
+                                 and _is_import(lines[first - 2])):
                 first -= 1
             block = lines[first - 1: line]
             if inside and not any("#" in text for text in block):

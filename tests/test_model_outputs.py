@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ddplab
-from conftest import ROOT, assert_ok, ddplab as run_ddplab
+from conftest import ROOT, assert_ok
+from conftest import ddplab as run_ddplab
 from ddplab.cli import main
 from ddplab.tasks import Classification, Task, find_logits
 

@@ -5,8 +5,8 @@ import os
 import time
 
 from conftest import assert_ok, ddplab
-from ddplab.metrics import phases as phases_mod
 from ddplab.handoff import Handoff
+from ddplab.metrics import phases as phases_mod
 from ddplab.metrics.phases import Phases
 
 
@@ -50,9 +50,20 @@ def test_a_launched_run_records_its_phases(tmp_path):
     assert_ok(proc)
     run = tmp_path / "experiments" / "p"
     got = json.loads((run / "metrics.json").read_text())["phases"]
-    for key in ("launcher_s", "imports_s", "workload_s", "rendezvous_s", "data_s", "model_s", "run_folder_s", "trainer_s",
-                "first_step_s", "training_s", "end_of_run_s",
-                "teardown_s"):
+    for key in (
+        "launcher_s",
+        "imports_s",
+        "workload_s",
+        "rendezvous_s",
+        "data_s",
+        "model_s",
+        "run_folder_s",
+        "trainer_s",
+        "first_step_s",
+        "training_s",
+        "end_of_run_s",
+        "teardown_s",
+    ):
         assert got[key] >= 0, key
     assert got["imports_s"] > 0.1  # torch alone takes longer than that to import
     assert "phases (rank 0, wall time): launcher" in (run / "train.log").read_text().splitlines()[-1]

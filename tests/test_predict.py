@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import Subset, TensorDataset
 
 import ddplab
-from conftest import ROOT, assert_ok, ddplab as run_ddplab
+from conftest import ROOT, assert_ok
+from conftest import ddplab as run_ddplab
 from ddplab.cli import main
 from ddplab.predict import encoder, expand
 
@@ -115,7 +116,7 @@ def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [r["input"] for r in rows] == ["1,2,-1", "x.npy", "x.pt"] and set(rows[0]) == {"input", "value_1", "value_2"}
     want = [(2.0, -1.0), (2.0, -1.0), (0.0, 1.0)]  # sum and difference of the first two
-    for row, (a, b) in zip(rows, want):
+    for row, (a, b) in zip(rows, want, strict=True):
         assert row["value_1"] == pytest.approx(a, abs=0.05) and row["value_2"] == pytest.approx(b, abs=0.05)
     assert proc.stdout.splitlines()[2].split("\t")[-1] == "x.pt"
 
@@ -142,4 +143,8 @@ def test_a_folder_stands_for_its_files_sorted(tmp_path):
     for name in ("b.txt", "a.txt", ".hidden"):
         (tmp_path / "in" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "in" / name).write_text("1")
-    assert expand(["0,1", str(tmp_path / "in")]) == ["0,1", str(tmp_path / "in" / "a.txt"), str(tmp_path / "in" / "b.txt")]
+    assert expand(["0,1", str(tmp_path / "in")]) == [
+        "0,1",
+        str(tmp_path / "in" / "a.txt"),
+        str(tmp_path / "in" / "b.txt"),
+    ]

@@ -114,7 +114,9 @@ def test_repeats_fold_into_median_and_range_and_overlap_is_called_noise(tmp_path
 
     md = make_report([tmp_path], tmp_path / "out").read_text()
     assert "| 1x2 | 8 | 2 |" in md and "| 200.0 (180.0–230.0) |" in md and "| 110.0 (100.0–120.0) |" in md
-    assert "1x1 batch_size=8 110.0 (100.0–120.0) vs 1x2 batch_size=8 200.0 (180.0–230.0): 1x2 batch_size=8 is 1.82x" in md
+    assert (
+        "1x1 batch_size=8 110.0 (100.0–120.0) vs 1x2 batch_size=8 200.0 (180.0–230.0): 1x2 batch_size=8 is 1.82x" in md
+    )
     assert "1x2 batch_size=8 200.0 (180.0–230.0) vs 2x1 batch_size=8 215.0 (190.0–240.0): **within noise**" in md
     assert "epochs @ budget**: — (no budget: pass --budget" in md
     rows_csv = {r["setup"]: r for r in csv.DictReader(open(tmp_path / "out" / "report.csv"))}
@@ -166,7 +168,7 @@ def test_scaling_table_has_the_reference_layout(tmp_path):
     names = [line.split("|")[1].strip(" *") for line in table[4:13]]
     assert names == ["Learning rate", "Global batch size", "Steps per epoch", "Avg epoch time (s)", "Epochs @ budget",
                      "Scaling efficiency", "Best validation loss", "Test loss", "Top-1 test accuracy"]
-    cells = {n: [c.strip() for c in line.split("|")[2:-1]] for n, line in zip(names, table[4:13])}
+    cells = {n: [c.strip() for c in line.split("|")[2:-1]] for n, line in zip(names, table[4:13], strict=True)}
     assert cells["Global batch size"] == ["8", "16", "32"]
     assert cells["Scaling efficiency"] == ["1.00", f"{160 / 100 / 2:.2f}", f"{260 / 100 / 4:.2f}"]
     assert cells["Top-1 test accuracy"] == ["86.90%", "87.30%", "87.50%"]
@@ -185,13 +187,17 @@ def test_epochs_at_budget_is_measured_within_the_budget_or_says_why_not(tmp_path
 
 def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path):
     # (strategy, processes, parameter / gradient / optimizer MiB per rank, peak MiB, epoch s of 10 steps)
-    for strategy, world, state, peak, epoch_time in (("ddp", 1, (4, 4, 8), 500, 10.0), ("ddp", 2, (4, 4, 8), 600, 12.0),
-                                                     ("fsdp", 1, (4, 4, 8), 500, 10.0), ("fsdp", 2, (2, 2, 4), 450, 13.0)):
+    for strategy, world, state, peak, epoch_time in (
+        ("ddp", 1, (4, 4, 8), 500, 10.0),
+        ("ddp", 2, (4, 4, 8), 600, 12.0),
+        ("fsdp", 1, (4, 4, 8), 500, 10.0),
+        ("fsdp", 2, (2, 2, 4), 450, 13.0),
+    ):
         folder = _point(tmp_path, f"{strategy}-n{world}", f"1x{world}", 100.0 * world, epoch_time=epoch_time)
         summary = json.loads((folder / "metrics.json").read_text())
         summary["config"]["distributed"] = {"strategy": strategy}  # its own experiment, with its own 1-process point
         summary["ddp"] |= {"strategy": strategy, "state_bytes_per_rank": dict(zip(
-            ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state)))}
+            ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state), strict=True))}
         summary["comm"] = {"timed": "all_reduce" if strategy == "ddp" else "all_gather, reduce_scatter"}
         for row in summary["epochs"]:
             row["peak_mem_mb"] = peak + row["epoch"]  # the largest epoch's counts

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
 from conftest import TINY_GPT, _env, assert_ok, ddplab, main, torchrun
 from ddplab.engine.checkpoint import Checkpointer
 from faults import command
-from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
 SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 
@@ -101,7 +101,9 @@ def test_a_resume_on_more_processes_reshards_or_says_what_to_set(tmp_path, data)
     assert _summary(tmp_path / "experiments" / "up")["aggregates"]["steps"] == 6
     assert_ok(torchrun(4, *args, "training.batch_size=2", cwd=tmp_path))  # 2 -> 4
     summary = _summary(tmp_path / "experiments" / "up")
-    assert summary["aggregates"]["steps"] == 24 and summary["ddp"]["global"] == 8 and summary["aggregates"]["resumes"] == 2
+    assert (
+        summary["aggregates"]["steps"] == 24 and summary["ddp"]["global"] == 8 and summary["aggregates"]["resumes"] == 2
+    )
 
 
 def _two_nodes(spec: str, args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
@@ -261,11 +263,24 @@ def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_pat
     from test_workloads import WORKLOAD, _names, _workload
 
     wl = _workload(tmp_path, WORKLOAD + SHARD_FIRST_LAYER)
-    proc = ddplab("verify", "--nproc", "2", *_names(wl), "distributed.strategy=fsdp", f"distributed.shard={wl}:shard",
-                  "training.max_steps=6", "training.batch_size=8", "training.grad_accum_steps=2",
-                  "training.clip_grad_norm=0.05", "model.options.dropout=0.0",  # the gradient's norm is about 3
-                  "training.optimizer=sgd", "training.lr=0.5", "training.warmup_steps=0",  # Adam would hide a wrong norm
-                  cwd=tmp_path, timeout=600)
+    proc = ddplab(
+        "verify",
+        "--nproc",
+        "2",
+        *_names(wl),
+        "distributed.strategy=fsdp",
+        f"distributed.shard={wl}:shard",
+        "training.max_steps=6",
+        "training.batch_size=8",
+        "training.grad_accum_steps=2",
+        "training.clip_grad_norm=0.05",
+        "model.options.dropout=0.0",  # the gradient's norm is about 3
+        "training.optimizer=sgd",
+        "training.lr=0.5",
+        "training.warmup_steps=0",  # Adam would hide a wrong norm
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
 

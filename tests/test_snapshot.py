@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _env, assert_ok, ddplab
-from faults import command
 
+from conftest import _env, assert_ok, ddplab
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine import manifest
 from ddplab.engine.callbacks import CallbackList
@@ -31,6 +30,7 @@ from ddplab.engine.checkpoint import (
 )
 from ddplab.engine.manifest import Damaged
 from ddplab.errors import UserError
+from faults import command
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 
@@ -165,7 +165,9 @@ def test_a_snapshot_of_the_older_format_loads_unverified_in_one_line(tmp_path):
     folder.mkdir()
     torch.save({"model": {"w": torch.ones(2)}, "trainer": {"step": 5}, "config": {"training": {"lr": 1.0}},
                 "world_size": 2}, folder / STATE)
-    (folder / MARKER).write_text(json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16}))
+    (folder / MARKER).write_text(
+        json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16})
+    )
     lines = []
     _, m, _ = Checkpointer(tmp_path, is_main=False).newest(lines.append)
     assert lines == ["snapshot step-000000005 was written before snapshots had a manifest: loaded unverified"]

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _env, assert_ok
-from conftest import ddplab as ddplab_cli
-from faults import command
 
 import ddplab
+from conftest import _env, assert_ok
+from conftest import ddplab as ddplab_cli
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.registry import load_config
 from ddplab.run import train
+from faults import command
 
 # One bias b, trained towards 1 with plain SGD, scored against targets around 0.3: b after epoch k is
 # 1 - 0.9^k (0.1, 0.19, 0.271, 0.344, ...), so the validation loss falls to epoch 3 and rises after it.
@@ -102,7 +102,9 @@ def optimizer(cfg, model):
 
 
 def schedule(cfg, optimizer, total_steps):
-    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=cfg.options.get("floor", 0.0))
+    return torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=total_steps, eta_min=cfg.options.get("floor", 0.0)
+    )
 '''
 
 SGD = ["training.optimizer=sgd", "training.lr=0.05", "training.momentum=0", "training.weight_decay=0",
@@ -422,8 +424,14 @@ def test_sync_batchnorm_converts_the_models_batchnorm_on_cuda(tmp_path, drift):
 
 
 def test_an_unused_parameter_under_ddp_fails_in_one_line_naming_it_and_the_setting(tmp_path, drift):
-    args = [*_workload(drift, "spare", "noisy"), "training.max_steps=3", "logging.trackers=[]", "logging.progress=false",
-            "distributed.timeout=60", "experiment.name=spare"]
+    args = [
+        *_workload(drift, "spare", "noisy"),
+        "training.max_steps=3",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "distributed.timeout=60",
+        "experiment.name=spare",
+    ]
     proc = ddplab_cli("train", "--nproc-per-node", "2", *args, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "parameters without a gradient (spare.weight, spare.bias): set distributed.find_unused_parameters=true" \

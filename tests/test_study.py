@@ -25,9 +25,16 @@ def test_setups_sweeps_and_point_names(tmp_path):
         "training.batch_size": ["8", "32"], "training.lr": ["1e-3"]}
     points = expand(None, ["training.max_steps=3"], parse_setups("1,2x2"),
                     parse_sweeps(["training.batch_size=8,32"]), str(tmp_path / "s"))
-    assert [p.name for p in points] == ["n1-batch_size_8", "n1-batch_size_32", "n2x2-batch_size_8", "n2x2-batch_size_32"]
+    assert [p.name for p in points] == [
+        "n1-batch_size_8",
+        "n1-batch_size_32",
+        "n2x2-batch_size_8",
+        "n2x2-batch_size_32",
+    ]
     assert points[3].setup.processes == 4
-    assert "training.batch_size=32" in points[3].overrides and "experiment.name=n2x2-batch_size_32" in points[3].overrides
+    assert (
+        "training.batch_size=32" in points[3].overrides and "experiment.name=n2x2-batch_size_32" in points[3].overrides
+    )
     twice = expand(None, [], parse_setups("1x2,2x1"), {}, str(tmp_path / "s"), repeat=2)
     assert [(p.name, p.point, p.repeat) for p in twice] == [("n2", "n2", 1), ("n2x1", "n2x1", 1),
                                                             ("n2-r2", "n2", 2), ("n2x1-r2", "n2x1", 2)]
@@ -84,7 +91,9 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
     for name in names:
         summary = json.loads((study / name / "metrics.json").read_text())
         assert summary["status"] == "complete"
-        assert summary["ddp"]["world_size"] == int(name[1]) and summary["ddp"]["per_process"] == int(name.split("_")[-1])
+        assert summary["ddp"]["world_size"] == int(name[1]) and summary["ddp"]["per_process"] == int(
+            name.split("_")[-1]
+        )
     report = (study / "report.md").read_text()
     timing, quality = [line for line in report.splitlines() if line.startswith("| point")]
     for column in ("processes", "batch / process", "global batch", "lr", "steps / epoch", "mean epoch time (s)",
@@ -96,7 +105,7 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
 
     rows = {r["point"]: r for r in csv.DictReader(open(study / "report.csv"))}
     assert set(rows) == set(names)
-    for name, row in rows.items():
+    for row in rows.values():
         procs = int(row["processes"])
         assert int(row["global_batch"]) == procs * int(row["batch_per_process"])
         base = rows[f"n1-batch_size_{row['batch_per_process']}"]
@@ -134,7 +143,10 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
     assert proc.returncode != 0, out
     done = json.loads((first / "metrics.json").read_text())
     assert done["status"] == "complete"
-    assert not (second / "metrics.json").exists() or json.loads((second / "metrics.json").read_text())["status"] != "complete"
+    assert (
+        not (second / "metrics.json").exists()
+        or json.loads((second / "metrics.json").read_text())["status"] != "complete"
+    )
     stamp = (first / "metrics.json").stat().st_mtime_ns
 
     again = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)

@@ -11,13 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-from ddplab.registry import load_config
-from ddplab.engine.setup import build_data
-from ddplab.registry import workload
 from ddplab.data.text_synthetic import generate
 from ddplab.data.text_tokenize import HashTokenizer
 from ddplab.distributed import DistContext, LaunchInfo
+from ddplab.engine.setup import build_data
 from ddplab.errors import UserError
+from ddplab.registry import load_config, workload
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 
@@ -98,9 +97,16 @@ def reviews(tmp_path):
 
 def test_text_files_read_csv_json_parquet_with_string_labels(reviews):
     folder, frame = reviews
-    b = bundle_for(folder, "data.name=text_files", f"data.train={folder / 'train.csv'}", f"data.val={folder / 'val.parquet'}",
-                   f"data.test={folder / 'test.jsonl'}", "data.text_column=review", "data.label_column=stars",
-                   "data.max_len=16")
+    b = bundle_for(
+        folder,
+        "data.name=text_files",
+        f"data.train={folder / 'train.csv'}",
+        f"data.val={folder / 'val.parquet'}",
+        f"data.test={folder / 'test.jsonl'}",
+        "data.text_column=review",
+        "data.label_column=stars",
+        "data.max_len=16",
+    )
     assert (len(b.train), len(b.val), len(b.test)) == (60, 25, 20) and b.num_classes == 2
     assert b.meta["label_names"] == ["bad", "good"]
     labels = [b.test[i][1] for i in range(20)]
@@ -111,25 +117,46 @@ def test_text_files_read_csv_json_parquet_with_string_labels(reviews):
 
 def test_data_limit_caps_every_split(reviews):
     folder, _ = reviews
-    b = bundle_for(folder, "data.name=text_files", f"data.train={folder / 'train.csv'}", f"data.test={folder / 'test.jsonl'}",
-                   "data.text_column=review", "data.label_column=stars", "data.limit=10")
+    b = bundle_for(
+        folder,
+        "data.name=text_files",
+        f"data.train={folder / 'train.csv'}",
+        f"data.test={folder / 'test.jsonl'}",
+        "data.text_column=review",
+        "data.label_column=stars",
+        "data.limit=10",
+    )
     assert (len(b.train), len(b.val), len(b.test)) == (10, 6, 10)
 
 
 # ---------------------------------------------------------------------------- checks before launch
 
-@pytest.mark.parametrize("overrides, words", [
-    (["model.name=hf", "model.pretrained=/no/such/model", "data.name=synthetic_reviews"], ["model.pretrained", "/no/such/model"]),
-    (["model.name=hf", "data.name=synthetic_reviews"], ["model.pretrained"]),
-    (["model.name=hf", "model.pretrained=bert-base-uncased", "data.name=synthetic_reviews", "data.tokenizer=hash"], ["data.tokenizer=hash", "hf"]),
-    (["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=hf"], ["data.tokenizer=hf", "hash"]),
-    (["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=char"], ["data.tokenizer", "hash"]),
-    (["model.name=transformer"], ["data.name", "synthetic_reviews"]),
-    (["model.name=gpt", "data.name=imdb"], ["model.name", "transformer"]),
-    (["model.name=transformer", "data.name=text_files"], ["data.train"]),
-    (["model.name=transformer", "data.name=text_files", "data.train=/no/such.csv"], ["data.train", "/no/such.csv"]),
-    (["model.name=transformer", "data.name=synthetic_reviews", "data.num_classes=1"], ["data.num_classes"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (
+            ["model.name=hf", "model.pretrained=/no/such/model", "data.name=synthetic_reviews"],
+            ["model.pretrained", "/no/such/model"],
+        ),
+        (["model.name=hf", "data.name=synthetic_reviews"], ["model.pretrained"]),
+        (
+            [
+                "model.name=hf",
+                "model.pretrained=bert-base-uncased",
+                "data.name=synthetic_reviews",
+                "data.tokenizer=hash",
+            ],
+            ["data.tokenizer=hash", "hf"],
+        ),
+        (["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=hf"], ["data.tokenizer=hf", "hash"]),
+        (["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=char"], ["data.tokenizer", "hash"]),
+        (["model.name=transformer"], ["data.name", "synthetic_reviews"]),
+        (["model.name=gpt", "data.name=imdb"], ["model.name", "transformer"]),
+        (["model.name=transformer", "data.name=text_files"], ["data.train"]),
+        (["model.name=transformer", "data.name=text_files", "data.train=/no/such.csv"], ["data.train", "/no/such.csv"]),
+        (["model.name=transformer", "data.name=synthetic_reviews", "data.num_classes=1"], ["data.num_classes"]),
+    ],
+)
 def test_bad_text_configs_name_the_field(overrides, words):
     with pytest.raises(UserError) as err:
         load_config(None, overrides)

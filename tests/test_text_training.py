@@ -9,11 +9,11 @@ import torch
 
 from conftest import assert_ok, ddplab, main, torchrun
 from ddplab.config_io import from_dict
-from ddplab.engine.setup import build_data
-from ddplab.registry import workload
 from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.tasks import call_model
+from ddplab.engine.setup import build_data
 from ddplab.inference import load_model
+from ddplab.registry import workload
+from ddplab.tasks import call_model
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 # 3 classes; 1211 samples leave a validation split of 121, which 2 ranks cannot split evenly.
@@ -98,7 +98,9 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
     assert summary["test"]["samples"] == 15 and summary["test"]["accuracy"] > 0.6
     assert summary["dataset"]["num_classes"] == 2
     # Rebuilt offline from the checkpoint (its config names the local folder); labels keep their names.
-    out = ddplab("predict", str(tmp_path / "experiments/m"), "what a wonderful film", "a dreadful, boring mess", cwd=tmp_path)
+    out = ddplab(
+        "predict", str(tmp_path / "experiments/m"), "what a wonderful film", "a dreadful, boring mess", cwd=tmp_path
+    )
     assert_ok(out)
     labels = [line.split("\t")[0] for line in out.stdout.strip().splitlines()]
     assert labels == ["good", "bad"]

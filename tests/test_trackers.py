@@ -84,16 +84,27 @@ def test_a_study_is_one_parent_mlflow_run_with_a_child_per_point(tmp_path, corpu
     runs = {r.info.run_name: r for r in _runs(client)}
     parent = runs.pop("s")
     assert parent.info.status == "FINISHED"
-    assert parent.info.run_id == json.loads((tmp_path / "experiments" / "s" / "trackers.json").read_text())["mlflow"]["run_id"]
-    assert {"report/report.md", "report/report.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert (
+        parent.info.run_id
+        == json.loads((tmp_path / "experiments" / "s" / "trackers.json").read_text())["mlflow"]["run_id"]
+    )
+    assert {"report/report.md", "report/report.csv"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id, "report")
+    }
     # one child per point, two-process points included: rank 1 never touched the tracker
-    points = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "experiments" / "s").glob("*/study_point.json")}
+    points = {
+        p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "experiments" / "s").glob("*/study_point.json")
+    }
     assert len(points) == 4 and sorted(runs) == sorted(points)
     assert sorted(p["setup"] for p in points.values()) == ["1x1", "1x1", "1x2", "1x2"]
     for name, child in runs.items():
         tags, point = child.data.tags, points[name]
         assert tags["mlflow.parentRunId"] == parent.info.run_id and child.info.status == "FINISHED"
-        assert (tags["setup"], tags["repeat"], tags["training.lr"]) == (point["setup"], "1", point["swept"]["training.lr"])
+        assert (tags["setup"], tags["repeat"], tags["training.lr"]) == (
+            point["setup"],
+            "1",
+            point["swept"]["training.lr"],
+        )
 
 
 def test_a_tracking_server_that_is_down_warns_once_and_training_completes(tmp_path, corpus, wandb_offline):

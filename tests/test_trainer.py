@@ -6,11 +6,10 @@ import re
 
 import pytest
 
-from ddplab.registry import load_config
-from ddplab.engine.optim import lr_lambda, scaled_lr
-from ddplab.run import train
-
 from conftest import TINY_GPT
+from ddplab.engine.optim import lr_lambda, scaled_lr
+from ddplab.registry import load_config
+from ddplab.run import train
 
 
 def _run(tmp_path, corpus, *overrides):
@@ -28,7 +27,7 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path, corpus):
     a = [s["loss"] for s in acc["steps"]]
     b = [s["loss"] for s in big["steps"]]
     assert len(a) == len(b) == 6
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
 
 
 def test_same_seed_same_numbers(tmp_path, corpus):

@@ -138,7 +138,9 @@ def test_image_folder_layouts(tmp_path):
     assert data.meta["label_names"] == ["class_0", "class_1", "class_2"] and data.val[0][0].shape == (3, 16, 16)
 
     image_tree(tmp_path / "one", per_class=10, split=False)
-    data = build_data(folder_config(tmp_path, "one", "model.name=cnn", "data.val_fraction=0.2", "data.test_fraction=0.1"))
+    data = build_data(
+        folder_config(tmp_path, "one", "model.name=cnn", "data.val_fraction=0.2", "data.test_fraction=0.1")
+    )
     assert (len(data.train), len(data.val), len(data.test)) == (21, 6, 3)
     assert data.meta["image_size"] == 32  # the images' own size
 
@@ -218,5 +220,5 @@ def test_batched_fetch_and_collate_give_what_item_by_item_loading_gives():
     items = [data[i] for i in range(len(data))]  # one __getitem__ each
     expected = [default_collate(items[s:s + 8]) for s in range(0, len(items), 8)]
     assert len(batches) == len(expected) == 3
-    for (x, y), (xe, ye) in zip(batches, expected):
+    for (x, y), (xe, ye) in zip(batches, expected, strict=True):
         assert torch.equal(x, xe) and torch.equal(y, ye) and y.dtype == torch.int64

@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_vision_data import image_tree
 
 import ddplab
-from conftest import assert_ok, ddplab as run_ddplab, main, torchrun
+from conftest import assert_ok, main, torchrun
+from conftest import ddplab as run_ddplab
 from ddplab.errors import UserError
 from ddplab.models.vision import CNN, compact
 from ddplab.registry import load_config
 from ddplab.workload import BuildConfig, Options
 from ddplab.workloads import images
-from test_vision_data import image_tree
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 

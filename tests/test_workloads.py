@@ -89,8 +89,13 @@ def test_regression_example_reaches_its_r2(tmp_path):
     assert_ok(proc)
     best = max(float(r["val_r2"]) for r in _rows(tmp_path / "experiments" / "reg"))
     assert best >= 0.40, best  # scikit-learn's LinearRegression scores about 0.45 on such a split
-    out = ddplab("predict", "experiments/reg", "0.04,0.05,0.06,0.02,-0.04,-0.03,-0.04,0,0.02,-0.02", "0,0,0,0,0,0,0,0,0,0",
-                 cwd=tmp_path)
+    out = ddplab(
+        "predict",
+        "experiments/reg",
+        "0.04,0.05,0.06,0.02,-0.04,-0.03,-0.04,0,0.02,-0.02",
+        "0,0,0,0,0,0,0,0,0,0",
+        cwd=tmp_path,
+    )
     assert_ok(out)
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 and all(len(line.split("\t")) == 2 for line in lines)

@@ -18,8 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import (autocast, call, contender_args, loss_fn, make_optimizer, move, report, setup,  # noqa: E402
-                    sync)
+from common import autocast, call, contender_args, loss_fn, make_optimizer, move, report, setup, sync  # noqa: E402
 
 
 class HandLoop:

@@ -6,8 +6,8 @@ The same script runs as `python script.py`, `torchrun --nproc-per-node=N script.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ddplab import process_state
 from ddplab.config import Config

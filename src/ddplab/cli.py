@@ -54,18 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("predict", help="one row per input from a trained model: label and probability, values, ...")
     pr.add_argument("run", help="run folder or checkpoint file")
-    pr.add_argument("inputs", nargs="*", help="image files, texts, numbers (0.5,1.2), .npy/.pt files, or folders of them")
+    pr.add_argument(
+        "inputs", nargs="*", help="image files, texts, numbers (0.5,1.2), .npy/.pt files, or folders of them"
+    )
     pr.add_argument("--file", help="read one input per line from this file")
     pr.add_argument("--batch-size", type=int, default=32)
     pr.add_argument("--top-k", type=int, help="classifiers: the K most probable labels and their probabilities")
     pr.add_argument("--output", help="also write every row with its input to this .csv or .jsonl file")
     pr.add_argument("--trust-code", action="store_true", help=TRUST)
-    pr.add_argument("--force", action="store_true", help="let --output replace an existing file, or write inside a run folder")
+    pr.add_argument(
+        "--force", action="store_true", help="let --output replace an existing file, or write inside a run folder"
+    )
 
     ex = sub.add_parser("export", help="the best (else last) model as one safetensors file, loadable without ddplab")
     ex.add_argument("run", help="run folder, snapshot folder or checkpoint file")
     ex.add_argument("--output", help="file to write (default: RUN/model.safetensors)")
-    ex.add_argument("--force", action="store_true", help="let --output replace an existing file, or write inside a run folder")
+    ex.add_argument(
+        "--force", action="store_true", help="let --output replace an existing file, or write inside a run folder"
+    )
 
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
@@ -75,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("study", help="sweep process counts and config values, one run folder per point, then report")
     st.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]", help="key=value apply to every point")
-    st.add_argument("--nproc", default="1", help="process counts, e.g. 1,2,4 (per node), or 1x1,1x4,2x2 (nodes x processes)")
-    st.add_argument("--nnodes", type=int, default=1, help="nodes for plain --nproc counts (several agents on loopback locally)")
+    st.add_argument(
+        "--nproc", default="1", help="process counts, e.g. 1,2,4 (per node), or 1x1,1x4,2x2 (nodes x processes)"
+    )
+    st.add_argument(
+        "--nnodes", type=int, default=1, help="nodes for plain --nproc counts (several agents on loopback locally)"
+    )
     st.add_argument("--set", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
                     help="a swept config value; repeat for a grid")
     st.add_argument("--name", help="study folder name (default: the config file's name, or 'study')")
@@ -92,14 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     r.add_argument("--output", help="folder for the report (default: the folder given, or ./report for several)")
     r.add_argument("--force", action="store_true", help="let --output replace a report already there")
-    r.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget")
+    r.add_argument(
+        "--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget"
+    )
 
     f = sub.add_parser("forecast", help="predict step/epoch time, speedup and comm share of setups from run folders")
     f.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     f.add_argument("--setups", default="1x1,2x1,4x1,8x1", help="nodes x processes per node, e.g. 1x1,2x1,4x1,8x1,2x8")
     f.add_argument("--bandwidth", help="inter-node bandwidth, e.g. 25Gbit or 3GB/s (default: fitted from the runs)")
     f.add_argument("--latency", help="inter-node latency per message, e.g. 50us (default: fitted from the runs)")
-    f.add_argument("--intra-bandwidth", help="bandwidth between the processes of a node, e.g. 200GB/s (default: fitted)")
+    f.add_argument(
+        "--intra-bandwidth", help="bandwidth between the processes of a node, e.g. 200GB/s (default: fitted)"
+    )
     f.add_argument("--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s)")
     f.add_argument("--batch-size", type=int, help="batch per process (default: the 1-process run's)")
     f.add_argument("--comm-hook", help="none, fp16, bf16, powersgd or powersgd:RANK (default: the runs')")

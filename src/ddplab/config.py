@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ddplab.errors import UserError
-
 
 # The largest integer any field takes: torch's int64. Fields with a tighter bound declare their own `max`.
 INT_MAX = 2**63 - 1
@@ -31,7 +30,7 @@ def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | No
 
 @dataclass
 class ExperimentConfig:
-    name: Optional[str] = _f(None, "run folder name under output_dir; default <model>-<data>")
+    name: str | None = _f(None, "run folder name under output_dir; default <model>-<data>")
     output_dir: str = _f("experiments", "folder that holds run folders")
     seed: int = _f(1337, "seed for weights, data order, dropout", min=0, max=2**31 - 1)  # + rank: NumPy's 32 bits
     repeats: int = _f(1, "runs of each point in `ddplab study` (same seed); --repeat overrides", positive=True)
@@ -39,27 +38,35 @@ class ExperimentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = _f("text", "dataset: a built-in name (listed below) or your own file.py:function / package.module:function")
+    name: str = _f(
+        "text", "dataset: a built-in name (listed below) or your own file.py:function / package.module:function"
+    )
     options: dict = _f({}, "free-form values for your own data function (data.options.KEY=VALUE)")
-    path: Optional[str] = _f(None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus")
-    root: Optional[str] = _f(None, "dataset folder for torchvision datasets and image_folder")
-    train: Optional[str] = _f(None, "train file (CSV/JSON/Parquet) for text_files")
-    val: Optional[str] = _f(None, "validation file for text_files")
-    test: Optional[str] = _f(None, "test file for text_files")
+    path: str | None = _f(
+        None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus"
+    )
+    root: str | None = _f(None, "dataset folder for torchvision datasets and image_folder")
+    train: str | None = _f(None, "train file (CSV/JSON/Parquet) for text_files")
+    val: str | None = _f(None, "validation file for text_files")
+    test: str | None = _f(None, "test file for text_files")
     text_column: str = _f("text", "text column of text_files")
     label_column: str = _f("label", "label column of text_files")
-    tokenizer: Optional[str] = _f(None, "hash | hf | char | byte; default depends on the model", choices=("hash", "hf", "char", "byte", None))
+    tokenizer: str | None = _f(
+        None, "hash | hf | char | byte; default depends on the model", choices=("hash", "hf", "char", "byte", None)
+    )
     vocab_size: int = _f(30000, "hash tokenizer buckets", positive=True)
     max_len: int = _f(256, "tokens per text sample (truncation)", positive=True)
     val_fraction: float = _f(0.1, "share of train carved out for validation when no split exists", min=0.0)
-    test_fraction: float = _f(0.1, "share carved out as a test split when none exists (digits, image_folder without test/)", min=0.0)
-    limit: Optional[int] = _f(None, "cap on training samples (quick runs)", positive=True)
+    test_fraction: float = _f(
+        0.1, "share carved out as a test split when none exists (digits, image_folder without test/)", min=0.0
+    )
+    limit: int | None = _f(None, "cap on training samples (quick runs)", positive=True)
     num_samples: int = _f(2000, "size of generated datasets (synthetic, synthetic_reviews)", positive=True)
-    num_classes: Optional[int] = _f(None, "classes of generated datasets")
-    image_size: Optional[int] = _f(None, "resize images to this side; default per model")
+    num_classes: int | None = _f(None, "classes of generated datasets")
+    image_size: int | None = _f(None, "resize images to this side; default per model")
     augment: bool = _f(False, "random crop + horizontal flip for training images")
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
-    cache_dir: Optional[str] = _f(None, "cache folder for HF datasets, token caches and image caches")
+    cache_dir: str | None = _f(None, "cache folder for HF datasets, token caches and image caches")
     cache: str = _f("raw", "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
                            "(re-encoded at the training size, quality 90, decoded each epoch; a fifth of raw's disk) "
                            "or false (each file decoded every epoch); true still means raw",
@@ -67,19 +74,25 @@ class DataConfig:
     decode: str = _f("cpu", "where JPEG images are decoded: cpu (in the loader workers) or gpu (nvJPEG on the rank's "
                             "GPU, in batches, after the loader; image_folder with data.cache=jpeg or false)",
                      choices=("cpu", "gpu"))
-    num_workers: Optional[int] = _f(None, "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
-                                        "rank may use (CPU affinity / processes on the node) less one", min=0)
+    num_workers: int | None = _f(
+        None,
+        "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
+        "rank may use (CPU affinity / processes on the node) less one",
+        min=0,
+    )
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
 
 
 @dataclass
 class ModelConfig:
-    name: str = _f("gpt", "model: a built-in name (listed below) or your own file.py:function / package.module:function")
+    name: str = _f(
+        "gpt", "model: a built-in name (listed below) or your own file.py:function / package.module:function"
+    )
     options: dict = _f({}, "free-form values for your own model function (model.options.KEY=VALUE)")
     layers: int = _f(3, "transformer layers", positive=True)
     heads: int = _f(4, "attention heads", positive=True)
     dim: int = _f(128, "embedding width", positive=True)
-    ff_dim: Optional[int] = _f(None, "feed-forward width; default 4 x dim", positive=True)
+    ff_dim: int | None = _f(None, "feed-forward width; default 4 x dim", positive=True)
     context: int = _f(64, "tokens of context (GPT block size)", positive=True)
     dropout: float = _f(0.0, "dropout probability", min=0.0)
     dropout_off: bool = _f(False, "set p=0 in every torch.nn.Dropout module of the model, yours too (ddplab verify "
@@ -87,14 +100,14 @@ class ModelConfig:
     bias: bool = _f(False, "bias in linear layers and layer norms (GPT)")
     pooling: str = _f("cls", "sequence pooling of classifiers", choices=("cls", "mean"))
     patch_size: int = _f(4, "ViT patch side", positive=True)
-    pretrained: Optional[str] = _f(None, "HF hub name or local folder (model.name=hf, vit)")
-    weights: Optional[str] = _f(None, "local weights file for torchvision models")
+    pretrained: str | None = _f(None, "HF hub name or local folder (model.name=hf, vit)")
+    weights: str | None = _f(None, "local weights file for torchvision models")
     freeze: bool = _f(False, "freeze the pretrained encoder / feature extractor")
 
 
 @dataclass
 class EarlyStoppingConfig:
-    monitor: Optional[str] = _f(None, "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
+    monitor: str | None = _f(None, "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
                                       "stops improving; null: no early stopping")
     mode: str = _f("min", "min: lower is better; max: higher is better", choices=("min", "max"))
     patience: int = _f(3, "whole epochs without improvement before the run stops", positive=True)
@@ -104,8 +117,8 @@ class EarlyStoppingConfig:
 @dataclass
 class TrainingConfig:
     epochs: int = _f(2, "passes over the training set", positive=True)
-    max_steps: Optional[int] = _f(None, "stop after this many optimizer steps", positive=True)
-    time_budget: Optional[str] = _f(None, "stop after this much training time: 2h, 90m, 30s (at most 365d)")
+    max_steps: int | None = _f(None, "stop after this many optimizer steps", positive=True)
+    time_budget: str | None = _f(None, "stop after this much training time: 2h, 90m, 30s (at most 365d)")
     batch_size: int = _f(32, "samples per process per micro-step", positive=True)
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step", positive=True)
     lr: float = _f(3e-3, "peak learning rate (before lr_scaling)", positive=True)
@@ -122,7 +135,7 @@ class TrainingConfig:
                                 "LR scheduler (no warm-up added)")
     schedule_options: dict = _f({}, "free-form values for your own schedule function (its cfg.options)")
     lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
-    clip_grad_norm: Optional[float] = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
+    clip_grad_norm: float | None = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
     amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
     tf32: bool = _f(True, "TF32 tensor cores for float32 matmuls and convolutions on CUDA (Ampere and later); on by "
                           "default, as training tolerates TF32's 10-bit mantissa and gains its speed; torch's own "
@@ -131,7 +144,7 @@ class TrainingConfig:
                               "batch's size; evaluation runs the model uncompiled)")
     channels_last: str = _f("auto", "channels_last memory format for 4-D convolution weights and image batches; auto: "
                                     "on for convolutional models on CUDA", choices=("auto", "true", "false"))
-    eval_every: Optional[int] = _f(None, "also evaluate every N optimizer steps", positive=True)
+    eval_every: int | None = _f(None, "also evaluate every N optimizer steps", positive=True)
     nonfinite: str = _f("stop", "on a non-finite loss on any rank: stop or skip the step", choices=("stop", "skip"))
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     keep_host_memory: bool = _f(True, "glibc keeps freed host memory for the next step instead of returning it to "
@@ -140,7 +153,7 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: Optional[int] = _f(None, "snapshot every N optimizer steps (always at epoch end)", positive=True)
+    every: int | None = _f(None, "snapshot every N optimizer steps (always at epoch end)", positive=True)
     keep_last: int = _f(2, "complete snapshots kept", positive=True)
     resume: str = _f("auto", "auto (newest complete snapshot), never, or a snapshot path")
     save_best: bool = _f(True, "keep the model with the best validation loss")
@@ -159,14 +172,14 @@ class DistributedConfig:
     bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size", positive=True)
     comm_hook: str = _f("none", "DDP communication hook", choices=("none", "fp16", "bf16", "powersgd"))
     simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0, max=MAX_SECONDS * 1000)
-    simulated_bandwidth_mbps: Optional[float] = _f(None, "cap on simulated link bandwidth", positive=True)
+    simulated_bandwidth_mbps: float | None = _f(None, "cap on simulated link bandwidth", positive=True)
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
     sync_batchnorm: bool = _f(False, "BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm), not each "
                                      "process's own; CUDA only")
     strategy: str = _f("ddp", "ddp (replicas), fsdp (FSDP2: parameters, gradients and optimizer state sharded over "
                               "all processes) or hsdp (sharded within a node, replicated across nodes)",
                        choices=("ddp", "fsdp", "hsdp"))
-    shard: Optional[str] = _f(None, "your own shard(model, mesh) function (file.py:shard) that calls fully_shard on "
+    shard: str | None = _f(None, "your own shard(model, mesh) function (file.py:shard) that calls fully_shard on "
                                     "the model's blocks; default: the model's blocks, see the sharding page")
     fault_tolerance: str = _f("none", "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
                                       "that keep training when one dies and copy a rejoining group's state from a "
@@ -188,14 +201,15 @@ class LoggingConfig:
     trackers: list = _f(["tensorboard"], "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
                                          "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
                         choices=("tensorboard", "mlflow", "wandb"))
-    mlflow_uri: Optional[str] = _f(None, "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the "
+    mlflow_uri: str | None = _f(None, "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the "
                                          "local store <experiment.output_dir>/mlflow/mlflow.db")
     mlflow_experiment: str = _f("ddplab", "MLflow experiment that holds the runs")
     wandb_project: str = _f("ddplab", "W&B project (WANDB_MODE=offline: files in the run folder's wandb/)")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
     log_every: int = _f(10, "optimizer steps between train-loss logs", positive=True)
-    straggler_threshold: float = _f(0.2, "a rank slower than the median by this share, log after log, is named a straggler",
-                                    positive=True)
+    straggler_threshold: float = _f(
+        0.2, "a rank slower than the median by this share, log after log, is named a straggler", positive=True
+    )
     plots: bool = _f(True, "draw confusion_matrix_<split>.png at the end of a classification run (about a second "
                            "and a half, matplotlib's import included; the .csv is always written)")
 
@@ -205,7 +219,7 @@ class GenerateConfig:
     prompt: str = _f("\n", "prompt for the sample printed after training a language model")
     max_new_tokens: int = _f(300, "tokens to sample (0 disables the sample)", min=0)
     temperature: float = _f(0.8, "sampling temperature; 0 = greedy (the most likely token)", min=0.0)
-    top_k: Optional[int] = _f(40, "sample among the k most likely tokens; 0 or null = all", min=0)
+    top_k: int | None = _f(40, "sample among the k most likely tokens; 0 or null = all", min=0)
 
 
 @dataclass

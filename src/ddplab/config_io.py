@@ -19,10 +19,9 @@ import yaml
 from ddplab.config import INT_MAX, MAX_SECONDS, Config
 from ddplab.errors import UserError
 
-
 # ---------------------------------------------------------------------------- loading
 
-def read_config(source: "str | Path | dict | Config | None" = None, overrides=()) -> Config:
+def read_config(source: str | Path | dict | Config | None = None, overrides=()) -> Config:
     """Types and ranges only (ddplab.registry.load_config also checks names): a YAML path (None:
     the defaults), a dict or a Config, then dotted `key=value` overrides."""
     if source is None or isinstance(source, (str, Path)):
@@ -123,7 +122,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
         if key not in names:
             raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             value = {} if value is None else value
             if not isinstance(value, dict):
                 raise UserError(f"'{dotted}' must be a section (mapping), got {value!r}")
@@ -156,7 +155,10 @@ def apply_override(cfg: Config, item: str) -> None:
         if i == len(parts) - 1:
             hint = typing.get_type_hints(type(node))[part]
             if dataclasses.is_dataclass(hint):
-                raise UserError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.{dataclasses.fields(hint)[0].name}=...")
+                raise UserError(
+                    f"'{dotted}' is a section; set one of its fields, "
+                    f"e.g. {dotted}.{dataclasses.fields(hint)[0].name}=..."
+                )
             setattr(node, part, coerce(raw, hint, dotted))
         else:
             node = getattr(node, part)

@@ -12,8 +12,9 @@ import datetime
 import gc
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,13 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         world = int(env["SLURM_NTASKS"])
         nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+        tasks = re.match(r"\d+", per_node)  # "4(x2)": 4 tasks on each of 2 nodes
+        if tasks is None:
+            raise UserError(f"SLURM_TASKS_PER_NODE={per_node!r} does not start with a number of tasks")
         job = int(env.get("SLURM_JOB_ID", "0"))
         return LaunchInfo("slurm", rank=int(env["SLURM_PROCID"]), world_size=world,
                           local_rank=int(env.get("SLURM_LOCALID", 0)),
-                          local_world_size=int(re.match(r"\d+", per_node).group()),
+                          local_world_size=int(tasks.group()),
                           master_addr=env.get("MASTER_ADDR") or nodes[0],
                           # A job-dependent port lets two jobs share a first node.
                           master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000))
@@ -117,7 +121,9 @@ class DistContext:
         """In place, and returned; a no-op with one process."""
         if self.is_distributed:
             with self.beat.inside(f"all_reduce ({op})"):
-                dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+                dist.all_reduce(
+                    tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+                )
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -183,7 +189,7 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
         if launch.launcher == "slurm":
             process_state.env_default("MASTER_ADDR", launch.master_addr or "localhost")
             process_state.env_default("MASTER_PORT", str(launch.master_port))
-        kwargs = {"device_id": device} if chosen == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if chosen == "nccl" else {}
         store = attempt_store(launch, timeout_s)
         if store is not None:
             kwargs["store"] = store
@@ -212,6 +218,7 @@ def attempt_store(launch: LaunchInfo, timeout_s: float):
     if launch.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    assert launch.master_addr is not None and launch.master_port is not None  # torchrun sets both
     base = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
     return dist.PrefixStore(f"ddplab/attempt-{attempt}", base)

@@ -9,7 +9,7 @@ counts exactly once whatever the world size.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,9 @@ class ClassificationEvaluator:
         c = self.num_classes
         self.confusion += torch.bincount(target * c + logits.argmax(-1), minlength=c * c).view(c, c).double()
         top5 = (logits.topk(min(5, c), dim=-1).indices == target[:, None]).any(-1).sum()
-        self.sums += torch.stack([loss.double(), torch.tensor(len(target), device=loss.device, dtype=torch.float64), top5.double()])
+        self.sums += torch.stack(
+            [loss.double(), torch.tensor(len(target), device=loss.device, dtype=torch.float64), top5.double()]
+        )
 
     def compute(self, ctx) -> dict[str, float]:
         confusion = ctx.all_reduce(self.confusion.clone())
@@ -91,8 +93,10 @@ def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
     (zero_division=0; macro averages over the classes present in targets or predictions)."""
     precision, recall, f1, predicted, actual = _per_class(confusion)
     present = (predicted + actual) > 0
-    return {"accuracy": (confusion.diag().sum() / confusion.sum()).item(),
-            **{name: s[present].mean().item() for name, s in (("precision", precision), ("recall", recall), ("f1", f1))}}
+    return {
+        "accuracy": (confusion.diag().sum() / confusion.sum()).item(),
+        **{name: s[present].mean().item() for name, s in (("precision", precision), ("recall", recall), ("f1", f1))},
+    }
 
 
 class RegressionEvaluator:

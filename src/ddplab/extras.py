@@ -7,7 +7,8 @@ import importlib.util
 
 from ddplab.errors import UserError
 
-EXTRAS = {"text": ("transformers", "datasets", "pandas", "pyarrow", "fsspec"), "vision": ("torchvision", "PIL", "sklearn"),
+EXTRAS = {"text": ("transformers", "datasets", "pandas", "pyarrow", "fsspec"),
+          "vision": ("torchvision", "PIL", "sklearn"),
           "report": ("matplotlib", "scipy"), "track": ("mlflow", "wandb"),
           "ft": ("torchft",)}
 

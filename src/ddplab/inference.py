@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ddplab.config import Config
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine import assets
@@ -26,7 +27,7 @@ from ddplab.tasks import restore
 from ddplab.workload import Assets, Data, build_config, check_trusted
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, object, Path]:
+def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
     """(checkpoint dict, its Config, where it was found) from a run folder or checkpoint file, checked
     against its manifest."""
     found, ckpt = load_checkpoint(path)

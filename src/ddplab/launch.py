@@ -48,8 +48,16 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
-def torchrun_command(nproc: int, args: list[str], *, max_restarts: int = 0, nnodes: int = 1,
-                     node_rank: int | None = None, rdzv_endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    args: list[str],
+    *,
+    max_restarts: int = 0,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+) -> list[str]:
     """The agent's command: torch's launcher, as `torchrun` takes it, running `ddplab ARGS`."""
     cmd = [*AGENT, f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:
@@ -123,7 +131,7 @@ def _report(name: str, text: str) -> bool:
 def listened() -> bool:
     """A ddplab launcher started this worker and prints what it reports (the workers stay quiet)."""
     folder = Handoff.read().report_dir
-    return bool(folder) and Path(folder).is_dir()
+    return folder is not None and Path(folder).is_dir()
 
 
 def report_error(message: str) -> bool:
@@ -167,13 +175,13 @@ class _Job(StopSignals):
         self.report, self.log = report, log
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        self.received: list[int] = []  # every signal, in order
+        self.caught: list[int] = []  # every signal, in order
         self.tail: deque[str] = deque(maxlen=200)  # the agents' last stderr lines (torchrun's failure summary)
         self.requested = False  # a worker received a stop signal (preemption.ASK_ENV)
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
 
     def start(self, cmd: list[str], env: dict) -> None:
-        if self.received:
+        if self.caught:
             return  # stopped while the others were starting
         if cmd[:3] != AGENT:
             cmd = [*AGENT, "--exec", *cmd]  # srun: it too must die with this process
@@ -187,8 +195,8 @@ class _Job(StopSignals):
             self.pumps.append(pump)
 
     def _handle(self, signum, frame) -> None:
-        self.received.append(signum)
-        if len(self.received) == 1:
+        self.caught.append(signum)
+        if len(self.caught) == 1:
             return self._stop_agents()
         for proc in (p for p in self.procs if p.poll() is None):
             proc.kill()
@@ -207,7 +215,7 @@ class _Job(StopSignals):
         """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
         groups go on without a failed one). The first failure's exit code, else 0."""
         while True:
-            if not (self.received or self.requested) and (self.report / "stop").exists():
+            if not (self.caught or self.requested) and (self.report / "stop").exists():
                 self.requested = True
                 self._stop_agents()
             codes = [p.poll() for p in self.procs]
@@ -326,7 +334,7 @@ def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path |
         finally:
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
-        code, line = outcome(report, code, stopped := bool(job.received) or job.requested)
+        code, line = outcome(report, code, stopped := bool(job.caught) or job.requested)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))

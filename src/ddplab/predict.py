@@ -22,8 +22,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -146,14 +146,16 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
             try:
                 inputs = task.unpack(collate(samples))[0]
             except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
-                raise UserError(f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})") from None
+                raise UserError(
+                    f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})"
+                ) from None
             try:
                 output = call_model(model, inputs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
                 raise UserError(f"the inputs do not fit the model ({first_line(exc, 120)})") from None
             where = f"{type(task).__name__}.predict(output)"
             values = _user(task.predict, where, output) if top_k is None else _user(task.predict, where, output, top_k)
-            rows += [{"input": item, **row} for item, row in zip(chunk, values)]
+            rows += [{"input": item, **row} for item, row in zip(chunk, values, strict=False)]
     return rows
 
 

@@ -23,12 +23,12 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-_undo: list[tuple[str, Callable[[], None]]] = []  # (what was changed, how to put it back), oldest first
+_undo: list[tuple[str, Callable[[], object]]] = []  # (what was changed, how to put it back), oldest first
 
 
-def _record(what: str, undo: Callable[[], None]) -> None:
+def _record(what: str, undo: Callable[[], object]) -> None:
     _undo.append((what, undo))
 
 
@@ -67,7 +67,12 @@ def import_path(folder: str) -> None:
     if folder in sys.path:
         return
     sys.path.insert(0, folder)
-    _record(f"sys.path + {folder}", lambda: folder in sys.path and sys.path.remove(folder))
+
+    def undo() -> None:
+        if folder in sys.path:
+            sys.path.remove(folder)
+
+    _record(f"sys.path + {folder}", undo)
 
 
 def logger_level(name: str, level: int) -> None:

@@ -10,17 +10,18 @@ else) and names torch-free checks the launcher runs on the config alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from ddplab.config import Config
 from ddplab.config_io import read_config
+from ddplab.data.checks import image_spec
 from ddplab.errors import UserError
 from ddplab.extras import missing, require
-from ddplab.workload import Workload, is_reference, reference_of, resolve
-from ddplab.data.checks import image_spec
 from ddplab.models.checks import check_image_input
+from ddplab.workload import Workload, is_reference, reference_of, resolve
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,11 @@ TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image"
                       check="ddplab.models.vision:check_input", check_files="ddplab.models.vision:check_files",
                       extra="vision")
 
-_IMAGES = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
+_IMAGES: dict[str, Any] = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
                check_files="ddplab.data.checks:check_image_files", extra="vision")
-_TEXTS = dict(task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text")
+_TEXTS: dict[str, Any] = dict(
+    task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text"
+)
 DATA: dict[str, Builtin] = {
     "text": Builtin(_W + "char_lm:data", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Builtin(_W + "synthetic:data", "any", "any"),
@@ -218,7 +221,12 @@ def load_config(source: str | Path | dict | Config | None = None, overrides=(), 
 def absolute_references(cfg: Config) -> None:
     """file.py:function references become absolute, so every rank, a resume, predict and generate
     import the very file this run used, whatever their working directory."""
-    for section, key in ((cfg.model, "name"), (cfg.data, "name"), (cfg.training, "optimizer"), (cfg.training, "schedule")):
+    for section, key in (
+        (cfg.model, "name"),
+        (cfg.data, "name"),
+        (cfg.training, "optimizer"),
+        (cfg.training, "schedule"),
+    ):
         where, _, name = getattr(section, key).rpartition(":")
         if where.endswith(".py") or "/" in where:
             setattr(section, key, f"{Path(where).expanduser().resolve()}:{name}")

@@ -15,20 +15,20 @@ from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder, resolve_run_dir
 from ddplab.engine.rng import seed_everything
-from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.trainer import Trainer
 from ddplab.errors import ExitCode, UserError, disk_full, write_failed
+from ddplab.inference import sample
 from ddplab.launch import listened, report_failure, report_preempted
 from ddplab.metrics import env as env_info
 from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports
 from ddplab.metrics.phases import Phases
 from ddplab.metrics.summary import parameter_digest, summary
-from ddplab.trackers import Trackers
 from ddplab.registry import workload
+from ddplab.trackers import Trackers
 from ddplab.workload import reference_file, remember_code
-from ddplab.inference import sample
 
 
 def train(cfg: Config, data_fn=None, model_fn=None, callbacks=()) -> dict:
@@ -72,7 +72,9 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             run = RunFolder(run_dir, ctx.is_main)
             flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
             # One process alone: its failure reaches the terminal as the exception ddplab.cli prints.
-            beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, _announce if ctx.is_distributed else _quiet).start()
+            beat = Heartbeat(
+                ctx, run, cfg.distributed.stall_warning, _announce if ctx.is_distributed else _quiet
+            ).start()
             if note:
                 run.log(note)
             run.write_text(RunFolder.CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -80,9 +82,14 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             assets.save(run, data)  # what predict reads in place of the data
             phases.mark("run_folder")
             code = {k: {"reference": ref, "file": str(reference_file(ref) or "")} for k, ref in work.references.items()}
-            trainer = Trainer(cfg, ctx, data, model, run,
-                              callbacks=[*column_callbacks(), ClassReports(), *configured(cfg), *callbacks, RunRecorder(),
-                                         trackers])
+            trainer = Trainer(
+                cfg,
+                ctx,
+                data,
+                model,
+                run,
+                callbacks=[*column_callbacks(), ClassReports(), *configured(cfg), *callbacks, RunRecorder(), trackers],
+            )
             view = trainer.view
             trainer.resume()
             phases.mark("trainer")
@@ -108,12 +115,21 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
             result["phases"] = phases.as_dict()
             run.write_json(RunFolder.METRICS_JSON, result)
             partial = bool(state.history and state.history[-1].get("partial"))
-            epochs = f"{state.epoch} epochs" + (f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
-                                                if partial and view.steps_per_epoch else " + 1 partial" if partial else "")
+            epochs = f"{state.epoch} epochs" + (
+                f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
+                if partial and view.steps_per_epoch
+                else " + 1 partial"
+                if partial
+                else ""
+            )
             run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
                     f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
             # Sharded, every rank takes part in each forward pass; rank 0 writes.
-            if (ctx.is_main or cfg.distributed.strategy != "ddp") and data.meta.get("tokenizer") in ("char", "byte") and cfg.generate.max_new_tokens > 0:
+            if (
+                (ctx.is_main or cfg.distributed.strategy != "ddp")
+                and data.meta.get("tokenizer") in ("char", "byte")
+                and cfg.generate.max_new_tokens > 0
+            ):
                 text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
                               cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)
                 run.write_text(RunFolder.SAMPLE, text)

@@ -55,7 +55,8 @@ def _kind(output) -> str:
     if isinstance(output, dict):
         return f"a dict with keys {sorted(map(str, output))[:5]}"
     if isinstance(output, (tuple, list)):
-        return f"a {type(output).__name__} of {len(output)} starting with {type(output[0]).__name__ if output else 'nothing'}"
+        first = type(output[0]).__name__ if output else "nothing"
+        return f"a {type(output).__name__} of {len(output)} starting with {first}"
     return f"a {type(output).__name__}"
 
 
@@ -167,9 +168,11 @@ class Classification(Task):
         names = self.class_names or [str(i) for i in range(self.num_classes)]
         probs, idx = torch.softmax(self.logits(output).float(), dim=-1).topk(top_k, dim=-1)
         if top_k == 1:
-            return [{"label": names[i[0]], "probability": p[0]} for p, i in zip(probs.tolist(), idx.tolist())]
-        rows = [{} for _ in idx]
-        for row, p, i in zip(rows, probs.tolist(), idx.tolist()):
+            return [
+                {"label": names[i[0]], "probability": p[0]} for p, i in zip(probs.tolist(), idx.tolist(), strict=True)
+            ]
+        rows: list[dict] = [{} for _ in idx]
+        for row, p, i in zip(rows, probs.tolist(), idx.tolist(), strict=True):
             for r in range(top_k):
                 row[f"label_{r + 1}"], row[f"probability_{r + 1}"] = names[i[r]], p[r]
         return rows

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ddplab.registry import load_config
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.launch import log_tail, run, torchrun_command
+from ddplab.registry import load_config
 
 LOG_FILE = "verify.log"
 
@@ -52,7 +52,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpts = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False)
-    return ckpts.load_snapshot(ckpts.latest())["model"]
+    latest = ckpts.latest()
+    if latest is None:
+        raise RunError(f"verify: {run_dir} holds no snapshot")
+    return ckpts.load_snapshot(latest)["model"]
 
 
 def verify(config: str | None, overrides: list[str], nproc: int, tolerance: float, weight_tolerance: float) -> int:
@@ -114,10 +117,12 @@ def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
         lines.append(f"randomness: {found['dropout_modules']} dropout module(s) still drawing (not torch.nn.Dropout "
                      f"subclasses?): set their p to 0 for verify")
     if found.get("batchnorm_modules"):
-        lines.append(f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
-                     f"normalises its own {batch} samples, the single process all {nproc * batch}, so their batch "
-                     f"statistics differ by more than rounding; on CUDA add distributed.sync_batchnorm=true, or verify a "
-                     f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance")
+        lines.append(
+            f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
+            f"normalises its own {batch} samples, the single process all {nproc * batch}, so their batch "
+            f"statistics differ by more than rounding; on CUDA add distributed.sync_batchnorm=true, or verify a "
+            f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance"
+        )
     if found.get("random_transforms"):
         lines.append(f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
                      f"each process draws its own; turn them off for verify")

@@ -20,9 +20,10 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddplab import process_state
 from ddplab.errors import UserError, first_line
@@ -132,8 +133,9 @@ class Workload:
 def build_config(cfg, section: str, ctx=None, assets: Assets | None = None) -> BuildConfig:
     """What a workload function of `section` ("data", "model") is given, in the job `ctx` (or none)."""
     options = Options(getattr(cfg, section).options or {})
-    job = () if ctx is None else (ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
-    return BuildConfig(options, cfg, *job, assets=assets)
+    if ctx is None:
+        return BuildConfig(options, cfg, assets=assets)
+    return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx, assets=assets)
 
 
 # ---------------------------------------------------------------------------- code references
@@ -147,6 +149,8 @@ def _import_file(path: Path) -> Any:
     if key in sys.modules:
         return sys.modules[key]
     spec = importlib.util.spec_from_file_location(key, path)
+    if spec is None or spec.loader is None:  # a name Python has no loader for
+        raise UserError(f"cannot import {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
     # The file's folder is importable too, as when a user runs `python file.py`.

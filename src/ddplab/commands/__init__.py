@@ -38,7 +38,9 @@ def output_file(given: str | Path, force: bool, option: str = "--output") -> Pat
         return path
     if path.exists():
         raise UserError(f"{option} {given}: the file exists; pass --force to replace it")
-    run = next((p for p in (path.parent, *path.parent.resolve().parents) if (p / RunFolder.METRICS_JSON).is_file()), None)
+    run = next(
+        (p for p in (path.parent, *path.parent.resolve().parents) if (p / RunFolder.METRICS_JSON).is_file()), None
+    )
     if run is not None:
         raise UserError(f"{option} {given}: inside the run folder {run}; write elsewhere, or pass --force")
     return path

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 from ddplab.commands import at_least, output_file
-from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.engine.checkpoint import load_checkpoint
 from ddplab.engine.files import write_atomic
+from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.inference import load_model, sample
-from ddplab.predict import expand, line, output_format, predict as predict_rows, write
+from ddplab.predict import expand, line, output_format, write
+from ddplab.predict import predict as predict_rows
 
 
 def generate(ns) -> int:

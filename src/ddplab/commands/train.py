@@ -33,11 +33,12 @@ def train(ns) -> int:
         die_with_parent()  # a worker never outlives its torchrun agent
     # A worker, or a plain process: only now is torch imported (the launcher never needs it).
     from torch.distributed.elastic.multiprocessing.errors import record
+
     from ddplab.run import train
 
     # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
-    summary = record(train)(cfg)
-    if summary["status"] == "preempted":
+    summary = record(train)(cfg)  # None: train() exited with SystemExit(0)
+    if summary is not None and summary["status"] == "preempted":
         return ExitCode.PREEMPTED
     if under_agent():
         quick_exit(ExitCode.OK)  # the run is recorded and its files closed
@@ -49,6 +50,7 @@ def launch(cfg, ns) -> int:
     lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
     if error:
         raise UserError(error)
+    assert lock is not None  # claim() locks the folder unless it reports an error (no launcher folder here)
     try:
         if not checked_without_torch(cfg):
             preflight(cfg, run_dir)
@@ -94,6 +96,7 @@ def preflight(cfg, run_dir: Path) -> None:
     bad code fails in one line before any worker starts (a bug: its traceback in the run folder's logs/)."""
     # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
     import torch
+
     from ddplab.distributed import DistContext, LaunchInfo
     from ddplab.engine import failure
     from ddplab.engine.rng import seed_everything

@@ -6,8 +6,9 @@ launcher, and the workers import torch once each.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ddplab.errors import UserError
 
@@ -32,7 +33,7 @@ class ImageSpec(NamedTuple):
 class FolderImages(NamedTuple):
     channels: int  # 1 when every image is grey, else 3
     sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN
-    count: int
+    seen: int  # images looked at
 
 
 SIZES_SHOWN = 3
@@ -60,7 +61,7 @@ def image_spec(cfg, channels: int | None = None, side: int | None = None,
         source, native = NATIVE[cfg.data.name]
         return ImageSpec(source, channels or source, cfg.data.image_size or side or native)
     found = folder_images(cfg.data.root) if cfg.data.root else None
-    source = found.channels if found and found.count else 3
+    source = found.channels if found and found.seen else 3
     side = cfg.data.image_size or side
     if side is None:
         side, why = _folder_side(found)
@@ -72,14 +73,17 @@ def image_spec(cfg, channels: int | None = None, side: int | None = None,
 def _folder_side(found: FolderImages | None) -> tuple[int, str]:
     """One shared size is kept (a non-square one as its shorter side, centre-cropped); mixed sizes
     get FOLDER_SIDE, since any one image's size would be arbitrary."""
-    if found is None or not found.count:
+    if found is None or not found.seen:
         return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
     if len(found.sizes) == 1:
         (w, h), = found.sizes
         if w == h:
             return w, f"every image is {w}x{h}: kept at {w}x{h}"
         side = min(w, h)
-        return side, f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}"
+        return (
+            side,
+            f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}",
+        )
     shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
     return FOLDER_SIDE, (f"images differ in size ({shown}): resized and centre-cropped to "
                          f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose")
@@ -91,7 +95,8 @@ def folder_images(root: str) -> FolderImages:
     Stops early once the images are known to differ in size and to hold colour: nothing more
     could change the choice. An unreadable file is skipped here and named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
-    grey, sizes, count = True, [], 0
+    grey, count = True, 0
+    sizes: list[tuple[int, int]] = []
     for folder, dirs, files in os.walk(root, followlinks=True):
         dirs.sort()
         for name in sorted(files):
@@ -130,10 +135,10 @@ def check_image_files(cfg) -> None:
             raise UserError(f"data.root: {TORCHVISION[name]} not found under {root} ({where}): put {names} "
                             f"in {missing[0].parent} (uncompressed), or set data.download=true")
     elif name == "image_folder":
-        root = Path(cfg.data.root)
-        if not root.is_dir():
-            raise UserError(f"data.root: no such folder: {root}")
-        for split in folder_layout(root).values():
+        folder = Path(cfg.data.root)
+        if not folder.is_dir():
+            raise UserError(f"data.root: no such folder: {folder}")
+        for split in folder_layout(folder).values():
             if split is not None:
                 classes = sorted(p.name for p in split.iterdir() if p.is_dir() and not p.name.startswith("."))
                 if len(classes) < 2:

@@ -24,11 +24,12 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,9 +48,10 @@ MARGIN = 1.1  # a raw cache must leave a tenth of itself free besides
 
 
 class ImageBatch(NamedTuple):
-    """A batch fetched whole: (N, C, H, W) images and their (N,) int64 labels."""
+    """A batch fetched whole: (N, C, H, W) images (or, under data.decode=gpu, still encoded) and their (N,)
+    int64 labels."""
 
-    images: torch.Tensor
+    images: torch.Tensor | EncodedImages
     labels: torch.Tensor
 
 
@@ -119,7 +121,7 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, kind: str = 
         offset = text_cache.npy_offset(tmp / name, np.uint8, (n, channels, side, side)) if kind == "raw" else 0
         with open(tmp / name, "r+b" if kind == "raw" else "wb") as f:
             f.seek(offset)
-            for paths, blobs in zip(chunks, pool.map(partial(decode_chunk, meta=meta, kind=kind), chunks)):
+            for paths, blobs in zip(chunks, pool.map(partial(decode_chunk, meta=meta, kind=kind), chunks), strict=True):
                 if isinstance(blobs, str):
                     raise UserError(f"data.root: cannot read {blobs} as an image")
                 f.write(b"".join(blobs))
@@ -232,7 +234,9 @@ class CachedImages(Dataset):
     def blob(self, i: int) -> torch.Tensor:
         """Image i's JPEG bytes (a jpeg cache), copied out of the map."""
         images = self.images
-        return torch.from_numpy(np.array(images[self._offsets[i]:self._offsets[i + 1]]))
+        offsets = self._offsets
+        assert offsets is not None  # a jpeg cache: loaded with its images
+        return torch.from_numpy(np.array(images[offsets[i]:offsets[i + 1]]))
 
     def pixels(self, at: np.ndarray) -> torch.Tensor:
         """uint8 (N, C, S, S) of the images at `at`: rows of the map, or JPEGs decoded here."""

@@ -10,7 +10,8 @@ however many ranks there are now.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator, Sized
+from typing import cast
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
@@ -24,12 +25,17 @@ class ResumableDistributedSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start = start
 
+    @property
+    def _dataset_len(self) -> int:
+        # torch types the dataset as a Dataset, which declares no __len__; a sampler's dataset has one.
+        return len(cast(Sized, self.dataset))
+
     def global_order(self) -> list[int]:
         """The epoch's permutation of the whole dataset (identical on every rank)."""
         if not self.shuffle:
-            return list(range(len(self.dataset)))
+            return list(range(self._dataset_len))
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+        return torch.randperm(self._dataset_len, generator=g).tolist()
 
     def _remaining(self) -> list[int]:
         # Pad (or cut) what is left, not the whole epoch, so that a world size that changed
@@ -48,7 +54,7 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self._remaining()[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        rest = max(len(self.dataset) - self.start, 0)
+        rest = max(self._dataset_len - self.start, 0)
         return rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
 
 

@@ -24,6 +24,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -86,12 +87,13 @@ class Shards(IterableDataset):
         if not self.files:
             raise UserError(f"Shards: no {format or 'shard'} files at {paths!r}")
         formats = {format or format_of(path) for _, path in self.files}
-        if len(formats) != 1 or None in formats:
+        named = [f for f in formats if f is not None]
+        if len(formats) != 1 or not named:
             raise UserError(
                 f"Shards: cannot tell one format ({', '.join(sorted(set(FORMATS.values())))}) from the "
                 f"files at {paths!r}: give format="
             )
-        self.format = formats.pop()
+        self.format: str = named[0]
         if window < 1:
             raise UserError(f"Shards: window must be at least 1, not {window}")
         self.seed, self.shuffle, self.window = seed, shuffle, window
@@ -160,7 +162,7 @@ class Shards(IterableDataset):
         return np.random.default_rng([self.seed, epoch, shard, at // self.window]).permutation(n)
 
 
-def _expand(paths, format: str | None, storage_options: dict) -> list[tuple]:
+def _expand(paths, format: str | None, storage_options: dict) -> list[tuple[Any, str]]:
     """(filesystem, path) of every shard, sorted within each of `paths`."""
     import fsspec  # optional, as pyarrow below: the `text` extra
 
@@ -277,7 +279,8 @@ def _lines(f) -> Iterator[bytes]:
 def _tar_samples(f) -> Iterator[list]:
     """WebDataset samples: runs of files whose names agree up to the first dot of their base name,
     each a list of (name, bytes)."""
-    sample, key = [], None
+    sample: list[tuple[str, bytes]] = []
+    key: str | None = None
     with tarfile.open(fileobj=f, mode="r|*") as tar:
         for member in tar:
             if not member.isfile():
@@ -287,7 +290,9 @@ def _tar_samples(f) -> Iterator[list]:
                 yield sample
                 sample = []
             key = name
-            sample.append((member.name, tar.extractfile(member).read()))
+            content = tar.extractfile(member)
+            assert content is not None  # a regular file, checked above
+            sample.append((member.name, content.read()))
     if sample:
         yield sample
 

@@ -38,7 +38,11 @@ def tokenizer_description(cfg) -> dict:
     """What the cache key needs, without loading a pretrained tokenizer."""
     if tokenizer_kind(cfg) == "hf":
         p = Path(cfg.model.pretrained)
-        stamp = [(f.name, f.stat().st_size) for f in sorted(p.glob("*token*")) + sorted(p.glob("vocab*"))] if p.is_dir() else None
+        stamp = (
+            [(f.name, f.stat().st_size) for f in sorted(p.glob("*token*")) + sorted(p.glob("vocab*"))]
+            if p.is_dir()
+            else None
+        )
         return {"tokenizer": "hf", "pretrained": str(p.resolve()) if p.is_dir() else cfg.model.pretrained,
                 "files": stamp, "max_len": cfg.data.max_len}
     return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len).describe()
@@ -85,7 +89,9 @@ def splits(cfg, cache: text_cache.TokenCache):
         val = None
     test = TokenizedTexts(cache, "test", np.arange(cache.size("test"))) if cache.size("test") else None
     if len(rows) == 0:
-        raise UserError(f"data.name={d.name}: no training samples left after carving data.val_fraction={d.val_fraction}")
+        raise UserError(
+            f"data.name={d.name}: no training samples left after carving data.val_fraction={d.val_fraction}"
+        )
     if d.limit is not None:
         for split in (val, test):
             if split is not None:

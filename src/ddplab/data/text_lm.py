@@ -56,11 +56,11 @@ class CharTokenizer:
         self.index = {c: i for i, c in enumerate(chars)}
 
     @classmethod
-    def fit(cls, kind: str, text: str) -> "CharTokenizer":
+    def fit(cls, kind: str, text: str) -> CharTokenizer:
         return cls(kind, "".join(sorted(set(text))) if kind == "char" else "")
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "CharTokenizer":
+    def from_meta(cls, meta: dict) -> CharTokenizer:
         return cls(meta["tokenizer"], meta.get("chars", ""))
 
     def meta(self) -> dict:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -51,9 +51,11 @@ def hub_source(cfg) -> TextSource:
     except Exception as exc:  # noqa: BLE001 - every way of not finding the data gets the same advice
         reason = first_line(exc, 120) or type(exc).__name__
         how = ("the hub is unreachable" if cfg.data.download else "data.download=false and it is not in the HF cache")
-        raise UserError(f"data.name={cfg.data.name}: cannot load '{name}' with datasets.load_dataset ({how}: {reason}); "
-                        f"run once with data.download=true on a connected machine (data.cache_dir=<folder> to keep it), "
-                        f"or use data.name=text_files data.train=<csv/json/parquet>") from None
+        raise UserError(
+            f"data.name={cfg.data.name}: cannot load '{name}' with datasets.load_dataset ({how}: {reason}); "
+            f"run once with data.download=true on a connected machine (data.cache_dir=<folder> to keep it), "
+            f"or use data.name=text_files data.train=<csv/json/parquet>"
+        ) from None
     names = list(ds["train"].features["label"].names)
     splits = {ours: _hub_split(ds[theirs], fields) for theirs, ours in HUB_SPLITS.items() if theirs in ds}
     return TextSource(splits=splits, label_names=names)
@@ -64,7 +66,7 @@ def _hub_split(split, fields: tuple[str, ...]) -> TextSplit:
         for start in range(0, len(split), size):
             batch = split[start:start + size]  # Arrow-backed: only this chunk is materialised
             columns = [batch[f] for f in fields]
-            texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns)]
+            texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns, strict=True)]
             yield texts, np.asarray(batch["label"], dtype=np.int64)
 
     return TextSplit(len(split), chunks)
@@ -135,7 +137,9 @@ def check_files(cfg) -> None:
             continue
         for field, column in (("text_column", d.text_column), ("label_column", d.label_column)):
             if column not in columns:
-                raise UserError(f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}")
+                raise UserError(
+                    f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}"
+                )
     if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
         label_mapping([read_table(p, [d.label_column])[d.label_column] for p in files.values()], d.num_classes,
                       d.label_column)
@@ -146,12 +150,16 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
     import pandas as pd  # the text extra, only when a table is read
     labels = pd.concat(parts)
     if labels.isna().any():
-        raise UserError(f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})")
+        raise UserError(
+            f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})"
+        )
     if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
         low, high = int(labels.min()), int(labels.max())
         k = num_classes or high + 1
         if k < 2:
-            raise UserError(f"data.label_column '{column}' holds only label {high}; a classifier needs at least 2 classes")
+            raise UserError(
+                f"data.label_column '{column}' holds only label {high}; a classifier needs at least 2 classes"
+            )
         if low < 0 or high >= k:
             bad = low if low < 0 else high
             raise UserError(f"data.label_column '{column}': label {bad} does not fit data.num_classes={k} "
@@ -163,7 +171,9 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
         raise UserError(f"data.label_column '{column}' holds {len(names)} distinct labels ({shown}) "
                         f"but data.num_classes={num_classes}")
     if len(names) < 2 and num_classes is None:
-        raise UserError(f"data.label_column '{column}' holds a single label ({names[0]}); a classifier needs at least 2")
+        raise UserError(
+            f"data.label_column '{column}' holds a single label ({names[0]}); a classifier needs at least 2"
+        )
     return names, {name: i for i, name in enumerate(names)}
 
 

@@ -9,7 +9,7 @@ Generation is chunked and seeded per chunk: any size streams with flat memory, t
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -86,7 +86,7 @@ def _block(seed: int, b: int, num_classes: int, size: int = 1000) -> tuple[list[
     words = np.where(punct < 0.07, len(vocab) - 2, np.where(punct < 0.10, len(vocab) - 1, words))
     tokens = vocab[words]
     texts = [" ".join(tokens[end - n:end]).replace(" .", ".").replace(" ,", ",").capitalize() + "."
-             for end, n in zip(ends, lengths)]
+             for end, n in zip(ends, lengths, strict=True)]
     return texts, labels
 
 

@@ -90,10 +90,15 @@ class HFTokenizer:
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)
         except (OSError, ValueError) as exc:
-            raise UserError(f"model.pretrained: cannot load a tokenizer from '{pretrained}' "
-                            f"({first_line(exc, 160) or type(exc).__name__}); give a local model folder, or a hub name on a connected machine") from None
+            raise UserError(
+                f"model.pretrained: cannot load a tokenizer from '{pretrained}' "
+                f"({first_line(exc, 160) or type(exc).__name__}); "
+                "give a local model folder, or a hub name on a connected machine"
+            ) from None
         self.pretrained = pretrained
-        limit = self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len
+        limit = (
+            self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len
+        )
         self.max_len = min(max_len, limit)
         self.vocab_size = len(self.tok)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0

@@ -162,19 +162,20 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int) 
     return order[n_test + n_val:], order[n_test:n_test + n_val], order[:n_test]
 
 
-def stack_images(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_images(batch) -> tuple[torch.Tensor | image_cache.EncodedImages, torch.Tensor]:
     """(image, label) pairs -> (images, labels): what default_collate returns, without its
     per-batch type dispatch; a batch fetched whole (`ImageBatch`) passes straight through."""
     if isinstance(batch, ImageBatch):
         return batch.images, batch.labels
-    images, labels = zip(*batch)
+    images, labels = zip(*batch, strict=True)
     return torch.stack(images), torch.tensor(labels)
 
 
 def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
     """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
-    return ImageSplits(train_view, *(s if s is not None and len(s) else None for s in (val, test)), meta)
+    val, test = (s if s is not None and len(s) else None for s in (val, test))
+    return ImageSplits(train_view, val, test, meta)
 
 
 def _augmented(dataset, augment):
@@ -223,12 +224,12 @@ def torchvision_set(cfg, dist, spec: ImageSpec) -> ImageSplits:
     root = default_root(cfg)
     if cfg.data.download:
         if dist is None or dist.is_main:  # one process downloads while the others wait
-            for train in (True, False):
-                cls(root, train=train, download=True)
+            for is_train in (True, False):
+                cls(root, train=is_train, download=True)
         if dist is not None:
             dist.barrier()
     try:
-        sets = [cls(root, train=train) for train in (True, False)]
+        sets = [cls(root, train=is_train) for is_train in (True, False)]
     except RuntimeError:
         raise UserError(f"data.root: {TORCHVISION[cfg.data.name]} not found under {root} "
                         f"(expected {expected_files(cfg.data.name, root)[0]}); set data.download=true") from None
@@ -256,8 +257,10 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
         except FileNotFoundError as exc:  # a class folder without images
             raise UserError(f"data.root: {str(exc).splitlines()[0]}") from None
 
-    full = read(layout["train"])
-    fixed = {s: read(layout[s]) for s in ("val", "test") if layout[s] is not None}
+    train_root = layout["train"]
+    assert train_root is not None  # folder_layout always finds a training tree
+    full = read(train_root)
+    fixed = {s: read(folder) for s in ("val", "test") if (folder := layout[s]) is not None}
     for split, ds in fixed.items():
         if ds.classes != full.classes:
             raise UserError(f"data.root: {layout[split]} has classes {ds.classes[:5]}..., "

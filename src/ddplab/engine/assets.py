@@ -63,6 +63,7 @@ def example(item, task) -> dict:
     inputs, target = (None, item.get(field)) if isinstance(item, Mapping) else item
     if isinstance(target, np.ndarray):
         target = torch.as_tensor(target)
+    form: dict | int | float
     if isinstance(target, torch.Tensor):
         form = {"dtype": str(target.dtype).removeprefix("torch."), "shape": list(target.shape)}
     else:

@@ -19,7 +19,6 @@ import operator
 from ddplab.callbacks import Callback
 from ddplab.errors import UserError
 
-
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 

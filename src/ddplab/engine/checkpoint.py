@@ -38,9 +38,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ BEST = "best"
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
 
 
-def part(state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None] = lambda state: None):
+def part(state_dict: Callable[[], Any], load_state_dict: Callable[[Any], object] = lambda state: None):
     """A stateful part made of two functions (without the second: a value saved, never loaded back)."""
     return SimpleNamespace(state_dict=state_dict, load_state_dict=load_state_dict)
 
@@ -158,7 +159,12 @@ class Checkpointer:
         self.is_main = is_main
         self.keep_last = keep_last
         self.checksums = checksums
-        self._pending = self._saving = self._finisher = self._error = self._group = None  # a background save
+        # A background save: DCP's future, the finisher thread, the error it met, DCP's own process group.
+        self._pending: Future | None = None
+        self._saving: Future | None = None
+        self._finisher: threading.Thread | None = None
+        self._error: RunError | None = None
+        self._group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ listing
     def snapshots(self) -> list[Path]:
@@ -169,7 +175,8 @@ class Checkpointer:
         return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
     def latest(self) -> Path | None:
-        return (self.snapshots() or [None])[-1]
+        snapshots = self.snapshots()
+        return snapshots[-1] if snapshots else None
 
     def clean_incomplete(self) -> list[str]:
         """Remove what a kill during a save left behind; returns the names removed."""
@@ -221,11 +228,15 @@ class Checkpointer:
 
         if background:
             if ctx.is_distributed and self._group is None:
-                # DCP's own collectives run in a background thread: a group of their own keeps them apart from training's.
-                self._group = dist.new_group(backend="gloo")
+                # DCP's own collectives run in a background thread: a group of their own keeps them apart from
+                # training's.
+                group = dist.new_group(backend="gloo")
+                assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+                self._group = group
             saved = dcp.async_save(shards, checkpoint_id=str(folder), process_group=self._group,
                                    no_dist=not ctx.is_distributed)
-            self._pending = getattr(saved, "upload_completion", saved)
+            # A newer torch returns an AsyncSaveResponse, whose upload future is the one to wait for.
+            self._pending = cast(Future, getattr(saved, "upload_completion", saved))
         else:
             with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
                 warnings.simplefilter("ignore", UserWarning)
@@ -276,7 +287,7 @@ class Checkpointer:
         its checksums and marker. The finisher is a daemon thread, so the process would end it half-way;
         a save still waiting on a rank that died is given `grace_s`, then left incomplete."""
         finisher, saved = self._finisher, self._saving
-        if finisher is None or not finisher.is_alive():
+        if finisher is None or saved is None or not finisher.is_alive():
             return
         deadline = time.monotonic() + grace_s
         while not saved.done() and time.monotonic() < deadline:
@@ -293,7 +304,9 @@ class Checkpointer:
         kept = f"the previous complete snapshot {'(' + str(previous) + ') ' if previous else ''}is kept"
         if no_space(exc, self.root):  # "no space left on device writing <file> (<free> free)"
             return RunError(f"{write_failed(getattr(exc, 'filename', None) or self.root / name, exc)}; {kept}")
-        return RunError(f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); {kept}")
+        return RunError(
+            f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); {kept}"
+        )
 
     # ------------------------------------------------------------------ reading
     def newest(self, log=print) -> tuple[Path, dict, dict] | None:
@@ -322,7 +335,11 @@ class Checkpointer:
         if chosen is None:
             return None
         folder, manifest = Path(chosen[0]), chosen[1]
-        plain = found[2] if self.is_main else _read_state(folder / STATE)
+        if self.is_main:
+            assert found is not None  # rank 0 chose it
+            plain = found[2]
+        else:
+            plain = _read_state(folder / STATE)
         return folder, manifest, parts.load(plain, folder, ctx, manifest["world_size"])
 
     def load_snapshot(self, path: Path, weights: bool = True) -> dict:
@@ -434,7 +451,9 @@ def _tensors(folder: Path, prefix: str = "model.") -> dict:
         found = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a missing or foreign folder: say which
         raise UserError(f"cannot read sharded checkpoint {folder}: {first_line(exc, 160)}") from None
-    return {k[len(prefix):]: m for k, m in found.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    return {
+        k[len(prefix) :]: m for k, m in found.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
 
 
 def shapes(folder: Path) -> dict:
@@ -477,7 +496,9 @@ def _why(message: str) -> str:
     """torch.load's long explanations, as a few words."""
     unsafe = re.search(r"GLOBAL ([\w.]+)", message)
     if unsafe:
-        return f"it holds Python objects ({unsafe.group(1)}) that could run code when loaded; refused (weights_only=True)"
+        return (
+            f"it holds Python objects ({unsafe.group(1)}) that could run code when loaded; refused (weights_only=True)"
+        )
     if "central directory" in message or "zip archive" in message or "eof" in message.lower():
         return "the file is truncated or not a torch checkpoint"
     return "not a torch checkpoint"

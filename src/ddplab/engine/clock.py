@@ -4,8 +4,9 @@ device (Stamps) and the time a rank spent in collectives (InFlight)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -70,6 +71,18 @@ class InFlight:
     """Seconds during which a collective was in flight on this rank, read per epoch: what the epoch row, the
     straggler check and the step timer read of engine/comm.py's CommMonitor (DDP) and engine/fsdp_comm.py's
     ShardedCommMonitor (FSDP) alike; each settles its own intervals (_settle) into _comm_s."""
+
+    # Set by each subclass's __init__.
+    _lock: threading.Lock
+    _comm_s: float
+    delay_s: float
+    buckets: int
+    done_count: int  # collectives completed
+    last_done: Any  # the Stamps moment the latest of them completed at
+
+    def _settle(self) -> None:
+        """Add the intervals that have finished to _comm_s."""
+        raise NotImplementedError
 
     @property
     def comm_s(self) -> float:

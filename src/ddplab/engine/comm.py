@@ -74,7 +74,7 @@ class CommMonitor(InFlight):
             while len(self._steps) > 1 and all(e is not None and self.clock.ready(b, e) for b, e in self._steps[0]):
                 bucket_times = self._steps.pop(0)
                 offsets = self.clock.seconds(bucket_times[0][0], *(t for pair in bucket_times for t in pair))
-                self._comm_s += covered_s(zip(offsets[::2], offsets[1::2]))
+                self._comm_s += covered_s(zip(offsets[::2], offsets[1::2], strict=True))
 
     def _begin(self, bucket: dist.GradBucket) -> list:
         interval = [self.clock.now(), None]
@@ -142,9 +142,10 @@ def _bucket_info(index: int, params, numel: int, nbytes: int, dtype: torch.dtype
 def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
     """Register the timed (and optionally delayed) hook on a DDP model; returns its state,
     which the trainer keeps alive and asks for per-epoch communication time."""
-    state = dist.group.WORLD
+    group = dist.group.WORLD
+    state: dist.ProcessGroup | powerSGD_hook.PowerSGDState | None = group
     if dcfg.comm_hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=state, matrix_approximation_rank=POWERSGD_RANK,
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
                                             start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
     monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state, ctx.device)
     monitor.beat = getattr(ctx, "beat", None)
@@ -163,7 +164,7 @@ class StepTimer:
     engine/clock.py's Stamps: the host's clock on CPU, CUDA events on CUDA (the host only queues the
     kernels), read once completed."""
 
-    def __init__(self, model: torch.nn.Module, monitor: CommMonitor | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, monitor: InFlight | None = None) -> None:
         self.monitor = monitor
         self.clock = Stamps(next(model.parameters(), torch.empty(0)).device)
         self._step: list = []  # the open micro-step's stamps: forward start, end, backward start, end
@@ -218,8 +219,9 @@ class StepTimer:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduced)
 
     def _reduced(self) -> None:
-        if len(self._step) == 4 and self.monitor.done_count > self._done_before:
-            self._step.append(self.monitor.last_done)  # this step's gradient reduction ended there
+        monitor = self.monitor
+        if monitor is not None and len(self._step) == 4 and monitor.done_count > self._done_before:
+            self._step.append(monitor.last_done)  # this step's gradient reduction ended there
 
     def take_epoch(self) -> dict:
         self._close()
@@ -235,7 +237,7 @@ class StepTimer:
             handle.remove()
 
 
-def attach_step_timer(model: torch.nn.Module, monitor: CommMonitor | None, cfg) -> StepTimer | None:
+def attach_step_timer(model: torch.nn.Module, monitor: InFlight | None, cfg) -> StepTimer | None:
     """A StepTimer on the unwrapped model; none under torch.compile, whose graphs hooks would break."""
     return None if cfg.training.compile else StepTimer(model, monitor)
 
@@ -251,7 +253,7 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
         return {"comm_time_s": 0.0, "compute_time_s": epoch_time, **timed}
     mine = {**monitor.take_epoch(), **timed}
     totals = torch.tensor(list(mine.values()), dtype=torch.float64, device=ctx.device)
-    mean = dict(zip(mine, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist()))
+    mean = dict(zip(mine, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist(), strict=True))
     row = {"comm_time_s": mean["comm_time_s"], "compute_time_s": max(epoch_time - mean["comm_time_s"], 0.0),
            "simulated_delay_s": mean["simulated_delay_s"], "comm_calls": round(mean["comm_buckets"])}
     return row | {k: round(mean[k]) if k == "timed_micro_steps" else mean[k] for k in timed}
@@ -261,7 +263,7 @@ def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]
     """The buckets DDP would make for this model on one process (no reducer there): parameters
     in reverse registration order, which is close to the order gradients become ready, the
     first bucket capped at DDP's first-bucket size and the rest at bucket_cap_mb."""
-    params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in reversed(list(model.parameters())) if p.requires_grad]
     if not params:
         return []
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
@@ -274,11 +276,16 @@ def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]
 def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:
     """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP
     handed them to the hook), else the buckets DDP would make."""
-    reducer = monitor is not None and bool(monitor.layout)
-    layout = monitor.layout if reducer else _computed_layout(model, dcfg.bucket_cap_mb)
-    return {"bucket_source": "reducer" if reducer else "computed",
-            "grad_dtype": layout[0]["dtype"] if layout else None,
-            "grad_bytes": sum(b["bytes"] for b in layout), "buckets": layout,
-            "timed": getattr(monitor, "collectives", None), "comm_hook": dcfg.comm_hook,
-            "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
-            "simulated_latency_ms": dcfg.simulated_latency_ms, "simulated_bandwidth_mbps": dcfg.simulated_bandwidth_mbps}
+    reducer = monitor.layout if monitor is not None else []  # empty until a step has recorded them
+    layout = reducer or _computed_layout(model, dcfg.bucket_cap_mb)
+    return {
+        "bucket_source": "reducer" if reducer else "computed",
+        "grad_dtype": layout[0]["dtype"] if layout else None,
+        "grad_bytes": sum(b["bytes"] for b in layout),
+        "buckets": layout,
+        "timed": getattr(monitor, "collectives", None),
+        "comm_hook": dcfg.comm_hook,
+        "powersgd_rank": POWERSGD_RANK if dcfg.comm_hook == "powersgd" else None,
+        "simulated_latency_ms": dcfg.simulated_latency_ms,
+        "simulated_bandwidth_mbps": dcfg.simulated_bandwidth_mbps,
+    }

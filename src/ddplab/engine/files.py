@@ -17,8 +17,8 @@ import os
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ddplab.errors import RunError
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.flight_recorder.components.loader import read_dump
@@ -41,18 +42,24 @@ def unfinished(since: float) -> dict[int, dict]:
     """rank -> the first collective it entered and never completed, from the dumps written after `since`."""
     prefix = next((Path(os.environ[n]) for n in _FILE if os.environ.get(n)), None)
     found: dict[int, dict] = {}
-    for path in prefix.parent.glob(prefix.name + "*") if prefix else ():
+    if prefix is None:
+        return found
+    for path in prefix.parent.glob(prefix.name + "*"):
         try:
             if path.stat().st_mtime < since:
                 continue  # an earlier attempt's
-            dump = read_dump(prefix.name, str(path))
+            dump: dict[str, Any] = read_dump(prefix.name, str(path))  # its format says which value is which type
         except Exception:  # a dump cut short, or not one: the report goes on without it
             continue
         # gloo never marks an entry completed, only retired; a timed-out NCCL entry is neither.
         for e in sorted(dump["entries"], key=lambda e: e["record_id"]):
             if not e.get("retired") and e.get("state") != "completed":
-                found[dump["rank"]] = {"collective": e["profiling_name"], "group": e["process_group"][1] or
-                                       e["process_group"][0], "seq": e["p2p_seq_id" if e["is_p2p"] else "collective_seq_id"],
-                                       "sizes": e["input_sizes"], "state": e["state"]}
+                found[dump["rank"]] = {
+                    "collective": e["profiling_name"],
+                    "group": e["process_group"][1] or e["process_group"][0],
+                    "seq": e["p2p_seq_id" if e["is_p2p"] else "collective_seq_id"],
+                    "sizes": e["input_sizes"],
+                    "state": e["state"],
+                }
                 break
     return found

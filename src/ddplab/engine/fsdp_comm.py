@@ -16,10 +16,14 @@ Stamps), so an interval is the collective's own time on the device.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ddplab.engine.clock import InFlight, Stamps, covered_s
+
+if TYPE_CHECKING:  # FSDP's comm interfaces, from a private module: named for the checker only
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 
 class ShardedCommMonitor(InFlight):
@@ -47,9 +51,11 @@ class ShardedCommMonitor(InFlight):
             if not n:
                 return
             done, self._open = self._open[:n], self._open[n:]
-            offsets = self.clock.seconds(done[0][0] if self._reach is None else self._reach, *(t for pair in done for t in pair))
+            offsets = self.clock.seconds(
+                done[0][0] if self._reach is None else self._reach, *(t for pair in done for t in pair)
+            )
             floor = 0.0 if self._reach is not None else float("-inf")
-            pairs = [(max(b, floor), max(e, floor)) for b, e in zip(offsets[::2], offsets[1::2])]
+            pairs = [(max(b, floor), max(e, floor)) for b, e in zip(offsets[::2], offsets[1::2], strict=True)]
             self._comm_s += covered_s(pairs)
             last = max(range(n), key=lambda i: pairs[i][1])
             if pairs[last][1] > floor:
@@ -110,10 +116,15 @@ def install(model: torch.nn.Module, device: torch.device, beat=None) -> ShardedC
         if not groups:  # no parameters of its own, so no collectives
             continue
         group = groups[0]  # its own collectives, which a shard function may have set: wrapped, not replaced
-        module.set_custom_all_gather(_Timed(group._all_gather_comm, monitor, "all_gather"))
+        # A _Timed has the interface of the comm it wraps (allocate, __call__) without subclassing it.
+        module.set_custom_all_gather(cast("AllGather", _Timed(group._all_gather_comm, monitor, "all_gather")))
         reduce = _Timed(group._reduce_scatter_comm, monitor, "reduce_scatter")
-        module.set_custom_reduce_scatter(reduce)
+        module.set_custom_reduce_scatter(cast("ReduceScatter", reduce))
         if group._is_hsdp and group._all_reduce_hook is None:
-            module.set_all_reduce_hook(lambda _, r=reduce: monitor.end(monitor.begin("all_reduce", r.last_end)))
+
+            def all_reduce_hook(_: torch.Tensor, r: _Timed = reduce) -> None:
+                monitor.end(monitor.begin("all_reduce", r.last_end))
+
+            module.set_all_reduce_hook(all_reduce_hook)
             monitor.collectives = "all_gather, reduce_scatter, all_reduce across nodes"
     return monitor

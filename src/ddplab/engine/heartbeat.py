@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ def _after_fork() -> None:
 
 _OURS = str(Path(__file__).resolve().parents[1])
 _LIBRARIES = tuple({str(Path(p).resolve()) for p in (*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
-                    "purelib", "platlib")), Path(torch.__file__).parent)})
+                    "purelib", "platlib")), str(Path(torch.__file__).parent))})
 
 
 def _library(filename: str) -> bool:
@@ -169,18 +170,19 @@ class Heartbeat:
         self._main = threading.get_ident()  # the thread that trains
         self._trouble: BaseException | None = None  # the first beat that raised (reported once)
         self._signals = False  # whether the main thread can be told to end (it installed the handler)
-        self._deadline: object | None = None  # the file faulthandler's last-resort dump goes to
-        self._ticks, self._since, self._warned, self._count = -1, time.monotonic(), {}, 0
+        self._deadline: TextIO | None = None  # the file faulthandler's last-resort dump goes to
+        self._ticks, self._since, self._count = -1, time.monotonic(), 0
+        self._warned: dict[int, int] = {}  # rank -> its beat count when a stall was last warned of
         self._started = time.time()  # flight recorder dumps older than this are an earlier attempt's
         self._ending = threading.Lock()
         self._ended = self._stopping = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
-            _fork_guard["registered"] = os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
-                                                            after_in_child=_after_fork) or True
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+            _fork_guard["registered"] = True
         if self.store is not None:  # undone when the run's process_state.changes() ends
             self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
         self._thread.start()
@@ -256,9 +258,9 @@ class Heartbeat:
 
     def _read_all(self) -> dict[int, dict]:
         """Every rank's last beat in the store, each marked frozen or not."""
+        store = self._store()
         now, keys = time.time(), {rank: f"ddplab/beat/{rank}" for rank in range(self.ctx.world_size)}
-        return {rank: frozen(json.loads(self.store.get(key)), now) for rank, key in keys.items()
-                if self.store.check([key])}
+        return {rank: frozen(json.loads(store.get(key)), now) for rank, key in keys.items() if store.check([key])}
 
     def _warn(self, seen: dict[int, dict]) -> None:
         for rank, b in seen.items():
@@ -325,18 +327,26 @@ class Heartbeat:
             pass
         return None
 
+    def _store(self) -> dist.Store:
+        """The store, for what reads it: an error once it is gone (each caller's handler takes that)."""
+        if self.store is None:
+            raise RuntimeError("the heartbeat's store is gone")
+        return self.store
+
     def _failures(self) -> dict[int, dict]:
+        store = self._store()
         keys = [f"{_FAILED}/{r}" for r in range(self.ctx.world_size)]
-        return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
+        return {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
 
     def _wait_reported(self, patience: float = 10) -> None:
         """Until rank 0 has written the report (`patience` seconds at most). When rank 0's process is gone,
         the first other rank to see it writes the report instead: the torchrun agent's store outlives rank 0."""
         deadline = time.monotonic() + patience
         try:
-            while not self.store.check([_REPORTED]) and time.monotonic() < deadline:
+            store = self._store()
+            while not store.check([_REPORTED]) and time.monotonic() < deadline:
                 if self._main_gone():
-                    if self.store.add(_REPORTER, 1) == 1:
+                    if store.add(_REPORTER, 1) == 1:
                         self._report_for_rank_0()
                     return
                 time.sleep(0.2)
@@ -345,10 +355,10 @@ class Heartbeat:
 
     def _main_gone(self) -> bool:
         """Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes)."""
-        key = "ddplab/beat/0"
-        if not self.store.check([key]):
+        store, key = self._store(), "ddplab/beat/0"
+        if not store.check([key]):
             return False
-        beat = json.loads(self.store.get(key))
+        beat = json.loads(store.get(key))
         return _gone(beat) if beat["host"] == socket.gethostname() else time.time() - beat["at"] > 15
 
     def _report_for_rank_0(self) -> None:
@@ -401,8 +411,17 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
     # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
     gone = [b for r, b in beats.items() if r not in errors and _gone(b)] or [
-        {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}  # ended before its first beat
-        for r in range(world_size) if r not in beats and r not in errors]
+        {
+            "rank": r,
+            "host": None,
+            "phase": "start",
+            "step": 0,
+            "where": None,
+            "waiting": False,
+        }  # ended before its first beat
+        for r in range(world_size)
+        if r not in beats and r not in errors
+    ]
     # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
     # when a peer that has not yet told its own error looks still.
     known = sorted(r for r, e in errors.items() if e.get("known"))
@@ -438,6 +457,14 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
                      f"(sizes {c['sizes']}, {c['state']}; flight recorder)")
     logs = Path(run_dir).resolve() / "logs"
     lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
-    return {"summary": lines[0], "culprit": culprit, "waiting": waits, "errors": {r: e.get("error") for r, e in errors.items()},
-            "ranks_heard": sorted(beats), "world_size": world_size, "logs": str(logs), "report": "\n".join(lines),
-            "unfinished_collectives": stuck or {}}
+    return {
+        "summary": lines[0],
+        "culprit": culprit,
+        "waiting": waits,
+        "errors": {r: e.get("error") for r, e in errors.items()},
+        "ranks_heard": sorted(beats),
+        "world_size": world_size,
+        "logs": str(logs),
+        "report": "\n".join(lines),
+        "unfinished_collectives": stuck or {},
+    }

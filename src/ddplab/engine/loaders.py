@@ -35,9 +35,16 @@ class Loaders:
 
     def _make(self, dataset, sampler=None, workers: int | None = None, persistent: bool = True, **extra) -> DataLoader:
         workers = self.workers if workers is None else workers
-        return DataLoader(dataset, batch_size=self.cfg.training.batch_size, sampler=sampler,
-                          collate_fn=self.collate_fn, num_workers=workers, persistent_workers=persistent and workers > 0,
-                          pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda", **extra)
+        return DataLoader(
+            dataset,
+            batch_size=self.cfg.training.batch_size,
+            sampler=sampler,
+            collate_fn=self.collate_fn,
+            num_workers=workers,
+            persistent_workers=persistent and workers > 0,
+            pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
+            **extra,
+        )
 
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
@@ -84,6 +91,8 @@ class TrainFeed:
         self.seed = cfg.experiment.seed
         self.stream = is_stream(dataset)
         self.size = size(dataset)  # None: a stream that does not know its length
+        self.sampler: ResumableDistributedSampler | None = None  # map-style data
+        self.source: Stream | None = None  # a stream
         if self.stream:
             self.sampler = None
             self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit)
@@ -91,8 +100,7 @@ class TrainFeed:
                 log(f"the training stream keeps its own position (state_dict()): it is read in the training process, "
                     f"not by {loaders.workers} loader workers")
         else:
-            self.sampler = self.source = ResumableDistributedSampler(dataset, world, rank, shuffle=True,
-                                                                     seed=self.seed)
+            self.sampler = ResumableDistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed)
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
 
@@ -111,34 +119,38 @@ class TrainFeed:
         return iter(self.loader)
 
     def _stream_start(self, epoch: int, consumed: int) -> None:
+        source, loader = self.source, self.loader
+        assert source is not None and loader is not None  # a stream's, made by epoch()
         restored, self._restored = self._restored, {}
         if not consumed:
-            self.source.set_epoch(epoch)
+            source.set_epoch(epoch)
             return
-        if self.source.seeks:
+        if source.seeks:
             self.log(f"the training stream seeks to sample {consumed} of epoch {epoch + 1} itself (its order depends "
                      f"on the seed and epoch alone: nothing is read twice, at any world size)")
-            self.source.set_epoch(epoch, consumed)
+            source.set_epoch(epoch, consumed)
             return
         was = restored.get("world_size", self.ctx.world_size)
         states = restored.get("states")
-        if states and restored.get("epoch") == epoch and (not self.source.own or was == self.ctx.world_size):
+        if states and restored.get("epoch") == epoch and (not source.own or was == self.ctx.world_size):
             # The last rank has read exactly the first `consumed` items; a self-sharding stream, its own.
-            self.dataset.load_state_dict(states[self.ctx.rank] if self.source.own else states[-1])
-            self.log(f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}")
-            self.source.set_epoch(epoch, consumed, skip=False)
+            self.dataset.load_state_dict(states[self.ctx.rank] if source.own else states[-1])
+            self.log(
+                f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}"
+            )
+            source.set_epoch(epoch, consumed, skip=False)
             return
-        if not self.source.own:
+        if not source.own:
             self.log(f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
                      f"epoch {epoch + 1} (read and dropped)")
-            self.source.set_epoch(epoch, consumed)
+            source.set_epoch(epoch, consumed)
             return
         # A stream that shards itself: each rank's share alone is known to it.
-        exact = was == self.ctx.world_size and not self.loader.num_workers
+        exact = was == self.ctx.world_size and not loader.num_workers
         self.log(f"the training stream shards itself and has no state_dict(): each rank skips forward past its first "
                  f"{consumed // was} samples (read and dropped)" + ("" if exact else
                  "; not exact: that needs the same world size and data.num_workers=0"))
-        self.source.set_epoch(epoch, consumed // was)
+        source.set_epoch(epoch, consumed // was)
 
     def left(self) -> float:
         """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
@@ -156,7 +168,7 @@ class TrainFeed:
 
     def state_dict(self) -> dict:
         """A collective for a stateful stream: every rank's stream state is gathered."""
-        if not self.stream:
+        if self.source is None:  # map-style data: TrainState's position is all
             return {}
         states = self.ctx.gather_objects(self.dataset.state_dict()) if is_stateful(self.dataset) else None
         return {"world_size": self.ctx.world_size, "epoch": self.source.epoch, "states": states}

@@ -63,7 +63,7 @@ class RunLock:
         self.token = secrets.token_hex(16)  # in the holder file: what a worker of this holder is told
         self._created: list[Path] = []  # the folders this start made itself, outermost first
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Create the folder if needed (a new folder only) and lock it; raise if another job holds it.
 
         Starts may race: another start may lock the folder first, or remove a folder it made itself
@@ -128,7 +128,7 @@ class RunLock:
         os.close(self.fd)
         self.fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -91,7 +91,9 @@ def verify(folder: Path, checksums: bool = True) -> dict:
         if not path.is_file():
             raise Damaged(f"{path}: missing")
         if (actual := path.stat().st_size) != size:
-            raise Damaged(f"{path}: {'truncated: ' if actual < size else ''}{actual} bytes where the manifest says {size}")
+            raise Damaged(
+                f"{path}: {'truncated: ' if actual < size else ''}{actual} bytes where the manifest says {size}"
+            )
         if checksums and crc is not None and checksum(path, algorithm) != crc:
             raise Damaged(f"{path}: damaged (its checksum differs from the manifest's)")
     return manifest

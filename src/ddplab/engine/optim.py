@@ -61,8 +61,10 @@ def check_names(t) -> None:
     if is_reference(t.optimizer):
         resolve(t.optimizer, "training.optimizer")
     elif t.optimizer not in OPTIMIZERS and torch_optimizer(t.optimizer) is None:
-        raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
-                        f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function")
+        raise UserError(
+            f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
+            f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
+        )
     else:  # its options, tried on one parameter
         build_optimizer(SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")),
                         torch.nn.Linear(1, 1), t.lr)
@@ -86,6 +88,8 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
             if t.optimizer in OPTIMIZERS:
                 return OPTIMIZERS[t.optimizer](model, t, lr, ctx.device)
             cls = torch_optimizer(t.optimizer)
+            if cls is None:  # check_names says so before launch; here for a Trainer built directly
+                raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'")
             decay = {"weight_decay": t.weight_decay} if "weight_decay" in inspect.signature(cls).parameters else {}
             return cls([p for p in model.parameters() if p.requires_grad], lr=lr, **{**decay, **t.optimizer_options})
         except (TypeError, ValueError) as exc:
@@ -146,7 +150,7 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         """Reach the floor at `total_steps` instead (at most the configured plan, and at least
         one step beyond the current one); the current learning rate follows at once."""
         self.total = max(min(int(total_steps), self.planned), self.last_epoch + 1)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=False):
             group["lr"] = base * self._multiplier(self.last_epoch)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
@@ -174,8 +178,8 @@ def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
 
 def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:
     """At a log interval: re-estimate the steps the budget allows and plan the schedule over
-    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest rank's elapsed time (one all-reduce), so all ranks hold
-    the same plan and the same learning rate."""
+    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest
+    rank's elapsed time (one all-reduce), so all ranks hold the same plan and the same learning rate."""
     if budget_s is None or step <= 0 or not isinstance(scheduler, Schedule) or scheduler.kind == "constant":
         return
     slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()

@@ -15,10 +15,14 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from ddplab.handoff import Handoff
 
 ECHO_S = 5.0
+
+
+_Signals = TypeVar("_Signals", bound="StopSignals")
 
 
 class StopSignals:
@@ -29,7 +33,7 @@ class StopSignals:
         self._previous: dict = {}
         self._at = 0.0
 
-    def install(self) -> "StopSignals":
+    def install(self: _Signals) -> _Signals:
         # Signals can only be handled by the main thread (tests may call fit() from others).
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:

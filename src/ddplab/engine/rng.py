@@ -14,7 +14,9 @@ import torch
 
 def rng_state() -> dict:
     """This process's random streams as plain lists (gatherable, and safe to load)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # a dict only where the global generator is not MT19937
+    kind, keys, pos, has_gauss, cached = legacy
     state = {"python": random.getstate(), "torch": torch.get_rng_state().tolist(),
              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():

@@ -19,9 +19,33 @@ from ddplab.engine.files import open_append, write_atomic
 from ddplab.errors import write_failed
 
 EPOCH_COLUMNS = [
-    "epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_top5_accuracy", "val_precision", "val_recall",
-    "val_f1", "val_perplexity", "val_mae", "val_rmse", "val_r2", "epoch_time_s", "eval_time_s", "snapshot_time_s", "elapsed_s", "samples_per_s", "tokens_per_s", "lr",
-    "peak_mem_mb", "mfu", "gpu_util", "gpu_mem_mb", "comm_time_s", "compute_time_s", "data_wait_s",
+    "epoch",
+    "step",
+    "train_loss",
+    "val_loss",
+    "val_accuracy",
+    "val_top5_accuracy",
+    "val_precision",
+    "val_recall",
+    "val_f1",
+    "val_perplexity",
+    "val_mae",
+    "val_rmse",
+    "val_r2",
+    "epoch_time_s",
+    "eval_time_s",
+    "snapshot_time_s",
+    "elapsed_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "lr",
+    "peak_mem_mb",
+    "mfu",
+    "gpu_util",
+    "gpu_mem_mb",
+    "comm_time_s",
+    "compute_time_s",
+    "data_wait_s",
 ]
 
 

@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from itertools import islice
+from typing import cast
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from ddplab.data.stream import is_stream, shards_itself, size
 from ddplab.distributed import wrap_model
 from ddplab.engine import assets as saved_assets
 from ddplab.engine import fsdp_comm
+from ddplab.engine.clock import InFlight
 from ddplab.engine.comm import install_comm_hook
 from ddplab.engine.heartbeat import place_of
 from ddplab.engine.sharding import shard
@@ -39,6 +41,7 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
     if cfg.distributed.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
         torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    comm: InFlight | None
     if cfg.distributed.strategy != "ddp":
         wrapped = shard(model, cfg, ctx)
         comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
@@ -48,7 +51,7 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         comm = install_comm_hook(wrapped, cfg.distributed, ctx) if ctx.is_distributed else None
     if not cfg.training.compile:
         return wrapped, comm
-    compiled = torch.compile(wrapped)
+    compiled = cast(torch.nn.Module, torch.compile(wrapped))  # compiling a Module gives a Module
     # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
     # every batch size, so the ragged last batch of each epoch finds it instead of compiling again.
     compiled.register_forward_pre_hook(_batch_dynamic, with_kwargs=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -21,8 +22,11 @@ from ddplab.engine.checkpoint import part
 from ddplab.errors import UserError
 from ddplab.workload import resolve
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
-def _is_fsdp(module: torch.nn.Module) -> bool:
+
+def _is_fsdp(module: torch.nn.Module) -> TypeGuard[FSDPModule]:
     """Whether FSDP2 shards `module`. torch's FSDP (with DTensor and DCP) costs about a second of every process's
     start, so only sharded runs import it; until one has, no module can be an FSDPModule."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
@@ -46,7 +50,7 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    options = {"mesh": mesh, "mp_policy": precision(cfg.training.amp, ctx.device)}
+    policy = precision(cfg.training.amp, ctx.device)
     if d.shard:
         resolve(d.shard, "distributed.shard")(model, mesh)
         if not any(_is_fsdp(m) for m in model.modules()):
@@ -55,12 +59,12 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
     else:
         chosen = blocks(model, d.shard_min_params)
         for block in chosen:
-            fully_shard(block, **options)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
         if ctx.is_main:
             print(f"{d.strategy}: {len(chosen)} blocks sharded on their own "
                   f"({_names(model, chosen)}), then the root", flush=True)
     if not _is_fsdp(model):
-        fully_shard(model, **options)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -158,8 +162,10 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict:
 def fsdp_units(model: torch.nn.Module, min_params: int) -> list[dict]:
     """Bytes of the parameters FSDP gathers as one, root first then its blocks in registration order (about
     forward order): as the run sharded the model, or as distributed.strategy=fsdp would (for `ddplab forecast`)."""
-    units = [m for m in model.modules() if _is_fsdp(m)] or [model, *blocks(model, min_params)]
-    seen, out = set(), []
+    units: list = [m for m in model.modules() if _is_fsdp(m)]
+    units = units or [model, *blocks(model, min_params)]
+    seen: set[int] = set()
+    out = []
     for unit in reversed(units):  # innermost first: a parameter belongs to the innermost unit holding it
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)

@@ -94,7 +94,9 @@ class Trainer:
         share = (d.replica_group * ctx.world_size + ctx.rank, self.shares)
         self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log, share)
         self.sampler = self.feed.sampler  # None for a stream
-        self.scheduler = build_schedule(cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs)
+        self.scheduler = build_schedule(
+            cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs
+        )
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last,
@@ -102,7 +104,7 @@ class Trainer:
         self.signals = StopSignals()
         self.callbacks = CallbackList(callbacks)
         self.view = TrainView(self)
-        self.evaluator = None  # the last evaluation's (the view hands it to the class report)
+        self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
         self.parts, self.best_parts = self._register_parts()
@@ -169,9 +171,9 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
-        self._mark = time.perf_counter()  # callbacks' time counts, on_train_start's too (in the first epoch)
         self.callbacks.on_train_start(self.view)
         self.signals.install()
+        self._mark = time.perf_counter()  # the run's clock starts once the callbacks have
         try:
             if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
                 self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
@@ -273,9 +275,11 @@ class Trainer:
     def _replicas_agree(self, step: int, samples: int) -> bool:
         """Average the gradients over the replica groups in the quorum; False when the step does not count
         (a group failed during it): its gradients and loss are dropped, its data stays read (skipped)."""
-        self.replicas.reduce(self.raw.parameters())
-        committed = self.replicas.commit(self.optimizer)
-        self.replicas.record(step, samples * self.ctx.world_size * self.replicas.present, committed)
+        replicas = self.replicas
+        assert replicas is not None  # called in replica mode only
+        replicas.reduce(self.raw.parameters())
+        committed = replicas.commit(self.optimizer)
+        replicas.record(step, samples * self.ctx.world_size * replicas.present, committed)
         if not committed:
             self.run.log(f"step {step}: not committed (a replica group failed during it); taken again")
             self.optimizer.zero_grad(set_to_none=True)
@@ -415,7 +419,9 @@ class Trainer:
             s, background = self.state, self.sharded and self.cfg.checkpoint.async_save
             path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
             self.ctx.barrier()
-            stall = self.ctx.all_reduce(torch.tensor([time.perf_counter() - began], device=self.ctx.device), "max").item()
+            stall = self.ctx.all_reduce(
+                torch.tensor([time.perf_counter() - began], device=self.ctx.device), "max"
+            ).item()
             s.snapshot_stalls.append({"step": s.step, "stall_s": stall, "async": background})
             self.callbacks.on_snapshot(self.view, path)
 
@@ -454,7 +460,9 @@ class Trainer:
     def _keep_global_batch(self, manifest: dict) -> None:
         """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
         t, was = self.cfg.training, manifest["config"]["training"]
-        global_batch = manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
+        global_batch = (
+            manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
+        )
         accum = keep_global_batch(global_batch, t.batch_size, self.shares)
         if accum != t.grad_accum_steps:
             self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
@@ -493,8 +501,8 @@ class Trainer:
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
-        if getattr(self, "replicas", None) is not None:
-            self.replicas.close()
+        if (replicas := getattr(self, "replicas", None)) is not None:
+            replicas.close()
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
             if hasattr(self, name):
                 delattr(self, name)

@@ -105,7 +105,10 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     given = [name for name, value in (("bandwidth", bandwidth), ("latency", latency)) if value is not None]
     source = "given" if len(given) == 2 else "fitted" if not given else f"{given[0]} given, the rest fitted"
     intra_source = "bandwidth given" if intra_bw else "as fitted" if fit else "as the inter-node link"
-    notes += [f"inter-node link: {inter.describe()} ({source})", f"intra-node link: {intra.describe()} ({intra_source})"]
+    notes += [
+        f"inter-node link: {inter.describe()} ({source})",
+        f"intra-node link: {intra.describe()} ({intra_source})",
+    ]
     if abs(scale - 1.0) > 0.02:
         notes.append(f"each of several processes computes at {scale:.2f}x the 1-process time (fitted; "
                      f"processes sharing this machine's cores); separate devices would be nearer 1.0")
@@ -116,7 +119,7 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
         raise UserError("forecast: the runs do not record their gradient buckets (metrics.json 'comm'); "
                         "re-run them with this version of ddplab")
     strategies = asked or [s for s in STRATEGIES if any(m.strategy == s for m in measured)]
-    units = next((m.units for m in measured if m.units), [])
+    units: list[dict] = next((m.units for m in measured if m.units), [])
     comm = Comm(buckets, hook or ref.hook, rank)
     batch, accum, n_train = opts.batch_size or ref.batch, ref.accum, ref.train_samples
     one = predict_step(compute, comm, 1, 1, batch, inter, intra, accum, scale)
@@ -140,7 +143,9 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     notes.append(f"{n_train} training samples, {batch} per process, gradient {grad:,} bytes in {len(buckets)} "
                  f"bucket(s), hook {comm.hook}" + (f" (rank {rank})" if comm.hook == "powersgd" else ""))
     if set(strategies) - {"ddp"}:
-        source = "as the runs recorded them" if units else "the gradient buckets standing in: the runs did not record them"
+        source = (
+            "as the runs recorded them" if units else "the gradient buckets standing in: the runs did not record them"
+        )
         shown = Comm(buckets, units=units).units
         notes.append(f"fsdp/hsdp: {len(shown)} unit(s) gathered one by one ({source}), "
                      f"{sum(u['bytes'] for u in shown):,} bytes of parameters")

@@ -117,6 +117,8 @@ def parse_hook(text: str | None) -> tuple[str | None, int]:
     if text is None:
         return None, 1
     name, _, rank = text.partition(":")
-    if name not in ("none", "fp16", "bf16", "powersgd") or (rank and (name != "powersgd" or not rank.isdigit() or int(rank) < 1)):
+    if name not in ("none", "fp16", "bf16", "powersgd") or (
+        rank and (name != "powersgd" or not rank.isdigit() or int(rank) < 1)
+    ):
         raise UserError(f"--comm-hook: expected none, fp16, bf16, powersgd or powersgd:RANK, got {text!r}")
     return name, int(rank) if rank else 1

@@ -5,6 +5,7 @@ gathers and reduce-scatters: forecast/sharded.py)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,11 +85,11 @@ def measure(run: Run) -> Measured | None:
         strategy=run.ddp.get("strategy") or "ddp", units=comm.get("units", []))
 
 
-def _linear(xs: list[float], ys: list[float], proportional: bool) -> tuple[float, float]:
+def _linear(xs: Sequence[float], ys: Sequence[float], proportional: bool) -> tuple[float, float]:
     """(a, c) of y = a + c * x: least squares over distinct x (through each x's median, so a
     repeat slowed by other jobs does not pull the line); from one x, the median of its repeats,
     all proportional to x (per-sample work) or all constant (per-step work)."""
-    by_x = {x: statistics.median(y for xi, y in zip(xs, ys) if xi == x) for x in set(xs)}
+    by_x = {x: statistics.median(y for xi, y in zip(xs, ys, strict=True) if xi == x) for x in set(xs)}
     if len(by_x) >= 2:
         c, a = np.polyfit(list(by_x), list(by_x.values()), 1)
         return float(a), float(c)
@@ -123,11 +124,13 @@ def fit_compute(singles: list[Measured]) -> Compute:
                         "(e.g. ddplab study ... --nproc 1,2)")
     xs = [m.batch for m in singles]
     timed = all(m.forward is not None and m.backward is not None for m in singles)
-    fwd, bwd, rest = [], [], []
+    fwd: list[float] = []
+    bwd: list[float] = []
+    rest: list[float] = []
     for m in singles:
         model_s = m.step_s - m.data_wait
         untimed = ((1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum)
-        f, b = (m.forward, m.backward) if timed else untimed
+        f, b = (m.forward, m.backward) if timed and m.forward is not None and m.backward is not None else untimed
         fwd.append(f)
         bwd.append(b)
         rest.append(max(model_s - m.accum * (f + b), 0.0))
@@ -174,7 +177,7 @@ def overlapped_backward(backward_s: float, buckets: list[dict], messages: list[l
     delays = delays or [0.0] * len(buckets)
     total = sum(b["bytes"] for b in buckets) or 1
     done = shift = free = comm = 0.0
-    for bucket, msgs, delay in zip(buckets, messages, delays):
+    for bucket, msgs, delay in zip(buckets, messages, delays, strict=True):
         done += bucket["bytes"]
         ready = backward_s * done / total + shift + delay
         shift += delay
@@ -211,7 +214,7 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
         return StepForecast(base + added, base, comm_s, added, sent)
     messages = [wire_messages(b, comm.hook, comm.rank) for b in comm.buckets]
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
-    sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages)]
+    sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages, strict=True)]
     delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]
     end, comm_s, exposed = overlapped_backward(backward, comm.buckets, messages,
                                                lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays)

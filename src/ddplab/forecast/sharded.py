@@ -18,7 +18,11 @@ def costs(strategy: str, nodes: int, per_node: int, inter: Link, intra: Link):
     """(gather, reduce): seconds to all-gather a unit's parameters and to reduce its gradients."""
     def gather(n):
         # One of a ring all-reduce's two phases, (p-1)/p of the bytes sent: half its cost. hsdp's stay in the node.
-        whole = ring_allreduce_s(n, per_node, intra) if strategy == "hsdp" else allreduce_s(n, nodes, per_node, inter, intra)
+        whole = (
+            ring_allreduce_s(n, per_node, intra)
+            if strategy == "hsdp"
+            else allreduce_s(n, nodes, per_node, inter, intra)
+        )
         return whole / 2
 
     def reduce(n):

@@ -31,12 +31,19 @@ def markdown(result) -> str:
               "is the part not hidden behind compute, over the step; sent MB / rank is what each process sends per "
               "step."]
     if result.fit is not None:
-        lines += ["", "## The fit: measured vs modelled step time of the multi-process runs", "",
-                  "| run | setup | batch | simulated latency (ms) | simulated bandwidth (Mbit/s) | measured (ms) | model (ms) | error |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## The fit: measured vs modelled step time of the multi-process runs",
+            "",
+            "| run | setup | batch | simulated latency (ms) | simulated bandwidth (Mbit/s) "
+            "| measured (ms) | model (ms) | error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for m, predicted in result.fit.points:
-            lines.append(f"| {m.name} | {m.nodes}x{m.per_node} | {m.batch} | {m.latency_ms:g} | {m.bandwidth_mbps or '-'} | "
-                         f"{m.step_s * 1e3:,.2f} | {predicted * 1e3:,.2f} | {predicted / m.step_s - 1:+.1%} |")
+            lines.append(
+                f"| {m.name} | {m.nodes}x{m.per_node} | {m.batch} | {m.latency_ms:g} | {m.bandwidth_mbps or '-'} | "
+                f"{m.step_s * 1e3:,.2f} | {predicted * 1e3:,.2f} | {predicted / m.step_s - 1:+.1%} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -7,10 +7,11 @@ import sys
 import time
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ddplab import process_state
-from ddplab.config_io import format_duration
 from ddplab.callbacks import Callback
+from ddplab.config_io import format_duration
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
 from ddplab.metrics.stragglers import Stragglers
@@ -84,8 +85,12 @@ class RunRecorder(Callback):
         head = f"epoch {row['epoch']}"
         if row.get("partial") and per_epoch:  # a run stopped mid-epoch (max_steps, time budget): say how far it got
             head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"
-        run.log(f"{head}: " + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
-                + f"; elapsed {format_duration(elapsed)}" + (f", ETA {format_duration(eta)}" if eta is not None else ""))
+        run.log(
+            f"{head}: "
+            + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
+            + f"; elapsed {format_duration(elapsed)}"
+            + (f", ETA {format_duration(eta)}" if eta is not None else "")
+        )
 
 
 def eta_s(view) -> float | None:
@@ -115,7 +120,6 @@ class ProgressBar(Callback):
         if not _bar_shown(view):
             return
         # Only a terminal shows the bar: a worker that never draws one is spared rich's import.
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), console=view.run.console, transient=True)
@@ -129,9 +133,12 @@ class ProgressBar(Callback):
     def on_log(self, view, values):
         if self.progress is not None:
             eta = eta_s(view)
-            self.progress.update(self.progress.task_ids[0], description=f"epoch {view.epoch} "
-                                 f"loss {values['loss']:.4f} lr {values['lr']:.2e} elapsed {format_duration(view.elapsed)}"
-                                 + (f" ETA {format_duration(eta)}" if eta is not None else ""))
+            self.progress.update(
+                self.progress.task_ids[0],
+                description=f"epoch {view.epoch} "
+                f"loss {values['loss']:.4f} lr {values['lr']:.2e} elapsed {format_duration(view.elapsed)}"
+                + (f" ETA {format_duration(eta)}" if eta is not None else ""),
+            )
 
     def on_epoch_end(self, view, row):
         if self.progress is not None:

@@ -8,10 +8,11 @@ import csv
 import io
 from pathlib import Path
 
+import numpy as np
+
 from ddplab.callbacks import Callback
 from ddplab.engine.files import write_atomic
 from ddplab.evaluators import per_class_scores
-import numpy as np
 
 
 def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool, plots: bool = True) -> dict:
@@ -32,7 +33,9 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
                       "confusion_matrix": matrix}
         if write:
             table = io.StringIO(newline="")
-            csv.writer(table).writerows([["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix))])
+            csv.writer(table).writerows(
+                [["true \\ predicted", *classes], *([c, *r] for c, r in zip(classes, matrix, strict=True))]
+            )
             write_atomic(folder, f"confusion_matrix_{split}.csv", table.getvalue())
             if plots:
                 confusion_png(folder / f"confusion_matrix_{split}.png", classes, matrix, split)

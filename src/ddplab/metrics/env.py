@@ -57,11 +57,32 @@ def collect(ctx) -> dict:
     with contextlib.suppress(Exception):  # a build without NCCL
         nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.cuda.is_available() else None
     return {
-        "ddplab": _version("ddplab"), "git_commit": git, "python": sys.version.split()[0], "torch": torch.__version__,
-        "torchvision": _version("torchvision"), "transformers": _version("transformers"), "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None, "nccl": nccl,
-        "platform": platform.platform(), "launcher": ctx.launch.launcher, "backend": ctx.backend, "world_size": ctx.world_size,
-        "hosts": sorted({r["host"] for r in per_rank}), "ranks": per_rank, "command": sys.argv,
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID",
-                                           "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT") if k in os.environ},
+        "ddplab": _version("ddplab"),
+        "git_commit": git,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torchvision": _version("torchvision"),
+        "transformers": _version("transformers"),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "nccl": nccl,
+        "platform": platform.platform(),
+        "launcher": ctx.launch.launcher,
+        "backend": ctx.backend,
+        "world_size": ctx.world_size,
+        "hosts": sorted({r["host"] for r in per_rank}),
+        "ranks": per_rank,
+        "command": sys.argv,
+        "env": {
+            k: os.environ[k]
+            for k in (
+                "OMP_NUM_THREADS",
+                "CUDA_VISIBLE_DEVICES",
+                "SLURM_JOB_ID",
+                "TORCHELASTIC_RUN_ID",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+            )
+            if k in os.environ
+        },
     }

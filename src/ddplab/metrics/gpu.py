@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -22,7 +23,9 @@ class GpuMonitor:
         self._samples: list[tuple[float, float]] = []  # (utilisation %, memory used MiB)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = self._nvml = self._handle = None
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None  # the pynvml module once NVML answered (it has no type information)
+        self._handle: Any = None
         self.active = False  # True once NVML answered; stays True after close for the last epoch
         if device.type != "cuda":
             return

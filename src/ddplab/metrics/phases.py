@@ -13,10 +13,14 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.run_folder import RunFolder
 from ddplab.handoff import Handoff
+
+if TYPE_CHECKING:
+    from torch._dynamo.callback import CompilationCallbackHandler
 
 
 def process_started_at() -> float | None:
@@ -106,7 +110,8 @@ class CompileClock:
     recompile, and the backward pass compiled lazily at the first backward)."""
 
     def __init__(self) -> None:
-        self.seconds, self._began, self._handler = 0.0, 0.0, None
+        self.seconds, self._began = 0.0, 0.0
+        self._handler: CompilationCallbackHandler | None = None
 
     def start(self) -> None:
         # Imported here: only a compiled run pays for dynamo's import.

@@ -68,11 +68,16 @@ class Stragglers(Callback):
                 self.named.add(rank)
                 compute, data = every[rank, :2].tolist()
                 others = torch.cat([every[:rank], every[rank + 1:]])
-                loses = "data loading" if data - _median(others[:, 1].tolist()) > compute - _median(others[:, 0].tolist()) \
+                loses = (
+                    "data loading"
+                    if data - _median(others[:, 1].tolist()) > compute - _median(others[:, 0].tolist())
                     else "compute"
-                view.run.log(f"straggler: rank {rank} (host {self.hosts[rank]}) is {t / median - 1:.0%} slower than the "
-                             f"others' median ({t / median:.2f}x their step time; logging.straggler_threshold "
-                             f"{threshold:g}) {STREAK} log intervals in a row; it loses the time in {loses}")
+                )
+                view.run.log(
+                    f"straggler: rank {rank} (host {self.hosts[rank]}) is {t / median - 1:.0%} slower than the "
+                    f"others' median ({t / median:.2f}x their step time; logging.straggler_threshold "
+                    f"{threshold:g}) {STREAK} log intervals in a row; it loses the time in {loses}"
+                )
 
     def on_epoch_end(self, view, row):
         if view.world_size > 1 and self.epoch.sum() > 0:

@@ -32,14 +32,20 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
     last = history[-1] if history else {}
     best_val_loss, best_epoch = view.best
     aggregates = {
-        "epochs_completed": view.epochs_completed, "steps": view.step, "train_time_s": view.elapsed, "resumes": view.resumes,
+        "epochs_completed": view.epochs_completed,
+        "steps": view.step,
+        "train_time_s": view.elapsed,
+        "resumes": view.resumes,
         # The rows' snapshots and the one after the last row (the end of training or a stop), which neither a row
         # nor train_time_s holds: train_time_s is the clock a resumed run goes on from, saved as that snapshot began.
         "snapshot_time_s": sum(r.get("snapshot_time_s") or 0.0 for r in history) + view.snapshot_time,
-        "time_budget_s": view.time_budget_s, "mean_epoch_time_s": sum(times) / len(times) if times else None,
+        "time_budget_s": view.time_budget_s,
+        "mean_epoch_time_s": sum(times) / len(times) if times else None,
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
-        "best_val_loss": best_val_loss if best_epoch else None, "best_epoch": best_epoch,
-        "final_train_loss": last.get("train_loss"), "final_val_loss": last.get("val_loss"),
+        "best_val_loss": best_val_loss if best_epoch else None,
+        "best_epoch": best_epoch,
+        "final_train_loss": last.get("train_loss"),
+        "final_val_loss": last.get("val_loss"),
         "final_val_accuracy": last.get("val_accuracy"),
     }
     model = view.model

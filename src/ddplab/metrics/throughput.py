@@ -25,6 +25,7 @@ def peak_flops(device: torch.device) -> float | None:
 def mfu(model: torch.nn.Module, tokens_per_s: float | None, device: torch.device, world_size: int) -> float | None:
     """Global tokens/s x FLOPs per token over (peak x processes); None for CPUs and unknown devices."""
     peak = peak_flops(device)
-    if not peak or not tokens_per_s or not hasattr(model, "flops_per_token"):
+    flops_per_token = getattr(model, "flops_per_token", None)
+    if not peak or not tokens_per_s or flops_per_token is None:
         return None
-    return tokens_per_s * model.flops_per_token() / (peak * world_size)
+    return tokens_per_s * flops_per_token() / (peak * world_size)

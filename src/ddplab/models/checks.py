@@ -33,7 +33,9 @@ def looks_like_path(name: str) -> bool:
 def check_pretrained(pretrained: str | None) -> None:
     """Cheap, before launch: a local folder must hold a model's config.json (hub names are checked on load)."""
     if not pretrained:
-        raise UserError("model.name=hf needs model.pretrained=<hub name, e.g. distilbert-base-uncased, or local folder>")
+        raise UserError(
+            "model.name=hf needs model.pretrained=<hub name, e.g. distilbert-base-uncased, or local folder>"
+        )
     if not looks_like_path(pretrained):
         return
     p = Path(pretrained).expanduser()
@@ -42,7 +44,9 @@ def check_pretrained(pretrained: str | None) -> None:
     try:
         config = json.loads((p / "config.json").read_text())
     except (OSError, ValueError):
-        raise UserError(f"model.pretrained: {pretrained} is not a Hugging Face model folder (no readable config.json)") from None
+        raise UserError(
+            f"model.pretrained: {pretrained} is not a Hugging Face model folder (no readable config.json)"
+        ) from None
     if "model_type" not in config:
         raise UserError(f"model.pretrained: {pretrained}/config.json names no model_type; not a transformers model")
 

@@ -34,6 +34,8 @@ def sinusoidal(max_len: int, dim: int) -> torch.Tensor:
 
 
 class TransformerClassifier(nn.Module):
+    positions: torch.Tensor  # a buffer
+
     def __init__(self, c: TransformerConfig) -> None:
         super().__init__()
         self.config = c

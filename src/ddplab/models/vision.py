@@ -62,7 +62,7 @@ def compact(names: list[str]) -> str:
     """'resnet{18,34,50}, vgg{11,11_bn}, alexnet': every name, grouped by family."""
     families: dict[str, list[str]] = defaultdict(list)
     for name in names:
-        family = re.match(r"[a-z]+", name).group()
+        family = re.split(r"[^a-z]", name, maxsplit=1)[0]
         families[family].append(name[len(family):])
     parts = []
     for family, rests in sorted(families.items()):
@@ -113,7 +113,9 @@ def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, nam
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
-    shapes = [f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]]
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]
+    ]
     parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
              f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
              f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else ""]
@@ -168,8 +170,12 @@ def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
     model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
     head_name = find_head(model)
     old = model.get_submodule(head_name)
-    head = (nn.Linear(old.in_features, num_classes) if isinstance(old, nn.Linear)
-            else nn.Conv2d(old.in_channels, num_classes, kernel_size=1))
+    head: nn.Module
+    if isinstance(old, nn.Linear):
+        head = nn.Linear(old.in_features, num_classes)
+    else:
+        assert isinstance(old, nn.Conv2d)  # find_head returns a Linear or a Conv2d
+        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
     model.set_submodule(head_name, head)
     if m.freeze:
         _freeze_all_but(model, head)

@@ -11,8 +11,16 @@ from ddplab.report import plots
 from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
 from ddplab.report.scaling_table import scaling_tables
-from ddplab.report.table import (QUALITY, build_rows, markdown, markdown_table, quality_columns_for, strategy_table,
-                                 study_budget, write_csv)
+from ddplab.report.table import (
+    QUALITY,
+    build_rows,
+    markdown,
+    markdown_table,
+    quality_columns_for,
+    strategy_table,
+    study_budget,
+    write_csv,
+)
 
 
 def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | None = None) -> Path:
@@ -33,23 +41,37 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         load = None
-    lines = [f"# Scaling report: {', '.join(str(d) for d in dirs)}", "",
-             f"{len(runs)} finished runs, {len(rows)} points"
-             + (f", {'/'.join(map(str, repeats))} repeats each" if repeats != [1] else ", one run each")
-             + f"; written {time.strftime('%Y-%m-%d %H:%M:%S')}" + (f"; load average now {load}" if load else "") + ".",
-             "", "## Timing", "", markdown_table(rows), "",
-             "- Cells read **median (min–max)** over a point's repeats (same config and seed); one value when they agree "
-             "or the point ran once.",
-             "- **speedup** = training samples/s of the run ÷ median samples/s of the 1-process point of the same "
-             "experiment (same config apart from the setup, hence the same per-process batch); "
-             "**efficiency** = speedup ÷ processes (1.00 is linear scaling). Measured from throughput, not epoch time.",
-             "- **mean epoch time** is training time per full epoch, evaluation excluded; **samples/s** is its mean over epochs.",
-             "- **comm ms/step**: wall time per optimizer step during which at least one gradient all-reduce "
-             "(with any simulated network delay) was in flight, mean over ranks; **compute ms/step**: the rest of the step.",
-             ("- **epochs @ budget**: epochs trained (fractional, from the step log) within "
-              f"{budget:.1f} s of training time ({budget_from}); ≈ marks a run that trained less than that, "
-              "projected as budget ÷ mean epoch time." if budget else f"- **epochs @ budget**: — ({budget_from})."),
-             "- lr is the learning rate actually used, after `training.lr_scaling`."]
+    lines = [
+        f"# Scaling report: {', '.join(str(d) for d in dirs)}",
+        "",
+        f"{len(runs)} finished runs, {len(rows)} points"
+        + (f", {'/'.join(map(str, repeats))} repeats each" if repeats != [1] else ", one run each")
+        + f"; written {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        + (f"; load average now {load}" if load else "")
+        + ".",
+        "",
+        "## Timing",
+        "",
+        markdown_table(rows),
+        "",
+        "- Cells read **median (min–max)** over a point's repeats (same config and seed); one value when they agree "
+        "or the point ran once.",
+        "- **speedup** = training samples/s of the run ÷ median samples/s of the 1-process point of the same "
+        "experiment (same config apart from the setup, hence the same per-process batch); "
+        "**efficiency** = speedup ÷ processes (1.00 is linear scaling). Measured from throughput, not epoch time.",
+        "- **mean epoch time** is training time per full epoch, evaluation excluded; "
+        "**samples/s** is its mean over epochs.",
+        "- **comm ms/step**: wall time per optimizer step during which at least one gradient all-reduce "
+        "(with any simulated network delay) was in flight, mean over ranks; **compute ms/step**: the rest of the step.",
+        (
+            "- **epochs @ budget**: epochs trained (fractional, from the step log) within "
+            f"{budget:.1f} s of training time ({budget_from}); ≈ marks a run that trained less than that, "
+            "projected as budget ÷ mean epoch time."
+            if budget
+            else f"- **epochs @ budget**: — ({budget_from})."
+        ),
+        "- lr is the learning rate actually used, after `training.lr_scaling`.",
+    ]
     baselines = {r["baseline"] for r in rows if r["baseline"]}
     if any(r["speedup"] is None for r in rows):
         lines.append("- speedup is blank where no 1-process point of the same experiment is among these runs.")
@@ -58,15 +80,21 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     if unfinished:
         lines.append(f"- left out (not finished): {', '.join(str(p) for p in unfinished)}.")
     if any(r["strategy"] != "ddp" for r in rows):  # a DDP-only report reads as it always did
-        lines += ["", "## Memory and cost per strategy", "", strategy_table(rows), "",
-                  "- **params / grads / optimizer MiB / rank**: what one process holds (ddp: everything; fsdp: 1/N of it; "
-                  "hsdp: 1/(processes per node)). **peak MiB**: the largest rank's peak, CUDA's max_memory_allocated "
-                  "on GPU, the process's peak resident size on CPU (libraries and data included).",
-                  "- **step ms**: mean epoch time ÷ steps per epoch. **comm ms/step**: the time per step during which "
-                  "a collective was in flight, hidden by compute or not: DDP's gradient all-reduce; FSDP's parameter "
-                  "all-gathers and gradient reduce-scatters (hsdp: and the all-reduce across nodes). "
-                  "**overhead ms/step**: the step's time beyond the same experiment's 1-process point, communication "
-                  "not hidden by compute (and any slowdown of processes sharing a machine), for every strategy."]
+        lines += [
+            "",
+            "## Memory and cost per strategy",
+            "",
+            strategy_table(rows),
+            "",
+            "- **params / grads / optimizer MiB / rank**: what one process holds (ddp: everything; fsdp: 1/N of it; "
+            "hsdp: 1/(processes per node)). **peak MiB**: the largest rank's peak, CUDA's max_memory_allocated "
+            "on GPU, the process's peak resident size on CPU (libraries and data included).",
+            "- **step ms**: mean epoch time ÷ steps per epoch. **comm ms/step**: the time per step during which "
+            "a collective was in flight, hidden by compute or not: DDP's gradient all-reduce; FSDP's parameter "
+            "all-gathers and gradient reduce-scatters (hsdp: and the all-reduce across nodes). "
+            "**overhead ms/step**: the step's time beyond the same experiment's 1-process point, communication "
+            "not hidden by compute (and any slowdown of processes sharing a machine), for every strategy.",
+        ]
     quality = quality_columns_for(rows)
     if any(k in QUALITY for k, _ in quality):
         lines += ["", "## Quality", "", markdown(rows, quality), "",

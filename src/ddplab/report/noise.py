@@ -5,6 +5,7 @@ is called what it is, within noise, instead of a ranking."""
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import pairwise
 
 from ddplab.report.table import fmt
 
@@ -25,7 +26,8 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
         return f"{head}: a single run on a side, noise not measured (use --repeat 3)"
     lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
-    if None not in (lo_a, hi_a, lo_b, hi_b) and lo_a <= hi_b and lo_b <= hi_a:
+    if (lo_a is not None and hi_a is not None and lo_b is not None and hi_b is not None
+            and lo_a <= hi_b and lo_b <= hi_a):
         return f"{head}: **within noise** (ranges overlap)"
     faster, slower = (a, b) if va > vb else (b, a)
     return f"{head}: {faster['label']} is {max(va, vb) / min(va, vb):.2f}x {slower['label']} (ranges apart)"
@@ -43,7 +45,7 @@ def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
         for row in rows:
             held[tuple(row.get(f) for f in others)].append(row)
         for group in held.values():
-            for a, b in zip(group, group[1:]):
+            for a, b in pairwise(group):
                 lines.append(compare(a, b, key))
     return lines
 

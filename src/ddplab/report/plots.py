@@ -136,7 +136,7 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
             numbers = [float(v) for v in values]
         except ValueError:
             numbers = None
-        where = dict(zip(values, numbers or range(len(values))))
+        where = dict(zip(values, numbers or range(len(values)), strict=True))
         share = [r for r in rows if r.get("comm_ms_per_step") is not None and r.get("compute_ms_per_step") is not None]
         for r in share:
             total = r["comm_ms_per_step"] + r["compute_ms_per_step"]
@@ -147,7 +147,7 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
         if any(r.get("comm_ms_per_step") for r in rows):
             panels.append(("comm_share", "communication share of a step"))
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
-        for ax, (metric, ylabel) in zip(axes, panels):
+        for ax, (metric, ylabel) in zip(axes, panels, strict=True):
             series: dict[str, list[dict]] = defaultdict(list)
             for r in rows:
                 if r.get(metric) is not None and r.get(key) in where:
@@ -204,7 +204,7 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.2 * len(metrics), 4.4), squeeze=False)
-    for ax, key in zip(axes[0], metrics):
+    for ax, key in zip(axes[0], metrics, strict=True):
         for label, group in points.items():
             curve = _median_curve(group, key)
             if curve:
@@ -225,17 +225,22 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
     over training time."""
     plt = _pyplot()
     paths = []
-    for axis, xlabel, fname in (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png")):
+    for axis, xlabel, fname in (
+        ("epoch", "epoch", "loss_epochs.png"),
+        ("elapsed_s", "training time (s)", "loss_time.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.4))
         for name, run in _firsts(runs).items():
             if axis == "elapsed_s" and run.steps:  # per log interval: finer than per epoch
                 pts, marker = [(s["elapsed_s"], s["loss"]) for s in run.steps], None
             else:
                 pts, marker = [(r[axis], r["train_loss"]) for r in run.epochs if r.get("train_loss") is not None], "."
-            color = ax.plot(*zip(*pts), marker=marker, label=f"{name} train")[0].get_color() if pts else None
+            color = (
+                ax.plot(*zip(*pts, strict=True), marker=marker, label=f"{name} train")[0].get_color() if pts else None
+            )
             val = [(r[axis], r["val_loss"]) for r in run.epochs if r.get("val_loss") is not None]
             if val:
-                ax.plot(*zip(*val), marker="o", linestyle="--", color=color, label=f"{name} val")
+                ax.plot(*zip(*val, strict=True), marker="o", linestyle="--", color=color, label=f"{name} val")
         if axis == "epoch":
             _integer_ticks(ax.xaxis)
         ax.set(xlabel=xlabel, ylabel="loss", title=f"Loss vs {xlabel} (first repeat of each point)")
@@ -254,7 +259,7 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.4))
     for label, pts in series.items():
-        ax.plot(*zip(*pts), marker="o", label=label)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
     ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time (first repeat)")
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=7)
@@ -262,7 +267,8 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
 
 
 def comm_plot(rows: list[dict], path: Path) -> Path | None:
-    """Per step: time with a collective in flight (DDP's all-reduce, FSDP's gathers and reduce-scatters) vs the rest of the step (medians)."""
+    """Per step: time with a collective in flight (DDP's all-reduce, FSDP's gathers and reduce-scatters) vs the
+    rest of the step (medians)."""
     rows = [r for r in rows if r.get("comm_ms_per_step") is not None]
     if not rows:
         return None

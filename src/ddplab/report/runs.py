@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplab.errors import UserError
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import UserError
 
 # Sections that name or present a run but do not change what it computes.
 _NOT_THE_EXPERIMENT = ("experiment", "logging", "checkpoint", "generate")
@@ -79,7 +80,7 @@ class Run:
         return json.dumps(config, sort_keys=True)
 
 
-def find_runs(dirs: list[str | Path], command: str = "report") -> tuple[list[Run], list[Path]]:
+def find_runs(dirs: Sequence[str | Path], command: str = "report") -> tuple[list[Run], list[Path]]:
     """Finished runs under the given folders (a run folder itself, or any folder holding some),
     and the unfinished ones that were passed over; errors name `command`."""
     runs, unfinished, seen = [], [], set()
@@ -87,7 +88,9 @@ def find_runs(dirs: list[str | Path], command: str = "report") -> tuple[list[Run
         root = Path(d)
         if not root.exists():
             raise UserError(f"{command}: no such folder: {d}")
-        candidates = [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
+        candidates = (
+            [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
+        )
         for metrics in candidates:
             folder = metrics.parent
             if folder.resolve() in seen or "checkpoints" in folder.parts:

@@ -118,31 +118,55 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         test = run.summary.get("test", {}) or {}
         last = run.epochs[-1] if run.epochs else {}
         at_budget, projected = epochs_at_budget(run, budget_s) if budget_s else (None, False)
-        rows.append({
-            "point": run.name, "run": run.run_name, "repeat": run.repeat, "path": str(run.path), "label": run.label,
-            "setup": run.setup, "processes": run.processes, "nodes": run.nodes,
-            **{f"swept:{k}": v for k, v in run.swept.items()},
-            "batch_per_process": run.ddp.get("per_process"), "grad_accum_steps": run.ddp.get("grad_accum_steps"),
-            "global_batch": run.ddp.get("global"), "lr": run.ddp.get("lr"), "lr_scaling": run.ddp.get("lr_scaling"),
-            "steps_per_epoch": run.ddp.get("steps_per_epoch"), "epochs": len(run.full_epochs), "steps": steps,
-            "mean_epoch_time_s": epoch_s, "step_ms": step_ms(run, epoch_s, steps_per_epoch),
-            "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
-            "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
-            "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
-            # (slowest - fastest) / median of the ranks' own step time (metrics.stragglers)
-            "rank_spread": _mean(r.get("rank_spread") for r in run.full_epochs or run.epochs),
-            "epochs_at_budget": at_budget, "epochs_at_budget_projected": projected,
-            # Parameters, gradients and optimizer state held by one rank: what fsdp / hsdp divide.
-            "strategy": strategy, **{f"{k}_mb": state[n] / 2**20 if n in state else None
-                                     for k, n in (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"))},
-            "peak_mem_mb": max((r["peak_mem_mb"] for r in run.epochs if r.get("peak_mem_mb") is not None), default=None),
-            "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
-            "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
-            **{f"val_{k}": last.get(f"val_{k}") for k in SCORES}, **{f"test_{k}": test.get(k) for k in SCORES},
-            "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
-            "gpu_mem_mb": max((r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None),
-            "_group": (run.setup, run.experiment_key()), "_experiment": run.experiment_key(),  # repeats share _group
-        })
+        rows.append(
+            {
+                "point": run.name,
+                "run": run.run_name,
+                "repeat": run.repeat,
+                "path": str(run.path),
+                "label": run.label,
+                "setup": run.setup,
+                "processes": run.processes,
+                "nodes": run.nodes,
+                **{f"swept:{k}": v for k, v in run.swept.items()},
+                "batch_per_process": run.ddp.get("per_process"),
+                "grad_accum_steps": run.ddp.get("grad_accum_steps"),
+                "global_batch": run.ddp.get("global"),
+                "lr": run.ddp.get("lr"),
+                "lr_scaling": run.ddp.get("lr_scaling"),
+                "steps_per_epoch": run.ddp.get("steps_per_epoch"),
+                "epochs": len(run.full_epochs),
+                "steps": steps,
+                "mean_epoch_time_s": epoch_s,
+                "step_ms": step_ms(run, epoch_s, steps_per_epoch),
+                "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
+                "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
+                "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
+                # (slowest - fastest) / median of the ranks' own step time (metrics.stragglers)
+                "rank_spread": _mean(r.get("rank_spread") for r in run.full_epochs or run.epochs),
+                "epochs_at_budget": at_budget,
+                "epochs_at_budget_projected": projected,
+                # Parameters, gradients and optimizer state held by one rank: what fsdp / hsdp divide.
+                "strategy": strategy,
+                **{
+                    f"{k}_mb": state[n] / 2**20 if n in state else None
+                    for k, n in (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"))
+                },
+                "peak_mem_mb": max(
+                    (r["peak_mem_mb"] for r in run.epochs if r.get("peak_mem_mb") is not None), default=None
+                ),
+                "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
+                "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
+                **{f"val_{k}": last.get(f"val_{k}") for k in SCORES},
+                **{f"test_{k}": test.get(k) for k in SCORES},
+                "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
+                "gpu_mem_mb": max(
+                    (r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None
+                ),
+                "_group": (run.setup, run.experiment_key()),
+                "_experiment": run.experiment_key(),  # repeats share _group
+            }
+        )
     return rows
 
 
@@ -160,7 +184,7 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     for row in per_run:
         groups[row["_group"]].append(row)
     # The baseline of an experiment: its 1-process point (median throughput over repeats).
-    base: dict[str, tuple[str, float]] = {}
+    base: dict[str, tuple[str, float, float | None]] = {}
     for rows in groups.values():
         first = rows[0]
         rate = _spread([r["samples_per_s"] for r in rows])[0]

@@ -6,8 +6,8 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from ddplab.registry import load_config
 from ddplab.errors import UserError
+from ddplab.registry import load_config
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,9 @@ def parse_setups(text: str, nnodes: int = 1, option: str = "--nproc") -> list[Se
     for item in text.split(","):
         match = _SETUP.match(item)
         if not match:
-            raise UserError(f"{option}: '{item.strip()}' is not a process count; use e.g. 1,2,4 or 1x4,2x2 (nodes x processes)")
+            raise UserError(
+                f"{option}: '{item.strip()}' is not a process count; use e.g. 1,2,4 or 1x4,2x2 (nodes x processes)"
+            )
         nodes = int(match.group(1)) if match.group(1) else nnodes
         per_node = int(match.group(2))
         if nodes < 1 or per_node < 1:
@@ -103,10 +105,12 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
     points = []
     for setup in setups:
         for values in itertools.product(*sweeps.values()):
-            swept = dict(zip(sweeps, values))
+            swept = dict(zip(sweeps, values, strict=True))
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
-            load_config(config, [*overrides, f"experiment.name={name}"])  # one line naming the field, before any process starts
+            load_config(
+                config, [*overrides, f"experiment.name={name}"]
+            )  # one line naming the field, before any process starts
             points.append(Point(name, setup, swept, overrides, point=name))
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
     # machine then spreads over all points instead of landing on the repeats of one.

@@ -16,12 +16,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ddplab.errors import ExitCode, Preempted, RunError, UserError
-from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.engine.files import write_atomic
 from ddplab.engine.lock import finished
-from ddplab.study.grid import Point, Setup
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.launch import log_tail, run, torchrun_command
+from ddplab.study.grid import Point, Setup
 
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 
@@ -62,7 +62,13 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
             raise UserError(f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
                             f"use sbatch --nodes={need} or fewer nodes per point")
     console = Console(highlight=False)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("study", total=len(points))
         for index, point in enumerate(points):
@@ -80,7 +86,11 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                  "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")
             args = ["train", *([config] if config else []), *point.overrides]
             run_id = f"{study_dir.name}-{point.name}"
-            commands = [slurm_command(point.setup, args, run_id, index)] if slurm else local_commands(point.setup, args, run_id)
+            commands = (
+                [slurm_command(point.setup, args, run_id, index)]
+                if slurm
+                else local_commands(point.setup, args, run_id)
+            )
             start = time.perf_counter()
             # The report folder lies in the point's folder, which every node of the job sees.
             ended = run(commands, log=folder / LOG_FILE, report_in=folder)

@@ -58,13 +58,20 @@ class Trackers(Callback):
         self._each(self.view, lambda tracker: tracker.finish(self.view, status))
         self.live = []
 
-    def _push(self, view, _=None) -> None:
+    def _push(self, view) -> None:
         remembered = False
         for entry in list(self.live):
             tracker, train_done, epoch_done = entry
             # In step order across both kinds of row: W&B ignores a step below one it was given.
-            rows = sorted([(r["step"], 1, r) for r in takewhile(lambda r: r["step"] > train_done, reversed(view.log_rows))]
-                          + [(r["step"], 2, r) for r in view.history if r["step"] > epoch_done], key=lambda t: t[:2])
+            rows = sorted(
+                [
+                    (r["step"], 1, r)
+                    # B023: takewhile runs here, in this iteration, with this iteration's train_done.
+                    for r in takewhile(lambda r: r["step"] > train_done, reversed(view.log_rows))  # noqa: B023
+                ]
+                + [(r["step"], 2, r) for r in view.history if r["step"] > epoch_done],
+                key=lambda t: t[:2],
+            )
             try:
                 for step, kind, row in rows:
                     values = numbers(row, LOG_ROW_SKIP) if kind == 1 else numbers(row)
@@ -79,7 +86,11 @@ class Trackers(Callback):
         if remembered:
             view.run.write_json(RunFolder.TRACKERS, self.record)
 
-    on_log = on_epoch_end = _push  # each brings new rows
+    def on_log(self, view, values: dict) -> None:  # new rows
+        self._push(view)
+
+    def on_epoch_end(self, view, row: dict) -> None:  # a new row
+        self._push(view)
 
     def _each(self, view, call) -> None:
         for entry in list(self.live):

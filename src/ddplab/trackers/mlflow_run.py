@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from ddplab import process_state
-from ddplab.engine.fingerprint import flatten
 from ddplab.engine.files import write_atomic
+from ddplab.engine.fingerprint import flatten
 from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import Tracker, read_json
 
@@ -42,7 +42,9 @@ class MLflow(Tracker):
         # A server that is down should cost seconds, not MLflow's default minutes of retries.
         process_state.env_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         process_state.env_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        process_state.logger_level("mlflow.store.db.utils", logging.WARNING)  # "Creating initial MLflow database tables"
+        process_state.logger_level(
+            "mlflow.store.db.utils", logging.WARNING
+        )  # "Creating initial MLflow database tables"
         cfg, run_dir = view.config, view.run.path
         uri = mlflow_uri(cfg, run_dir, study)
         self.client = client = MlflowClient(tracking_uri=uri)
@@ -97,7 +99,9 @@ def _parent(client, experiment: str, uri: str, study_dir: Path, study: dict) -> 
     path = study_dir / RunFolder.TRACKERS
     record = read_json(path)
     if record.get("mlflow", {}).get("uri") != uri:
-        run = client.create_run(experiment, run_name=study["study"], tags={"ddplab.study_folder": str(study_dir.resolve())})
+        run = client.create_run(
+            experiment, run_name=study["study"], tags={"ddplab.study_folder": str(study_dir.resolve())}
+        )
         record["mlflow"] = {"uri": uri, "run_id": run.info.run_id}
         write_atomic(study_dir, RunFolder.TRACKERS, json.dumps(record, indent=2) + "\n")
     return record["mlflow"]["run_id"]

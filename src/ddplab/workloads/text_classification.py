@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,9 @@ def data(cfg) -> ddplab.Data:
     names = list(cache.meta["label_names"])
     k = c.data.num_classes or len(names)
     if k < len(names):
-        raise UserError(f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})")
+        raise UserError(
+            f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})"
+        )
     names += [str(i) for i in range(len(names), k)]
     train, val, test = splits(c, cache)
     meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
@@ -59,7 +62,8 @@ class Encoder:
     """`ddplab predict`: a raw text -> the token ids validation fed the model."""
 
     def __init__(self, meta: dict) -> None:
-        self.meta, self.tokenizer = meta, None
+        self.meta = meta
+        self.tokenizer: Any = None  # loaded at the first call
 
     def __call__(self, text: str) -> dict:
         if self.tokenizer is None:  # a pretrained tokenizer loads in seconds: only when predicting
