@@ -81,7 +81,7 @@ def main() -> None:
             stalls[mode, crc].append(statistics.median(s["stall_s"] for s in summary["ddp"]["snapshot_stalls"]))
     stall = {key: statistics.median(values) for key, values in stalls.items()}
     print(f"snapshot stall (s), fsdp GPT {a.stall_layers}x{a.stall_dim}, median of {a.repeat} interleaved runs "
-          f"(range) with checksums (CRC-32 of every file, in the manifest) against without (sizes only):")
+          f"(range) with checksums (CRC-32C of every file, in the manifest) against without (sizes only):")
     for mode in ("sync", "async"):
         on, off = stalls[mode, True], stalls[mode, False]
         ratio = stall[mode, True] / stall[mode, False]
