@@ -70,8 +70,9 @@ class Loaders:
 class TrainFeed:
     """The training data's position: an epoch, and how many samples of its global order are consumed
     (TrainState.consumed). Map-style data go through ResumableDistributedSampler, which resumes by
-    slicing its permutation, and are read under a per-sample seed (data.per_sample_seed); a stream through data.stream.Stream, which resumes from the dataset's own
-    state_dict() where it has one, else by reading past the samples already consumed.
+    slicing its permutation, and are read under a per-sample seed (data.per_sample_seed); a stream through
+    data.stream.Stream, which resumes from the dataset's own state_dict() where it has one, else by reading
+    past the samples already consumed.
 
     state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
     """
