@@ -95,9 +95,9 @@ class Faults(ddplab.Callback):
 
             def traced(sampler):
                 with open(path, "a", buffering=1) as f:
-                    for index in indices(sampler):
-                        f.write(f"{sampler.epoch} {index}\n")
-                        yield index
+                    for key in indices(sampler):  # an index, or an (epoch, index) key for per-sample seeds
+                        f.write(f"{sampler.epoch} {key[1] if isinstance(key, tuple) else key}\n")
+                        yield key
             ResumableDistributedSampler.__iter__ = traced
 
 

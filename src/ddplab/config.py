@@ -65,6 +65,10 @@ class DataConfig:
     num_classes: int | None = _f(None, "classes of generated datasets")
     image_size: int | None = _f(None, "resize images to this side; default per model")
     augment: bool = _f(False, "random crop + horizontal flip for training images")
+    per_sample_seed: bool = _f(True, "read each training sample under a seed of (experiment.seed, epoch, sample "
+                                     "index), so random augmentation is the same whatever the world size or workers "
+                                     "(map-style datasets; torch's generator, and Python's random and numpy's where "
+                                     "the transform draws from them)")
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
     cache_dir: str | None = _f(None, "cache folder for HF datasets, token caches and image caches")
     cache: str = _f("raw", "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "

@@ -3,9 +3,10 @@
 Both runs see the same samples in the same order (the sampler's global order is split
 rank-strided, so N ranks' batches at step k are exactly the single process's batch k),
 start from the same weights, and have dropout off (every torch.nn.Dropout module, the user's
-too) and ddplab's augmentation off. DDP should then change nothing but speed: the loss at
-every step and the final weights agree up to float rounding. What randomness remains in
-view (BatchNorm, the user's random transforms) is named in the verdict with its remedy.
+too); random augmentation is drawn from per-sample seeds (data.per_sample_seed), the same in both.
+DDP should then change nothing but speed: the loss at every step and the final weights agree up to
+float rounding. What randomness remains in view (BatchNorm; random transforms when per-sample seeds
+are off) is named in the verdict with its remedy.
 
 The two runs live in `<output_dir>/verify-<digest of the config>` until they are compared:
 a pre-empted verify (exit 75) keeps them, and the same command continues where it stopped.
@@ -67,7 +68,9 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
               "logging.log_every=1",
               "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
               "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
-              "data.augment=false", f"experiment.output_dir={work}", "checkpoint.resume=auto"]
+              f"experiment.output_dir={work}", "checkpoint.resume=auto"]
+    if not cfg.data.per_sample_seed or cfg.data.decode == "gpu":  # each process would draw its own augmentation
+        forced.append("data.augment=false")
     base = ([config] if config else []) + list(overrides) + forced
     batch = cfg.training.batch_size
     print(f"verify: {nproc} processes x batch {batch}  vs  1 process x batch {nproc * batch}, {steps} steps")
@@ -100,6 +103,8 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     print(f"largest relative loss difference: {loss_diff:.3e} (tolerance {tolerance:g})")
     print(f"largest weight difference: {weight_diff:.3e} (tolerance {weight_tolerance:g})")
     ok = loss_diff <= tolerance and weight_diff <= weight_tolerance
+    if cfg.data.per_sample_seed and cfg.data.decode != "gpu":  # drawn alike in both runs: named, not remaining
+        found["seeded_transforms"] = found.pop("random_transforms", [])
     for line in _randomness(found, nproc, batch):
         print(line)
     print("PASS" if ok else "FAIL" + (" (see the randomness named above)" if _remaining(found) else ""))
@@ -112,7 +117,9 @@ def _remaining(found: dict) -> bool:
 
 def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
     """The stochastic parts of the model and data the runs reported, each with what verify did or what to do."""
-    lines = ["randomness: dropout off in both runs; data.augment off"]
+    seeded = "seeded_transforms" in found
+    lines = ["randomness: dropout off in both runs; " + ("augmentation drawn from per-sample seeds" if seeded
+                                                         else "data.augment off")]
     if found.get("dropout_modules"):
         lines.append(f"randomness: {found['dropout_modules']} dropout module(s) still drawing (not torch.nn.Dropout "
                      f"subclasses?): set their p to 0 for verify")
@@ -125,5 +132,8 @@ def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
         )
     if found.get("random_transforms"):
         lines.append(f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
-                     f"each process draws its own; turn them off for verify")
+                     f"each process draws its own: keep data.per_sample_seed=true, or turn them off for verify")
+    if found.get("seeded_transforms"):
+        lines.append(f"randomness: random transforms on the training set ({', '.join(found['seeded_transforms'])}) "
+                     f"drawn from per-sample seeds: the same draws in both runs")
     return lines

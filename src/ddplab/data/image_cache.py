@@ -250,6 +250,12 @@ class CachedImages(Dataset):
     def __getitem__(self, i: int):
         return self.transform(self.pixels(np.asarray([i]))[0]).as_subclass(torch.Tensor), int(self.labels[i])
 
+    @property
+    def batched(self) -> bool:
+        """Whether batches are fetched whole, with nothing random drawn here (data.sample_seed): no augmentation
+        composed in, or JPEGs that are augmented on the device."""
+        return self.encoded or self.transform is self.batch_transform
+
     def __getitems__(self, indices: list[int]):
         batched = self.transform is self.batch_transform
         at = np.asarray(indices, dtype=np.int64)

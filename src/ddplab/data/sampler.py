@@ -19,6 +19,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 class ResumableDistributedSampler(DistributedSampler):
     start = 0  # samples of the epoch's global order already consumed
+    keyed = False  # yield (epoch, index) for a dataset that seeds each sample (data.sample_seed.PerSampleSeed)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Begin `epoch`, skipping the first `start` samples of its global order."""
@@ -50,8 +51,9 @@ class ResumableDistributedSampler(DistributedSampler):
             rest += (order * math.ceil(pad / max(len(order), 1)))[:pad]
         return rest
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._remaining()[self.rank :: self.num_replicas])
+    def __iter__(self) -> Iterator:
+        mine = self._remaining()[self.rank :: self.num_replicas]
+        return iter([(self.epoch, i) for i in mine] if self.keyed else mine)
 
     def __len__(self) -> int:
         rest = max(self._dataset_len - self.start, 0)

@@ -108,6 +108,11 @@ class ImageTensors(Dataset):
         x = self.images[i]
         return (self.transform(x) if self.transform is not None else x), int(self.labels[i])
 
+    @property
+    def batched(self) -> bool:
+        """Whether batches are fetched whole, with nothing random drawn (data.sample_seed)."""
+        return self.transform is None
+
     def __getitems__(self, indices: list[int]):
         """A batch in two indexing ops, not two per item: the DataLoader asks for this when it
         exists, and for a small model's step the per-item calls cost more than the step.
@@ -129,6 +134,7 @@ class EncodedFiles(Dataset):
                             f"data.cache=jpeg (the tree re-encoded once) or data.decode=cpu")
         self.samples, self.meta = folder.samples, meta
         self.transform = self.batch_transform = on_the_fly(meta)
+        self.batched = True  # augmented on the device, after the loader (data.sample_seed does not reach it)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -11,6 +11,7 @@ from itertools import islice
 import torch
 from torch.utils.data import DataLoader
 
+from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
 from ddplab.data.stream import Stream, is_stateful, is_stream, size
 
@@ -76,9 +77,9 @@ class Loaders:
 class TrainFeed:
     """The training data's position: an epoch, and how many samples of its global order are consumed
     (TrainState.consumed). Map-style data go through ResumableDistributedSampler, which resumes by
-    slicing its permutation; a stream through data.stream.Stream, which resumes a stream that seeks
-    itself (ddplab.Shards) at `consumed`, else from the dataset's own state_dict() where it has one,
-    else by reading past the samples already consumed.
+    slicing its permutation, and are read under a per-sample seed (data.per_sample_seed); a stream through
+    data.stream.Stream, which resumes a stream that seeks itself (ddplab.Shards) at `consumed`, else from
+    the dataset's own state_dict() where it has one, else by reading past the samples already consumed.
 
     state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
     """
@@ -101,6 +102,9 @@ class TrainFeed:
                     f"not by {loaders.workers} loader workers")
         else:
             self.sampler = ResumableDistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed)
+            if cfg.data.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
+                self.dataset = PerSampleSeed(dataset, self.seed)
+                self.sampler.keyed = True
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
 

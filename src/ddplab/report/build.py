@@ -12,8 +12,8 @@ from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
 from ddplab.report.scaling_table import scaling_tables
 from ddplab.report.table import (
-    QUALITY,
     build_rows,
+    is_quality,
     markdown,
     markdown_table,
     quality_columns_for,
@@ -96,10 +96,11 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
             "not hidden by compute (and any slowdown of processes sharing a machine), for every strategy.",
         ]
     quality = quality_columns_for(rows)
-    if any(k in QUALITY for k, _ in quality):
+    if any(is_quality(k) for k, _ in quality):
         lines += ["", "## Quality", "", markdown(rows, quality), "",
-                  "- val scores are the last epoch's, on the whole validation split (macro precision / recall / F1); "
-                  "test scores are the best model's on the test split."]
+                  "- the task's own scores (accuracy and macro precision / recall / F1 for classification; R², MAE, "
+                  "RMSE for regression; a Task's torchmetrics by their names): val scores are the last epoch's, on "
+                  "the whole validation split; test scores are the best model's on the test split."]
     notes = comparisons(rows) + efficiency_notes(rows)
     if notes:
         lines += ["", "## Differences and noise", "",

@@ -22,9 +22,10 @@ from ddplab.report.runs import Run
 TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
           "compute_ms_per_step", "rank_spread", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb",
           "step_ms", "overhead_ms_per_step", "peak_mem_mb"]
-SCORES = ("loss", "accuracy", "precision", "recall", "f1")
-QUALITY = ["best_val_loss", *(f"{split}_{score}" for split in ("val", "test") for score in SCORES)]
-SPREAD = TIMING + QUALITY
+# The task's own scores, as its evaluator names them (a user Task's torchmetrics by their keys in
+# Task.metrics()): these first, in this order, then any others by name.
+SCORES = ("loss", "accuracy", "top5_accuracy", "precision", "recall", "f1", "perplexity", "r2", "mae", "rmse")
+SCORE_HEADERS = {"f1": "F1", "r2": "R²", "mae": "MAE", "rmse": "RMSE"}
 
 # (key, markdown header); the CSV uses the keys.
 HEAD = [("point", "point"), ("setup", "setup (nodes x procs)")]
@@ -42,9 +43,32 @@ STRATEGY_COLUMNS = [
     ("comm_ms_per_step", "comm ms/step"), ("overhead_ms_per_step", "overhead ms/step"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
-# The last epoch's val loss is left out of the table: the best one is there.
-QUALITY_COLUMNS = [(k, k.replace("_", " ").replace("f1", "F1")) for k in QUALITY if k != "val_loss"]
-PERCENT = {"val_accuracy", "test_accuracy", "rank_spread"}
+PERCENT = {"val_accuracy", "test_accuracy", "val_top5_accuracy", "test_top5_accuracy", "rank_spread"}
+
+
+def task_scores(run: Run) -> list[str]:
+    """The names of the scores this run's task reported: its last epoch's val_<name>, its test split's <name>."""
+    last = run.epochs[-1] if run.epochs else {}
+    test = run.summary.get("test", {}) or {}
+    names = {k[4:] for k in last if k.startswith("val_")} | {k for k in test if k != "samples"}
+    return sorted(names, key=lambda n: (SCORES.index(n) if n in SCORES else len(SCORES), n))
+
+
+def is_quality(key: str) -> bool:
+    return key == "best_val_loss" or key.startswith(("val_", "test_"))
+
+
+def quality_keys(rows: list[dict]) -> list[str]:
+    """best_val_loss, then every split's scores that some row holds, val before test, in SCORES order."""
+    scores = list(dict.fromkeys(k.split("_", 1)[1] for r in rows for k in r if k.startswith(("val_", "test_"))
+                                and not (k.endswith(("_min", "_max")) and k[:-4] in r)))  # a point's range
+    scores.sort(key=lambda n: (SCORES.index(n) if n in SCORES else len(SCORES), n))
+    return ["best_val_loss", *(f"{split}_{name}" for split in ("val", "test") for name in scores)]
+
+
+def _header(key: str) -> str:
+    split, name = key.split("_", 1)
+    return f"{split} {SCORE_HEADERS.get(name, name.replace('_', ' '))}"
 
 
 def _mean(values) -> float | None:
@@ -117,6 +141,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         epoch_s, steps_per_epoch = _mean(r.get("epoch_time_s") for r in run.full_epochs), run.ddp.get("steps_per_epoch")
         test = run.summary.get("test", {}) or {}
         last = run.epochs[-1] if run.epochs else {}
+        scores = task_scores(run)
         at_budget, projected = epochs_at_budget(run, budget_s) if budget_s else (None, False)
         rows.append(
             {
@@ -157,8 +182,8 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
                 ),
                 "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
                 "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
-                **{f"val_{k}": last.get(f"val_{k}") for k in SCORES},
-                **{f"test_{k}": test.get(k) for k in SCORES},
+                **{f"val_{k}": last.get(f"val_{k}") for k in scores},
+                **{f"test_{k}": test.get(k) for k in scores},
                 "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
                 "gpu_mem_mb": max(
                     (r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None
@@ -201,7 +226,7 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         row["repeats"] = len(rows)
         row["runs"] = " ".join(sorted((r["run"] for r in rows), key=lambda n: (len(n), n)))
         row["baseline"] = ref[0] if ref else None
-        for key in SPREAD:
+        for key in TIMING + quality_keys(rows):
             row[key], row[f"{key}_min"], row[f"{key}_max"] = _spread([r.get(key) for r in rows])
         row["epochs_at_budget_projected"] = any(r["epochs_at_budget_projected"] for r in rows)
         out.append(row)
@@ -233,7 +258,7 @@ def fmt(key: str, value) -> str:
             return f"{value:.2f}"
         if key in PERCENT:
             return f"{100 * value:.2f}%"
-        if key in QUALITY:
+        if is_quality(key):
             return f"{value:.4f}"
         return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
     return str(value)
@@ -255,8 +280,9 @@ def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
 
 
 def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
-    present = [(k, h) for k, h in QUALITY_COLUMNS if any(r.get(k) is not None for r in rows)]
-    return HEAD + _swept_columns(rows) + present
+    """The task's scores that some row holds. The last epoch's val loss is left out: the best one is there."""
+    keys = [k for k in quality_keys(rows) if k != "val_loss" and any(r.get(k) is not None for r in rows)]
+    return HEAD + _swept_columns(rows) + [(k, "best val loss" if k == "best_val_loss" else _header(k)) for k in keys]
 
 
 def markdown(rows: list[dict], cols: list[tuple[str, str]]) -> str:
