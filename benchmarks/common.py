@@ -19,21 +19,54 @@ import torch
 
 # Each workload: ddplab overrides that define model, data, batch. Steps per epoch are kept small.
 WORKLOADS: dict[str, list[str]] = {
-    "gpt": ["model.name=gpt", "data.name=text", "model.layers=2", "model.dim=128", "model.heads=4",
-            "model.context=64", "training.batch_size=32", "data.limit=1536"],
-    "transformer": ["model.name=transformer", "data.name=synthetic_reviews", "data.tokenizer=hash",
-                    "data.num_samples=3000", "data.max_len=128", "model.layers=2", "model.dim=128", "model.heads=4",
-                    "training.batch_size=32", "data.limit=1536"],
+    "gpt": [
+        "model.name=gpt",
+        "data.name=text",
+        "model.layers=2",
+        "model.dim=128",
+        "model.heads=4",
+        "model.context=64",
+        "training.batch_size=32",
+        "data.limit=1536",
+    ],
+    "transformer": [
+        "model.name=transformer",
+        "data.name=synthetic_reviews",
+        "data.tokenizer=hash",
+        "data.num_samples=3000",
+        "data.max_len=128",
+        "model.layers=2",
+        "model.dim=128",
+        "model.heads=4",
+        "training.batch_size=32",
+        "data.limit=1536",
+    ],
     "cnn": ["model.name=cnn", "data.name=digits", "training.batch_size=32"],
     # nanoGPT's Shakespeare-character size (10.7 M parameters): a GPU workload.
-    "gpt_medium": ["model.name=gpt", "data.name=text", "model.layers=6", "model.dim=384", "model.heads=6",
-                   "model.context=256", "training.batch_size=64"],
+    "gpt_medium": [
+        "model.name=gpt",
+        "data.name=text",
+        "model.layers=6",
+        "model.dim=384",
+        "model.heads=6",
+        "model.context=256",
+        "training.batch_size=64",
+    ],
 }
 
 # What every contender does the same way: no clipping, constant lr, no extras.
-COMMON = ["training.clip_grad_norm=null", "training.schedule=constant", "training.warmup_steps=0",
-          "training.lr=1e-3", "model.dropout=0", "logging.trackers=[]", "logging.progress=false",
-          "checkpoint.save_best=false", "generate.max_new_tokens=0", "logging.log_every=50"]
+COMMON = [
+    "training.clip_grad_norm=null",
+    "training.schedule=constant",
+    "training.warmup_steps=0",
+    "training.lr=1e-3",
+    "model.dropout=0",
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "checkpoint.save_best=false",
+    "generate.max_new_tokens=0",
+    "logging.log_every=50",
+]
 
 
 def contender_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,10 +79,16 @@ def contender_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", choices=("none", "bf16"), default="none")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (hand-written loop only)")
-    p.add_argument("--alternate", action="store_true",
-                   help="interleaved only: the hand-written epoch goes first on odd epochs")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="an extra ddplab override (ddplab's own contender only)")
+    p.add_argument(
+        "--alternate", action="store_true", help="interleaved only: the hand-written epoch goes first on odd epochs"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra ddplab override (ddplab's own contender only)",
+    )
     return p.parse_args(argv)
 
 
@@ -139,8 +178,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, python {platform.python_version()}, "
-            f"{time.strftime('%Y-%m-%d')}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
 
 
 def paired_ratio(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, float]:

@@ -54,8 +54,9 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128 if CUDA else 32)
     p.add_argument("--epochs", type=int, default=3, help="epoch 1 is the warm-up; 2+ are timed")
     p.add_argument("--runs", type=int, default=3 if CUDA else 2, help="alternating rounds of every contender")
-    p.add_argument("--workers", type=int, default=None, help="the hand loop's DataLoader workers; default: cores - 1, "
-                   "at most 12")
+    p.add_argument(
+        "--workers", type=int, default=None, help="the hand loop's DataLoader workers; default: cores - 1, at most 12"
+    )
     p.add_argument("--only", default="ceiling,hand,raw,jpeg,nocache,gpu,build", help="comma-separated subset")
     p.add_argument("--root", default=None, help="folder for the tree and caches (default: a temporary one)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -90,6 +91,7 @@ def photo_tree(root: Path, args) -> Path:
 
 
 # ---------------------------------------------------------------------------- contenders (child processes)
+
 
 def _device_step(model, optimizer, x, y, device):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -136,25 +138,46 @@ def hand(args, tree: Path) -> dict:
     from torchvision import datasets, transforms
 
     device = torch.device("cuda" if CUDA else "cpu")
-    tf = transforms.Compose([transforms.Resize(args.image_size), transforms.CenterCrop(args.image_size),
-                             transforms.ToTensor(), transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    tf = transforms.Compose(
+        [
+            transforms.Resize(args.image_size),
+            transforms.CenterCrop(args.image_size),
+            transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
+    )
     workers = args.workers if args.workers is not None else min(12, max(1, cores() - 1))
-    loader = DataLoader(datasets.ImageFolder(str(tree), tf), batch_size=args.batch_size, shuffle=True,
-                        num_workers=workers, pin_memory=CUDA, persistent_workers=workers > 0)
+    loader = DataLoader(
+        datasets.ImageFolder(str(tree), tf),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=CUDA,
+        persistent_workers=workers > 0,
+    )
     model, optimizer = _model(args, device)
     ends = []
     for _ in range(args.epochs):
         for x, y in loader:
             x = x.to(device, non_blocking=True)
-            _device_step(model, optimizer, x.to(memory_format=torch.channels_last) if CUDA else x,
-                         y.to(device, non_blocking=True), device)
+            _device_step(
+                model,
+                optimizer,
+                x.to(memory_format=torch.channels_last) if CUDA else x,
+                y.to(device, non_blocking=True),
+                device,
+            )
         _sync(device)
         ends.append(time.perf_counter())
     return {"real": len(loader.dataset) * (args.epochs - 1) / (ends[-1] - ends[0]), "workers": workers}
 
 
-DDPLAB = {"raw": ["data.cache=raw"], "jpeg": ["data.cache=jpeg"], "nocache": ["data.cache=false"],
-          "gpu": ["data.cache=false", "data.decode=gpu"]}
+DDPLAB = {
+    "raw": ["data.cache=raw"],
+    "jpeg": ["data.cache=jpeg"],
+    "nocache": ["data.cache=false"],
+    "gpu": ["data.cache=false", "data.decode=gpu"],
+}
 
 
 def run_ddplab(args, tree: Path, kind: str) -> dict:
@@ -172,13 +195,27 @@ def run_ddplab(args, tree: Path, kind: str) -> dict:
             self.ends.append(time.perf_counter())
 
     clock, out, name = Clock(), Path(args.root) / "experiments", f"{kind}-{time.time_ns()}"
-    overrides = [f"model.name={args.model}", "data.name=image_folder", f"data.root={tree}",
-                 f"data.image_size={args.image_size}", "data.val_fraction=0", "data.test_fraction=0",
-                 f"data.cache_dir={Path(args.root) / 'cache'}", f"training.batch_size={args.batch_size}",
-                 f"training.epochs={args.epochs}", f"training.amp={'bf16' if CUDA else 'none'}",
-                 "training.lr=1e-3", "logging.trackers=[]", "logging.progress=false", "logging.plots=false",
-                 f"experiment.output_dir={out}", f"experiment.name={name}", "checkpoint.resume=never",
-                 "checkpoint.keep_last=1", *DDPLAB[kind]]
+    overrides = [
+        f"model.name={args.model}",
+        "data.name=image_folder",
+        f"data.root={tree}",
+        f"data.image_size={args.image_size}",
+        "data.val_fraction=0",
+        "data.test_fraction=0",
+        f"data.cache_dir={Path(args.root) / 'cache'}",
+        f"training.batch_size={args.batch_size}",
+        f"training.epochs={args.epochs}",
+        f"training.amp={'bf16' if CUDA else 'none'}",
+        "training.lr=1e-3",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "logging.plots=false",
+        f"experiment.output_dir={out}",
+        f"experiment.name={name}",
+        "checkpoint.resume=never",
+        "checkpoint.keep_last=1",
+        *DDPLAB[kind],
+    ]
     ddplab.train(None, overrides, callbacks=[clock])
     n = args.classes * args.per_class
     rows = list(csv.DictReader(open(out / name / "metrics.csv")))
@@ -190,18 +227,27 @@ def run_ddplab(args, tree: Path, kind: str) -> dict:
     # What the rows claim to time is the span less their evaluations and snapshots: compared like for like.
     aside = sum(float(r["eval_time_s"] or 0) + float(r["snapshot_time_s"] or 0) for r in rows[1:])
     reported = n * (args.epochs - 1) / sum(float(r["epoch_time_s"]) for r in rows[1:])
-    return {"real": real, "reported_over_real": reported / (n * (args.epochs - 1) / (span - aside)),
-            "epoch1": n / (clock.ends[0] - clock.start)}
+    return {
+        "real": real,
+        "reported_over_real": reported / (n * (args.epochs - 1) / (span - aside)),
+        "epoch1": n / (clock.ends[0] - clock.start),
+    }
 
 
 def child(args) -> None:
     tree = Path(args.root) / "train"
-    result = ceiling(args, tree) if args.child == "ceiling" else hand(args, tree) if args.child == "hand" \
+    result = (
+        ceiling(args, tree)
+        if args.child == "ceiling"
+        else hand(args, tree)
+        if args.child == "hand"
         else run_ddplab(args, tree, args.child)
+    )
     Path(args.out).write_text(json.dumps(result))
 
 
 # ---------------------------------------------------------------------------- the parent
+
 
 def in_child(argv: list[str], kind: str, root: Path) -> dict:
     out = root / f"{kind}.json"
@@ -251,9 +297,12 @@ def main(argv=None) -> None:
     passed = [a for i, a in enumerate(argv) if a != "--root" and (i == 0 or argv[i - 1] != "--root")]
     wanted = [k for k in args.only.split(",") if k and (k != "gpu" or CUDA)]
     n = args.classes * args.per_class
-    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}, {cores()} cores, torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}; {n} JPEGs {args.side}px -> {args.image_size}, {args.model}, "
-          f"batch {args.batch_size}, {args.epochs} epochs, {args.runs} runs", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}, {cores()} cores, torch {torch.__version__}, "
+        f"python {sys.version.split()[0]}; {n} JPEGs {args.side}px -> {args.image_size}, {args.model}, "
+        f"batch {args.batch_size}, {args.epochs} epochs, {args.runs} runs",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {}
     if "raw" in wanted or "jpeg" in wanted:  # the caches are built once, before any timed run
         for kind in ("raw", "jpeg"):
@@ -268,8 +317,10 @@ def main(argv=None) -> None:
         lo, hi = min(x["real"] for x in runs), max(x["real"] for x in runs)
         ratio = statistics.median(x["reported_over_real"] for x in runs) if "reported_over_real" in runs[0] else None
         first = statistics.median(x["epoch1"] for x in runs) if "epoch1" in runs[0] else None
-        print(f"{kind:<10}{real[kind]:>10.0f}{f'{lo:.0f}-{hi:.0f}':>20}{ratio or float('nan'):>15.3f}"
-              f"{first or float('nan'):>10.0f}")
+        print(
+            f"{kind:<10}{real[kind]:>10.0f}{f'{lo:.0f}-{hi:.0f}':>20}{ratio or float('nan'):>15.3f}"
+            f"{first or float('nan'):>10.0f}"
+        )
     for kind in real:
         for base in ("hand", "ceiling"):
             if base in real and kind != base:

@@ -37,16 +37,21 @@ def main() -> int:
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             faults: dict[str, list[int]] = {v: [] for v in VARIANTS}
             for i in range(args.runs):
-                for variant in (list(VARIANTS) if i % 2 == 0 else list(VARIANTS)[::-1]):
+                for variant in list(VARIANTS) if i % 2 == 0 else list(VARIANTS)[::-1]:
                     result = run_once("ddplab", workload, nproc, args.epochs, VARIANTS[variant])
                     times[variant].append(statistics.mean(result["epoch_times"][1:]))
                     faults[variant].append(result["page_faults"])
-                    print(f"  run {i + 1} {variant} {workload} nproc={nproc}: {times[variant][-1]:.3f} s/epoch, "
-                          f"{result['page_faults']:,} page faults", flush=True)
+                    print(
+                        f"  run {i + 1} {variant} {workload} nproc={nproc}: {times[variant][-1]:.3f} s/epoch, "
+                        f"{result['page_faults']:,} page faults",
+                        flush=True,
+                    )
             d, a = (statistics.median(times[v]) for v in VARIANTS)
             fd, fa = (statistics.median(faults[v]) for v in VARIANTS)
-            print(f"\n{workload}, {nproc} process(es): kept {d:.3f} s/epoch ({fd:,.0f} page faults per run), "
-                  f"glibc defaults {a:.3f} s/epoch ({fa:,.0f})")
+            print(
+                f"\n{workload}, {nproc} process(es): kept {d:.3f} s/epoch ({fd:,.0f} page faults per run), "
+                f"glibc defaults {a:.3f} s/epoch ({fa:,.0f})"
+            )
             print(f"ratio default/alternative keep_host_memory {workload} nproc={nproc} {d / a:.3f}")
     return 0
 

@@ -69,14 +69,30 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 
 
 def train(root: Path, path: str, nproc: int, epochs: int, run: int) -> list[float]:
-    data = {"idx": ["data.name=fashion_mnist", f"data.root={root / 'idx'}"],
-            "png-nocache": ["data.name=image_folder", f"data.root={root / 'png'}", "data.cache=false"],
-            "png-cache": ["data.name=image_folder", f"data.root={root / 'png'}"]}[path]
+    data = {
+        "idx": ["data.name=fashion_mnist", f"data.root={root / 'idx'}"],
+        "png-nocache": ["data.name=image_folder", f"data.root={root / 'png'}", "data.cache=false"],
+        "png-cache": ["data.name=image_folder", f"data.root={root / 'png'}"],
+    }[path]
     name = f"{path}-{run}"
-    cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *data,
-           "model.name=cnn", "training.batch_size=32", f"training.epochs={epochs}",
-           "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
-           f"experiment.output_dir={root / 'runs'}", f"experiment.name={name}", f"data.cache_dir={root / 'cache'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddplab",
+        "train",
+        "--nproc-per-node",
+        str(nproc),
+        *data,
+        "model.name=cnn",
+        "training.batch_size=32",
+        f"training.epochs={epochs}",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "checkpoint.save_best=false",
+        f"experiment.output_dir={root / 'runs'}",
+        f"experiment.name={name}",
+        f"data.cache_dir={root / 'cache'}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
@@ -95,9 +111,11 @@ def loader_rate(root: Path, path: str, passes: int = 3) -> float:
     from ddplab.engine.setup import build_data
     from ddplab.registry import load_config, workload
 
-    data = {"idx": ["data.name=fashion_mnist", f"data.root={root / 'idx'}"],
-            "png-nocache": ["data.name=image_folder", f"data.root={root / 'png'}", "data.cache=false"],
-            "png-cache": ["data.name=image_folder", f"data.root={root / 'png'}"]}[path]
+    data = {
+        "idx": ["data.name=fashion_mnist", f"data.root={root / 'idx'}"],
+        "png-nocache": ["data.name=image_folder", f"data.root={root / 'png'}", "data.cache=false"],
+        "png-cache": ["data.name=image_folder", f"data.root={root / 'png'}"],
+    }[path]
     cfg = load_config(None, [*data, "model.name=cnn", f"data.cache_dir={root / 'cache'}"])
     torch.set_num_threads(1)
     built = build_data(cfg, None, workload(cfg))
@@ -130,7 +148,7 @@ def main() -> int:
         )
         rates: dict[str, list[float]] = {k: [] for k in paths}
         for i in range(args.runs):
-            for path in paths[i % len(paths):] + paths[: i % len(paths)]:
+            for path in paths[i % len(paths) :] + paths[: i % len(paths)]:
                 rates[path].append(statistics.mean(train(root, path, args.nproc, args.epochs, i + 1)))
                 print(f"  run {i + 1} {path} nproc={args.nproc}: {rates[path][-1]:.0f} images/s", flush=True)
         print(f"load average after: {os.getloadavg()[0]:.2f}")

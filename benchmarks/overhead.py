@@ -64,16 +64,28 @@ CONTENDERS = {
 def run_once(contender: str, workload: str, nproc: int, epochs: int, options: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(HERE / "contenders" / CONTENDERS[contender]), workload, str(epochs), str(out), *options]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(HERE / "contenders" / CONTENDERS[contender]),
+            workload,
+            str(epochs),
+            str(out),
+            *options,
+        ]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
         faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0 or not out.is_file():
             raise RuntimeError(f"{contender} {workload} nproc={nproc} failed:\n{proc.stderr[-3000:]}")
         # Minor page faults of the launcher and all its workers, start-up included.
-        return {**json.loads(out.read_text()),
-                "page_faults": resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults}
+        return {
+            **json.loads(out.read_text()),
+            "page_faults": resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults,
+        }
 
 
 def verdict(lo: float, hi: float) -> str:
@@ -98,14 +110,19 @@ def report(times: dict[str, list[float]], workload: str, nproc: int, within: flo
     medians = {c: statistics.median(v) for c, v in times.items()}
     print(f"\n{workload}, {nproc} process(es): median seconds per epoch over {len(times['ddplab'])} runs")
     for c, v in times.items():
-        print(f"  {c:12s} {medians[c]:.3f} (min {min(v):.3f}, max {max(v):.3f}; "
-              f"spread {100 * (max(v) - min(v)) / medians[c]:.1f} % of the median)")
+        print(
+            f"  {c:12s} {medians[c]:.3f} (min {min(v):.3f}, max {max(v):.3f}; "
+            f"spread {100 * (max(v) - min(v)) / medians[c]:.1f} % of the median)"
+        )
     for c, (ratio, lo, hi, ok) in ratios(times, within).items():
         pairs = [a / b for a, b in zip(times["ddplab"], times[c], strict=True)]
         print(f"ratio ddplab/{c} {workload} nproc={nproc} {ratio:.3f}")
-        print(f"  95 % interval {lo:.3f}-{hi:.3f} (+-{100 * max(hi / ratio - 1, 1 - lo / ratio):.1f} %) from "
-              f"{len(pairs)} pairs; pairs {min(pairs):.3f}-{max(pairs):.3f}; resolved to {100 * within:g} %: "
-              f"{'yes' if ok else 'no'}; {verdict(lo, hi)}", flush=True)
+        print(
+            f"  95 % interval {lo:.3f}-{hi:.3f} (+-{100 * max(hi / ratio - 1, 1 - lo / ratio):.1f} %) from "
+            f"{len(pairs)} pairs; pairs {min(pairs):.3f}-{max(pairs):.3f}; resolved to {100 * within:g} %: "
+            f"{'yes' if ok else 'no'}; {verdict(lo, hi)}",
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -113,18 +130,36 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--runs", type=int, default=5, help="rounds at least (each contender once per round)")
-    p.add_argument("--max-runs", type=int, default=12,
-                   help="rounds at most: past --runs, rounds go on while a ratio is not resolved to --resolve")
-    p.add_argument("--resolve", type=float, default=0.05,
-                   help="stop once every ratio's 95 %% interval lies within this fraction of it (default 0.05)")
-    p.add_argument("--steps", type=int, default=300,
-                   help="optimizer steps per process timed in each run (after a warm-up epoch); sets the epochs")
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=12,
+        help="rounds at most: past --runs, rounds go on while a ratio is not resolved to --resolve",
+    )
+    p.add_argument(
+        "--resolve",
+        type=float,
+        default=0.05,
+        help="stop once every ratio's 95 %% interval lies within this fraction of it (default 0.05)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="optimizer steps per process timed in each run (after a warm-up epoch); sets the epochs",
+    )
     p.add_argument("--epochs", type=int, default=None, help="epochs per run instead of --steps; the first is a warm-up")
     p.add_argument("--contenders", default="ddplab,handwritten,accelerate,fabric")
-    p.add_argument("--interleave", action="store_true",
-                   help="ddplab and the hand-written loop epoch by epoch in the same processes")
-    p.add_argument("--alternate", action="store_true",
-                   help="with --interleave: the hand-written epoch goes first on odd epochs (default: ddplab first)")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="ddplab and the hand-written loop epoch by epoch in the same processes",
+    )
+    p.add_argument(
+        "--alternate",
+        action="store_true",
+        help="with --interleave: the hand-written epoch goes first on odd epochs (default: ddplab first)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--amp", choices=("none", "bf16"), default="none", help="autocast precision for every contender")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every contender")
@@ -132,37 +167,51 @@ def main() -> int:
     contenders = ["ddplab", "handwritten"] if args.interleave else args.contenders.split(",")
     if contenders[0] != "ddplab" or len(contenders) < 2 or not set(contenders) <= set(CONTENDERS) - {"interleaved"}:
         p.error("--contenders: ddplab first, then one or more of handwritten, accelerate, fabric")
-    options = ["--device", args.device, "--amp", args.amp] + (["--compile"] if args.compile else []) \
+    options = (
+        ["--device", args.device, "--amp", args.amp]
+        + (["--compile"] if args.compile else [])
         + (["--alternate"] if args.alternate else [])
+    )
     print(f"machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
     print(f"device {args.device}, amp {args.amp}, compile {args.compile}")
-    print(f"rounds: {args.runs} to {max(args.runs, args.max_runs)}, until every ratio is resolved to "
-          f"{100 * args.resolve:g} %; first epoch of each run not counted; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"rounds: {args.runs} to {max(args.runs, args.max_runs)}, until every ratio is resolved to "
+        f"{100 * args.resolve:g} %; first epoch of each run not counted; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     for workload in args.workloads.split(","):
         for nproc in (int(n) for n in args.nproc.split(",")):
             epochs = args.epochs
             if epochs is None:  # a one-epoch probe tells the steps an epoch has at this process count
                 steps = run_once("handwritten", workload, nproc, 1, options)["steps_per_epoch"]
                 epochs = 1 + math.ceil(args.steps / steps)
-                print(f"{workload} nproc={nproc}: {steps} steps per epoch; {epochs} epochs per run, "
-                      f"{(epochs - 1) * steps} timed steps per process", flush=True)
+                print(
+                    f"{workload} nproc={nproc}: {steps} steps per epoch; {epochs} epochs per run, "
+                    f"{(epochs - 1) * steps} timed steps per process",
+                    flush=True,
+                )
             times: dict[str, list[float]] = {c: [] for c in contenders}
             waits: list[float] = []
             rates: list[float] = []
             mfus: list[float] = []
             rounds = max(args.runs, args.max_runs)
             for i in range(rounds):
-                order = contenders[i % len(contenders):] + contenders[: i % len(contenders)]
+                order = contenders[i % len(contenders) :] + contenders[: i % len(contenders)]
                 for contender in ["interleaved"] if args.interleave else order:
                     result = run_once(contender, workload, nproc, epochs, options)
                     timed = result["epoch_times"][1:]
-                    runs = {contender: timed} if not args.interleave else \
-                        {"ddplab": timed, "handwritten": result["hand_epoch_times"][1:]}
+                    runs = (
+                        {contender: timed}
+                        if not args.interleave
+                        else {"ddplab": timed, "handwritten": result["hand_epoch_times"][1:]}
+                    )
                     for name, epoch_times in runs.items():
                         times[name].append(statistics.median(epoch_times))
-                        print(f"  round {i + 1} {name} {workload} nproc={nproc}: {times[name][-1]:.3f} s/epoch "
-                              f"(its epochs {min(epoch_times):.3f}-{max(epoch_times):.3f})", flush=True)
+                        print(
+                            f"  round {i + 1} {name} {workload} nproc={nproc}: {times[name][-1]:.3f} s/epoch "
+                            f"(its epochs {min(epoch_times):.3f}-{max(epoch_times):.3f})",
+                            flush=True,
+                        )
                     if result.get("real_epoch_times"):  # metrics.csv's clock against a continuous one
                         # Over all timed epochs: each epoch's own ratio also holds the jitter of where its
                         # boundary hooks ran (collectives with a rank the scheduler held back), which cancels here.
@@ -181,14 +230,18 @@ def main() -> int:
                 if i + 1 < args.runs:
                     continue
                 now = ratios(times, args.resolve)
-                print(f"  after round {i + 1}: " + ", ".join(
-                    f"/{c} {r:.3f} ({lo:.3f}-{hi:.3f})" for c, (r, lo, hi, _) in now.items()), flush=True)
+                print(
+                    f"  after round {i + 1}: "
+                    + ", ".join(f"/{c} {r:.3f} ({lo:.3f}-{hi:.3f})" for c, (r, lo, hi, _) in now.items()),
+                    flush=True,
+                )
                 if all(ok for *_, ok in now.values()) or i + 1 == rounds:
                     break
             report(times, workload, nproc, args.resolve)
             if not all(ok for *_, ok in now.values()):
-                print(f"  not resolved to {100 * args.resolve:g} % after {len(times['ddplab'])} rounds "
-                      f"(raise --max-runs)")
+                print(
+                    f"  not resolved to {100 * args.resolve:g} % after {len(times['ddplab'])} rounds (raise --max-runs)"
+                )
             if waits:
                 print(f"data wait ddplab {workload} nproc={nproc} {100 * statistics.median(waits):.2f}% of epoch time")
             if rates:

@@ -69,8 +69,15 @@ def run(variant: dict, device, steps: int, batches) -> float:
     return elapsed
 
 
-DEFAULT = {"set_to_none": True, "bucket_view": True, "item_every_step": False, "non_blocking": True,
-           "fused": True, "tf32": True, "pinned": True}
+DEFAULT = {
+    "set_to_none": True,
+    "bucket_view": True,
+    "item_every_step": False,
+    "non_blocking": True,
+    "fused": True,
+    "tf32": True,
+    "pinned": True,
+}
 PAIRS = {  # name -> the alternative to ddplab's default; CUDA-only pairs last
     "zero_grad(set_to_none=True)": {"set_to_none": False},
     "gradient_as_bucket_view": {"bucket_view": False},
@@ -109,8 +116,10 @@ def main() -> int:
                 times.setdefault(name, {}).setdefault(label, []).append(run(variant, device, args.steps, batches))
     if main_rank:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        print(f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, {world} process(es), "
-              f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
+        print(
+            f"device {torch.cuda.get_device_name(device) if cuda else 'cpu'}, {world} process(es), "
+            f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"
+        )
         for name in PAIRS:
             if name not in times:
                 print(f"{name}: not measured (needs {'CUDA' if name in CUDA_ONLY else '2+ processes'})")

@@ -35,19 +35,42 @@ sys.path.insert(0, str(HERE))
 from common import WORKLOADS, paired_ratio  # noqa: E402
 
 
-def run_once(side: str, nproc: int, workload: str, folder: Path, before: str | None = None,
-             extra: tuple[str, ...] = ()) -> tuple[float, dict]:
+def run_once(
+    side: str, nproc: int, workload: str, folder: Path, before: str | None = None, extra: tuple[str, ...] = ()
+) -> tuple[float, dict]:
     out = folder / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     if side == "ddplab-before":  # the same command on another checkout's ddplab
         env["PYTHONPATH"] = os.pathsep.join([before, env.get("PYTHONPATH", "")])
     if side.startswith("ddplab"):
-        cmd = [sys.executable, "-m", "ddplab", "train", "--nproc-per-node", str(nproc), *WORKLOADS[workload],
-               "training.max_steps=1", "logging.progress=false", f"experiment.output_dir={folder}", "experiment.name=s",
-               *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddplab",
+            "train",
+            "--nproc-per-node",
+            str(nproc),
+            *WORKLOADS[workload],
+            "training.max_steps=1",
+            "logging.progress=false",
+            f"experiment.output_dir={folder}",
+            "experiment.name=s",
+            *extra,
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(HERE / "contenders" / "handwritten.py"), workload, "1", str(out), "--max-steps", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(HERE / "contenders" / "handwritten.py"),
+            workload,
+            "1",
+            str(out),
+            "--max-steps",
+            "1",
+        ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder)
     wall = time.perf_counter() - start
@@ -68,10 +91,20 @@ def main() -> int:
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--workload", default="cnn", choices=("cnn", "gpt", "transformer"))
-    p.add_argument("--before", metavar="SRC", help="also time ddplab from this src folder (e.g. an older checkout's "
-                                                  "src/), as side 'ddplab-before', in the same alternation")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                   help="an override for the ddplab sides only, e.g. logging.plots=false (repeatable)")
+    p.add_argument(
+        "--before",
+        metavar="SRC",
+        help="also time ddplab from this src folder (e.g. an older checkout's "
+        "src/), as side 'ddplab-before', in the same alternation",
+    )
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for the ddplab sides only, e.g. logging.plots=false (repeatable)",
+    )
     args = p.parse_args()
     sides = ["ddplab", "torchrun-hand"] + (["ddplab-before"] if args.before else [])
     print(
@@ -82,7 +115,7 @@ def main() -> int:
         walls: dict[str, list[float]] = {s: [] for s in sides}
         phases: dict[str, list[dict]] = {s: [] for s in sides}
         for i in range(args.runs):
-            for side in (sides if i % 2 == 0 else sides[::-1]):
+            for side in sides if i % 2 == 0 else sides[::-1]:
                 with tempfile.TemporaryDirectory() as tmp:
                     wall, ph = run_once(side, nproc, args.workload, Path(tmp), args.before, tuple(args.extra))
                 walls[side].append(wall)
@@ -97,8 +130,10 @@ def main() -> int:
         for side, runs in phases.items():
             if runs:
                 keys = [k for k in runs[0] if all(k in ph for ph in runs)]
-                print(f"  {side} phases (rank 0, median s): "
-                      + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in runs):.2f}" for k in keys))
+                print(
+                    f"  {side} phases (rank 0, median s): "
+                    + ", ".join(f"{k[:-2]} {statistics.median(ph[k] for ph in runs):.2f}" for k in keys)
+                )
         print(f"  run-by-run ratios {min(pairs):.3f}-{max(pairs):.3f}")
         mean, lo, hi = paired_ratio(walls["ddplab"], walls["torchrun-hand"])
         print(f"  paired runs: geometric mean {mean:.3f}, 95 % interval {lo:.3f}-{hi:.3f}")

@@ -26,8 +26,11 @@ from pathlib import Path
 def memory() -> dict:
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     mb = lambda key: int(status.get(key, "0 kB").split()[0]) / 1024  # noqa: E731
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_anon_mb": mb("RssAnon"), "rss_file_mb": mb("RssFile")}
+    return {
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_anon_mb": mb("RssAnon"),
+        "rss_file_mb": mb("RssFile"),
+    }
 
 
 def worker(a) -> None:
@@ -37,21 +40,40 @@ def worker(a) -> None:
     from ddplab.engine.setup import build_data
     from ddplab.registry import load_config, workload
 
-    cfg = load_config(None, ["model.name=transformer", "data.name=synthetic_reviews", f"data.num_samples={a.rows}",
-                             f"data.max_len={a.max_len}", f"data.cache_dir={a.cache_dir}", "data.val_fraction=0.01"])
+    cfg = load_config(
+        None,
+        [
+            "model.name=transformer",
+            "data.name=synthetic_reviews",
+            f"data.num_samples={a.rows}",
+            f"data.max_len={a.max_len}",
+            f"data.cache_dir={a.cache_dir}",
+            "data.val_fraction=0.01",
+        ],
+    )
     with distributed.session("gloo") as ctx:
         before = memory()
         start = time.perf_counter()
         bundle = build_data(cfg, ctx, workload(cfg))
         built = time.perf_counter() - start
-        loader = DataLoader(bundle.train, batch_size=64, collate_fn=bundle.collate_fn,
-                            sampler=DistributedSampler(bundle.train, ctx.world_size, ctx.rank, seed=0))
+        loader = DataLoader(
+            bundle.train,
+            batch_size=64,
+            collate_fn=bundle.collate_fn,
+            sampler=DistributedSampler(bundle.train, ctx.world_size, ctx.rank, seed=0),
+        )
         start, tokens = time.perf_counter(), 0
         for inputs, _ in loader:
             tokens += int(inputs["attention_mask"].sum())
         read = time.perf_counter() - start
-        result = {"rank": ctx.rank, "data_s": built, "epoch_read_s": read, "tokens": tokens,
-                  "after_imports": before, "end": memory()}
+        result = {
+            "rank": ctx.rank,
+            "data_s": built,
+            "epoch_read_s": read,
+            "tokens": tokens,
+            "after_imports": before,
+            "end": memory(),
+        }
         for line in ctx.gather_objects(json.dumps(result)):
             if ctx.is_main:
                 print("RESULT " + line, flush=True)
@@ -71,8 +93,19 @@ def baseline(a) -> None:
         texts, y = generate(1337, lo, min(10_000, a.rows - lo), 2)
         ids += [tok.encode(t) for t in texts]
         labels += y.tolist()
-    print("RESULT " + json.dumps({"rank": "lists", "data_s": time.perf_counter() - start, "tokens": sum(map(len, ids)),
-                                  "after_imports": before, "end": memory()}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "rank": "lists",
+                "data_s": time.perf_counter() - start,
+                "tokens": sum(map(len, ids)),
+                "after_imports": before,
+                "end": memory(),
+            }
+        ),
+        flush=True,
+    )
 
 
 def run(cmd: list[str]) -> list[dict]:
@@ -96,16 +129,23 @@ def main() -> None:
     me = [sys.argv[0], f"--rows={a.rows}", f"--max-len={a.max_len}", f"--cache-dir={a.cache_dir}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
     rows = [("lists", r) for r in run([sys.executable, *me, "--role=baseline"])]
-    rows += [("cache, first run" if i == 0 else "cache, built", r)
-             for i in range(2) for r in run([*torchrun, *me, "--role=worker"])]
+    rows += [
+        ("cache, first run" if i == 0 else "cache, built", r)
+        for i in range(2)
+        for r in run([*torchrun, *me, "--role=worker"])
+    ]
     base = rows[0][1]["end"]["peak_rss_mb"]
     print(f"{a.rows:,} synthetic reviews, max_len {a.max_len}, {a.nproc} ranks; memory in MiB")
-    print(f"{'how':18s} {'rank':>5s} {'imports':>8s} {'peak RSS':>9s} {'anon':>7s} {'file':>7s} {'data s':>7s} "
-          f"{'vs lists':>9s}")
+    print(
+        f"{'how':18s} {'rank':>5s} {'imports':>8s} {'peak RSS':>9s} {'anon':>7s} {'file':>7s} {'data s':>7s} "
+        f"{'vs lists':>9s}"
+    )
     for how, r in rows:
         e = r["end"]
-        print(f"{how:18s} {str(r['rank']):>5s} {r['after_imports']['peak_rss_mb']:8.0f} {e['peak_rss_mb']:9.0f} "
-              f"{e['rss_anon_mb']:7.0f} {e['rss_file_mb']:7.0f} {r['data_s']:7.1f} {e['peak_rss_mb'] / base:8.2f}x")
+        print(
+            f"{how:18s} {str(r['rank']):>5s} {r['after_imports']['peak_rss_mb']:8.0f} {e['peak_rss_mb']:9.0f} "
+            f"{e['rss_anon_mb']:7.0f} {e['rss_file_mb']:7.0f} {r['data_s']:7.1f} {e['peak_rss_mb'] / base:8.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,18 @@ def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="ddplab-tests-state-")
 
+
 # A GPT small enough that a 2-process run takes seconds on one core each.
-TINY_GPT = ["model.layers=1", "model.dim=32", "model.heads=2", "model.context=32", "training.batch_size=8",
-            "logging.trackers=[]", "logging.progress=false", "generate.max_new_tokens=20"]
+TINY_GPT = [
+    "model.layers=1",
+    "model.dim=32",
+    "model.heads=2",
+    "model.context=32",
+    "training.batch_size=8",
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "generate.max_new_tokens=20",
+]
 
 
 def _env() -> dict:
@@ -44,18 +53,30 @@ def _env() -> dict:
 
 def ddplab(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`ddplab ARGS` in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "ddplab", *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ddplab", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
-def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300,
-             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra,
-           "-m", "ddplab", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *extra,
+        "-m",
+        "ddplab",
+        *args,
+    ]
     # Its own session: a job that outlives the timeout is killed whole, its workers too, not left running.
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -39,8 +39,17 @@ def command(spec: str, args: list[str], nproc: int | None = None, max_restarts: 
     """The command line of a faulty run: one process, or `nproc` under torchrun."""
     if nproc is None:
         return [sys.executable, str(SCRIPT), spec, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", str(SCRIPT), spec, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        str(SCRIPT),
+        spec,
+        *args,
+    ]
 
 
 class Faults(ddplab.Callback):
@@ -50,14 +59,20 @@ class Faults(ddplab.Callback):
         self.armed = first_attempt
 
     def _fires(self, kind: str, step: int) -> bool:
-        return (self.armed and f"{kind}_rank" in self.items and int(self.items[f"{kind}_rank"]) == self.rank
-                and int(self.items.get("step", -1)) == step)
+        return (
+            self.armed
+            and f"{kind}_rank" in self.items
+            and int(self.items[f"{kind}_rank"]) == self.rank
+            and int(self.items.get("step", -1)) == step
+        )
 
     def on_train_start(self, view) -> None:
         if "nan_rank" in self.items:
+
             def nan_output(module, inputs, output):  # during the step being taken (view.step + 1)
                 if module.training and self._fires("nan", view.step + 1):
                     return output * float("nan")
+
             view.model.register_forward_hook(nan_output)
 
     def on_step_end(self, view) -> None:
@@ -85,6 +100,7 @@ class Faults(ddplab.Callback):
                 if info["step"] == at:
                     os.kill(os.getpid(), signal.SIGKILL)
                 write_marker(folder, info)
+
             checkpoint.write_marker = crash_before_marker
         if "trace" in self.items:
             from ddplab.data.sampler import ResumableDistributedSampler
@@ -98,6 +114,7 @@ class Faults(ddplab.Callback):
                     for key in indices(sampler):  # an index, or an (epoch, index) key for per-sample seeds
                         f.write(f"{sampler.epoch} {key[1] if isinstance(key, tuple) else key}\n")
                         yield key
+
             ResumableDistributedSampler.__iter__ = traced
 
 

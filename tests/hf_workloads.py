@@ -54,20 +54,33 @@ def hf_data(cfg):
         ds = ds.map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
         return ds.with_format("torch") if cfg.options.get("torch_format") else ds
 
-    return ddplab.Data(train=split(256, 0), val=split(64, 1), task=ddplab.Classification(2, ["negative", "positive"]),
-                       collate_fn=DataCollatorWithPadding(tok), preprocess=lambda text: dict(tok(text)))
+    return ddplab.Data(
+        train=split(256, 0),
+        val=split(64, 1),
+        task=ddplab.Classification(2, ["negative", "positive"]),
+        collate_fn=DataCollatorWithPadding(tok),
+        preprocess=lambda text: dict(tok(text)),
+    )
 
 
 def bert(cfg, data):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(WORDS) + 3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32, num_labels=2)
+    config = BertConfig(
+        vocab_size=len(WORDS) + 3,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     return BertForSequenceClassification(config)
 
 
 # ---------------------------------------------------------------------------- streams
+
 
 class Numbers(torch.utils.data.IterableDataset):
     """Items {x, labels, idx} for idx in range(n), shuffled per epoch when asked; no len(), no state."""
@@ -111,6 +124,7 @@ def stream_data(cfg):
         def rows(n):
             for item in Numbers(n, shuffle=False):
                 yield {**item, "x": item["x"].tolist()}
+
         full = datasets.Dataset.from_generator(rows, gen_kwargs={"n": o.get("n", 96)})
         train = full.to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=1).with_format("torch")
         val = Numbers(37, shuffle=False)
@@ -155,8 +169,11 @@ def bad_data(cfg):
         return ddplab.Data(train=[(torch.zeros(4), 0)] * 8, task=ddplab.Classification(2))
     if kind == "dataset_dict":
         import datasets
-        return ddplab.Data(train=datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [0, 1]})}),
-                           task=ddplab.Classification(2))
+
+        return ddplab.Data(
+            train=datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [0, 1]})}),
+            task=ddplab.Classification(2),
+        )
     if kind == "text_left":  # a text column left beside the token ids: the collator cannot pad it
         data = hf_data(cfg)
         data.train = data.train.add_column("review", ["some text"] * len(data.train))

@@ -18,8 +18,11 @@ from ddplab.engine.lock import RunLock
 
 def tree_digest(folder: Path) -> dict[str, str]:
     """Every file under `folder` -> SHA-256 of its bytes (an added or removed file shows too)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +44,9 @@ def place(tmp_path_factory) -> Path:
     # An unfinished run whose corpus has become empty since: same config, data now bad.
     later = root / "experiments" / "later"
     shutil.copytree(root / "experiments" / "open", later)
-    (later / "config.yaml").write_text((later / "config.yaml").read_text().replace("path: corpus.txt",
-                                                                                  "path: emptied.txt"))
+    (later / "config.yaml").write_text(
+        (later / "config.yaml").read_text().replace("path: corpus.txt", "path: emptied.txt")
+    )
     (root / "emptied.txt").write_text("")
     (root / "empty.txt").write_text("")
     (root / "one.txt").write_text("x")
@@ -103,22 +107,39 @@ CASES = [
     ("train-empty-corpus", ["train", *TRAIN, "data.path=empty.txt", "experiment.name=new"], "too little text"),
     ("train-one-char", ["train", *TRAIN, "data.path=one.txt", "experiment.name=new"], "one.txt"),
     ("train-no-text-files", ["train", *TRAIN, "data.path=no_text", "experiment.name=new"], "no .txt files"),
-    ("train-corpus-emptied-since", ["train", *TRAIN, "data.path=emptied.txt", "experiment.name=later"],
-     "emptied.txt"),
+    ("train-corpus-emptied-since", ["train", *TRAIN, "data.path=emptied.txt", "experiment.name=later"], "emptied.txt"),
     ("train-binary-corpus", ["train", *TRAIN, "data.path=binary.txt", "experiment.name=new"], "not UTF-8"),
-    ("train-context-too-long", ["train", *TRAIN, "data.path=short.txt", "model.context=512", "experiment.name=x"],
-     "model.context=512"),
+    (
+        "train-context-too-long",
+        ["train", *TRAIN, "data.path=short.txt", "model.context=512", "experiment.name=x"],
+        "model.context=512",
+    ),
     ("train-tokenizer-misfit", ["train", *TRAIN, "data.tokenizer=hash", "experiment.name=x"], "data.tokenizer"),
-    ("train-resume-not-checkpoint", ["train", *TRAIN, "checkpoint.resume=corpus.txt", "experiment.name=open"],
-     "corpus.txt"),
-    ("train-resume-truncated", ["train", *TRAIN, "checkpoint.resume=truncated.pt", "experiment.name=open"],
-     "truncated"),
-    ("train-resume-other-model", ["train", *TRAIN, "model.layers=2", f"checkpoint.resume={SNAP}",
-                                  "experiment.name=x"], "another model"),
-    ("train-resume-other-width", ["train", *TRAIN, "model.dim=64", f"checkpoint.resume={SNAP}",
-                                  "experiment.name=x"], "another model"),
-    ("train-changed-config", ["train", *TRAIN, "training.weight_decay=0.5", "experiment.name=open"],
-     "training.weight_decay:"),
+    (
+        "train-resume-not-checkpoint",
+        ["train", *TRAIN, "checkpoint.resume=corpus.txt", "experiment.name=open"],
+        "corpus.txt",
+    ),
+    (
+        "train-resume-truncated",
+        ["train", *TRAIN, "checkpoint.resume=truncated.pt", "experiment.name=open"],
+        "truncated",
+    ),
+    (
+        "train-resume-other-model",
+        ["train", *TRAIN, "model.layers=2", f"checkpoint.resume={SNAP}", "experiment.name=x"],
+        "another model",
+    ),
+    (
+        "train-resume-other-width",
+        ["train", *TRAIN, "model.dim=64", f"checkpoint.resume={SNAP}", "experiment.name=x"],
+        "another model",
+    ),
+    (
+        "train-changed-config",
+        ["train", *TRAIN, "training.weight_decay=0.5", "experiment.name=open"],
+        "training.weight_decay:",
+    ),
     ("train-changed-model", ["train", *TRAIN, "model.dim=64", "experiment.name=open"], "model.dim: 32 -> 64"),
     ("train-changed-data", ["train", *TRAIN, "data.limit=10", "experiment.name=open"], "data.limit"),
     ("train-output-dir-file", ["train", *TRAIN, "experiment.output_dir=a_file"], "a_file"),
@@ -187,11 +208,17 @@ def test_a_held_run_folder_is_refused_naming_the_holder(place, monkeypatch, capf
     assert tree_digest(place / "experiments" / "done") == before
 
 
-@pytest.mark.parametrize("argv, phrase", [
-    (["train", "--nproc-per-node", "2", *TRAIN, "data.path=empty.txt", "experiment.name=new"], "too little text"),
-    (["train", "--nproc-per-node", "2", *TRAIN, "training.weight_decay=0.5", "experiment.name=open"],
-     "training.weight_decay"),
-], ids=["workers-find-an-empty-corpus", "launcher-finds-a-changed-config"])
+@pytest.mark.parametrize(
+    "argv, phrase",
+    [
+        (["train", "--nproc-per-node", "2", *TRAIN, "data.path=empty.txt", "experiment.name=new"], "too little text"),
+        (
+            ["train", "--nproc-per-node", "2", *TRAIN, "training.weight_decay=0.5", "experiment.name=open"],
+            "training.weight_decay",
+        ),
+    ],
+    ids=["workers-find-an-empty-corpus", "launcher-finds-a-changed-config"],
+)
 def test_real_processes_print_one_line(place, argv, phrase):
     """Under the launcher, a user error that only the workers can see reaches the console once."""
     before = tree_digest(place / "experiments")
@@ -212,7 +239,8 @@ def test_temperature_0_is_greedy_and_top_k_0_is_no_top_k(place, monkeypatch, cap
     assert texts[0] == texts[1] and len(texts[0].strip()) > 0  # greedy: the seed does not matter
     sampled = []
     for seed in ("1", "2"):
-        assert main("generate", DONE, "--top-k", "0", "--temperature", "2", "--max-new-tokens", "30",
-                    "--seed", seed) == 0
+        assert (
+            main("generate", DONE, "--top-k", "0", "--temperature", "2", "--max-new-tokens", "30", "--seed", seed) == 0
+        )
         sampled.append(capfd.readouterr().out)
     assert sampled[0] != sampled[1]  # still sampling, over the whole vocabulary

@@ -63,9 +63,21 @@ def test_budget_estimate_from_the_pace_so_far():
 
 
 def test_budget_stopped_cosine_run_ends_at_its_floor_and_prints_the_part_epoch(tmp_path, corpus):
-    proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=1000",
-                  "training.time_budget=3s", "training.warmup_steps=2", "training.lr=1e-3", "training.min_lr_ratio=0.1",
-                  "logging.log_every=2", "checkpoint.save_best=false", "experiment.name=b", cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "generate.max_new_tokens=0",
+        "training.epochs=1000",
+        "training.time_budget=3s",
+        "training.warmup_steps=2",
+        "training.lr=1e-3",
+        "training.min_lr_ratio=0.1",
+        "logging.log_every=2",
+        "checkpoint.save_best=false",
+        "experiment.name=b",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     summary = json.loads((tmp_path / "experiments" / "b" / "metrics.json").read_text())
     assert summary["stop_reason"] == "time_budget"

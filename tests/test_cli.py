@@ -11,11 +11,14 @@ from conftest import TINY_GPT, assert_ok, ddplab, main
 
 # Real processes prove the path from the console script to one line on stderr; every bad input, these three
 # included, is checked in this process by test_bad_inputs.py.
-@pytest.mark.parametrize("args, field", [
-    (["train", "training.lr=abc"], "training.lr"),
-    (["train", "--nproc-per-node", "two"], "--nproc-per-node"),
-    (["generate", "/no/such/run"], "/no/such/run"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["train", "training.lr=abc"], "training.lr"),
+        (["train", "--nproc-per-node", "two"], "--nproc-per-node"),
+        (["generate", "/no/such/run"], "/no/such/run"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, field, tmp_path):
     proc = ddplab(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -26,8 +29,15 @@ def test_bad_input_is_one_line_and_exit_2(args, field, tmp_path):
 
 
 def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
-    proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.epochs=2", "logging.trackers=[tensorboard]",
-                  "experiment.name=short", cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.epochs=2",
+        "logging.trackers=[tensorboard]",
+        "experiment.name=short",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / "short"
     for name in ("config.yaml", "env.json", "metrics.csv", "metrics.json", "train.log", "sample.txt"):
@@ -53,8 +63,9 @@ def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
     assert gen.stdout.startswith("ROMEO.") and len(gen.stdout.strip()) >= 40
 
     # The same name again: the finished run is kept, the new one gets a fresh folder.
-    again = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=2", "experiment.name=short",
-                   cwd=tmp_path)
+    again = ddplab(
+        "train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=2", "experiment.name=short", cwd=tmp_path
+    )
     assert_ok(again)
     assert (tmp_path / "experiments" / "short-2" / "metrics.json").is_file()
     assert len(list(csv.DictReader(open(run / "metrics.csv")))) == 2

@@ -18,8 +18,14 @@ from ddplab.engine.comm import attach_step_timer, epoch_comm_row, install_comm_h
 from ddplab.engine.loaders import data_workers
 from ddplab.engine.setup import wants_channels_last
 
-FAST = ["logging.trackers=[]", "logging.progress=false", "logging.plots=false", "training.batch_size=8",
-        "training.warmup_steps=0", "experiment.seed=3"]
+FAST = [
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "logging.plots=false",
+    "training.batch_size=8",
+    "training.warmup_steps=0",
+    "experiment.seed=3",
+]
 
 
 class Net(torch.nn.Module):
@@ -63,14 +69,25 @@ class Stopwatch(ddplab.Callback):
 
 
 def _train(tmp_path, *overrides, callbacks=()):
-    return ddplab.train(None, [*FAST, f"experiment.output_dir={tmp_path}", "experiment.name=run", *overrides],
-                        model=model, data=data, callbacks=callbacks)
+    return ddplab.train(
+        None,
+        [*FAST, f"experiment.output_dir={tmp_path}", "experiment.name=run", *overrides],
+        model=model,
+        data=data,
+        callbacks=callbacks,
+    )
 
 
 def test_time_spent_in_callbacks_is_counted_in_the_epoch(tmp_path):
     watch = Stopwatch(0.02)
-    rows = _train(tmp_path, "data.options.val=false", "checkpoint.save_best=false", "logging.log_every=1",
-                  "training.epochs=2", callbacks=[watch])["epochs"]
+    rows = _train(
+        tmp_path,
+        "data.options.val=false",
+        "checkpoint.save_best=false",
+        "logging.log_every=1",
+        "training.epochs=2",
+        callbacks=[watch],
+    )["epochs"]
     for row, start, end in zip(rows, watch.starts, watch.ends[1:], strict=True):
         real = end - start  # the same steps, on a clock that never stops
         assert row["eval_time_s"] == 0  # and the snapshot after the previous row lies before on_epoch_start
@@ -81,8 +98,14 @@ def test_time_spent_in_callbacks_is_counted_in_the_epoch(tmp_path):
 @pytest.mark.serial  # the parts of the clock add up within 2 %: not beside another worker
 def test_training_evaluation_and_snapshots_add_up_to_the_wall_clock(tmp_path):
     watch = Stopwatch(0.01)
-    rows = _train(tmp_path, "checkpoint.every=4", "training.eval_every=5", "logging.log_every=2",
-                  "training.epochs=2", callbacks=[watch])["epochs"]
+    rows = _train(
+        tmp_path,
+        "checkpoint.every=4",
+        "training.eval_every=5",
+        "logging.log_every=2",
+        "training.epochs=2",
+        callbacks=[watch],
+    )["epochs"]
     for row, begun, end in zip(rows, watch.ends, watch.ends[1:], strict=False):
         wall = end - begun  # from the previous row (or the start) to this one
         parts = row["epoch_time_s"] + row["eval_time_s"] + row["snapshot_time_s"]

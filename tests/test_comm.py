@@ -47,16 +47,32 @@ def test_one_process_spends_no_time_communicating():
 
 def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):
     steps = 16
-    proc = ddplab("study", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", f"training.max_steps={steps}",
-                  "checkpoint.save_best=false", "distributed.bucket_cap_mb=0.01", "--nproc", "2",
-                  "--set", "distributed.simulated_latency_ms=0,20", "--name", "delay", cwd=tmp_path)
+    proc = ddplab(
+        "study",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "generate.max_new_tokens=0",
+        f"training.max_steps={steps}",
+        "checkpoint.save_best=false",
+        "distributed.bucket_cap_mb=0.01",
+        "--nproc",
+        "2",
+        "--set",
+        "distributed.simulated_latency_ms=0,20",
+        "--name",
+        "delay",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     study = tmp_path / "experiments" / "delay"
 
     def per_step(name):
         rows = json.loads((study / name / "metrics.json").read_text())["epochs"]
-        return (sum(r["comm_time_s"] for r in rows) / steps, sum(r["comm_calls"] for r in rows) / steps,
-                sum(r["simulated_delay_s"] for r in rows))
+        return (
+            sum(r["comm_time_s"] for r in rows) / steps,
+            sum(r["comm_calls"] for r in rows) / steps,
+            sum(r["simulated_delay_s"] for r in rows),
+        )
 
     base, buckets, no_delay = per_step("n2-simulated_latency_ms_0")
     slow, buckets_slow, delay = per_step("n2-simulated_latency_ms_20")
@@ -75,15 +91,27 @@ def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):
 def test_powersgd_trains_two_processes_in_step_and_changes_the_gradients(tmp_path, corpus):
     """PowerSGD end to end in real processes: after its two plain warm-up steps it compresses,
     so the weights leave those of uncompressed all-reduce while the two replicas stay equal."""
-    proc = ddplab("study", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.max_steps=8",
-                  "checkpoint.save_best=false", "--nproc", "2", "--set", "distributed.comm_hook=none,powersgd",
-                  "--name", "psgd", cwd=tmp_path)
+    proc = ddplab(
+        "study",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "generate.max_new_tokens=0",
+        "training.max_steps=8",
+        "checkpoint.save_best=false",
+        "--nproc",
+        "2",
+        "--set",
+        "distributed.comm_hook=none,powersgd",
+        "--name",
+        "psgd",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     points = (tmp_path / "experiments/psgd").glob("*/metrics.json")
     summaries = {p.parent.name: json.loads(p.read_text()) for p in points}
     assert len(summaries) == 2, list(summaries)
-    plain, = (s for name, s in summaries.items() if name.endswith("none"))
-    compressed, = (s for name, s in summaries.items() if name.endswith("powersgd"))
+    (plain,) = (s for name, s in summaries.items() if name.endswith("none"))
+    (compressed,) = (s for name, s in summaries.items() if name.endswith("powersgd"))
     for s in (plain, compressed):
         assert s["status"] == "complete" and s["ddp"]["ranks_identical"] and s["aggregates"]["steps"] == 8
         assert all(r["train_loss"] == r["train_loss"] for r in s["epochs"])  # finite, not NaN

@@ -16,34 +16,54 @@ def test_defaults_are_the_embedded_char_gpt():
 
 
 def test_overrides_convert_types():
-    cfg = load_config(None, ["training.lr=3e-4", "training.batch_size=16", "training.amp=bf16",
-                             "logging.trackers=[]", "training.max_steps=null", "experiment.name=x"])
+    cfg = load_config(
+        None,
+        [
+            "training.lr=3e-4",
+            "training.batch_size=16",
+            "training.amp=bf16",
+            "logging.trackers=[]",
+            "training.max_steps=null",
+            "experiment.name=x",
+        ],
+    )
     assert cfg.training.lr == pytest.approx(3e-4) and isinstance(cfg.training.lr, float)
     assert cfg.training.batch_size == 16 and cfg.training.amp == "bf16"
     assert cfg.logging.trackers == [] and cfg.training.max_steps is None and cfg.experiment.name == "x"
 
 
 def test_none_is_a_choice_for_choice_fields_and_null_for_optional_ones():
-    cfg = load_config(None, ["training.amp=none", "distributed.comm_hook=none", "training.lr_scaling=none",
-                             "training.max_steps=none", "training.clip_grad_norm=None"])
+    cfg = load_config(
+        None,
+        [
+            "training.amp=none",
+            "distributed.comm_hook=none",
+            "training.lr_scaling=none",
+            "training.max_steps=none",
+            "training.clip_grad_norm=None",
+        ],
+    )
     assert (cfg.training.amp, cfg.distributed.comm_hook, cfg.training.lr_scaling) == ("none", "none", "none")
     assert cfg.training.max_steps is None and cfg.training.clip_grad_norm is None
 
 
-@pytest.mark.parametrize("override, words", [
-    ("training.lr=abc", ["training.lr", "number"]),
-    ("training.lr=null", ["training.lr", "null"]),
-    ("training.batch_size=none", ["training.batch_size", "null"]),
-    ("training.lr_scaling=null", ["training.lr_scaling", "sqrt"]),
-    ("training.batch_size=-1", ["training.batch_size", "> 0"]),
-    ("training.batch_size=2.5", ["training.batch_size", "integer"]),
-    ("model.name=nope", ["model.name", "gpt"]),
-    ("training.nope=1", ["training.nope", "batch_size"]),
-    ("training.amp=fp8", ["training.amp", "bf16"]),
-    ("training.time_budget=soon", ["training.time_budget", "90m"]),
-    ("model.dim=30", ["model.dim", "model.heads"]),
-    ("training", ["key=value"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("training.lr=abc", ["training.lr", "number"]),
+        ("training.lr=null", ["training.lr", "null"]),
+        ("training.batch_size=none", ["training.batch_size", "null"]),
+        ("training.lr_scaling=null", ["training.lr_scaling", "sqrt"]),
+        ("training.batch_size=-1", ["training.batch_size", "> 0"]),
+        ("training.batch_size=2.5", ["training.batch_size", "integer"]),
+        ("model.name=nope", ["model.name", "gpt"]),
+        ("training.nope=1", ["training.nope", "batch_size"]),
+        ("training.amp=fp8", ["training.amp", "bf16"]),
+        ("training.time_budget=soon", ["training.time_budget", "90m"]),
+        ("model.dim=30", ["model.dim", "model.heads"]),
+        ("training", ["key=value"]),
+    ],
+)
 def test_bad_values_name_the_field(override, words):
     with pytest.raises(UserError) as err:
         load_config(None, [override])

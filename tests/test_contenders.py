@@ -14,8 +14,18 @@ CONTENDERS = ROOT / "benchmarks" / "contenders"
 
 
 def _run(script: str, out, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(CONTENDERS / script), "cnn", "1", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(CONTENDERS / script),
+        "cnn",
+        "1",
+        str(out),
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=out.parent, env=_env(), capture_output=True, text=True, timeout=120)
 
 

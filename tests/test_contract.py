@@ -13,8 +13,17 @@ from ddplab.engine.callbacks import Callback
 from ddplab.workload import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ddplab"
-TINY = ["model.layers=1", "model.dim=32", "model.heads=2", "model.context=32", "training.batch_size=8",
-        "training.max_steps=3", "logging.trackers=[]", "logging.progress=false", "generate.max_new_tokens=0"]
+TINY = [
+    "model.layers=1",
+    "model.dim=32",
+    "model.heads=2",
+    "model.context=32",
+    "training.batch_size=8",
+    "training.max_steps=3",
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "generate.max_new_tokens=0",
+]
 
 
 class Tamper(Callback):
@@ -44,8 +53,12 @@ def test_a_built_in_name_resolves_through_the_same_resolver_as_a_reference():
     for name, field in (("gpt", "model.name"), ("text", "data.name"), ("cnn", "model.name")):
         reference = registry.reference(name, field)
         assert reference.startswith("ddplab.workloads.") and ":" in reference
-        assert registry.workload(registry.load_config(None, [f"{field}={name}", *(
-            ["data.name=digits"] if name == "cnn" else [])])).references[field.split(".")[0]] == reference
+        assert (
+            registry.workload(
+                registry.load_config(None, [f"{field}={name}", *(["data.name=digits"] if name == "cnn" else [])])
+            ).references[field.split(".")[0]]
+            == reference
+        )
         assert callable(resolve(reference, field))
 
 
@@ -60,8 +73,13 @@ def test_one_loader_takes_a_path_a_dict_and_a_config(tmp_path):
 
 
 def test_the_batch_is_counted_once():
-    assert batch_arithmetic(8, 2, 4, 1000) == {"per_process": 8, "grad_accum_steps": 2, "world_size": 4,
-                                               "global": 64, "steps_per_epoch": 16}
+    assert batch_arithmetic(8, 2, 4, 1000) == {
+        "per_process": 8,
+        "grad_accum_steps": 2,
+        "world_size": 4,
+        "global": 64,
+        "steps_per_epoch": 16,
+    }
 
 
 def test_fault_injection_and_test_hooks_are_not_in_the_product():

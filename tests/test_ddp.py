@@ -9,8 +9,9 @@ from conftest import ROOT, TINY_GPT, assert_ok, ddplab, torchrun
 
 
 def test_torchrun_two_processes_keep_identical_replicas(tmp_path, corpus):
-    proc = torchrun(2, "train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=12", "experiment.name=t",
-                    cwd=tmp_path)
+    proc = torchrun(
+        2, "train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=12", "experiment.name=t", cwd=tmp_path
+    )
     assert_ok(proc)
     assert "terminate called" not in proc.stderr
     summary = json.loads((tmp_path / "experiments/t/metrics.json").read_text())
@@ -24,8 +25,16 @@ def test_torchrun_two_processes_keep_identical_replicas(tmp_path, corpus):
 
 
 def test_nproc_per_node_launches_workers(tmp_path, corpus):
-    proc = ddplab("train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=4", "experiment.name=n",
-                  "--nproc-per-node", "2", cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.max_steps=4",
+        "experiment.name=n",
+        "--nproc-per-node",
+        "2",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     summary = json.loads((tmp_path / "experiments/n/metrics.json").read_text())
     assert summary["ddp"]["world_size"] == 2 and summary["ddp"]["launcher"] == "torchrun"
@@ -40,15 +49,29 @@ def test_verify_passes_on_the_default_workload(tmp_path):
 
 def test_repeated_runs_never_abort_at_exit():
     """A short form of scripts/teardown_stress.py (which runs 30)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/teardown_stress.py"), "--runs", "3"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/teardown_stress.py"), "--runs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 passed, 0 failed" in proc.stdout
 
 
 def test_verify_fails_when_ddp_changes_the_maths(tmp_path, corpus):
     """Linear lr scaling doubles the 2-process learning rate only: verify must notice."""
-    proc = ddplab("verify", "--nproc", "2", f"data.path={corpus}", *TINY_GPT, "training.max_steps=5",
-                  "training.lr_scaling=linear", "training.warmup_steps=0", cwd=tmp_path, timeout=600)
+    proc = ddplab(
+        "verify",
+        "--nproc",
+        "2",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.max_steps=5",
+        "training.lr_scaling=linear",
+        "training.warmup_steps=0",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "FAIL"

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import _env, ddplab, main
 
-WORKLOAD = textwrap.dedent('''
+WORKLOAD = textwrap.dedent("""
     import os, time
     import torch
     import ddplab
@@ -66,29 +66,59 @@ WORKLOAD = textwrap.dedent('''
 
     def model(cfg, data):
         return Net(cfg.options)
-''')
+""")
 TIMEOUT = 8  # distributed.timeout of the stalling jobs
 MARGIN = 30  # start-up of two workers on a loaded 2-core machine, and the ranks' teardown
 
 
 def _args(tmp_path: Path, name: str, *extra: str) -> list[str]:
     (tmp_path / "hang.py").write_text(WORKLOAD)
-    return ["train", "model.name=hang.py:model", "data.name=hang.py:data", "training.batch_size=16",
-            "logging.trackers=[]", "logging.progress=false", f"experiment.name={name}", *extra]
+    return [
+        "train",
+        "model.name=hang.py:model",
+        "data.name=hang.py:data",
+        "training.batch_size=16",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        f"experiment.name={name}",
+        *extra,
+    ]
 
 
 def _stalled_job(tmp_path, name, cmd_head, *extra):
     t0 = time.time()
-    proc = subprocess.run([*cmd_head, *_args(tmp_path, name, f"distributed.timeout={TIMEOUT}",
-                                             "distributed.stall_warning=3", "training.epochs=1", *extra)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT + 120)
+    proc = subprocess.run(
+        [
+            *cmd_head,
+            *_args(
+                tmp_path,
+                name,
+                f"distributed.timeout={TIMEOUT}",
+                "distributed.stall_warning=3",
+                "training.epochs=1",
+                *extra,
+            ),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT + 120,
+    )
     return proc, time.time() - t0, tmp_path / "experiments" / name
 
 
 @pytest.mark.serial  # bounds the job's wall time
 def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends(tmp_path):
-    proc, took, run = _stalled_job(tmp_path, "fwd", [sys.executable, "-m", "ddplab"], "--nproc-per-node", "2",
-                                   "model.options.stall_rank=1", "model.options.stall_call=5")
+    proc, took, run = _stalled_job(
+        tmp_path,
+        "fwd",
+        [sys.executable, "-m", "ddplab"],
+        "--nproc-per-node",
+        "2",
+        "model.options.stall_rank=1",
+        "model.options.stall_call=5",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert took < TIMEOUT + MARGIN
     head = "rank 1 stalled in forward at step 5"
@@ -108,8 +138,9 @@ def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends
 @pytest.mark.serial  # bounds the job's wall time
 def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab"]
-    proc, took, run = _stalled_job(tmp_path, "data", torchrun, "data.options.stall_rank=0",
-                                   "data.options.stall_call=40")
+    proc, took, run = _stalled_job(
+        tmp_path, "data", torchrun, "data.options.stall_rank=0", "data.options.stall_call=40"
+    )
     assert proc.returncode != 0
     assert took < TIMEOUT + MARGIN
     failure = json.loads((run / "metrics.json").read_text())["failure"]
@@ -125,8 +156,19 @@ def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
 
 @pytest.mark.serial  # the ETA is checked against the wall clock
 def test_a_slow_rank_is_named_a_straggler_and_the_eta_is_close(tmp_path):
-    proc = ddplab(*_args(tmp_path, "slow", "--nproc-per-node", "2", "model.options.delay=0.03", "training.epochs=3",
-                         "logging.log_every=2"), cwd=tmp_path, timeout=180)
+    proc = ddplab(
+        *_args(
+            tmp_path,
+            "slow",
+            "--nproc-per-node",
+            "2",
+            "model.options.delay=0.03",
+            "training.epochs=3",
+            "logging.log_every=2",
+        ),
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "experiments" / "slow"
     lines = [line for line in (run / "train.log").read_text().splitlines() if "straggler" in line]
@@ -147,8 +189,15 @@ def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path, capfd):
     run = tmp_path / "r"
     run.mkdir()
     (run / "metrics.json").write_text(json.dumps({"status": "running"}))
-    (run / "heartbeat.json").write_text(json.dumps({"time": time.time(), "ranks": {"0": {"step": 7, "still_s": 2}},
-                                                    "progress": {"elapsed_s": 65, "eta_s": 130, "at": time.time()}}))
+    (run / "heartbeat.json").write_text(
+        json.dumps(
+            {
+                "time": time.time(),
+                "ranks": {"0": {"step": 7, "still_s": 2}},
+                "progress": {"elapsed_s": 65, "eta_s": 130, "at": time.time()},
+            }
+        )
+    )
     with RunLock(run):
         main("status", str(run))
     live = capfd.readouterr().out
@@ -160,11 +209,20 @@ def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path, capfd):
 def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path):
     """The terminal's SIGINT reaches the agent and both workers (one process group), and the agent
     forwards it once more: the workers stop at the next step, snapshot, and exit 75."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
-           *_args(tmp_path, "int", "model.options.delay=0.05", "training.epochs=20", "logging.log_every=1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ddplab",
+        *_args(tmp_path, "int", "model.options.delay=0.05", "training.epochs=20", "logging.log_every=1"),
+    ]
     out = tmp_path / "out.txt"
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=open(out, "w"), stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=open(out, "w"), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.time() + 120
     while "step 2:" not in out.read_text():
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""

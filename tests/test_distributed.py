@@ -9,8 +9,16 @@ def test_no_launcher_is_one_process():
 
 
 def test_torchrun_variables():
-    info = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                          "MASTER_ADDR": "n1", "MASTER_PORT": "29400"})
+    info = detect_launch(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "29400",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.master_port) == (
         "torchrun",
         3,
@@ -26,9 +34,16 @@ def test_torchrun_inside_srun_wins():
 
 
 def test_slurm_variables():
-    info = detect_launch({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                          "SLURM_STEP_NODELIST": "gpu[07-08,10]", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
-                          "SLURM_JOB_ID": "12345"})
+    info = detect_launch(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_NODELIST": "gpu[07-08,10]",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_ID": "12345",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 5, 8, 1)
     assert info.master_addr == "gpu07" and info.local_world_size == 4 and info.master_port == 32345
 

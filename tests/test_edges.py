@@ -23,7 +23,7 @@ from ddplab.handoff import Handoff
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "training.epochs=1", "training.batch_size=32"]
 
-WORKLOAD = '''
+WORKLOAD = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -39,14 +39,17 @@ def data(cfg):
 
 def model(cfg, data):
     return torch.nn.Linear(6, 1)
-'''
+"""
 SENTINEL = "import pathlib\npathlib.Path({!r}).write_text('ran')\n"
 
 
 def _tree(folder: Path) -> dict[str, str]:
     """Every file's bytes (as a digest) under a folder."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def _code(argv: list[str]) -> int:
@@ -96,6 +99,7 @@ def _plant(run: Path, dest: Path, reference: str | None = None, code: str = "") 
 
 # ---------------------------------------------------------------------------- whose code runs
 
+
 def test_code_this_machine_trained_with_runs_without_the_flag(trained, tmp_path, monkeypatch, capfd):
     run, wl = trained
     monkeypatch.chdir(tmp_path)  # elsewhere: the code lies outside the current folder
@@ -141,8 +145,18 @@ def test_a_checkpoint_naming_a_module_inside_a_module_imports_nothing(trained, t
 
 # ---------------------------------------------------------------------------- links planted in a run folder
 
-LINKS = [".metrics.json.tmp", ".metrics.csv.tmp", ".config.yaml.tmp", ".env.json.tmp", ".heartbeat.json.tmp",
-         ".lock.tmp", "train.log", "config.yaml", "metrics.csv", "logs"]
+LINKS = [
+    ".metrics.json.tmp",
+    ".metrics.csv.tmp",
+    ".config.yaml.tmp",
+    ".env.json.tmp",
+    ".heartbeat.json.tmp",
+    ".lock.tmp",
+    "train.log",
+    "config.yaml",
+    "metrics.csv",
+    "logs",
+]
 
 
 @pytest.mark.parametrize("name", LINKS)
@@ -171,8 +185,11 @@ def test_atomic_writes_refuse_links_and_never_share_a_temporary_file(tmp_path):
     run.mkdir()
     (run / "a.json").symlink_to(outside)
     (run / "sub").symlink_to(tmp_path)
-    for writer in (lambda: write_atomic(run, "a.json", "y"), lambda: open_append(run, "a.json"),
-                   lambda: write_atomic(run, "sub/b.json", "y")):
+    for writer in (
+        lambda: write_atomic(run, "a.json", "y"),
+        lambda: open_append(run, "a.json"),
+        lambda: write_atomic(run, "sub/b.json", "y"),
+    ):
         with pytest.raises(RunError, match="symbolic link"):
             writer()
     assert outside.read_text() == "x" and not (tmp_path / "b.json").exists()
@@ -185,6 +202,7 @@ def test_atomic_writes_refuse_links_and_never_share_a_temporary_file(tmp_path):
                 write_atomic(run, "m.json", f"{i} {j}")
         except Exception as exc:  # noqa: BLE001 - any failure fails the test
             errors.append(exc)
+
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -195,6 +213,7 @@ def test_atomic_writes_refuse_links_and_never_share_a_temporary_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------- experiment.name
+
 
 @pytest.mark.parametrize("name", ["../x", "/abs", "a/b", ".", "..", "a\nb", "a\x1b[31mb", "a\\b"])
 def test_experiment_name_is_one_plain_folder_name(tmp_path, monkeypatch, capfd, name):
@@ -207,8 +226,8 @@ def test_experiment_name_is_one_plain_folder_name(tmp_path, monkeypatch, capfd, 
 
 # ---------------------------------------------------------------------------- --output
 
-def test_output_never_replaces_a_file_nor_writes_into_a_run_folder_without_force(trained, tmp_path, monkeypatch,
-                                                                                 capfd):
+
+def test_output_never_replaces_a_file_nor_writes_into_a_run_folder_without_force(trained, tmp_path, monkeypatch, capfd):
     run, _ = trained
     monkeypatch.chdir(tmp_path)
     before = _tree(run)
@@ -253,6 +272,7 @@ def test_report_output_refuses_a_report_already_there_unless_force(trained, tmp_
 
 # ---------------------------------------------------------------------------- the launcher's channel
 
+
 def test_a_forged_locked_run_takes_no_lock_from_anyone(trained, tmp_path, monkeypatch, capfd):
     run, wl = trained
     done = tmp_path / "experiments" / "done"
@@ -272,14 +292,19 @@ def test_a_worker_believes_the_launcher_that_holds_its_run_folder(tmp_path):
     with RunLock(tmp_path / "run") as lock:
         ok = subprocess.run(probe, env={**_env(), **lock.worker_env()}, capture_output=True, text=True)
         assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "run"), ok.stderr
-        forged = subprocess.run(probe, env={**_env(), **lock.worker_env(), Handoff.variable("lock_token"): "0" * 32},
-                                capture_output=True, text=True)
+        forged = subprocess.run(
+            probe,
+            env={**_env(), **lock.worker_env(), Handoff.variable("lock_token"): "0" * 32},
+            capture_output=True,
+            text=True,
+        )
         assert forged.returncode == 1 and LOCKED_ENV in forged.stderr
     gone = subprocess.run(probe, env={**_env(), **lock.worker_env()}, capture_output=True, text=True)
     assert gone.returncode == 1  # released: nobody holds it any more
 
 
 # ---------------------------------------------------------------------------- the lock under a race
+
 
 def test_a_thousand_simultaneous_starts_never_fail_but_in_one_line(tmp_path):
     """Rounds of starts of one (new) run folder at the same instant: one wins, the others are told it is
@@ -309,6 +334,7 @@ def test_a_thousand_simultaneous_starts_never_fail_but_in_one_line(tmp_path):
                 unexpected.append(exc)
             finally:
                 lock.release()
+
     threads = [threading.Thread(target=start) for _ in range(per_round)]
     for t in threads:
         t.start()

@@ -28,8 +28,10 @@ from ddplab.errors import RunError, write_failed
 
 def tree_digest(folder: Path) -> dict[str, str]:
     """Every file and folder under `folder` -> SHA-256 of its bytes ("dir" for a folder)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def _run_here(argv: list[str]) -> int:
@@ -40,6 +42,7 @@ def _run_here(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------- bad values: exit 2
+
 
 def _alias_bomb() -> str:
     """Ten levels of ten aliases each: 10^10 values once expanded, a few hundred bytes of YAML."""
@@ -130,8 +133,10 @@ def test_a_yaml_file_of_sane_depth_and_aliases_still_loads(tmp_path):
     """The bounds refuse only the pathological: anchors and aliases and nested options keep working."""
     from ddplab.config_io import read_config
 
-    (tmp_path / "ok.yaml").write_text("data:\n  options:\n    base: &b {width: 4, layers: [1, 2]}\n"
-                                      "    copy: *b\n    deep: " + "[" * 50 + "]" * 50 + "\n")
+    (tmp_path / "ok.yaml").write_text(
+        "data:\n  options:\n    base: &b {width: 4, layers: [1, 2]}\n"
+        "    copy: *b\n    deep: " + "[" * 50 + "]" * 50 + "\n"
+    )
     cfg = read_config(tmp_path / "ok.yaml", ["training.lr=1e-3", "experiment.seed=2147483647"])
     assert cfg.data.options["copy"] == {"width": 4, "layers": [1, 2]} and cfg.training.lr == 1e-3
 
@@ -140,7 +145,8 @@ def test_a_bad_value_as_a_real_process_is_one_line(place):
     before = tree_digest(place)
     proc = ddplab("train", "utf16.yaml", *NAME, cwd=place)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "ddplab: error: config file utf16.yaml is not UTF-8 text (byte 0); save it as UTF-8"], proc.stderr
+        "ddplab: error: config file utf16.yaml is not UTF-8 text (byte 0); save it as UTF-8"
+    ], proc.stderr
     assert tree_digest(place) == before
 
 
@@ -166,14 +172,22 @@ def _recorded_failed(run: Path) -> dict:
 
 def test_a_non_finite_loss_is_a_run_time_failure(corpus, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    code = _run_here(["train", f"data.path={corpus}", *TRAIN, "training.lr=1e6", "training.clip_grad_norm=null",
-                      "experiment.name=nf"])
+    code = _run_here(
+        [
+            "train",
+            f"data.path={corpus}",
+            *TRAIN,
+            "training.lr=1e6",
+            "training.clip_grad_norm=null",
+            "experiment.name=nf",
+        ]
+    )
     line = _one_failure_line(code, capfd.readouterr().err)
     assert "non-finite loss at step" in line and "training.nonfinite" in line and "logging.log_every=2" in line
     assert "non-finite loss" in _recorded_failed(tmp_path / "experiments" / "nf")["failure"]["summary"]
 
 
-BUGGY = '''
+BUGGY = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -201,7 +215,7 @@ class Net(torch.nn.Module):
 
 def model(cfg, data):
     return Net(cfg.options.get("bug"))
-'''
+"""
 
 
 def _bug_line(code: int, err: str) -> str:
@@ -214,16 +228,28 @@ def _line_of(text: str) -> int:
     return next(i for i, line in enumerate(BUGGY.splitlines(), 1) if text in line)
 
 
-@pytest.mark.parametrize("where, raised, statement", [("data", "KeyError", '["columns"]'),
-                                                      ("forward", "ValueError", "a bug in forward")])
+@pytest.mark.parametrize(
+    "where, raised, statement", [("data", "KeyError", '["columns"]'), ("forward", "ValueError", "a bug in forward")]
+)
 def test_a_bug_in_a_workload_names_its_file_and_line(tmp_path, monkeypatch, capfd, where, raised, statement):
     """Raised while the data is built (before training) or in a forward pass (in training): exit 1."""
     monkeypatch.chdir(tmp_path)
     at_line = _line_of(statement)
     (tmp_path / "wl.py").write_text(BUGGY)
-    code = _run_here(["train", "model.name=wl.py:model", "data.name=wl.py:data", f"data.options.bug={where}",
-                      f"model.options.bug={where}", "logging.trackers=[]", "logging.progress=false",
-                      "training.max_steps=6", "training.batch_size=16", "experiment.name=bug"])
+    code = _run_here(
+        [
+            "train",
+            "model.name=wl.py:model",
+            "data.name=wl.py:data",
+            f"data.options.bug={where}",
+            f"model.options.bug={where}",
+            "logging.trackers=[]",
+            "logging.progress=false",
+            "training.max_steps=6",
+            "training.batch_size=16",
+            "experiment.name=bug",
+        ]
+    )
     line = _bug_line(code, capfd.readouterr().err)
     assert raised in line and f"wl.py:{at_line}" in line, line
     run = tmp_path / "experiments" / "bug"
@@ -242,8 +268,17 @@ def test_a_full_disk_is_named_with_the_file_and_free_space(corpus, tmp_path, mon
         return real(folder, name, content, *args, **kwargs)
 
     monkeypatch.setattr(run_folder, "write_atomic", full)
-    code = _run_here(["train", f"data.path={corpus}", *TRAIN, "training.max_steps=null", "training.epochs=1",
-                      "data.limit=64", "experiment.name=full"])
+    code = _run_here(
+        [
+            "train",
+            f"data.path={corpus}",
+            *TRAIN,
+            "training.max_steps=null",
+            "training.epochs=1",
+            "data.limit=64",
+            "experiment.name=full",
+        ]
+    )
     line = _one_failure_line(code, capfd.readouterr().err)
     run = tmp_path / "experiments" / "full"
     assert line.startswith(
@@ -271,8 +306,12 @@ def _tmpfs(folder: Path, size: str) -> bool:
     folder.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, tmp_path):
@@ -281,8 +320,16 @@ def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, t
     disk = tmp_path / "disk"
     if not _tmpfs(disk, "1m"):
         pytest.skip("cannot mount a tmpfs here (needs root and mount)")
-    args = ["train", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.max_steps=40",
-            "checkpoint.every=2", "checkpoint.keep_last=10", "experiment.name=full"]  # a few snapshots fit in 1 MB
+    args = [
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "generate.max_new_tokens=0",
+        "training.max_steps=40",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=10",
+        "experiment.name=full",
+    ]  # a few snapshots fit in 1 MB
     try:
         proc = ddplab(*args, f"experiment.output_dir={disk}", cwd=tmp_path, timeout=300)
         line = _one_failure_line(proc.returncode, proc.stderr)
@@ -305,8 +352,18 @@ def _final_weights(run: Path) -> dict:
 
 
 def test_under_the_launcher_a_non_finite_loss_is_one_line_exit_1(corpus, tmp_path):
-    proc = ddplab("train", "--nproc-per-node", "2", f"data.path={corpus}", *TRAIN, "training.lr=1e6",
-                  "training.clip_grad_norm=null", "experiment.name=nf", "distributed.timeout=60", cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        "--nproc-per-node",
+        "2",
+        f"data.path={corpus}",
+        *TRAIN,
+        "training.lr=1e6",
+        "training.clip_grad_norm=null",
+        "experiment.name=nf",
+        "distributed.timeout=60",
+        cwd=tmp_path,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("ddplab: failed: rank ") and "non-finite loss at step" in lines[0]
@@ -317,11 +374,30 @@ def test_under_the_launcher_a_non_finite_loss_is_one_line_exit_1(corpus, tmp_pat
 def _job_at_step_3(corpus, tmp_path, rank: int, timeout: float) -> tuple[subprocess.Popen, int, Path]:
     """A 2-process job under the launcher, and the PID of `rank` once it has reached step 3."""
     run = tmp_path / "experiments" / "job"
-    proc = subprocess.Popen([sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", f"data.path={corpus}",
-                             *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1",
-                             f"distributed.timeout={timeout}", "distributed.stall_warning=3", "experiment.name=job"],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddplab",
+            "train",
+            "--nproc-per-node",
+            "2",
+            f"data.path={corpus}",
+            *TINY_GPT,
+            "generate.max_new_tokens=0",
+            "training.epochs=1000",
+            "logging.log_every=1",
+            f"distributed.timeout={timeout}",
+            "distributed.stall_warning=3",
+            "experiment.name=job",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)

@@ -23,9 +23,18 @@ SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 
 
 def _args(corpus: Path, name: str) -> list[str]:
-    return ["train", f"data.path={corpus}", *TINY_GPT, f"data.limit={SAMPLES}", "training.epochs=2",
-            "checkpoint.every=2", "logging.log_every=1", "generate.max_new_tokens=0", "distributed.timeout=60",
-            f"experiment.name={name}"]
+    return [
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        f"data.limit={SAMPLES}",
+        "training.epochs=2",
+        "checkpoint.every=2",
+        "logging.log_every=1",
+        "generate.max_new_tokens=0",
+        "distributed.timeout=60",
+        f"experiment.name={name}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +75,9 @@ def _same_as_reference(run: Path, reference: Path) -> None:
 
 
 def _faulty(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
-    return subprocess.run(command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, data, reference):
@@ -96,7 +106,7 @@ def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
     log = (tmp_path / "experiments" / "dead" / "train.log").read_text()
     steps = [line for line in log.splitlines() if re.search(r"epoch \d+ step \d+:", line)]
     assert "step 2:" in steps[-1]  # step 3's loss is reduced after rank 1 died: rank 0 fails there
-    report = log[log.index("job failed:"):]
+    report = log[log.index("job failed:") :]
     assert report.startswith("job failed: rank 1 "), report  # the dead rank, not the survivor, heads the report
     assert "rank 0 " in report and "heartbeat.py" not in report
     assert (ended - datetime.strptime(steps[-1][:19], "%Y-%m-%d %H:%M:%S")).total_seconds() < 60  # distributed.timeout
@@ -113,10 +123,18 @@ def _srun_like(tmp_path: Path, args: list[str], fault: str) -> list[subprocess.P
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen(command(fault, args), cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = _env() | {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                command(fault, args), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     return procs
 
 
@@ -212,7 +230,8 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
     if mode == "stop":
         for rank, (code, _, err) in enumerate(outs):  # each rank, the same step, one line, exit 1: a run-time failure
             assert code == 1 and err.strip().splitlines()[-1].startswith(
-                f"ddplab: failed: rank {rank}: non-finite loss at step 5"), err
+                f"ddplab: failed: rank {rank}: non-finite loss at step 5"
+            ), err
         assert _summary(run)["status"] == "failed"
         assert "epoch 1 step 6:" not in (run / "train.log").read_text()
     else:

@@ -116,10 +116,23 @@ def test_compute_from_two_batch_sizes_is_a_fixed_part_plus_a_part_per_sample():
     from ddplab.forecast.model import Measured, fit_compute
 
     def single(batch, step_s, forward, backward):
-        return Measured(name=f"b{batch}", nodes=1, per_node=1, batch=batch, accum=1, train_samples=960,
-                        steps_per_epoch=960 // batch, epoch_times=[step_s * (960 // batch)], forward=forward,
-                        backward=backward, data_wait=0.0, comm_exposed=0.0, latency_ms=0.0, bandwidth_mbps=None,
-                        hook="none")
+        return Measured(
+            name=f"b{batch}",
+            nodes=1,
+            per_node=1,
+            batch=batch,
+            accum=1,
+            train_samples=960,
+            steps_per_epoch=960 // batch,
+            epoch_times=[step_s * (960 // batch)],
+            forward=forward,
+            backward=backward,
+            data_wait=0.0,
+            comm_exposed=0.0,
+            latency_ms=0.0,
+            bandwidth_mbps=None,
+            hook="none",
+        )
 
     # Steps of 10 ms at batch 32 and 14 ms at batch 64: 6 ms fixed, 0.125 ms per sample.
     two = fit_compute([single(32, 0.010, 0.003, 0.006), single(64, 0.014, 0.004, 0.008)])
@@ -169,8 +182,9 @@ def test_forecast_of_a_study_folder_fits_the_link_and_writes_its_files(tmp_path,
 def test_a_slower_given_link_costs_more_and_fp16_halves_the_transfer(tmp_path):
     _, fast = _forecast(tmp_path, "--setups", "4x1", "--bandwidth", "10Gbit", "--latency", "10us")
     _, slow = _forecast(tmp_path, "--setups", "4x1", "--bandwidth", "10Mbit", "--latency", "10us")
-    _, half = _forecast(tmp_path, "--setups", "4x1", "--bandwidth", "10Mbit", "--latency", "10us",
-                        "--comm-hook", "fp16")
+    _, half = _forecast(
+        tmp_path, "--setups", "4x1", "--bandwidth", "10Mbit", "--latency", "10us", "--comm-hook", "fp16"
+    )
     assert float(slow["4x1"]["step_ms"]) > float(fast["4x1"]["step_ms"])
     assert float(slow["4x1"]["comm_share"]) > float(fast["4x1"]["comm_share"])
     # At 10 Mbit/s the transfer dominates the all-reduce: fp16 takes it to about half.
@@ -181,8 +195,25 @@ def test_a_strategy_that_was_not_measured_is_forecast_beside_the_runs_own(tmp_pa
     # The fixture's runs are ddp; at 10 Mbit/s and 10 us on 2 processes, fsdp's three half-ring
     # collectives cost 1.5x DDP's all-reduce, time and bytes (one unit: nothing overlaps).
     out = tmp_path / "out"
-    assert main(["forecast", str(STUDY), "--output", str(out), "--setups", "1x1,2x1", "--bandwidth", "10Mbit",
-                 "--latency", "10us", "--strategy", "ddp,fsdp"]) == 0
+    assert (
+        main(
+            [
+                "forecast",
+                str(STUDY),
+                "--output",
+                str(out),
+                "--setups",
+                "1x1,2x1",
+                "--bandwidth",
+                "10Mbit",
+                "--latency",
+                "10us",
+                "--strategy",
+                "ddp,fsdp",
+            ]
+        )
+        == 0
+    )
     rows = {(r["strategy"], r["setup"]): r for r in csv.DictReader(open(out / "forecast.csv"))}
     ddp, fsdp = rows["ddp", "2x1"], rows["fsdp", "2x1"]
     grad = json.loads((STUDY / "n1" / "metrics.json").read_text())["comm"]["grad_bytes"]
@@ -202,16 +233,19 @@ def _exit_code(argv) -> int:
         return exit.code
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--setups", "2y1"], "--setups: '2y1'"),
-    (["--bandwidth=-5Gbit"], "--bandwidth must be positive"),
-    (["--bandwidth", "-5Gbit"], "--bandwidth: expected one argument"),
-    (["--bandwidth", "5Gfoo"], "unknown unit"),
-    (["--latency", "5"], "--latency: expected a number with a unit"),
-    (["--budget", "soon"], "--budget"),
-    (["--strategy", "zero3"], "--strategy: expected ddp, fsdp or hsdp"),
-    (["--strategy", "fsdp", "--comm-hook", "fp16"], "is a DDP communication hook"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--setups", "2y1"], "--setups: '2y1'"),
+        (["--bandwidth=-5Gbit"], "--bandwidth must be positive"),
+        (["--bandwidth", "-5Gbit"], "--bandwidth: expected one argument"),
+        (["--bandwidth", "5Gfoo"], "unknown unit"),
+        (["--latency", "5"], "--latency: expected a number with a unit"),
+        (["--budget", "soon"], "--budget"),
+        (["--strategy", "zero3"], "--strategy: expected ddp, fsdp or hsdp"),
+        (["--strategy", "fsdp", "--comm-hook", "fp16"], "is a DDP communication hook"),
+    ],
+)
 def test_bad_options_exit_2_with_one_line(tmp_path, capsys, args, words):
     assert _exit_code(["forecast", str(STUDY), "--output", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -229,8 +263,23 @@ def test_without_multi_process_runs_the_link_must_be_given(tmp_path, capsys):
     shutil.copytree(STUDY / "n1", tmp_path / "n1")
     assert main(["forecast", str(tmp_path), "--output", str(tmp_path / "a")]) == 2
     assert "give --bandwidth and --latency" in capsys.readouterr().err
-    assert main(["forecast", str(tmp_path), "--output", str(tmp_path / "b"), "--bandwidth", "1Gbit",
-                 "--latency", "20us", "--setups", "1x1,2x1"]) == 0
+    assert (
+        main(
+            [
+                "forecast",
+                str(tmp_path),
+                "--output",
+                str(tmp_path / "b"),
+                "--bandwidth",
+                "1Gbit",
+                "--latency",
+                "20us",
+                "--setups",
+                "1x1,2x1",
+            ]
+        )
+        == 0
+    )
     assert "(given)" in (tmp_path / "b" / "forecast.md").read_text()
 
 

@@ -17,8 +17,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _run(tmp_path, corpus, *overrides):
-    cfg = load_config(None, [f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "model.dropout=0",
-                             f"experiment.output_dir={tmp_path}", "training.lr=3e-3", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"data.path={corpus}",
+            *TINY_GPT,
+            "generate.max_new_tokens=0",
+            "model.dropout=0",
+            f"experiment.output_dir={tmp_path}",
+            "training.lr=3e-3",
+            *overrides,
+        ],
+    )
     train(cfg)
     run = tmp_path / cfg.run_name()
     return run, json.loads((run / "metrics.json").read_text())
@@ -38,8 +48,9 @@ def test_fp16_with_grad_scaler_learns_and_snapshots_the_scale(tmp_path, corpus):
 
 
 def test_bf16_compile_records_throughput_mfu_and_gpu_columns(tmp_path, corpus):
-    _, summary = _run(tmp_path, corpus, "training.amp=bf16", "training.compile=true", "training.epochs=2",
-                      "experiment.name=bf16")
+    _, summary = _run(
+        tmp_path, corpus, "training.amp=bf16", "training.compile=true", "training.epochs=2", "experiment.name=bf16"
+    )
     losses = _val_losses(summary)
     assert losses[-1] < losses[0]
     row = summary["epochs"][-1]
@@ -66,9 +77,21 @@ def test_same_seed_same_losses_on_gpu_up_to_atomic_adds(tmp_path, corpus):
 def test_fsdp_over_nccl_computes_in_low_precision_and_reduces_in_fp32(tmp_path, corpus, amp):
     from conftest import assert_ok, torchrun
 
-    assert_ok(torchrun(2, "train", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "training.epochs=2",
-                       "training.lr=3e-3", f"training.amp={amp}", "distributed.strategy=fsdp", "experiment.name=f",
-                       cwd=tmp_path))
+    assert_ok(
+        torchrun(
+            2,
+            "train",
+            f"data.path={corpus}",
+            *TINY_GPT,
+            "generate.max_new_tokens=0",
+            "training.epochs=2",
+            "training.lr=3e-3",
+            f"training.amp={amp}",
+            "distributed.strategy=fsdp",
+            "experiment.name=f",
+            cwd=tmp_path,
+        )
+    )
     summary = json.loads((tmp_path / "experiments" / "f" / "metrics.json").read_text())
     assert summary["ddp"]["backend"] == "nccl" and summary["ddp"]["strategy"] == "fsdp"
     losses = _val_losses(summary)

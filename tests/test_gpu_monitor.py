@@ -32,9 +32,13 @@ def _fake_nvml(fail_init=False):
     def memory(handle):
         return types.SimpleNamespace(used=calls["mem"] * 2**20)
 
-    module = types.SimpleNamespace(nvmlInit=init, nvmlDeviceGetHandleByIndex=lambda i: ("handle", i),
-                                   nvmlDeviceGetUtilizationRates=utilization, nvmlDeviceGetMemoryInfo=memory,
-                                   nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1))
+    module = types.SimpleNamespace(
+        nvmlInit=init,
+        nvmlDeviceGetHandleByIndex=lambda i: ("handle", i),
+        nvmlDeviceGetUtilizationRates=utilization,
+        nvmlDeviceGetMemoryInfo=memory,
+        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
+    )
     return module, calls
 
 

@@ -23,15 +23,26 @@ def _metrics(run: Path) -> dict:
 
 
 def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_path):
-    proc = torchrun(2, "train", f"model.name={WORK}:bert", f"data.name={WORK}:hf_data", "training.epochs=3",
-                    "training.batch_size=16", "training.lr=0.003", "experiment.name=bert", *COMMON, cwd=tmp_path)
+    proc = torchrun(
+        2,
+        "train",
+        f"model.name={WORK}:bert",
+        f"data.name={WORK}:hf_data",
+        "training.epochs=3",
+        "training.batch_size=16",
+        "training.lr=0.003",
+        "experiment.name=bert",
+        *COMMON,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     m = _metrics(tmp_path / "experiments" / "bert")
     assert m["dataset"]["train"] == 256 and m["dataset"]["val"] == 64
     assert m["aggregates"]["final_val_accuracy"] >= 0.9
     assert m["steps"] and all(r["loss"] > 0 for r in m["steps"])
-    predicted = ddplab("predict", "experiments/bert", "good great nice film", "the plot was awful", "--trust-code",
-                       cwd=tmp_path)
+    predicted = ddplab(
+        "predict", "experiments/bert", "good great nice film", "the plot was awful", "--trust-code", cwd=tmp_path
+    )
     assert_ok(predicted)
     assert predicted.stdout.count("positive") == 1 and predicted.stdout.count("negative") == 1, predicted.stdout
 
@@ -62,16 +73,28 @@ def _run_here(argv: list[str], monkeypatch, where: Path) -> int:
         return exit.code
 
 
-@pytest.mark.parametrize("options, phrase", [
-    (["data.name=W:bad_data", "data.options.kind=list"], "Data.train is a list; ddplab takes"),
-    (["data.name=W:bad_data", "data.options.kind=dataset_dict"], "one split of it"),
-    (["data.name=W:bad_data", "data.options.kind=text_left"], "remove them"),
-    (["data.name=W:stream_data"], "set training.max_steps"),
-], ids=["list", "dataset_dict", "text_left", "stream_without_max_steps"])
+@pytest.mark.parametrize(
+    "options, phrase",
+    [
+        (["data.name=W:bad_data", "data.options.kind=list"], "Data.train is a list; ddplab takes"),
+        (["data.name=W:bad_data", "data.options.kind=dataset_dict"], "one split of it"),
+        (["data.name=W:bad_data", "data.options.kind=text_left"], "remove them"),
+        (["data.name=W:stream_data"], "set training.max_steps"),
+    ],
+    ids=["list", "dataset_dict", "text_left", "stream_without_max_steps"],
+)
 def test_other_data_is_refused_in_one_line_before_a_run_folder(options, phrase, tmp_path, monkeypatch, capfd):
     options = [o.replace("W:", f"{WORK}:") for o in options]
-    code = _run_here(["train", f"model.name={WORK}:bert" if "bad" in options[0] else f"model.name={WORK}:recorder",
-                      *options, *COMMON], monkeypatch, tmp_path)
+    code = _run_here(
+        [
+            "train",
+            f"model.name={WORK}:bert" if "bad" in options[0] else f"model.name={WORK}:recorder",
+            *options,
+            *COMMON,
+        ],
+        monkeypatch,
+        tmp_path,
+    )
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and phrase in err[0], err
     assert not (tmp_path / "experiments").exists()
@@ -79,9 +102,20 @@ def test_other_data_is_refused_in_one_line_before_a_run_folder(options, phrase, 
 
 def test_uneven_shards_end_each_epoch_together(tmp_path):
     """Rank 0's shard holds 10 items, rank 1's 17: with batches of 4, each epoch is 3 steps on both."""
-    proc = torchrun(2, "train", f"model.name={WORK}:recorder", f"data.name={WORK}:stream_data",
-                    "data.options.kind=uneven", "training.epochs=3", "training.max_steps=100", "training.batch_size=4",
-                    "experiment.name=uneven", *COMMON, cwd=tmp_path, timeout=240)
+    proc = torchrun(
+        2,
+        "train",
+        f"model.name={WORK}:recorder",
+        f"data.name={WORK}:stream_data",
+        "data.options.kind=uneven",
+        "training.epochs=3",
+        "training.max_steps=100",
+        "training.batch_size=4",
+        "experiment.name=uneven",
+        *COMMON,
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert_ok(proc)
     m = _metrics(tmp_path / "experiments" / "uneven")
     assert m["aggregates"]["steps"] == 9 and m["aggregates"]["epochs_completed"] == 3
@@ -104,10 +138,24 @@ def _records(log: Path, keep: Path) -> dict[int, list[list[int]]]:
 
 def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str, workers: int = 0):
     log.mkdir(exist_ok=True)
-    return torchrun(nproc, "train", f"model.name={WORK}:recorder", f"data.name={WORK}:stream_data",
-                    f"data.options.kind={kind}", f"model.options.log={log}", "training.epochs=2",
-                    "training.max_steps=1000", "training.batch_size=4", "checkpoint.every=5", "logging.log_every=1",
-                    f"data.num_workers={workers}", f"experiment.name={name}", *COMMON, cwd=cwd, timeout=240)
+    return torchrun(
+        nproc,
+        "train",
+        f"model.name={WORK}:recorder",
+        f"data.name={WORK}:stream_data",
+        f"data.options.kind={kind}",
+        f"model.options.log={log}",
+        "training.epochs=2",
+        "training.max_steps=1000",
+        "training.batch_size=4",
+        "checkpoint.every=5",
+        "logging.log_every=1",
+        f"data.num_workers={workers}",
+        f"experiment.name={name}",
+        *COMMON,
+        cwd=cwd,
+        timeout=240,
+    )
 
 
 @pytest.mark.parametrize("kind", ["torch", "hf"])
@@ -141,8 +189,17 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
 
 
 def test_data_that_differs_between_ranks_is_refused_before_training(tmp_path):
-    proc = torchrun(2, "train", f"model.name={WORK}:bag", f"data.name={WORK}:per_rank_vocabulary",
-                    "training.max_steps=2", "experiment.name=vocab", *COMMON, cwd=tmp_path, timeout=240)
+    proc = torchrun(
+        2,
+        "train",
+        f"model.name={WORK}:bag",
+        f"data.name={WORK}:per_rank_vocabulary",
+        "training.max_steps=2",
+        "experiment.name=vocab",
+        *COMMON,
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode != 0
     assert "returns different data on rank 1 than on rank 0" in proc.stderr + proc.stdout
     assert not (tmp_path / "experiments" / "vocab" / "metrics.json").exists()
@@ -184,5 +241,6 @@ def test_a_causal_lm_with_the_lm_collator_is_scored_on_its_shifted_labels():
     class One:
         def all_reduce(self, t, op="sum"):
             return t
+
     assert evaluator.compute(One())["loss"] == pytest.approx(output.loss.item(), rel=1e-5)
     assert task.loss(output, target) is output.loss

@@ -16,8 +16,17 @@ from ddplab.registry import load_config
 
 
 def config(tmp_path, *extra):
-    return load_config(None, ["model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
-                              "data.image_size=24", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    return load_config(
+        None,
+        [
+            "model.name=cnn",
+            "data.name=image_folder",
+            f"data.root={tmp_path / 'tree'}",
+            "data.image_size=24",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *extra,
+        ],
+    )
 
 
 def caches(tmp_path):
@@ -93,9 +102,21 @@ def test_an_unreadable_image_is_one_error_and_leaves_no_cache(tmp_path):
 def test_two_ranks_share_one_cache_built_once(tmp_path):
     """Under torchrun, rank 0 decodes each split once while rank 1 waits, and both train on it."""
     image_tree(tmp_path / "tree")
-    proc = torchrun(2, "train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
-                    "data.image_size=24", f"data.cache_dir={tmp_path / 'cache'}", "training.max_steps=2",
-                    "training.batch_size=4", "experiment.name=ic", *QUIET, cwd=tmp_path, timeout=180)
+    proc = torchrun(
+        2,
+        "train",
+        "model.name=cnn",
+        "data.name=image_folder",
+        f"data.root={tmp_path / 'tree'}",
+        "data.image_size=24",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "training.max_steps=2",
+        "training.batch_size=4",
+        "experiment.name=ic",
+        *QUIET,
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert_ok(proc)
     assert (proc.stdout + proc.stderr).count("image cache: decoding") == 2  # train/ and val/, by one rank
     assert len(caches(tmp_path)) == 2

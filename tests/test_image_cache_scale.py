@@ -40,8 +40,17 @@ def photo_tree(root: Path, classes: int = 2, per_class: int = 12, side: int = 40
 
 
 def _config(tmp_path, *extra):
-    return load_config(None, ["model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
-                              "data.image_size=24", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    return load_config(
+        None,
+        [
+            "model.name=cnn",
+            "data.name=image_folder",
+            f"data.root={tmp_path / 'tree'}",
+            "data.image_size=24",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.parametrize("kind", ["raw", "jpeg"])
@@ -92,8 +101,15 @@ def test_a_raw_cache_too_big_for_the_disk_is_one_line_naming_jpeg(tmp_path, monk
     photo_tree(tmp_path / "tree")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(image_cache, "free_space", lambda path: 4096)
-    code = main("train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
-                "data.image_size=24", "training.max_steps=1", *QUIET)
+    code = main(
+        "train",
+        "model.name=cnn",
+        "data.name=image_folder",
+        f"data.root={tmp_path / 'tree'}",
+        "data.image_size=24",
+        "training.max_steps=1",
+        *QUIET,
+    )
     err = capfd.readouterr().err
     assert code == 2, err[-2000:]
     lines = [line for line in err.splitlines() if line.strip()]
@@ -104,20 +120,41 @@ def test_a_raw_cache_too_big_for_the_disk_is_one_line_naming_jpeg(tmp_path, monk
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_decode_gpu_without_cuda_is_one_line_before_any_process(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    code = main("train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path}", "data.decode=gpu",
-                "data.cache=jpeg")
+    code = main(
+        "train",
+        "model.name=cnn",
+        "data.name=image_folder",
+        f"data.root={tmp_path}",
+        "data.decode=gpu",
+        "data.cache=jpeg",
+    )
     err = capfd.readouterr().err
     assert code == 2 and err.strip().count("\n") == 0
     assert "data.decode=gpu needs CUDA" in err and not (tmp_path / "experiments").exists()
 
 
 def _run(tmp_path, name, *extra, spec=None):
-    args = ["train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
-            "data.image_size=24", f"data.cache_dir={tmp_path / 'cache'}", "data.cache=jpeg", "data.augment=true",
-            "training.batch_size=4", "training.epochs=2", "checkpoint.every=2", "logging.log_every=1",
-            "distributed.timeout=60", f"experiment.name={name}", *QUIET, *extra]
-    proc = subprocess.run(command(spec or "none=0", args, 2, 1), cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=240)
+    args = [
+        "train",
+        "model.name=cnn",
+        "data.name=image_folder",
+        f"data.root={tmp_path / 'tree'}",
+        "data.image_size=24",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.cache=jpeg",
+        "data.augment=true",
+        "training.batch_size=4",
+        "training.epochs=2",
+        "checkpoint.every=2",
+        "logging.log_every=1",
+        "distributed.timeout=60",
+        f"experiment.name={name}",
+        *QUIET,
+        *extra,
+    ]
+    proc = subprocess.run(
+        command(spec or "none=0", args, 2, 1), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / name
     return json.loads((run / "metrics.json").read_text()), run
@@ -140,9 +177,21 @@ def test_a_jpeg_cache_trains_and_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("cache", ["jpeg", "false"])
 def test_decode_gpu_trains_from_jpegs_decoded_on_the_device(tmp_path, cache):
     photo_tree(tmp_path / "tree")
-    proc = ddplab("train", "model.name=cnn", "data.name=image_folder", f"data.root={tmp_path / 'tree'}",
-                  "data.image_size=24", f"data.cache={cache}", "data.decode=gpu", "training.max_steps=3",
-                  "training.batch_size=4", "experiment.name=g", *QUIET, cwd=tmp_path, timeout=180)
+    proc = ddplab(
+        "train",
+        "model.name=cnn",
+        "data.name=image_folder",
+        f"data.root={tmp_path / 'tree'}",
+        "data.image_size=24",
+        f"data.cache={cache}",
+        "data.decode=gpu",
+        "training.max_steps=3",
+        "training.batch_size=4",
+        "experiment.name=g",
+        *QUIET,
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert_ok(proc)
     assert json.loads((tmp_path / "experiments/g/metrics.json").read_text())["status"] == "complete"
     data = build_data(_config(tmp_path, "data.cache=jpeg"))

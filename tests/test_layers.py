@@ -93,6 +93,7 @@ def imports(path: Path, module: str) -> list[tuple[str, int, bool]]:
                 found.append((base, child.lineno, in_function))
                 found.extend((f"{base}.{a.name}", child.lineno, in_function) for a in child.names)
             visit(child, nested)
+
     visit(tree, False)
     return found
 
@@ -112,9 +113,13 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_runs_up_a_layer():
-    upward = [f"{m} ({LAYERS[layer(m)][0]}) imports {t} ({LAYERS[layer(t)][0]})"
-              for m, targets in graph().items() if m != "ddplab" for t in targets
-              if layer(t) is not None and layer(m) is not None and layer(t) > layer(m)]
+    upward = [
+        f"{m} ({LAYERS[layer(m)][0]}) imports {t} ({LAYERS[layer(t)][0]})"
+        for m, targets in graph().items()
+        if m != "ddplab"
+        for t in targets
+        if layer(t) is not None and layer(m) is not None and layer(t) > layer(m)
+    ]
     assert upward == []
 
 
@@ -126,10 +131,11 @@ def test_no_import_cycles():
         state[node] = 1
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 walk(nxt, path + [nxt])
         state[node] = 2
+
     for node in sorted(edges):
         if node not in state:
             walk(node, [node])
@@ -152,10 +158,14 @@ def test_imports_inside_functions_say_why():
             # A reason may head a block of imports, whose sections (stdlib, libraries, ddplab) the import sorter
             # parts with a blank line.
             first = line - 1
-            while first > 0 and (_is_import(lines[first - 1]) or not lines[first - 1].strip() and first > 1
-                                 and _is_import(lines[first - 2])):
+            while first > 0 and (
+                _is_import(lines[first - 1])
+                or not lines[first - 1].strip()
+                and first > 1
+                and _is_import(lines[first - 2])
+            ):
                 first -= 1
-            block = lines[first - 1: line]
+            block = lines[first - 1 : line]
             if inside and not any("#" in text for text in block):
                 silent.append(f"{path.relative_to(SRC)}:{line}: {lines[line - 1].strip()}")
     assert sorted(set(silent)) == []

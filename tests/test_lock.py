@@ -28,10 +28,16 @@ def test_a_second_lock_on_the_same_folder_names_the_holder_and_release_leaves_no
 
 
 def test_fingerprint_allows_only_the_documented_fields():
-    old = {"training": {"epochs": 2, "batch_size": 8, "max_steps": None}, "logging": {"log_every": 10},
-           "model": {"dim": 32}}
-    new = {"training": {"epochs": 5, "batch_size": 8, "max_steps": 100}, "logging": {"log_every": 1},
-           "model": {"dim": 32}}
+    old = {
+        "training": {"epochs": 2, "batch_size": 8, "max_steps": None},
+        "logging": {"log_every": 10},
+        "model": {"dim": 32},
+    }
+    new = {
+        "training": {"epochs": 5, "batch_size": 8, "max_steps": 100},
+        "logging": {"log_every": 1},
+        "model": {"dim": 32},
+    }
     assert differences(old, new) == []
     new["model"]["dim"] = 64
     new["training"]["batch_size"] = 64  # safe: a resume keeps the global batch by recomputing the accumulation
@@ -41,14 +47,26 @@ def test_fingerprint_allows_only_the_documented_fields():
 
 
 def _start(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ddplab", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddplab", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_simultaneous_starts_one_runs_the_other_exits_2(tmp_path, corpus):
     # One epoch of ~60 KB at batch 8 keeps the winner busy for seconds after the loser's check.
-    args = ["train", f"data.path={corpus}", *TINY_GPT, "training.epochs=1", "generate.max_new_tokens=0",
-            "experiment.name=same"]
+    args = [
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.epochs=1",
+        "generate.max_new_tokens=0",
+        "experiment.name=same",
+    ]
     procs = [_start(tmp_path, *args), _start(tmp_path, *args)]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     codes = sorted(code for code, _, _ in results)

@@ -19,7 +19,7 @@ from ddplab.tasks import Classification, Task, find_logits
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
 
-WORKLOAD = '''
+WORKLOAD = """
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -64,7 +64,7 @@ def data(cfg):
 
 def model(cfg, data):
     return Net(cfg.options.get("form", "tensor"))
-'''
+"""
 
 
 @pytest.fixture
@@ -81,21 +81,37 @@ def _rows(run: Path) -> list[dict]:
 @pytest.mark.parametrize("form", ["tensor", "tuple", "dict", "object"])
 def test_every_output_form_trains_and_is_scored_by_its_logits(tmp_path, workload, form, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    summary = ddplab.train(None, [f"model.name={workload}:model", f"data.name={workload}:data",
-                                  f"model.options.form={form}", "training.epochs=4", "training.batch_size=16",
-                                  "training.lr=1e-2", "training.warmup_steps=0", f"experiment.name={form}", *FAST])
+    summary = ddplab.train(
+        None,
+        [
+            f"model.name={workload}:model",
+            f"data.name={workload}:data",
+            f"model.options.form={form}",
+            "training.epochs=4",
+            "training.batch_size=16",
+            "training.lr=1e-2",
+            "training.warmup_steps=0",
+            f"experiment.name={form}",
+            *FAST,
+        ],
+    )
     assert summary["status"] == "complete"
     rows = _rows(tmp_path / "experiments" / form)
     assert float(rows[-1]["val_accuracy"]) > 0.85 and float(rows[-1]["val_loss"]) < float(rows[0]["val_loss"])
 
 
-@pytest.mark.parametrize("option, phrase", [
-    ("data.options.loss=nan", "BadLoss.loss(output, target) returned nan on the first two training samples"),
-    ("data.options.loss=vector", "BadLoss.loss(output, target) returned a tensor of shape (2,) on a batch of 2"),
-    ("model.options.form=no_logits", "returned a dict with keys ['scores']; the task needs logits"),
-], ids=["nan", "vector", "no-logits"])
-def test_a_loss_that_is_not_a_finite_scalar_is_refused_in_one_line(tmp_path, workload, option, phrase, monkeypatch,
-                                                                    capfd):
+@pytest.mark.parametrize(
+    "option, phrase",
+    [
+        ("data.options.loss=nan", "BadLoss.loss(output, target) returned nan on the first two training samples"),
+        ("data.options.loss=vector", "BadLoss.loss(output, target) returned a tensor of shape (2,) on a batch of 2"),
+        ("model.options.form=no_logits", "returned a dict with keys ['scores']; the task needs logits"),
+    ],
+    ids=["nan", "vector", "no-logits"],
+)
+def test_a_loss_that_is_not_a_finite_scalar_is_refused_in_one_line(
+    tmp_path, workload, option, phrase, monkeypatch, capfd
+):
     monkeypatch.chdir(tmp_path)
     code = main(["train", f"model.name={workload}:model", f"data.name={workload}:data", option, *FAST])
     err = capfd.readouterr().err.strip().splitlines()
@@ -124,10 +140,22 @@ def test_find_logits_reads_each_form_and_a_user_loss_gets_the_output_as_returned
 
 def test_a_model_that_computes_its_own_loss_trains_under_two_processes(tmp_path):
     wl = Path(shutil.copy(ROOT / "examples" / "own_loss.py", tmp_path))
-    proc = run_ddplab("train", "--nproc-per-node", "2", f"model.name={wl}:model", f"data.name={wl}:data",
-                      "data.options.chars=30000", "model.options.layers=1", "training.epochs=2",
-                      "training.batch_size=16", "training.lr=3e-3", "training.warmup_steps=0", "experiment.name=own",
-                      *FAST, cwd=tmp_path)
+    proc = run_ddplab(
+        "train",
+        "--nproc-per-node",
+        "2",
+        f"model.name={wl}:model",
+        f"data.name={wl}:data",
+        "data.options.chars=30000",
+        "model.options.layers=1",
+        "training.epochs=2",
+        "training.batch_size=16",
+        "training.lr=3e-3",
+        "training.warmup_steps=0",
+        "experiment.name=own",
+        *FAST,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / "own"
     rows = _rows(run)

@@ -26,11 +26,15 @@ def test_namespaces_made_limited_and_removed_also_on_failure():
     with pytest.raises(RuntimeError, match="boom"):
         with hosts:
             assert set(hosts.namespaces) <= _namespaces()
-            qdisc = subprocess.run(["tc", "-n", hosts.namespaces[0], "qdisc", "show", "dev", hosts.devices[0]],
-                                   capture_output=True, text=True).stdout
+            qdisc = subprocess.run(
+                ["tc", "-n", hosts.namespaces[0], "qdisc", "show", "dev", hosts.devices[0]],
+                capture_output=True,
+                text=True,
+            ).stdout
             assert "tbf" in qdisc and "20Mbit" in qdisc
-            addr = subprocess.run(["ip", "-n", hosts.namespaces[1], "addr", "show", hosts.devices[1]],
-                                  capture_output=True, text=True).stdout
+            addr = subprocess.run(
+                ["ip", "-n", hosts.namespaces[1], "addr", "show", hosts.devices[1]], capture_output=True, text=True
+            ).stdout
             assert f"{twohost.SUBNET}.2/24" in addr
             raise RuntimeError("boom")
     assert not set(hosts.namespaces) & _namespaces()
@@ -40,9 +44,17 @@ def test_namespaces_made_limited_and_removed_also_on_failure():
 
 @needs_netns
 def test_tiny_training_run_across_the_two_namespaces(tmp_path, corpus):
-    args = ["train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=4", "data.limit=200",
-            f"experiment.output_dir={tmp_path}", "experiment.name=twohost", "checkpoint.save_best=false",
-            "generate.max_new_tokens=0"]
+    args = [
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.max_steps=4",
+        "data.limit=200",
+        f"experiment.output_dir={tmp_path}",
+        "experiment.name=twohost",
+        "checkpoint.save_best=false",
+        "generate.max_new_tokens=0",
+    ]
     with open(tmp_path / "log.txt", "w") as log:
         with twohost.TwoHosts(rate="200mbit") as hosts:
             code = hosts.run(args, 1, timeout=120, log=log)

@@ -45,8 +45,18 @@ def test_first_step_split_off_training_by_an_optimizer_hook():
 
 def test_a_launched_run_records_its_phases(tmp_path):
     # Through the launcher (which starts torch's agent as a child), so launcher_s is there too.
-    proc = ddplab("train", "--nproc-per-node", "1", "model.name=cnn", "data.name=digits", "training.max_steps=1",
-                  "logging.trackers=[]", "logging.progress=false", "experiment.name=p", cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        "--nproc-per-node",
+        "1",
+        "model.name=cnn",
+        "data.name=digits",
+        "training.max_steps=1",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "experiment.name=p",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / "p"
     got = json.loads((run / "metrics.json").read_text())["phases"]
@@ -77,17 +87,19 @@ def test_the_launcher_checks_built_in_workloads_without_importing_torch(tmp_path
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from ddplab.registry import check_files, load_config\n"
-            "from ddplab.engine.lock import claim, resolve_run_dir\n"
-            "from ddplab.launch import run_workers\n"
-            "for overrides in (['model.name=cnn', 'data.name=digits'], ['model.name=gpt', 'data.name=text'],\n"
-            "                  ['model.name=transformer', 'data.name=synthetic_reviews'],\n"
-            "                  ['model.name=vit', 'data.name=digits', 'data.image_size=32']):\n"
-            "    cfg = load_config(None, overrides)\n"
-            "    check_files(cfg)\n"
-            "    resolve_run_dir(cfg)\n"
-            "print(sorted(m for m in ('torch', 'torchvision', 'sklearn', 'matplotlib') if m in sys.modules))\n")
+    code = (
+        "import sys\n"
+        "from ddplab.registry import check_files, load_config\n"
+        "from ddplab.engine.lock import claim, resolve_run_dir\n"
+        "from ddplab.launch import run_workers\n"
+        "for overrides in (['model.name=cnn', 'data.name=digits'], ['model.name=gpt', 'data.name=text'],\n"
+        "                  ['model.name=transformer', 'data.name=synthetic_reviews'],\n"
+        "                  ['model.name=vit', 'data.name=digits', 'data.image_size=32']):\n"
+        "    cfg = load_config(None, overrides)\n"
+        "    check_files(cfg)\n"
+        "    resolve_run_dir(cfg)\n"
+        "print(sorted(m for m in ('torch', 'torchvision', 'sklearn', 'matplotlib') if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -97,8 +109,10 @@ def test_image_size_checks_still_refuse_what_the_model_cannot_take(tmp_path):
     from ddplab.errors import UserError
     from ddplab.registry import load_config
 
-    for overrides, words in ((["model.name=cnn", "data.image_size=5"], "at least 6x6"),
-                             (["model.name=vit", "data.image_size=30"], "patch_size=4 does not divide")):
+    for overrides, words in (
+        (["model.name=cnn", "data.image_size=5"], "at least 6x6"),
+        (["model.name=vit", "data.image_size=30"], "patch_size=4 does not divide"),
+    ):
         try:
             load_config(None, ["data.name=digits", *overrides])
         except UserError as err:
@@ -124,9 +138,18 @@ def test_a_run_keeps_the_start_up_heap_out_of_collections_and_gives_it_back(tmp_
             seen["model_scanned"] = any(o is view.model for o in gc.get_objects())
 
     monkeypatch.chdir(tmp_path)
-    summary = ddplab.train(None, ["model.name=cnn", "data.name=digits", "training.max_steps=1",
-                                  "logging.trackers=[]", "logging.progress=false", "experiment.name=g"],
-                           callbacks=[Probe()])
+    summary = ddplab.train(
+        None,
+        [
+            "model.name=cnn",
+            "data.name=digits",
+            "training.max_steps=1",
+            "logging.trackers=[]",
+            "logging.progress=false",
+            "experiment.name=g",
+        ],
+        callbacks=[Probe()],
+    )
     assert summary["status"] == "complete"
     assert seen["frozen"] > 10_000  # torch's modules alone hold far more objects than that
     assert seen["model_scanned"]

@@ -19,7 +19,7 @@ from ddplab.predict import encoder, expand
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
 
-REGRESSION = '''
+REGRESSION = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -34,7 +34,7 @@ def data(cfg):
 
 def model(cfg, data):
     return torch.nn.Linear(3, 2)
-'''
+"""
 
 
 def _image_tree(root: Path, per_class: int = 12) -> Path:
@@ -56,16 +56,28 @@ def image_run(tmp_path_factory) -> Path:
     place = tmp_path_factory.mktemp("img")
     _image_tree(place / "tree")
     wl = Path(shutil.copy(ROOT / "examples" / "image_folder.py", place))
-    proc = run_ddplab("train", f"model.name={wl}:model", f"data.name={wl}:data", "data.options.root=tree",
-                      "data.options.side=12", "training.epochs=8", "training.batch_size=8", "training.lr=3e-3",
-                      "training.warmup_steps=0", "experiment.name=img", *FAST, cwd=place)
+    proc = run_ddplab(
+        "train",
+        f"model.name={wl}:model",
+        f"data.name={wl}:data",
+        "data.options.root=tree",
+        "data.options.side=12",
+        "training.epochs=8",
+        "training.batch_size=8",
+        "training.lr=3e-3",
+        "training.warmup_steps=0",
+        "experiment.name=img",
+        *FAST,
+        cwd=place,
+    )
     assert_ok(proc)
     return place
 
 
 def test_an_image_file_of_an_image_folder_workload_gets_its_label(image_run):
-    proc = run_ddplab("predict", "experiments/img", "tree/red/00.png", "tree/blue/03.png", "--output", "p.jsonl",
-                      cwd=image_run)
+    proc = run_ddplab(
+        "predict", "experiments/img", "tree/red/00.png", "tree/blue/03.png", "--output", "p.jsonl", cwd=image_run
+    )
     assert_ok(proc)
     lines = [line.split("\t") for line in proc.stdout.strip().splitlines()]
     assert [(label, path) for label, _, path in lines] == [("red", "tree/red/00.png"), ("blue", "tree/blue/03.png")]
@@ -76,8 +88,18 @@ def test_an_image_file_of_an_image_folder_workload_gets_its_label(image_run):
 
 
 def test_a_folder_with_top_k_2_and_a_csv(image_run):
-    proc = run_ddplab("predict", "experiments/img", "tree/blue", "--top-k", "2", "--batch-size", "5",
-                      "--output", "p.csv", cwd=image_run)
+    proc = run_ddplab(
+        "predict",
+        "experiments/img",
+        "tree/blue",
+        "--top-k",
+        "2",
+        "--batch-size",
+        "5",
+        "--output",
+        "p.csv",
+        cwd=image_run,
+    )
     assert_ok(proc)
     files = sorted(str(p.relative_to(image_run)) for p in (image_run / "tree" / "blue").iterdir())
     rows = list(csv.DictReader(open(image_run / "p.csv")))
@@ -91,11 +113,15 @@ def test_a_folder_with_top_k_2_and_a_csv(image_run):
     assert [p[-1] for p in printed] == files and all(len(p) == 5 for p in printed)
 
 
-@pytest.mark.parametrize("argv, phrase", [
-    (["--top-k", "3"], "--top-k 3: this classifier has 2 classes"),
-    (["--output", "p.txt"], "--output p.txt: name a .csv or a .jsonl file"),
-    (["--top-k", "0"], "--top-k must be >= 1"),
-], ids=["top-k-above-classes", "output-kind", "top-k-zero"])
+@pytest.mark.parametrize(
+    "argv, phrase",
+    [
+        (["--top-k", "3"], "--top-k 3: this classifier has 2 classes"),
+        (["--output", "p.txt"], "--output p.txt: name a .csv or a .jsonl file"),
+        (["--top-k", "0"], "--top-k must be >= 1"),
+    ],
+    ids=["top-k-above-classes", "output-kind", "top-k-zero"],
+)
 def test_bad_predict_options_are_one_line(image_run, argv, phrase, monkeypatch, capfd):
     monkeypatch.chdir(image_run)
     code = main(["predict", "experiments/img", "tree/red/00.png", *argv])
@@ -106,9 +132,19 @@ def test_bad_predict_options_are_one_line(image_run, argv, phrase, monkeypatch, 
 def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch):
     (tmp_path / "reg.py").write_text(REGRESSION)
     monkeypatch.chdir(tmp_path)
-    ddplab.train(None, ["model.name=reg.py:model", "data.name=reg.py:data", "training.epochs=30",
-                        "training.batch_size=16", "training.lr=3e-2", "training.warmup_steps=0",
-                        "experiment.name=reg", *FAST])
+    ddplab.train(
+        None,
+        [
+            "model.name=reg.py:model",
+            "data.name=reg.py:data",
+            "training.epochs=30",
+            "training.batch_size=16",
+            "training.lr=3e-2",
+            "training.warmup_steps=0",
+            "experiment.name=reg",
+            *FAST,
+        ],
+    )
     np.save(tmp_path / "x.npy", np.array([1.0, 2.0, -1.0]))
     torch.save(torch.tensor([0.5, -0.5, 0.0]), tmp_path / "x.pt")
     proc = run_ddplab("predict", "experiments/reg", "1,2,-1", "x.npy", "x.pt", "--output", "p.jsonl", cwd=tmp_path)
@@ -122,6 +158,7 @@ def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch
 
 
 # ---------------------------------------------------------------------------- encoder, in process
+
 
 def test_preprocess_then_a_dataset_transform_then_numbers(tmp_path):
     from torchvision import datasets, transforms

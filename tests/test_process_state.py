@@ -20,7 +20,7 @@ from ddplab.engine import heartbeat
 from ddplab.engine.heartbeat import _BEATING, Heartbeat, PeerFailed
 from ddplab.engine.run_folder import RunFolder
 
-WORKLOAD = '''
+WORKLOAD = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -34,15 +34,29 @@ def data(cfg):
 
 def model(cfg, data):
     return torch.nn.Linear(3, 2)
-'''
-FAST = ["model.name=workload.py:model", "data.name=workload.py:data", "training.max_steps=2", "training.batch_size=8",
-        "training.warmup_steps=0", "logging.trackers=[]", "logging.progress=false", "logging.plots=false"]
+"""
+FAST = [
+    "model.name=workload.py:model",
+    "data.name=workload.py:data",
+    "training.max_steps=2",
+    "training.batch_size=8",
+    "training.warmup_steps=0",
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "logging.plots=false",
+]
 
 
 def _process() -> dict:
-    return {"matmul": torch.get_float32_matmul_precision(), "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-            "gc": (gc.isenabled(), gc.get_freeze_count()), "environ": dict(os.environ), "sys.path": list(sys.path),
-            "SIGUSR2": signal.getsignal(signal.SIGUSR2), "in_effect": process_state.in_effect()}
+    return {
+        "matmul": torch.get_float32_matmul_precision(),
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "gc": (gc.isenabled(), gc.get_freeze_count()),
+        "environ": dict(os.environ),
+        "sys.path": list(sys.path),
+        "SIGUSR2": signal.getsignal(signal.SIGUSR2),
+        "in_effect": process_state.in_effect(),
+    }
 
 
 def test_train_twice_in_one_process_leaves_it_as_it_was(tmp_path, monkeypatch):
@@ -71,8 +85,11 @@ def test_each_change_is_undone_last_first_and_a_users_variable_wins(monkeypatch)
         process_state.import_path("/nowhere")
         assert torch.get_float32_matmul_precision() == "high" and sys.path[0] == "/nowhere"
         assert os.environ["MASTER_PORT"] == "1234" and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
-        assert process_state.in_effect()[len(already):] == ["TORCH_FR_BUFFER_SIZE=TORCH_NCCL_TRACE_BUFFER_SIZE=2000",
-                                             "TF32 matmuls on (training.tf32)", "sys.path + /nowhere"]
+        assert process_state.in_effect()[len(already) :] == [
+            "TORCH_FR_BUFFER_SIZE=TORCH_NCCL_TRACE_BUFFER_SIZE=2000",
+            "TF32 matmuls on (training.tf32)",
+            "sys.path + /nowhere",
+        ]
         with process_state.changes():
             process_state.tf32(False)
             assert torch.backends.cudnn.allow_tf32 is False
@@ -108,6 +125,7 @@ def test_wandb_writes_under_the_users_wandb_dir(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the heartbeat
+
 
 class Ctx:
     """Rank `rank` of two, as the heartbeat sees it (its store is given to it by the test)."""
@@ -179,6 +197,7 @@ def test_a_beat_that_raises_is_reported_once_and_the_beats_go_on(tmp_path, monke
     def warn(seen):
         raised.append(1)
         raise ValueError("disk full")
+
     monkeypatch.setattr(beat, "_warn", warn)
     beat.start()
     deadline = time.monotonic() + 10

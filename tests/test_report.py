@@ -15,16 +15,38 @@ from ddplab.report.table import build_rows, epochs_within
 def _run_folder(root, name, world, rate, *, batch=8, lr=1e-3, status="complete", epoch_time=10.0, test=None):
     folder = root / name
     folder.mkdir(parents=True)
-    epochs = [{"epoch": e, "step": 10 * e, "train_loss": 2.0 / e, "val_loss": 2.1 / e, "val_accuracy": 0.3 * e,
-               "epoch_time_s": epoch_time, "elapsed_s": epoch_time * e, "samples_per_s": rate,
-               "comm_time_s": 0.5 if world > 1 else 0.0, "compute_time_s": epoch_time - (0.5 if world > 1 else 0.0)}
-              for e in (1, 2, 3)]
+    epochs = [
+        {
+            "epoch": e,
+            "step": 10 * e,
+            "train_loss": 2.0 / e,
+            "val_loss": 2.1 / e,
+            "val_accuracy": 0.3 * e,
+            "epoch_time_s": epoch_time,
+            "elapsed_s": epoch_time * e,
+            "samples_per_s": rate,
+            "comm_time_s": 0.5 if world > 1 else 0.0,
+            "compute_time_s": epoch_time - (0.5 if world > 1 else 0.0),
+        }
+        for e in (1, 2, 3)
+    ]
     steps = [{"step": s, "loss": 2.0, "lr": lr, "elapsed_s": epoch_time * s / 10} for s in range(5, 31, 5)]
-    summary = {"status": status, "config": {"training": {"batch_size": batch, "lr": lr}, "experiment": {"name": name}},
-               "ddp": {"world_size": world, "per_process": batch, "global": batch * world, "steps_per_epoch": 10,
-                       "lr": lr, "grad_accum_steps": 1},
-               "epochs": epochs, "steps": steps, "test": test or {},
-               "aggregates": {"steps": 30, "train_time_s": 3 * epoch_time, "best_val_loss": 0.7}}
+    summary = {
+        "status": status,
+        "config": {"training": {"batch_size": batch, "lr": lr}, "experiment": {"name": name}},
+        "ddp": {
+            "world_size": world,
+            "per_process": batch,
+            "global": batch * world,
+            "steps_per_epoch": 10,
+            "lr": lr,
+            "grad_accum_steps": 1,
+        },
+        "epochs": epochs,
+        "steps": steps,
+        "test": test or {},
+        "aggregates": {"steps": 30, "train_time_s": 3 * epoch_time, "best_val_loss": 0.7},
+    }
     (folder / "metrics.json").write_text(json.dumps(summary))
     return folder
 
@@ -88,9 +110,21 @@ def _point(root, name, setup, rate, *, repeat=1, batch=8, epoch_time=None, test=
         summary = json.loads((folder / "metrics.json").read_text())
         summary["aggregates"]["time_budget_s"] = budget
         (folder / "metrics.json").write_text(json.dumps(summary))
-    (folder / "study_point.json").write_text(json.dumps(
-        {"study": "s", "point": name, "run": run, "repeat": repeat, "nodes": nodes, "per_node": per_node,
-         "processes": world, "setup": setup, "swept": {"training.batch_size": str(batch)}}))
+    (folder / "study_point.json").write_text(
+        json.dumps(
+            {
+                "study": "s",
+                "point": name,
+                "run": run,
+                "repeat": repeat,
+                "nodes": nodes,
+                "per_node": per_node,
+                "processes": world,
+                "setup": setup,
+                "swept": {"training.batch_size": str(batch)},
+            }
+        )
+    )
     return folder
 
 
@@ -139,9 +173,11 @@ def test_setups_are_categories_in_the_plots(tmp_path, monkeypatch):
 
     def keep(fig, path):
         ax = fig.axes[0]
-        seen[path.name] = ([t.get_text() for t in ax.get_xticklabels()],
-                           {c.get_label(): [float(x) for x in c.lines[0].get_xdata()] for c in ax.containers},
-                           ax.get_xlabel())
+        seen[path.name] = (
+            [t.get_text() for t in ax.get_xticklabels()],
+            {c.get_label(): [float(x) for x in c.lines[0].get_xdata()] for c in ax.containers},
+            ax.get_xlabel(),
+        )
         plots._pyplot().close(fig)
         return path
 
@@ -163,11 +199,20 @@ def test_scaling_table_has_the_reference_layout(tmp_path):
     _point(tmp_path, "n2", "1x2", 160.0, test={"loss": 0.43, "accuracy": 0.873}, budget=400.0)
     _point(tmp_path, "n4", "2x2", 260.0, test={"loss": 0.42, "accuracy": 0.875}, budget=400.0)
     text = make_report([tmp_path], tmp_path / "out").read_text()
-    table = text[text.index("### Scaling table"):].splitlines()
+    table = text[text.index("### Scaling table") :].splitlines()
     assert table[2] == "| | 1x1 | 1x2 | 2x2 |"
     names = [line.split("|")[1].strip(" *") for line in table[4:13]]
-    assert names == ["Learning rate", "Global batch size", "Steps per epoch", "Avg epoch time (s)", "Epochs @ budget",
-                     "Scaling efficiency", "Best validation loss", "Test loss", "Top-1 test accuracy"]
+    assert names == [
+        "Learning rate",
+        "Global batch size",
+        "Steps per epoch",
+        "Avg epoch time (s)",
+        "Epochs @ budget",
+        "Scaling efficiency",
+        "Best validation loss",
+        "Test loss",
+        "Top-1 test accuracy",
+    ]
     cells = {n: [c.strip() for c in line.split("|")[2:-1]] for n, line in zip(names, table[4:13], strict=True)}
     assert cells["Global batch size"] == ["8", "16", "32"]
     assert cells["Scaling efficiency"] == ["1.00", f"{160 / 100 / 2:.2f}", f"{260 / 100 / 4:.2f}"]
@@ -196,8 +241,12 @@ def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path)
         folder = _point(tmp_path, f"{strategy}-n{world}", f"1x{world}", 100.0 * world, epoch_time=epoch_time)
         summary = json.loads((folder / "metrics.json").read_text())
         summary["config"]["distributed"] = {"strategy": strategy}  # its own experiment, with its own 1-process point
-        summary["ddp"] |= {"strategy": strategy, "state_bytes_per_rank": dict(zip(
-            ("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state), strict=True))}
+        summary["ddp"] |= {
+            "strategy": strategy,
+            "state_bytes_per_rank": dict(
+                zip(("parameters", "gradients", "optimizer"), (mib * 2**20 for mib in state), strict=True)
+            ),
+        }
         summary["comm"] = {"timed": "all_reduce" if strategy == "ddp" else "all_gather, reduce_scatter"}
         for row in summary["epochs"]:
             row["peak_mem_mb"] = peak + row["epoch"]  # the largest epoch's counts

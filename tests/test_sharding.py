@@ -24,10 +24,21 @@ SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 
 
 def _args(corpus: Path, name: str, strategy: str = "fsdp") -> list[str]:
-    return ["train", f"data.path={corpus}", *TINY_GPT, "model.layers=2", f"data.limit={SAMPLES}", "training.epochs=2",
-            "checkpoint.every=2", "logging.log_every=1", "generate.max_new_tokens=0", "distributed.timeout=60",
-            "data.val_fraction=0.08",  # 49 validation chunks: one rank evaluates a batch more than the other
-            f"distributed.strategy={strategy}", f"experiment.name={name}"]
+    return [
+        "train",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "model.layers=2",
+        f"data.limit={SAMPLES}",
+        "training.epochs=2",
+        "checkpoint.every=2",
+        "logging.log_every=1",
+        "generate.max_new_tokens=0",
+        "distributed.timeout=60",
+        "data.val_fraction=0.08",  # 49 validation chunks: one rank evaluates a batch more than the other
+        f"distributed.strategy={strategy}",
+        f"experiment.name={name}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +57,9 @@ def _same_as(run: Path, reference: Path) -> None:
 
 
 def _run(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
-    return subprocess.run(command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=240)
+    return subprocess.run(
+        command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240
+    )
 
 
 def test_fsdp_shards_the_blocks_and_matches_ddp(reference):
@@ -109,10 +121,27 @@ def test_a_resume_on_more_processes_reshards_or_says_what_to_set(tmp_path, data)
 def _two_nodes(spec: str, args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
     """4 processes as 2 nodes x 2: two torchrun agents on loopback (LOCAL_WORLD_SIZE=2)."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
-                               *command(spec, args)[1:]], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=t{port}",
+                *command(spec, args)[1:],
+            ],
+            cwd=cwd,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     return [p.communicate(timeout=240) and p for p in procs]
 
 
@@ -166,8 +195,15 @@ def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference):
     assert_ok(ddplab("export", str(reference), "--output", str(out)))
     summary = _summary(reference)
     m = summary["config"]["model"]
-    fresh = GPT(GPTConfig(vocab_size=summary["dataset"]["vocab_size"], context=m["context"], layers=m["layers"],
-                          heads=m["heads"], dim=m["dim"])).eval()
+    fresh = GPT(
+        GPTConfig(
+            vocab_size=summary["dataset"]["vocab_size"],
+            context=m["context"],
+            layers=m["layers"],
+            heads=m["heads"],
+            dim=m["dim"],
+        )
+    ).eval()
     fresh.load_state_dict(load_file(out))
     trained, _, _ = load_model(reference)
     idx = torch.randint(0, summary["dataset"]["vocab_size"], (2, 16))
@@ -176,8 +212,10 @@ def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference):
 
 def test_bad_sharding_inputs_say_one_line(tmp_path, data, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    for extra, says in ((["distributed.comm_hook=fp16"], "distributed.comm_hook=fp16 is a DDP communication hook"),
-                        ([f"distributed.shard={tmp_path}/nope.py:shard"], "distributed.shard: no such file")):
+    for extra, says in (
+        (["distributed.comm_hook=fp16"], "distributed.comm_hook=fp16 is a DDP communication hook"),
+        ([f"distributed.shard={tmp_path}/nope.py:shard"], "distributed.shard: no such file"),
+    ):
         code, err = main(*_args(data, "bad"), *extra), capfd.readouterr().err  # found before any process starts
         assert code == 2 and err.count("\n") == 1 and says in err, err
     (tmp_path / "lazy.py").write_text("def shard(model, mesh):\n    pass\n")
@@ -215,9 +253,15 @@ def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_p
     args = _args(data, "full")
     _run("signal_rank=0,step=2", args, tmp_path)
     ckpts = Path("experiments", "full", "checkpoints")  # as the run names them: relative to its folder
-    proc = subprocess.run(command("", args), cwd=tmp_path, env=_env(), text=True,
-                          capture_output=True, timeout=120,  # files over 20 kB cannot be written: a full disk
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
+    proc = subprocess.run(
+        command("", args),
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        capture_output=True,
+        timeout=120,  # files over 20 kB cannot be written: a full disk
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)),
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]  # a RunError: a failure at run time, not bad input
     assert f"cannot write snapshot {ckpts}/step-000000004 (OSError: [Errno 27] File too large" in proc.stderr
     assert f"the previous complete snapshot ({ckpts}/step-000000002) is kept" in proc.stderr
@@ -285,9 +329,9 @@ def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_pat
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
 
 
-SHARD_FIRST_LAYER = '''
+SHARD_FIRST_LAYER = """
 
 def shard(model, mesh):
     from torch.distributed.fsdp import fully_shard
     fully_shard(model[0], mesh=mesh)  # the root is sharded after it, by ddplab
-'''
+"""

@@ -23,8 +23,15 @@ TAG = "DDPLAB_TEST_TAG"  # marks every process of one job, found again through /
 
 def _job(corpus: Path) -> list[str]:
     # 2 ranks x batch 8, 320 samples: 20 steps, so a signal after step 2 meets a running job.
-    return [f"data.path={corpus}", *TINY_GPT, "data.limit=320", "training.epochs=1", "logging.log_every=1",
-            "generate.max_new_tokens=0", "distributed.timeout=60"]
+    return [
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "data.limit=320",
+        "training.epochs=1",
+        "logging.log_every=1",
+        "generate.max_new_tokens=0",
+        "distributed.timeout=60",
+    ]
 
 
 def _args(corpus: Path, name: str, *extra: str) -> list[str]:
@@ -56,8 +63,9 @@ def tagged(tag: str) -> list[int]:
 def start(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen, str, Path]:
     tag = uuid.uuid4().hex
     out = cwd / f"{tag}.out"
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env() | {TAG: tag}, stdout=open(out, "w"), stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=_env() | {TAG: tag}, stdout=open(out, "w"), stderr=subprocess.PIPE, text=True
+    )
     return proc, tag, out
 
 
@@ -139,8 +147,16 @@ def test_sigkill_of_the_launcher_or_the_agent_leaves_no_worker(tmp_path, corpus,
 
 def test_plain_torchrun_requeue_recipe_reads_the_run_status(tmp_path, corpus):
     """torchrun's agent exits 1 on SIGTERM whatever its workers did; `ddplab status` says 75."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab",
-           *_args(corpus, "t", "training.epochs=100")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ddplab",
+        *_args(corpus, "t", "training.epochs=100"),
+    ]
     proc, tag, out = start(cmd, tmp_path)
     wait_for_step(proc, out)
     proc.send_signal(signal.SIGTERM)
@@ -150,8 +166,13 @@ def test_plain_torchrun_requeue_recipe_reads_the_run_status(tmp_path, corpus):
     status = ddplab("status", "experiments/t", cwd=tmp_path)
     assert (status.returncode, status.stdout.strip()) == (75, "preempted")
     # The README's recipe, as a shell runs it.
-    recipe = subprocess.run(["bash", "-c", f"{sys.executable} -m ddplab status experiments/t; "
-                             "[ $? -eq 75 ] && echo requeue"], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    recipe = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m ddplab status experiments/t; [ $? -eq 75 ] && echo requeue"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     assert recipe.stdout.split() == ["preempted", "requeue"]
 
 
@@ -207,8 +228,9 @@ def test_sigterm_to_verify_reaches_its_workers_exits_75_and_the_same_command_con
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job_with_75(tmp_path, corpus, sig):
     """Not a failure for torchrun to restart: the agent ends with the job, the same command continues."""
-    proc, tag, out = start([*launcher(corpus, "w", SLOW)[:6], "--max-restarts", "1", *_args(corpus, "w", SLOW)[1:]],
-                           tmp_path)
+    proc, tag, out = start(
+        [*launcher(corpus, "w", SLOW)[:6], "--max-restarts", "1", *_args(corpus, "w", SLOW)[1:]], tmp_path
+    )
     try:
         wait_for_step(proc, out)
         [agent] = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
@@ -228,8 +250,12 @@ def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job_with_75(tm
 def test_a_worker_killed_under_max_restarts_is_restarted_and_the_job_ends_complete(tmp_path, corpus):
     """SIGKILL is a failure, not a stop: torchrun's agent restarts the workers (its SIGTERM to the
     survivor is not a request to stop the job), they resume, and the launcher exits 0."""
-    cmd = [*launcher(corpus, "k", SLOW, "checkpoint.every=2")[:6], "--max-restarts", "1",
-           *_args(corpus, "k", SLOW, "checkpoint.every=2")[1:]]
+    cmd = [
+        *launcher(corpus, "k", SLOW, "checkpoint.every=2")[:6],
+        "--max-restarts",
+        "1",
+        *_args(corpus, "k", SLOW, "checkpoint.every=2")[1:],
+    ]
     proc, tag, out = start(cmd, tmp_path)
     try:
         wait_for_step(proc, out, step=4)

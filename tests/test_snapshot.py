@@ -36,7 +36,7 @@ ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 
 # A workload with a part of its own: a counter of the training forward passes of each rank. Nothing
 # else in it, or in ddplab, knows of the counter: Data(state=...) is its one registration.
-WORKLOAD = '''
+WORKLOAD = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -70,10 +70,11 @@ def model(cfg, data):
             counter.passes += 1
     net.register_forward_pre_hook(count)
     return net
-'''
+"""
 
 
 # ---------------------------------------------------------------------------- in-process: the manifest
+
 
 def _parts(value: float, step: int) -> Parts:
     parts = Parts()
@@ -83,8 +84,12 @@ def _parts(value: float, step: int) -> Parts:
 
 
 def _save(ck: Checkpointer, step: int, **info) -> Path:
-    return ck.save(_parts(float(step), step), ONE, f"step-{step:09d}",
-                   {"step": step, "world_size": 1, "global_batch": 8, "config": {"training": {"lr": 0.1}}, **info})
+    return ck.save(
+        _parts(float(step), step),
+        ONE,
+        f"step-{step:09d}",
+        {"step": step, "world_size": 1, "global_batch": 8, "config": {"training": {"lr": 0.1}}, **info},
+    )
 
 
 def _flip(path: Path, at: int | None = None) -> None:
@@ -124,15 +129,21 @@ def test_without_checksums_a_manifest_checks_sizes_only(tmp_path):
         manifest.verify(folder)
 
 
-@pytest.mark.parametrize("damage, says", [
-    (lambda f: _flip(f / STATE), "state.pt: damaged (its checksum differs"),
-    (lambda f: (f / STATE).write_bytes((f / STATE).read_bytes()[:-10]), "state.pt: truncated"),
-    (lambda f: (f / STATE).unlink(), "state.pt: missing"),
-    (lambda f: (f / MARKER).write_text("{not json"), "COMPLETE: not a manifest (not JSON)"),
-    (lambda f: (f / MARKER).write_text("[1, 2]"), "COMPLETE: not a manifest (a JSON list)"),
-    (lambda f: (f / MARKER).write_text('{"step": "x"}'), "COMPLETE: not a manifest (no step)"),
-    (lambda f: (f / MARKER).write_text('{"format": 2, "step": 4}'), "COMPLETE: not a manifest (format 2, no files)"),
-])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda f: _flip(f / STATE), "state.pt: damaged (its checksum differs"),
+        (lambda f: (f / STATE).write_bytes((f / STATE).read_bytes()[:-10]), "state.pt: truncated"),
+        (lambda f: (f / STATE).unlink(), "state.pt: missing"),
+        (lambda f: (f / MARKER).write_text("{not json"), "COMPLETE: not a manifest (not JSON)"),
+        (lambda f: (f / MARKER).write_text("[1, 2]"), "COMPLETE: not a manifest (a JSON list)"),
+        (lambda f: (f / MARKER).write_text('{"step": "x"}'), "COMPLETE: not a manifest (no step)"),
+        (
+            lambda f: (f / MARKER).write_text('{"format": 2, "step": 4}'),
+            "COMPLETE: not a manifest (format 2, no files)",
+        ),
+    ],
+)
 def test_a_tampered_snapshot_is_skipped_in_one_line_naming_the_file(tmp_path, damage, says):
     ck = Checkpointer(tmp_path, is_main=True)
     _save(ck, 2)
@@ -163,8 +174,10 @@ def test_files_of_different_steps_are_refused(tmp_path):
 def test_a_snapshot_of_the_older_format_loads_unverified_in_one_line(tmp_path):
     folder = tmp_path / "step-000000005"
     folder.mkdir()
-    torch.save({"model": {"w": torch.ones(2)}, "trainer": {"step": 5}, "config": {"training": {"lr": 1.0}},
-                "world_size": 2}, folder / STATE)
+    torch.save(
+        {"model": {"w": torch.ones(2)}, "trainer": {"step": 5}, "config": {"training": {"lr": 1.0}}, "world_size": 2},
+        folder / STATE,
+    )
     (folder / MARKER).write_text(
         json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16})
     )
@@ -255,6 +268,7 @@ def test_the_launchers_readers_take_a_garbage_marker_and_the_snapshots_config(tm
 
 # ---------------------------------------------------------------------------- real runs
 
+
 def _workload(folder: Path) -> Path:
     path = folder / "counter_wl.py"
     path.write_text(WORKLOAD)
@@ -262,14 +276,33 @@ def _workload(folder: Path) -> Path:
 
 
 def _args(wl: Path, name: str, strategy: str = "ddp", *extra: str) -> list[str]:
-    return ["train", f"model.name={wl}:model", f"data.name={wl}:data", "training.epochs=1", "training.batch_size=8",
-            "checkpoint.every=2", "logging.log_every=1", "logging.trackers=[]", "logging.progress=false",
-            "distributed.timeout=60", f"distributed.strategy={strategy}", f"experiment.name={name}", *extra]
+    return [
+        "train",
+        f"model.name={wl}:model",
+        f"data.name={wl}:data",
+        "training.epochs=1",
+        "training.batch_size=8",
+        "checkpoint.every=2",
+        "logging.log_every=1",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "distributed.timeout=60",
+        f"distributed.strategy={strategy}",
+        f"experiment.name={name}",
+        *extra,
+    ]
 
 
 def _run(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
-    return subprocess.run(command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300, check=False)
+    return subprocess.run(
+        command(spec, args, nproc, max_restarts),
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def _final(run: Path) -> tuple[dict, dict]:
@@ -324,13 +357,16 @@ def _older_state(folder: Path) -> None:
     shutil.copy(folder.parent / "step-000000004" / STATE, folder / STATE)
 
 
-@pytest.mark.parametrize("strategy, damage, names", [
-    ("ddp", lambda f: _flip(f / STATE), "state.pt: damaged"),
-    ("ddp", lambda f: (f / MARKER).write_text("\x00garbage"), "COMPLETE: not a manifest"),
-    ("fsdp", lambda f: _flip(_shard(f), 100), ".distcp: damaged"),
-    ("fsdp", lambda f: _shard(f).unlink(), ".distcp: missing"),
-    ("fsdp", _older_state, "step-000000006/state.pt: "),  # step 4's state.pt beside step 6's shards
-])
+@pytest.mark.parametrize(
+    "strategy, damage, names",
+    [
+        ("ddp", lambda f: _flip(f / STATE), "state.pt: damaged"),
+        ("ddp", lambda f: (f / MARKER).write_text("\x00garbage"), "COMPLETE: not a manifest"),
+        ("fsdp", lambda f: _flip(_shard(f), 100), ".distcp: damaged"),
+        ("fsdp", lambda f: _shard(f).unlink(), ".distcp: missing"),
+        ("fsdp", _older_state, "step-000000006/state.pt: "),  # step 4's state.pt beside step 6's shards
+    ],
+)
 def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_path, strategy, damage, names):
     proc, run = _damaged_resume(runs, tmp_path, strategy, damage)
     skipped = [line for line in proc.stdout.splitlines() if "skipping snapshot" in line]

@@ -107,9 +107,19 @@ def schedule(cfg, optimizer, total_steps):
     )
 '''
 
-SGD = ["training.optimizer=sgd", "training.lr=0.05", "training.momentum=0", "training.weight_decay=0",
-       "training.warmup_steps=0", "training.schedule=constant", "training.clip_grad_norm=null",
-       "training.batch_size=4", "logging.trackers=[]", "logging.progress=false", "logging.log_every=1"]
+SGD = [
+    "training.optimizer=sgd",
+    "training.lr=0.05",
+    "training.momentum=0",
+    "training.weight_decay=0",
+    "training.warmup_steps=0",
+    "training.schedule=constant",
+    "training.clip_grad_norm=null",
+    "training.batch_size=4",
+    "logging.trackers=[]",
+    "logging.progress=false",
+    "logging.log_every=1",
+]
 
 
 @pytest.fixture
@@ -128,11 +138,19 @@ def _summary(run: Path) -> dict:
 
 
 def _early(drift: Path, tmp_path: Path, name: str) -> list[str]:
-    return [*_workload(drift), *SGD, "training.epochs=20", "training.early_stopping.monitor=val_loss",
-            "training.early_stopping.patience=3", f"experiment.output_dir={tmp_path}", f"experiment.name={name}"]
+    return [
+        *_workload(drift),
+        *SGD,
+        "training.epochs=20",
+        "training.early_stopping.monitor=val_loss",
+        "training.early_stopping.patience=3",
+        f"experiment.output_dir={tmp_path}",
+        f"experiment.name={name}",
+    ]
 
 
 # ---------------------------------------------------------------------------- early stopping and a stop's persistence
+
 
 def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains_nothing(tmp_path, drift):
     run = tmp_path / "early"
@@ -169,8 +187,14 @@ def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains
 def test_a_sigkill_half_way_through_the_patience_then_a_resume_stops_at_the_same_epoch(tmp_path, drift):
     args = _early(drift, tmp_path, "killed")
     # Epoch 4 was the first without improvement (its snapshot counts 1 of 3); killed during epoch 5.
-    killed = subprocess.run(command("kill_rank=0,step=5", ["train", *args]), cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        command("kill_rank=0,step=5", ["train", *args]),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = train(load_config(None, args))
     assert resumed["aggregates"]["resumes"] == 1 and resumed["stop_reason"] == "early_stopping"
@@ -185,7 +209,7 @@ def test_early_stopping_refuses_settings_that_cannot_work():
 
 # ---------------------------------------------------------------------------- request_stop on one rank
 
-ASK = '''
+ASK = """
 import sys
 
 import ddplab
@@ -199,16 +223,30 @@ class Ask(ddplab.Callback):
 
 if __name__ == "__main__":
     ddplab.train(None, sys.argv[1:], callbacks=[Ask()])
-'''
+"""
 
 
 def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_complete(tmp_path, drift):
     script = tmp_path / "ask.py"
     script.write_text(ASK)
-    args = [*_workload(drift), *SGD, "data.options.samples=32", "training.batch_size=2", "training.epochs=3",
-            "logging.log_every=2", "experiment.name=ask", "distributed.timeout=60"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    args = [
+        *_workload(drift),
+        *SGD,
+        "data.options.samples=32",
+        "training.batch_size=2",
+        "training.epochs=3",
+        "logging.log_every=2",
+        "experiment.name=ask",
+        "distributed.timeout=60",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *args],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / "ask"
     summary = _summary(run)
@@ -224,6 +262,7 @@ def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_co
 
 
 # ---------------------------------------------------------------------------- the hooks' timing
+
 
 class Timeline(ddplab.Callback):
     """What the view holds at every hook: (hook, epoch, step, rows in history, best epoch)."""
@@ -268,28 +307,61 @@ class Timeline(ddplab.Callback):
 
 def test_what_each_hook_sees_is_the_documented_contract(tmp_path, drift):
     timeline = Timeline()
-    cfg = load_config(None, [*_workload(drift), *SGD, "data.options.samples=8", "training.epochs=2",
-                             f"experiment.output_dir={tmp_path}", "experiment.name=hooks"])
+    cfg = load_config(
+        None,
+        [
+            *_workload(drift),
+            *SGD,
+            "data.options.samples=8",
+            "training.epochs=2",
+            f"experiment.output_dir={tmp_path}",
+            "experiment.name=hooks",
+        ],
+    )
     train(cfg, callbacks=[timeline])
+
     # Epoch 2's loss is lower than epoch 1's: the best moves with each epoch's evaluation.
     def epoch(e, s0):  # epoch e, whose first step is s0 + 1
         before = e - 1 or None  # the best epoch before this one's evaluation
-        return [("on_epoch_start", e, s0, e - 1, before, None), ("on_step_end", e, s0 + 1, e - 1, before, None),
-                ("on_log", e, s0 + 1, e - 1, before, None), ("on_step_end", e, s0 + 2, e - 1, before, None),
-                ("on_log", e, s0 + 2, e - 1, before, None), ("on_eval_end", e, s0 + 2, e - 1, e, "val"),
-                ("on_epoch_end", e, s0 + 2, e, e, False), ("on_snapshot", e, s0 + 2, e, e, None)]
+        return [
+            ("on_epoch_start", e, s0, e - 1, before, None),
+            ("on_step_end", e, s0 + 1, e - 1, before, None),
+            ("on_log", e, s0 + 1, e - 1, before, None),
+            ("on_step_end", e, s0 + 2, e - 1, before, None),
+            ("on_log", e, s0 + 2, e - 1, before, None),
+            ("on_eval_end", e, s0 + 2, e - 1, e, "val"),
+            ("on_epoch_end", e, s0 + 2, e, e, False),
+            ("on_snapshot", e, s0 + 2, e, e, None),
+        ]
 
-    assert timeline.seen == [("on_train_start", 0, 0, 0, None, None), *epoch(1, 0), *epoch(2, 2),
-                             ("on_eval_end", 2, 4, 2, 2, "test"), ("on_train_end", 2, 4, 2, 2, None)]
+    assert timeline.seen == [
+        ("on_train_start", 0, 0, 0, None, None),
+        *epoch(1, 0),
+        *epoch(2, 2),
+        ("on_eval_end", 2, 4, 2, 2, "test"),
+        ("on_train_end", 2, 4, 2, 2, None),
+    ]
 
 
 # ---------------------------------------------------------------------------- any optimizer, any schedule
 
+
 def _own(drift: Path, tmp_path: Path, name: str) -> list[str]:
-    return [*_workload(drift, "two_layers", "noisy"), f"training.optimizer={drift}:optimizer",
-            f"training.schedule={drift}:schedule", "training.schedule_options.floor=0.0001", "training.lr=0.01",
-            "training.batch_size=8", "training.epochs=2", "logging.trackers=[]", "logging.progress=false",
-            "logging.log_every=1", "checkpoint.every=2", f"experiment.output_dir={tmp_path}", f"experiment.name={name}"]
+    return [
+        *_workload(drift, "two_layers", "noisy"),
+        f"training.optimizer={drift}:optimizer",
+        f"training.schedule={drift}:schedule",
+        "training.schedule_options.floor=0.0001",
+        "training.lr=0.01",
+        "training.batch_size=8",
+        "training.epochs=2",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "logging.log_every=1",
+        "checkpoint.every=2",
+        f"experiment.output_dir={tmp_path}",
+        f"experiment.name={name}",
+    ]
 
 
 def _snapshot(run: Path) -> dict:
@@ -308,31 +380,45 @@ def test_a_users_optimizer_with_two_groups_and_schedule_resume_bit_identically_a
     assert snap["scheduler"]["T_max"] == 12 and snap["scheduler"]["last_epoch"] == 12
 
     args = _own(drift, tmp_path, "kill")
-    killed = subprocess.run(command("kill_rank=0,step=7", ["train", *args]), cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        command("kill_rank=0,step=7", ["train", *args]),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = train(load_config(None, args))
     assert resumed["aggregates"]["resumes"] == 1
-    assert [(r["step"], r["loss"], r["lr"]) for r in resumed["steps"]] == [(r["step"], r["loss"], r["lr"])
-                                                                           for r in ref["steps"]]
+    assert [(r["step"], r["loss"], r["lr"]) for r in resumed["steps"]] == [
+        (r["step"], r["loss"], r["lr"]) for r in ref["steps"]
+    ]
     mine, theirs = _snapshot(tmp_path / "kill"), snap
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
 
 
 def test_under_fsdp_a_users_optimizer_and_schedule_resume_exactly_after_a_sigkill(tmp_path, drift):
     def job(spec, name):
-        args = ["train", *_own(drift, tmp_path, name), "training.batch_size=4", "distributed.strategy=fsdp",
-                "distributed.timeout=60"]
-        return subprocess.run(command(spec, args, nproc=2), cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                              timeout=300)
+        args = [
+            "train",
+            *_own(drift, tmp_path, name),
+            "training.batch_size=4",
+            "distributed.strategy=fsdp",
+            "distributed.timeout=60",
+        ]
+        return subprocess.run(
+            command(spec, args, nproc=2), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+        )
 
     assert_ok(job("none=0", "ref"))
     assert job("kill_rank=1,step=7", "kill").returncode != 0
     assert_ok(job("none=0", "kill"))
     ref, resumed = _summary(tmp_path / "ref"), _summary(tmp_path / "kill")
     assert resumed["aggregates"]["resumes"] == 1 and resumed["aggregates"]["steps"] == 12
-    assert [(r["step"], r["loss"], r["lr"]) for r in resumed["steps"]] == [(r["step"], r["loss"], r["lr"])
-                                                                           for r in ref["steps"]]
+    assert [(r["step"], r["loss"], r["lr"]) for r in resumed["steps"]] == [
+        (r["step"], r["loss"], r["lr"]) for r in ref["steps"]
+    ]
 
 
 def test_a_time_budget_replans_ddplabs_schedules_and_leaves_a_users_as_built():
@@ -357,17 +443,29 @@ def test_verify_passes_with_a_users_optimizer_schedule_and_dropout(tmp_path, dri
 
 def test_verify_names_batchnorm_when_only_it_remains(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
-    proc = ddplab_cli("verify", "--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6",
-                      cwd=tmp_path)
+    proc = ddplab_cli(
+        "verify", "--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6", cwd=tmp_path
+    )
     assert "randomness: 1 BatchNorm module(s): each of the 2 processes normalises its own 8 samples" in proc.stdout
     assert proc.returncode == 1 and "FAIL (see the randomness named above)" in proc.stdout, proc.stdout
 
 
 def test_any_torch_optimizer_by_name_with_its_options(tmp_path, drift):
-    summary = train(load_config(None, [*_workload(drift, "two_layers", "noisy"), "training.optimizer=RMSprop",
-                                       "training.optimizer_options.alpha=0.9", "training.max_steps=3",
-                                       "logging.trackers=[]", "logging.progress=false",
-                                       f"experiment.output_dir={tmp_path}", "experiment.name=rms"]))
+    summary = train(
+        load_config(
+            None,
+            [
+                *_workload(drift, "two_layers", "noisy"),
+                "training.optimizer=RMSprop",
+                "training.optimizer_options.alpha=0.9",
+                "training.max_steps=3",
+                "logging.trackers=[]",
+                "logging.progress=false",
+                f"experiment.output_dir={tmp_path}",
+                "experiment.name=rms",
+            ],
+        )
+    )
     assert summary["status"] == "complete" and math.isfinite(summary["steps"][-1]["loss"])
     snap = _snapshot(tmp_path / "rms")
     assert snap["optimizer"]["param_groups"][0]["alpha"] == 0.9
@@ -383,18 +481,31 @@ def _refused(argv: list[str], capfd) -> str:
     return err
 
 
-@pytest.mark.parametrize("override, phrase", [
-    ("training.optimizer=Nesterov", "unknown optimizer 'Nesterov'"),
-    ("training.schedule=steps", "unknown schedule 'steps'"),
-    ("training.optimizer=nowhere.py:opt", "no such file"),
-    ("training.optimizer_options.nonsense=1", "refused them"),
-    ("training.early_stopping.mode=lowest", "training.early_stopping.mode"),
-])
+@pytest.mark.parametrize(
+    "override, phrase",
+    [
+        ("training.optimizer=Nesterov", "unknown optimizer 'Nesterov'"),
+        ("training.schedule=steps", "unknown schedule 'steps'"),
+        ("training.optimizer=nowhere.py:opt", "no such file"),
+        ("training.optimizer_options.nonsense=1", "refused them"),
+        ("training.early_stopping.mode=lowest", "training.early_stopping.mode"),
+    ],
+)
 def test_a_bad_optimizer_schedule_or_early_stopping_is_refused_in_one_line_before_any_process(
-        tmp_path, drift, override, phrase, monkeypatch, capfd):
+    tmp_path, drift, override, phrase, monkeypatch, capfd
+):
     monkeypatch.chdir(tmp_path)
-    err = _refused(["train", "--nproc-per-node", "2", *_workload(drift, "two_layers", "noisy"),
-                    "training.optimizer=RMSprop", override], capfd)
+    err = _refused(
+        [
+            "train",
+            "--nproc-per-node",
+            "2",
+            *_workload(drift, "two_layers", "noisy"),
+            "training.optimizer=RMSprop",
+            override,
+        ],
+        capfd,
+    )
     assert phrase in err and not (tmp_path / "experiments").exists()
 
 
@@ -402,8 +513,10 @@ def test_sync_batchnorm_without_cuda_is_refused_in_one_line_before_any_process(t
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     monkeypatch.chdir(tmp_path)
-    err = _refused(["train", "--nproc-per-node", "2", *_workload(drift, "normed", "noisy"),
-                    "distributed.sync_batchnorm=true"], capfd)
+    err = _refused(
+        ["train", "--nproc-per-node", "2", *_workload(drift, "normed", "noisy"), "distributed.sync_batchnorm=true"],
+        capfd,
+    )
     assert "distributed.sync_batchnorm=true needs CUDA" in err and not (tmp_path / "experiments").exists()
 
 
@@ -417,9 +530,17 @@ def test_sync_batchnorm_converts_the_models_batchnorm_on_cuda(tmp_path, drift):
         def on_train_start(self, view):
             seen.append(type(view.model.norm).__name__)
 
-    cfg = load_config(None, [*_workload(drift, "normed", "noisy"), "distributed.sync_batchnorm=true",
-                             "training.max_steps=2", "logging.trackers=[]", "logging.progress=false",
-                             f"experiment.output_dir={tmp_path}"])
+    cfg = load_config(
+        None,
+        [
+            *_workload(drift, "normed", "noisy"),
+            "distributed.sync_batchnorm=true",
+            "training.max_steps=2",
+            "logging.trackers=[]",
+            "logging.progress=false",
+            f"experiment.output_dir={tmp_path}",
+        ],
+    )
     assert train(cfg, callbacks=[Look()])["status"] == "complete" and seen == ["SyncBatchNorm"]
 
 
@@ -434,15 +555,27 @@ def test_an_unused_parameter_under_ddp_fails_in_one_line_naming_it_and_the_setti
     ]
     proc = ddplab_cli("train", "--nproc-per-node", "2", *args, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "parameters without a gradient (spare.weight, spare.bias): set distributed.find_unused_parameters=true" \
-        in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "parameters without a gradient (spare.weight, spare.bias): set distributed.find_unused_parameters=true"
+        in proc.stderr
+    ), proc.stderr[-2000:]
     assert _summary(tmp_path / "experiments" / "spare")["status"] == "failed"
 
 
 def test_a_model_returned_compiled_is_trained_and_saved_as_the_plain_module(tmp_path, drift):
-    summary = train(load_config(None, [*_workload(drift, "compiled", "noisy"), "training.max_steps=2",
-                                       "logging.trackers=[]", "logging.progress=false",
-                                       f"experiment.output_dir={tmp_path}", "experiment.name=compiled"]))
+    summary = train(
+        load_config(
+            None,
+            [
+                *_workload(drift, "compiled", "noisy"),
+                "training.max_steps=2",
+                "logging.trackers=[]",
+                "logging.progress=false",
+                f"experiment.output_dir={tmp_path}",
+                "experiment.name=compiled",
+            ],
+        )
+    )
     assert summary["status"] == "complete"
     keys = set(_snapshot(tmp_path / "compiled")["model"])
     assert keys == {"body.weight", "body.bias", "head.weight", "head.bias"}

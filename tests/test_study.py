@@ -22,9 +22,16 @@ def test_setups_sweeps_and_point_names(tmp_path):
     assert parse_setups("1x1, 1x4,2x2") == [Setup(1, 1), Setup(1, 4), Setup(2, 2)]
     assert parse_setups("2", nnodes=2) == [Setup(2, 2)]
     assert parse_sweeps(["training.batch_size=8,32", "training.lr=1e-3"]) == {
-        "training.batch_size": ["8", "32"], "training.lr": ["1e-3"]}
-    points = expand(None, ["training.max_steps=3"], parse_setups("1,2x2"),
-                    parse_sweeps(["training.batch_size=8,32"]), str(tmp_path / "s"))
+        "training.batch_size": ["8", "32"],
+        "training.lr": ["1e-3"],
+    }
+    points = expand(
+        None,
+        ["training.max_steps=3"],
+        parse_setups("1,2x2"),
+        parse_sweeps(["training.batch_size=8,32"]),
+        str(tmp_path / "s"),
+    )
     assert [p.name for p in points] == [
         "n1-batch_size_8",
         "n1-batch_size_32",
@@ -36,21 +43,28 @@ def test_setups_sweeps_and_point_names(tmp_path):
         "training.batch_size=32" in points[3].overrides and "experiment.name=n2x2-batch_size_32" in points[3].overrides
     )
     twice = expand(None, [], parse_setups("1x2,2x1"), {}, str(tmp_path / "s"), repeat=2)
-    assert [(p.name, p.point, p.repeat) for p in twice] == [("n2", "n2", 1), ("n2x1", "n2x1", 1),
-                                                            ("n2-r2", "n2", 2), ("n2x1-r2", "n2x1", 2)]
+    assert [(p.name, p.point, p.repeat) for p in twice] == [
+        ("n2", "n2", 1),
+        ("n2x1", "n2x1", 1),
+        ("n2-r2", "n2", 2),
+        ("n2x1-r2", "n2x1", 2),
+    ]
     assert "experiment.name=n2x1-r2" in twice[3].overrides and twice[3].setup == Setup(2, 1)
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda: parse_setups("1,two"), ["--nproc", "two"]),
-    (lambda: parse_setups("0"), ["--nproc", "0"]),
-    (lambda: parse_sweeps(["training.batch_size"]), ["--set", "key=v1,v2"]),
-    (lambda: parse_sweeps(["training.batch_size=8,"]), ["--set", "training.batch_size"]),
-    (lambda: expand(None, [], [Setup(1, 1)], {"training.batch_size": ["8", "-1"]}, "s"), ["training.batch_size"]),
-    (lambda: expand(None, [], [Setup(1, 1)], {"training.nope": ["1"]}, "s"), ["training.nope"]),
-    (lambda: expand(None, ["experiment.name=x"], [Setup(1, 1)], {}, "s"), ["--name"]),
-    (lambda: expand(None, [], [Setup(1, 1)], {}, "s", repeat=0), ["--repeat", "0"]),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: parse_setups("1,two"), ["--nproc", "two"]),
+        (lambda: parse_setups("0"), ["--nproc", "0"]),
+        (lambda: parse_sweeps(["training.batch_size"]), ["--set", "key=v1,v2"]),
+        (lambda: parse_sweeps(["training.batch_size=8,"]), ["--set", "training.batch_size"]),
+        (lambda: expand(None, [], [Setup(1, 1)], {"training.batch_size": ["8", "-1"]}, "s"), ["training.batch_size"]),
+        (lambda: expand(None, [], [Setup(1, 1)], {"training.nope": ["1"]}, "s"), ["training.nope"]),
+        (lambda: expand(None, ["experiment.name=x"], [Setup(1, 1)], {}, "s"), ["--name"]),
+        (lambda: expand(None, [], [Setup(1, 1)], {}, "s", repeat=0), ["--repeat", "0"]),
+    ],
+)
 def test_bad_grids_are_one_line_errors(call, words):
     with pytest.raises(UserError) as err:
         call()
@@ -82,8 +96,19 @@ def _png_ok(path):
 
 
 def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
-    args = ["study", f"data.path={corpus}", *FAST, "data.limit=256", "training.epochs=1",
-            "--nproc", "1,2", "--set", "training.batch_size=8,32", "--name", "sweep"]
+    args = [
+        "study",
+        f"data.path={corpus}",
+        *FAST,
+        "data.limit=256",
+        "training.epochs=1",
+        "--nproc",
+        "1,2",
+        "--set",
+        "training.batch_size=8,32",
+        "--name",
+        "sweep",
+    ]
     proc = ddplab(*args, cwd=tmp_path)
     assert_ok(proc)
     study = tmp_path / "experiments" / "sweep"
@@ -96,8 +121,20 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
         )
     report = (study / "report.md").read_text()
     timing, quality = [line for line in report.splitlines() if line.startswith("| point")]
-    for column in ("processes", "batch / process", "global batch", "lr", "steps / epoch", "mean epoch time (s)",
-                   "samples/s", "speedup", "efficiency", "comm ms/step", "epochs @ budget", "repeats"):
+    for column in (
+        "processes",
+        "batch / process",
+        "global batch",
+        "lr",
+        "steps / epoch",
+        "mean epoch time (s)",
+        "samples/s",
+        "speedup",
+        "efficiency",
+        "comm ms/step",
+        "epochs @ budget",
+        "repeats",
+    ):
         assert f"| {column} |" in timing, column
     for column in ("best val loss", "val accuracy"):  # a text corpus has no test split
         assert f"| {column} |" in quality, column
@@ -115,8 +152,16 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
         assert float(row["mean_epoch_time_s"]) > 0 and float(row["best_val_loss"]) > 0
         assert (float(row["comm_ms_per_step"]) > 0) == (procs > 1)
     assert rows["n1-batch_size_8"]["steps_per_epoch"] == "32" and rows["n2-batch_size_32"]["steps_per_epoch"] == "4"
-    for png in ("epoch_time", "scaling", "vs_batch_size", "val_epochs", "loss_epochs", "loss_time", "accuracy_time",
-                "comm"):
+    for png in (
+        "epoch_time",
+        "scaling",
+        "vs_batch_size",
+        "val_epochs",
+        "loss_epochs",
+        "loss_time",
+        "accuracy_time",
+        "comm",
+    ):
         assert f"({png}.png)" in report and _png_ok(study / f"{png}.png"), png
 
     # The same command again: every point is complete, nothing is trained twice.
@@ -128,12 +173,32 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
 
 
 def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
-    args = [sys.executable, "-m", "ddplab", "study", f"data.path={corpus}", *FAST, "training.max_steps=4",
-            "--nproc", "1", "--set", "training.batch_size=4,8", "--name", "cut"]
+    args = [
+        sys.executable,
+        "-m",
+        "ddplab",
+        "study",
+        f"data.path={corpus}",
+        *FAST,
+        "training.max_steps=4",
+        "--nproc",
+        "1",
+        "--set",
+        "training.batch_size=4,8",
+        "--name",
+        "cut",
+    ]
     study = tmp_path / "experiments" / "cut"
     first, second = study / "n1-batch_size_4", study / "n1-batch_size_8"
-    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 240
     while not (second / "study_point.json").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -158,8 +223,20 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
 
 
 def test_two_launcher_agents_on_loopback_train_as_two_nodes(tmp_path, corpus):
-    proc = ddplab("study", f"data.path={corpus}", *FAST, "training.max_steps=6", "logging.log_every=2",
-                  "--nproc", "1", "--nnodes", "2", "--name", "nodes", cwd=tmp_path)
+    proc = ddplab(
+        "study",
+        f"data.path={corpus}",
+        *FAST,
+        "training.max_steps=6",
+        "logging.log_every=2",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--name",
+        "nodes",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     folder = tmp_path / "experiments" / "nodes" / "n2x1"
     summary = json.loads((folder / "metrics.json").read_text())
@@ -173,8 +250,18 @@ def test_two_launcher_agents_on_loopback_train_as_two_nodes(tmp_path, corpus):
 def test_a_failing_point_stops_the_study_and_keeps_the_finished_ones(tmp_path, corpus):
     empty = tmp_path / "empty"
     empty.mkdir()  # passes the up-front check (it exists) but holds no text: the run itself fails
-    proc = ddplab("study", *FAST, "training.max_steps=2", "--nproc", "1", "--set", f"data.path={corpus},{empty}",
-                  "--name", "broken", cwd=tmp_path)
+    proc = ddplab(
+        "study",
+        *FAST,
+        "training.max_steps=2",
+        "--nproc",
+        "1",
+        "--set",
+        f"data.path={corpus},{empty}",
+        "--name",
+        "broken",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     message = proc.stderr.strip().splitlines()[-1]
     assert message.startswith("ddplab: failed: study stopped: point n1-path_") and "launcher.log" in message
@@ -203,7 +290,9 @@ def test_repeats_run_as_their_own_folders_and_a_larger_repeat_keeps_the_done_one
     rows = list(csv.DictReader(open(study / "report.csv")))
     assert len(rows) == 1 and rows[0]["repeats"] == "3" and rows[0]["runs"] == "n1 n1-r2 n1-r3"
     # two steps: one part-epoch row per run, whose samples/s is the run's
-    rates = [json.loads((study / n / "metrics.json").read_text())["epochs"][-1]["samples_per_s"]
-             for n in ("n1", "n1-r2", "n1-r3")]
+    rates = [
+        json.loads((study / n / "metrics.json").read_text())["epochs"][-1]["samples_per_s"]
+        for n in ("n1", "n1-r2", "n1-r3")
+    ]
     assert float(rows[0]["samples_per_s_min"]) == pytest.approx(min(rates))
     assert float(rows[0]["samples_per_s_max"]) == pytest.approx(max(rates))

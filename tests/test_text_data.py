@@ -28,6 +28,7 @@ def bundle_for(tmp_path, *overrides):
 
 # ---------------------------------------------------------------------------- hash tokenizer
 
+
 def test_hash_tokenizer_splits_lowercases_and_truncates():
     tok = HashTokenizer(vocab_size=1000, max_len=8)
     a = tok.encode("Hello, World! It's")
@@ -41,15 +42,23 @@ def test_hash_tokenizer_splits_lowercases_and_truncates():
 
 
 def test_hash_ids_are_the_same_in_every_process():
-    code = ("from ddplab.data.text_tokenize import HashTokenizer; "
-            "print(HashTokenizer(30000, 16).encode('Rank zero and rank one agree, always.'))")
+    code = (
+        "from ddplab.data.text_tokenize import HashTokenizer; "
+        "print(HashTokenizer(30000, 16).encode('Rank zero and rank one agree, always.'))"
+    )
     seed = str(hash("seed") % 1000 + 1)  # another string-hash seed than this process's
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONHASHSEED": seed},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == str(HashTokenizer(30000, 16).encode("Rank zero and rank one agree, always."))
 
 
 # ---------------------------------------------------------------------------- synthetic reviews + cache
+
 
 def test_synthetic_reviews_are_reproducible_in_any_chunking():
     texts, labels = generate(7, 0, 2500, 2)
@@ -131,6 +140,7 @@ def test_data_limit_caps_every_split(reviews):
 
 # ---------------------------------------------------------------------------- checks before launch
 
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
@@ -170,11 +180,14 @@ def test_folder_that_is_not_a_model(tmp_path):
         load_config(None, ["model.name=hf", f"model.pretrained={tmp_path}", "data.name=synthetic_reviews"])
 
 
-@pytest.mark.parametrize("labels, num_classes, words", [
-    ([0, 1, 2, 1], 2, ["label 2", "data.num_classes=2"]),
-    ([0, -1, 1, 1], None, ["label -1"]),
-    (["a", "b", "c", "a"], 2, ["3 distinct labels", "data.num_classes=2"]),
-])
+@pytest.mark.parametrize(
+    "labels, num_classes, words",
+    [
+        ([0, 1, 2, 1], 2, ["label 2", "data.num_classes=2"]),
+        ([0, -1, 1, 1], None, ["label -1"]),
+        (["a", "b", "c", "a"], 2, ["3 distinct labels", "data.num_classes=2"]),
+    ],
+)
 def test_labels_that_do_not_fit(tmp_path, labels, num_classes, words):
     path = tmp_path / "d.csv"
     pd.DataFrame({"text": ["x y", "z", "w", "v"], "label": labels}).to_csv(path, index=False)
@@ -200,7 +213,8 @@ def test_a_rank_that_cannot_see_the_built_cache_says_so(tmp_path):
     from ddplab.data.text_cache import ensure
     from ddplab.errors import UserError
 
-    rank1 = types.SimpleNamespace(rank=1, local_rank=1, is_main=False,
-                                  gather_objects=lambda obj: [None, obj])  # rank 0 built and sees its copy
+    rank1 = types.SimpleNamespace(
+        rank=1, local_rank=1, is_main=False, gather_objects=lambda obj: [None, obj]
+    )  # rank 0 built and sees its copy
     with pytest.raises(UserError, match=r"rank\(s\) \[1\] cannot see it.*experiment.output_dir"):
         ensure(rank1, tmp_path / "not-here", build=lambda: None)

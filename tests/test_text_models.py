@@ -8,8 +8,11 @@ from ddplab.models.transformer import TransformerClassifier, TransformerConfig
 
 def model(pooling: str) -> TransformerClassifier:
     torch.manual_seed(0)
-    return TransformerClassifier(TransformerConfig(vocab_size=100, num_classes=3, max_len=16, layers=2, heads=2,
-                                                   dim=16, dropout=0.1, pooling=pooling)).eval()
+    return TransformerClassifier(
+        TransformerConfig(
+            vocab_size=100, num_classes=3, max_len=16, layers=2, heads=2, dim=16, dropout=0.1, pooling=pooling
+        )
+    ).eval()
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
@@ -40,8 +43,9 @@ def test_flops_per_token_agrees_with_torch_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    m = TransformerClassifier(TransformerConfig(vocab_size=100, num_classes=3, max_len=32, layers=2, heads=2, dim=64,
-                                                dropout=0.0)).train()
+    m = TransformerClassifier(
+        TransformerConfig(vocab_size=100, num_classes=3, max_len=32, layers=2, heads=2, dim=64, dropout=0.0)
+    ).train()
     ids = torch.randint(2, 100, (4, 32))  # full length: no padding
     # The math backend runs attention as plain matmuls, which the counter sees (fused kernels it may not).
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:

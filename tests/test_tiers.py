@@ -40,11 +40,18 @@ def _binds_its_own_ddplab(ddplab):
 
 
 @pytest.mark.unit  # the rule would follow the functions named here, which only are looked at
-@pytest.mark.parametrize("fn, tier", [
-    (_starts_python, "multiproc"), (_through_a_helper, "multiproc"), (_the_cli_in_a_process, "multiproc"),
-    (_cli_in_process, "inproc"), (_local_import_of_the_api, "inproc"), (_pure, "unit"),
-    (_binds_its_own_ddplab, "unit"),
-])
+@pytest.mark.parametrize(
+    "fn, tier",
+    [
+        (_starts_python, "multiproc"),
+        (_through_a_helper, "multiproc"),
+        (_the_cli_in_a_process, "multiproc"),
+        (_cli_in_process, "inproc"),
+        (_local_import_of_the_api, "inproc"),
+        (_pure, "unit"),
+        (_binds_its_own_ddplab, "unit"),
+    ],
+)
 def test_a_function_gets_the_tier_its_code_shows(fn, tier):
     assert tiers._kind(fn) == tier
 

@@ -13,19 +13,33 @@ from conftest import TINY_GPT, _env, assert_ok, ddplab, main
 from faults import command
 
 # Whether they are installed, not imported: importing them costs seconds of every worker's collection.
-pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("mlflow", "wandb")),
-                                reason="the track extra is not installed (pip install 'ddplab[track]')")
+pytestmark = pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("mlflow", "wandb")),
+    reason="the track extra is not installed (pip install 'ddplab[track]')",
+)
 
 # One process, batch 8 of 96 samples: 12 steps per epoch, 24 in all; a snapshot every 4 steps.
-ARGS = [*TINY_GPT, "data.limit=96", "training.epochs=2", "checkpoint.every=4", "logging.log_every=1",
-        "generate.max_new_tokens=0", "checkpoint.save_best=false"]
+ARGS = [
+    *TINY_GPT,
+    "data.limit=96",
+    "training.epochs=2",
+    "checkpoint.every=4",
+    "logging.log_every=1",
+    "generate.max_new_tokens=0",
+    "checkpoint.save_best=false",
+]
 
 
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
     """W&B with no network and nothing written outside tmp_path (the tests' subprocesses inherit it)."""
-    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "wandb-config",
-                        "WANDB_CACHE_DIR": tmp_path / "wandb-cache", "WANDB_DATA_DIR": tmp_path / "wandb-data"}.items():
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONFIG_DIR": tmp_path / "wandb-config",
+        "WANDB_CACHE_DIR": tmp_path / "wandb-cache",
+        "WANDB_DATA_DIR": tmp_path / "wandb-data",
+    }.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
@@ -43,8 +57,9 @@ def _runs(client) -> list:
 
 def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(tmp_path, corpus, wandb_offline):
     args = ["train", f"data.path={corpus}", *ARGS, "experiment.name=k", "logging.trackers=[mlflow, wandb]"]
-    killed = subprocess.run(command("kill_rank=0,step=10", args), cwd=tmp_path, env=_env(), capture_output=True,
-                            text=True, timeout=300)
+    killed = subprocess.run(
+        command("kill_rank=0,step=10", args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]  # mid-epoch 1, two steps after the snapshot at step 8
     run = tmp_path / "experiments" / "k"
     first = json.loads((run / "trackers.json").read_text())
@@ -76,9 +91,22 @@ def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(tmp_path, corpu
 
 
 def test_a_study_is_one_parent_mlflow_run_with_a_child_per_point(tmp_path, corpus, wandb_offline):
-    proc = ddplab("study", f"data.path={corpus}", *TINY_GPT, "data.limit=64", "training.epochs=1",
-                  "generate.max_new_tokens=0", "logging.trackers=[mlflow]", "--nproc", "1,2",
-                  "--set", "training.lr=1e-3,3e-3", "--name", "s", cwd=tmp_path)
+    proc = ddplab(
+        "study",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "data.limit=64",
+        "training.epochs=1",
+        "generate.max_new_tokens=0",
+        "logging.trackers=[mlflow]",
+        "--nproc",
+        "1,2",
+        "--set",
+        "training.lr=1e-3,3e-3",
+        "--name",
+        "s",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     client = _client(tmp_path)
     runs = {r.info.run_name: r for r in _runs(client)}
@@ -108,8 +136,16 @@ def test_a_study_is_one_parent_mlflow_run_with_a_child_per_point(tmp_path, corpu
 
 
 def test_a_tracking_server_that_is_down_warns_once_and_training_completes(tmp_path, corpus, wandb_offline):
-    proc = ddplab("train", f"data.path={corpus}", *ARGS, "training.max_steps=6", "experiment.name=down",
-                  "logging.trackers=[mlflow]", "logging.mlflow_uri=http://127.0.0.1:9", cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        f"data.path={corpus}",
+        *ARGS,
+        "training.max_steps=6",
+        "experiment.name=down",
+        "logging.trackers=[mlflow]",
+        "logging.mlflow_uri=http://127.0.0.1:9",
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / "down"
     assert (proc.stdout + proc.stderr).count("WARNING: tracker mlflow") == 1

@@ -13,16 +13,32 @@ from ddplab.run import train
 
 
 def _run(tmp_path, corpus, *overrides):
-    cfg = load_config(None, [f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0", "model.dropout=0",
-                             "logging.log_every=1", f"experiment.output_dir={tmp_path}", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"data.path={corpus}",
+            *TINY_GPT,
+            "generate.max_new_tokens=0",
+            "model.dropout=0",
+            "logging.log_every=1",
+            f"experiment.output_dir={tmp_path}",
+            *overrides,
+        ],
+    )
     train(cfg)
     return json.loads((tmp_path / cfg.run_name() / "metrics.json").read_text())
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path, corpus):
     big = _run(tmp_path, corpus, "training.batch_size=16", "training.max_steps=6", "experiment.name=big")
-    acc = _run(tmp_path, corpus, "training.batch_size=8", "training.grad_accum_steps=2", "training.max_steps=6",
-               "experiment.name=acc")
+    acc = _run(
+        tmp_path,
+        corpus,
+        "training.batch_size=8",
+        "training.grad_accum_steps=2",
+        "training.max_steps=6",
+        "experiment.name=acc",
+    )
     assert acc["ddp"]["global"] == big["ddp"]["global"] == 16
     a = [s["loss"] for s in acc["steps"]]
     b = [s["loss"] for s in big["steps"]]
@@ -37,8 +53,16 @@ def test_same_seed_same_numbers(tmp_path, corpus):
 
 
 def test_bf16_autocast_sgd_and_step_evaluation(tmp_path, corpus):
-    out = _run(tmp_path, corpus, "training.amp=bf16", "training.optimizer=sgd", "training.lr=0.05",
-               "training.max_steps=4", "training.eval_every=2", "experiment.name=amp")
+    out = _run(
+        tmp_path,
+        corpus,
+        "training.amp=bf16",
+        "training.optimizer=sgd",
+        "training.lr=0.05",
+        "training.max_steps=4",
+        "training.eval_every=2",
+        "experiment.name=amp",
+    )
     assert out["status"] == "complete" and all(math.isfinite(s["loss"]) for s in out["steps"])
     log = (tmp_path / "amp" / "train.log").read_text()
     # Evaluation lines ("step N: loss .., perplexity ..") every 2 steps, not the training log lines.

@@ -40,15 +40,16 @@ def fashion_mnist_root(root: Path, n_train: int = 240, n_test: int = 60) -> tupl
         labels = rng.integers(0, 10, n).astype(np.uint8)
         images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
         for i, k in enumerate(labels):
-            images[i, 2 * k + 4: 2 * k + 8] = 230
+            images[i, 2 * k + 4 : 2 * k + 8] = 230
         write_idx(root / "FashionMNIST" / "raw" / f"{split}-images-idx3-ubyte", images)
         write_idx(root / "FashionMNIST" / "raw" / f"{split}-labels-idx1-ubyte", labels)
         out.append((images, labels))
     return out[0]
 
 
-def image_tree(root: Path, classes: int = 3, per_class: int = 6, side: int | tuple = 32, split: bool = True,
-               grey: bool = False) -> Path:
+def image_tree(
+    root: Path, classes: int = 3, per_class: int = 6, side: int | tuple = 32, split: bool = True, grey: bool = False
+) -> Path:
     """Tiny PNGs, one colour (or grey level) per class under noise: train/ + val/, or one tree.
     `side`: one size, (width, height), or a list of sizes the images take in turn."""
     rng = np.random.default_rng(1)
@@ -114,12 +115,30 @@ def test_fashion_mnist_reads_idx_files(tmp_path):
 
 def test_fashion_mnist_trains_under_ddp_with_workers(tmp_path):
     fashion_mnist_root(tmp_path / "data", n_train=400, n_test=100)
-    proc = torchrun(2, "train", "model.name=cnn", "data.name=fashion_mnist", "data.root=data", "data.num_workers=1",
-                    "training.epochs=2", "training.batch_size=16", "experiment.name=fm", *QUIET, cwd=tmp_path)
+    proc = torchrun(
+        2,
+        "train",
+        "model.name=cnn",
+        "data.name=fashion_mnist",
+        "data.root=data",
+        "data.num_workers=1",
+        "training.epochs=2",
+        "training.batch_size=16",
+        "experiment.name=fm",
+        *QUIET,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     summary = json.loads((tmp_path / "experiments/fm/metrics.json").read_text())
-    assert summary["dataset"] == {"name": "fashion_mnist", "task": "classification", "train": 360, "val": 40,
-                                  "test": 100, "num_classes": 10, "vocab_size": None}
+    assert summary["dataset"] == {
+        "name": "fashion_mnist",
+        "task": "classification",
+        "train": 360,
+        "val": 40,
+        "test": 100,
+        "num_classes": 10,
+        "vocab_size": None,
+    }
     assert summary["ddp"]["world_size"] == 2 and summary["ddp"]["ranks_identical"]
     assert summary["epochs"][-1]["val_accuracy"] > 0.5  # the band position is easy to learn
     assert summary["test"]["samples"] == 100 and summary["test"]["accuracy"] > 0.5
@@ -127,8 +146,9 @@ def test_fashion_mnist_trains_under_ddp_with_workers(tmp_path):
 
 
 def folder_config(tmp_path, tree, *extra):
-    return load_config(None, ["data.name=image_folder", f"data.root={tmp_path / tree}",
-                              f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    return load_config(
+        None, ["data.name=image_folder", f"data.root={tmp_path / tree}", f"data.cache_dir={tmp_path / 'cache'}", *extra]
+    )
 
 
 def test_image_folder_layouts(tmp_path):
@@ -160,8 +180,9 @@ def test_grey_folder_stays_one_channel_at_its_size_unless_the_model_needs_rgb(tm
         assert x.shape == (channels, side, side) and data.input_shape == (channels, side, side), model
         assert data.meta["source_channels"] == 1 and len(data.meta["mean"]) == channels
         if channels == 3:  # grey repeated, not three different readings
-            torch.testing.assert_close(x[0] * data.meta["std"][0] + data.meta["mean"][0],
-                                       x[2] * data.meta["std"][2] + data.meta["mean"][2])
+            torch.testing.assert_close(
+                x[0] * data.meta["std"][0] + data.meta["mean"][0], x[2] * data.meta["std"][2] + data.meta["mean"][2]
+            )
         net = fn(BuildConfig(Options(), cfg), data).eval()
         batch, _ = data.collate_fn([data.val[0], data.val[1]])
         assert net(batch).shape == (2, 3)
@@ -185,11 +206,14 @@ def test_folder_size_from_the_files_or_a_stated_default(tmp_path, capsys):
     assert data.val[0][0].shape == (1, 20, 20) and capsys.readouterr().err == ""  # given, not chosen
 
 
-@pytest.mark.parametrize("case, field", [
-    ("missing_root", "data.root"),
-    ("no_files", "FashionMNIST/raw"),
-    ("one_class", "1 class folder"),
-])
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        ("missing_root", "data.root"),
+        ("no_files", "FashionMNIST/raw"),
+        ("one_class", "1 class folder"),
+    ],
+)
 def test_bad_data_is_one_line_exit_2(case, field, tmp_path, capsys, monkeypatch):
     from ddplab.cli import main
 
@@ -218,7 +242,7 @@ def test_batched_fetch_and_collate_give_what_item_by_item_loading_gives():
     data = Subset(ImageTensors(pixels, labels), list(range(3, 40, 2)))
     batches = list(DataLoader(data, batch_size=8, collate_fn=stack_images))  # through __getitems__
     items = [data[i] for i in range(len(data))]  # one __getitem__ each
-    expected = [default_collate(items[s:s + 8]) for s in range(0, len(items), 8)]
+    expected = [default_collate(items[s : s + 8]) for s in range(0, len(items), 8)]
     assert len(batches) == len(expected) == 3
     for (x, y), (xe, ye) in zip(batches, expected, strict=True):
         assert torch.equal(x, xe) and torch.equal(y, ye) and y.dtype == torch.int64

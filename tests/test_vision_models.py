@@ -49,10 +49,16 @@ def test_cnn_shapes():
         assert out.shape == (2, 10)
 
 
-@pytest.mark.parametrize("name, head", [
-    ("resnet18", "fc"), ("vgg11", "classifier.6"), ("squeezenet1_0", "classifier.1"),
-    ("vit_b_16", "heads.head"), ("googlenet", "fc"),
-])
+@pytest.mark.parametrize(
+    "name, head",
+    [
+        ("resnet18", "fc"),
+        ("vgg11", "classifier.6"),
+        ("squeezenet1_0", "classifier.1"),
+        ("vit_b_16", "heads.head"),
+        ("googlenet", "fc"),
+    ],
+)
 def test_torchvision_head_replaced_and_freeze(name, head):
     cfg = load_config(None, [f"model.name={name}", "data.name=digits", "model.freeze=true", "data.image_size=32"])
     with torch.device("meta"):  # shapes only: no memory, no init time
@@ -78,8 +84,10 @@ def test_weights_file_loads_before_the_head_is_replaced(resnet18_weights):
 
 @pytest.mark.parametrize("channels", [1, 3])
 def test_small_vit_trains_on_digit_sized_images(channels):
-    cfg = load_config(None, ["model.name=vit", "data.name=digits", "model.layers=1", "model.dim=32",
-                             "model.heads=2", "model.patch_size=4"])
+    cfg = load_config(
+        None,
+        ["model.name=vit", "data.name=digits", "model.layers=1", "model.dim=32", "model.heads=2", "model.patch_size=4"],
+    )
     model = build_model(cfg, image_data(10, channels, 8))
     assert model.conv_proj.in_channels == channels
     x, y = torch.randn(16, channels, 8, 8), torch.arange(16) % 10
@@ -112,8 +120,9 @@ def test_what_a_torchvision_classifier_cannot_take_is_refused_with_the_config():
 
 def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weights, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    code = main("train", "model.name=vgg11", "data.name=digits", "data.image_size=32",
-                f"model.weights={resnet18_weights}")
+    code = main(
+        "train", "model.name=vgg11", "data.name=digits", "data.image_size=32", f"model.weights={resnet18_weights}"
+    )
     err = capfd.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -122,8 +131,18 @@ def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weight
 
 
 def test_cnn_on_digits_under_ddp_then_predict(tmp_path):
-    proc = torchrun(2, "train", "model.name=cnn", "data.name=digits", "training.epochs=6", "model.dropout=0.25",
-                    "training.warmup_steps=10", "experiment.name=digits", *QUIET, cwd=tmp_path)
+    proc = torchrun(
+        2,
+        "train",
+        "model.name=cnn",
+        "data.name=digits",
+        "training.epochs=6",
+        "model.dropout=0.25",
+        "training.warmup_steps=10",
+        "experiment.name=digits",
+        *QUIET,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     run = tmp_path / "experiments" / "digits"
     summary = json.loads((run / "metrics.json").read_text())
@@ -152,11 +171,20 @@ def test_image_folder_resnet18_and_vgg11_under_ddp_from_weights(tmp_path, resnet
 
     root = image_tree(tmp_path / "tree", per_class=4)
     torch.save(torchvision.models.vgg11().state_dict(), tmp_path / "vgg11.pth")
-    common = ["data.name=image_folder", f"data.root={root}", "data.image_size=32", "training.max_steps=2",
-              "training.batch_size=4", "checkpoint.save_best=false", *QUIET]
-    runs = {"resnet18": [f"model.weights={resnet18_weights}"],
-            # Frozen: VGG's 120M classifier parameters would make AdamW steps slow on a CPU.
-            "vgg11": [f"model.weights={tmp_path / 'vgg11.pth'}", "model.freeze=true"]}
+    common = [
+        "data.name=image_folder",
+        f"data.root={root}",
+        "data.image_size=32",
+        "training.max_steps=2",
+        "training.batch_size=4",
+        "checkpoint.save_best=false",
+        *QUIET,
+    ]
+    runs = {
+        "resnet18": [f"model.weights={resnet18_weights}"],
+        # Frozen: VGG's 120M classifier parameters would make AdamW steps slow on a CPU.
+        "vgg11": [f"model.weights={tmp_path / 'vgg11.pth'}", "model.freeze=true"],
+    }
     for name, extra in runs.items():
         proc = torchrun(2, "train", f"model.name={name}", *common, *extra, f"experiment.name={name}", cwd=tmp_path)
         assert_ok(proc)

@@ -19,7 +19,7 @@ from faults import command
 EXAMPLES = ROOT / "examples"
 FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
 
-WORKLOAD = '''
+WORKLOAD = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -37,7 +37,7 @@ def model(cfg, data):
     hidden = cfg.options.get("hidden", 16)
     return torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.Dropout(cfg.options.get("dropout", 0.1)),
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-'''
+"""
 
 
 def _workload(folder: Path, text: str = WORKLOAD, name: str = "wl.py") -> Path:
@@ -55,6 +55,7 @@ def _rows(run: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- the README's example
+
 
 def _readme_example() -> tuple[str, str]:
     text = (ROOT / "README.md").read_text()
@@ -82,10 +83,19 @@ def test_the_readme_workload_trains_with_two_processes_as_written(tmp_path):
 
 # ---------------------------------------------------------------------------- examples
 
+
 def test_regression_example_reaches_its_r2(tmp_path):
     wl = Path(shutil.copy(EXAMPLES / "regression_tabular.py", tmp_path))
-    proc = ddplab("train", *_names(wl), "training.epochs=10", "training.batch_size=16", "training.warmup_steps=0",
-                  "experiment.name=reg", *FAST, cwd=tmp_path)
+    proc = ddplab(
+        "train",
+        *_names(wl),
+        "training.epochs=10",
+        "training.batch_size=16",
+        "training.warmup_steps=0",
+        "experiment.name=reg",
+        *FAST,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     best = max(float(r["val_r2"]) for r in _rows(tmp_path / "experiments" / "reg"))
     assert best >= 0.40, best  # scikit-learn's LinearRegression scores about 0.45 on such a split
@@ -111,9 +121,19 @@ def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path):
         sys.path.remove(str(EXAMPLES))
     write_digits_tree(tmp_path / "tree", per_class=40)
     wl = Path(shutil.copy(EXAMPLES / "image_folder_label_smoothing.py", tmp_path))
-    proc = torchrun(2, "train", *_names(wl), f"data.options.root={tmp_path / 'tree'}", "training.epochs=4",
-                    "training.batch_size=16", "training.lr=1e-2", "training.warmup_steps=0", "experiment.name=img",
-                    *FAST, cwd=tmp_path)
+    proc = torchrun(
+        2,
+        "train",
+        *_names(wl),
+        f"data.options.root={tmp_path / 'tree'}",
+        "training.epochs=4",
+        "training.batch_size=16",
+        "training.lr=1e-2",
+        "training.warmup_steps=0",
+        "experiment.name=img",
+        *FAST,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     rows = _rows(tmp_path / "experiments" / "img")
     assert {"val_accuracy", "val_f1"} <= set(rows[0]) and float(rows[-1]["val_accuracy"]) > 0.6
@@ -132,33 +152,65 @@ def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path):
 def test_python_api_script_with_a_callback_under_torchrun(tmp_path):
     for name in ("api_callback.py", "regression_tabular.py"):
         shutil.copy(EXAMPLES / name, tmp_path / name)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "api_callback.py",
-           "training.epochs=2", *FAST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "api_callback.py",
+        "training.epochs=2",
+        *FAST,
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert_ok(proc)
     run = tmp_path / "experiments" / "api-callback"
     trace = list(csv.DictReader(open(run / "lr_trace.csv")))
     steps_per_epoch = json.loads((run / "metrics.json").read_text())["ddp"]["steps_per_epoch"]
     # every logging.log_every=5 steps, and at each epoch's end
-    assert [int(r["step"]) for r in trace] == sorted(set(range(5, 2 * steps_per_epoch + 1, 5)) |
-                                                     {steps_per_epoch, 2 * steps_per_epoch})
+    assert [int(r["step"]) for r in trace] == sorted(
+        set(range(5, 2 * steps_per_epoch + 1, 5)) | {steps_per_epoch, 2 * steps_per_epoch}
+    )
     assert "status complete" in proc.stdout
     assert "regression_tabular.py:model" in (run / "config.yaml").read_text()
 
 
 # ---------------------------------------------------------------------------- guarantees
 
+
 def test_two_processes_under_slurm_variables(tmp_path):
     wl = _workload(tmp_path)
     port = 29500 + os.getpid() % 1000
     procs = []
     for rank in range(2):
-        env = _env() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                        "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "ddplab", "train", *_names(wl), "training.epochs=1",
-                                       "experiment.name=slurm", *FAST], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = _env() | {
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": str(rank),
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ddplab",
+                    "train",
+                    *_names(wl),
+                    "training.epochs=1",
+                    "experiment.name=slurm",
+                    *FAST,
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
@@ -175,12 +227,27 @@ def _weights(run: Path) -> dict:
 
 def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):
     wl = _workload(tmp_path)
-    args = ["train", *_names(wl), "training.epochs=2", "training.batch_size=16", "checkpoint.every=2",
-            "logging.log_every=1", *FAST]
+    args = [
+        "train",
+        *_names(wl),
+        "training.epochs=2",
+        "training.batch_size=16",
+        "checkpoint.every=2",
+        "logging.log_every=1",
+        *FAST,
+    ]
     assert_ok(torchrun(2, *args, "experiment.name=ref", cwd=tmp_path))
     # 6 steps per epoch: killed mid-epoch 2
-    assert_ok(subprocess.run(command("kill_rank=1,step=9", [*args, "experiment.name=k"], nproc=2, max_restarts=1),
-                             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300))
+    assert_ok(
+        subprocess.run(
+            command("kill_rank=1,step=9", [*args, "experiment.name=k"], nproc=2, max_restarts=1),
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     ref, run = tmp_path / "experiments" / "ref", tmp_path / "experiments" / "k"
     mine, theirs = _weights(run), _weights(ref)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
@@ -191,16 +258,37 @@ def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):
 
 def test_verify_passes_on_a_user_workload(tmp_path):
     wl = _workload(tmp_path)
-    proc = ddplab("verify", "--nproc", "2", *_names(wl), "training.max_steps=8", "training.batch_size=16",
-                  "model.options.dropout=0.0", cwd=tmp_path, timeout=600)
+    proc = ddplab(
+        "verify",
+        "--nproc",
+        "2",
+        *_names(wl),
+        "training.max_steps=8",
+        "training.batch_size=16",
+        "model.options.dropout=0.0",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS"
 
 
 def test_study_and_report_sweep_a_user_option(tmp_path):
     wl = _workload(tmp_path)
-    proc = ddplab("study", *_names(wl), "training.epochs=1", *FAST, "--nproc", "1",
-                  "--set", "model.options.hidden=8,16", "--name", "opts", cwd=tmp_path, timeout=600)
+    proc = ddplab(
+        "study",
+        *_names(wl),
+        "training.epochs=1",
+        *FAST,
+        "--nproc",
+        "1",
+        "--set",
+        "model.options.hidden=8,16",
+        "--name",
+        "opts",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert_ok(proc)
     report = (tmp_path / "experiments" / "opts" / "report.md").read_text()
     assert "n1-hidden_8" in report and "n1-hidden_16" in report
@@ -226,7 +314,7 @@ BAD = {
     "not_callable": ("model.name=bad.py:CONSTANT", "not a function"),
 }
 
-BAD_CODE = '''
+BAD_CODE = """
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -257,7 +345,7 @@ def not_module(cfg, data):
 
 def ten_logits(cfg, data):
     return torch.nn.Linear(6, 10)
-'''
+"""
 
 
 def _bad_workloads(folder: Path, case: str) -> list[str]:
@@ -298,6 +386,7 @@ def test_bad_user_code_found_by_workers_ends_in_one_line(tmp_path, case):
 
 # ---------------------------------------------------------------------------- tasks
 
+
 class _One:
     def all_reduce(self, t, op="sum"):
         return t
@@ -313,7 +402,7 @@ def test_regression_metrics_match_scikit_learn():
     output = target + 0.3 * torch.randn(100, generator=g)
     ev = Regression().evaluator(torch.device("cpu"))
     for i in range(0, 100, 32):  # batches, as the evaluation loader gives them
-        ev.update(output[i:i + 32, None], target[i:i + 32])
+        ev.update(output[i : i + 32, None], target[i : i + 32])
     m = ev.compute(_One())
     target, output = target.double().numpy(), output.double().numpy()  # sums are float64 in ddplab too
     assert m["mae"] == pytest.approx(mean_absolute_error(target, output), rel=1e-9)
@@ -346,8 +435,15 @@ def test_a_user_task_scores_with_its_torchmetrics():
 def test_options_take_yaml_values_from_the_command_line():
     from ddplab.registry import load_config
 
-    cfg = load_config(None, ["model.options.hidden=64", "model.options.sizes=[1, 2]", "data.options.csv=h.csv",
-                             "data.options.split.seed=3"])
+    cfg = load_config(
+        None,
+        [
+            "model.options.hidden=64",
+            "model.options.sizes=[1, 2]",
+            "data.options.csv=h.csv",
+            "data.options.split.seed=3",
+        ],
+    )
     assert cfg.model.options == {"hidden": 64, "sizes": [1, 2]}
     assert cfg.data.options == {"csv": "h.csv", "split": {"seed": 3}}
 

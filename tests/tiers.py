@@ -29,8 +29,7 @@ import pytest
 
 TIERS = ("unit", "inproc", "multiproc")
 HERE = Path(__file__).resolve().parent
-HEAVY_MODULES = ("ddplab.api", "ddplab.cli", "ddplab.run", "ddplab.commands", "ddplab.engine.trainer",
-                 "ddplab.verify")
+HEAVY_MODULES = ("ddplab.api", "ddplab.cli", "ddplab.run", "ddplab.commands", "ddplab.engine.trainer", "ddplab.verify")
 IN_PROCESS_FIXTURES = {"one_rank_group"}
 
 
@@ -41,9 +40,24 @@ def _starters() -> set[int]:
 
     import conftest
 
-    return {id(o) for o in (subprocess, subprocess.run, subprocess.Popen, subprocess.check_output,
-                            subprocess.check_call, subprocess.call, multiprocessing, torch.multiprocessing,
-                            os.fork, os.system, os.posix_spawn, conftest.ddplab, conftest.torchrun)}
+    return {
+        id(o)
+        for o in (
+            subprocess,
+            subprocess.run,
+            subprocess.Popen,
+            subprocess.check_output,
+            subprocess.check_call,
+            subprocess.call,
+            multiprocessing,
+            torch.multiprocessing,
+            os.fork,
+            os.system,
+            os.posix_spawn,
+            conftest.ddplab,
+            conftest.torchrun,
+        )
+    }
 
 
 def _is_heavy(obj) -> bool:
@@ -52,7 +66,8 @@ def _is_heavy(obj) -> bool:
     else:
         name = getattr(obj, "__module__", None) or ""
     return any(name == m or name.startswith(m + ".") for m in HEAVY_MODULES) or (
-        getattr(obj, "__name__", None) == "train" and name == "ddplab")
+        getattr(obj, "__name__", None) == "train" and name == "ddplab"
+    )
 
 
 def _ours(obj) -> bool:
@@ -112,7 +127,8 @@ def _local_imports(tree: ast.AST) -> dict:
                 module = _module(alias.name)
                 if module is not None:
                     bound[alias.asname or alias.name.split(".")[0]] = (
-                        module if alias.asname else sys.modules[alias.name.split(".")[0]])
+                        module if alias.asname else sys.modules[alias.name.split(".")[0]]
+                    )
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             source = _module(node.module)
             for alias in node.names if source is not None else ():
@@ -192,7 +208,8 @@ def longest_first(items: list[pytest.Item]) -> None:
     weight: dict[str, float] = {}
     for item in items:
         weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + (
-            1.0 if item.get_closest_marker("multiproc") else 0.01)
+            1.0 if item.get_closest_marker("multiproc") else 0.01
+        )
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
 
 
@@ -212,8 +229,11 @@ def pytest_runtest_call(item: pytest.Item):
 
     def refuse(self, args, *rest, **kwargs):
         if _python(args):
-            pytest.fail(f"{item.nodeid} is in the {tier} tier but starts a Python process ({args!r}): mark it "
-                        f"@pytest.mark.multiproc", pytrace=False)
+            pytest.fail(
+                f"{item.nodeid} is in the {tier} tier but starts a Python process ({args!r}): mark it "
+                f"@pytest.mark.multiproc",
+                pytrace=False,
+            )
         return init(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = refuse

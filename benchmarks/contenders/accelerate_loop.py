@@ -1,6 +1,6 @@
 """The same loop written for HF Accelerate.
 
-    torchrun --standalone --nproc-per-node=N benchmarks/contenders/accelerate_loop.py gpt 3 out.json [--device cuda]
+torchrun --standalone --nproc-per-node=N benchmarks/contenders/accelerate_loop.py gpt 3 out.json [--device cuda]
 """
 
 import gc
@@ -18,12 +18,20 @@ from common import call, contender_args, loss_fn, make_optimizer, report, setup,
 
 def main() -> None:
     args = contender_args()
-    accelerator = Accelerator(cpu=args.device == "cpu", mixed_precision="bf16" if args.amp == "bf16" else "no",
-                              dynamo_backend="inductor" if args.compile else "no")
+    accelerator = Accelerator(
+        cpu=args.device == "cpu",
+        mixed_precision="bf16" if args.amp == "bf16" else "no",
+        dynamo_backend="inductor" if args.compile else "no",
+    )
     cfg, ctx, bundle, model = setup(args)
     optimizer = make_optimizer(model, cfg)
-    loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True,
-                        collate_fn=bundle.collate_fn, generator=torch.Generator().manual_seed(cfg.experiment.seed))
+    loader = DataLoader(
+        bundle.train,
+        batch_size=cfg.training.batch_size,
+        shuffle=True,
+        collate_fn=bundle.collate_fn,
+        generator=torch.Generator().manual_seed(cfg.experiment.seed),
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []
     for epoch in range(args.epochs):

@@ -24,9 +24,16 @@ def train_and_report(args, callbacks=(), extra=dict) -> None:
     cfg = load_config(None, overrides(args) + [f"experiment.output_dir={runs}", "experiment.name=b"])
     summary = train(cfg, callbacks=callbacks)
     rows = summary["epochs"] if summary else []
-    report(args.out, [r["epoch_time_s"] for r in rows],
-           {"data_wait_s": [r.get("data_wait_s") for r in rows],
-            "tokens_per_s": [r.get("tokens_per_s") for r in rows], "mfu": [r.get("mfu") for r in rows], **extra()})
+    report(
+        args.out,
+        [r["epoch_time_s"] for r in rows],
+        {
+            "data_wait_s": [r.get("data_wait_s") for r in rows],
+            "tokens_per_s": [r.get("tokens_per_s") for r in rows],
+            "mfu": [r.get("mfu") for r in rows],
+            **extra(),
+        },
+    )
 
 
 class RealClock(Callback):

@@ -1,6 +1,6 @@
 """The same loop written for Lightning Fabric.
 
-    torchrun --standalone --nproc-per-node=N benchmarks/contenders/fabric_loop.py gpt 3 out.json [--device cuda]
+torchrun --standalone --nproc-per-node=N benchmarks/contenders/fabric_loop.py gpt 3 out.json [--device cuda]
 """
 
 import gc
@@ -20,16 +20,21 @@ from common import call, contender_args, loss_fn, make_optimizer, report, setup,
 def main() -> None:
     args = contender_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    fabric = Fabric(accelerator=args.device, devices=world, strategy="ddp" if world > 1 else "auto",
-                    precision="bf16-mixed" if args.amp == "bf16" else "32-true")
+    fabric = Fabric(
+        accelerator=args.device,
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        precision="bf16-mixed" if args.amp == "bf16" else "32-true",
+    )
     fabric.launch()
     cfg, ctx, bundle, model = setup(args)
     optimizer = make_optimizer(model, cfg)
     if args.compile:
         model = torch.compile(model)
     model, optimizer = fabric.setup(model, optimizer)
-    loader = fabric.setup_dataloaders(DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True,
-                                                 collate_fn=bundle.collate_fn))
+    loader = fabric.setup_dataloaders(
+        DataLoader(bundle.train, batch_size=cfg.training.batch_size, shuffle=True, collate_fn=bundle.collate_fn)
+    )
     times = []
     for epoch in range(args.epochs):
         if hasattr(loader.sampler, "set_epoch"):

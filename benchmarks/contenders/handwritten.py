@@ -33,15 +33,18 @@ class HandLoop:
             torch.cuda.set_device(self.device)
         model.to(self.device)
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None) \
-            if distributed else model
+        self.ddp = (
+            DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if distributed else model
+        )
         if args.compile:
             self.ddp = torch.compile(self.ddp)
         self.optimizer = make_optimizer(model, cfg)
-        self.sampler = DistributedSampler(bundle.train, num_replicas=ctx.world_size, rank=ctx.rank,
-                                          seed=cfg.experiment.seed)
-        self.loader = DataLoader(bundle.train, batch_size=cfg.training.batch_size, sampler=self.sampler,
-                                 collate_fn=bundle.collate_fn)
+        self.sampler = DistributedSampler(
+            bundle.train, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.experiment.seed
+        )
+        self.loader = DataLoader(
+            bundle.train, batch_size=cfg.training.batch_size, sampler=self.sampler, collate_fn=bundle.collate_fn
+        )
         self.steps = 0
 
     def epoch(self, epoch: int) -> float:

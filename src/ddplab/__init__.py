@@ -13,11 +13,20 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "Data": "ddplab.workload", "BuildConfig": "ddplab.workload", "Assets": "ddplab.workload",
-    "Task": "ddplab.tasks", "Classification": "ddplab.tasks", "Regression": "ddplab.tasks",
-    "LanguageModeling": "ddplab.tasks", "Callback": "ddplab.callbacks", "EarlyStopping": "ddplab.callbacks",
-    "TrainView": "ddplab.engine.callbacks", "Shards": "ddplab.data.shards",
-    "train": "ddplab.api", "UserError": "ddplab.errors", "ExitCode": "ddplab.errors",
+    "Data": "ddplab.workload",
+    "BuildConfig": "ddplab.workload",
+    "Assets": "ddplab.workload",
+    "Task": "ddplab.tasks",
+    "Classification": "ddplab.tasks",
+    "Regression": "ddplab.tasks",
+    "LanguageModeling": "ddplab.tasks",
+    "Callback": "ddplab.callbacks",
+    "EarlyStopping": "ddplab.callbacks",
+    "TrainView": "ddplab.engine.callbacks",
+    "Shards": "ddplab.data.shards",
+    "train": "ddplab.api",
+    "UserError": "ddplab.errors",
+    "ExitCode": "ddplab.errors",
 }
 __all__ = list(_PUBLIC)
 

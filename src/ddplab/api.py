@@ -15,8 +15,14 @@ from ddplab.registry import load_config
 from ddplab.run import train as run_train
 
 
-def train(config: str | Path | dict | Config | None = None, overrides=(), *, model: Callable | None = None,
-          data: Callable | None = None, callbacks=()) -> dict:
+def train(
+    config: str | Path | dict | Config | None = None,
+    overrides=(),
+    *,
+    model: Callable | None = None,
+    data: Callable | None = None,
+    callbacks=(),
+) -> dict:
     """Train and return the run's summary (what metrics.json holds; "status" is "complete" or
     "preempted"). `model(cfg, data)` and `data(cfg)` take the place of model.name / data.name;
     define them at the top level of a file guarded by `if __name__ == "__main__":`, since

@@ -74,28 +74,40 @@ class EarlyStopping(Callback):
         value = row.get(self.monitor)
         if value is None:
             columns = ", ".join(k for k, v in row.items() if isinstance(v, (int, float)) and k != "epoch")
-            raise RunError(f"EarlyStopping: epoch {row['epoch']}'s row has no {self.monitor} (no validation split?); "
-                           f"monitor one of: {columns}")
+            raise RunError(
+                f"EarlyStopping: epoch {row['epoch']}'s row has no {self.monitor} (no validation split?); "
+                f"monitor one of: {columns}"
+            )
         epoch, sign = row["epoch"], "<" if self.mode == "min" else ">"
         bound = self.best - self.min_delta if self.mode == "min" else self.best + self.min_delta
         if self._improves(value):
-            view.run.log(f"early stopping: epoch {epoch} {self.monitor} {value:.6g} {sign} {bound:.6g} "
-                         f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): improved")
+            view.run.log(
+                f"early stopping: epoch {epoch} {self.monitor} {value:.6g} {sign} {bound:.6g} "
+                f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): improved"
+            )
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return
         self.wait += 1
-        view.run.log(f"early stopping: epoch {epoch} {self.monitor} {value:.6g} is not {sign} {bound:.6g} "
-                     f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): "
-                     f"{self.wait}/{self.patience} epochs without improvement")
+        view.run.log(
+            f"early stopping: epoch {epoch} {self.monitor} {value:.6g} is not {sign} {bound:.6g} "
+            f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): "
+            f"{self.wait}/{self.patience} epochs without improvement"
+        )
         if self.wait >= self.patience:
             self.stopped_epoch = epoch
-            view.run.log(f"early stopping: stop after epoch {epoch}; best {self.monitor} {self.best:.6g} "
-                         f"of epoch {self.best_epoch}")
+            view.run.log(
+                f"early stopping: stop after epoch {epoch}; best {self.monitor} {self.best:.6g} "
+                f"of epoch {self.best_epoch}"
+            )
             view.request_stop("early_stopping")
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait,
-                "stopped_epoch": self.stopped_epoch}
+        return {
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "wait": self.wait,
+            "stopped_epoch": self.stopped_epoch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_epoch = state["best"], state["best_epoch"]

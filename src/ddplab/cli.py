@@ -22,9 +22,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _config_help() -> str:
     models, data = builtin_names()
-    lines = ["built-in workloads (or your own file.py:function; see the docs, 'Your own workload'):",
-             f"  model.name: {', '.join(models)}", f"  data.name:  {', '.join(data)}", "", "config fields (key=value):",
-             *(f"  {name} = {default}  {help}" for name, default, help in describe_fields())]
+    lines = [
+        "built-in workloads (or your own file.py:function; see the docs, 'Your own workload'):",
+        f"  model.name: {', '.join(models)}",
+        f"  data.name:  {', '.join(data)}",
+        "",
+        "config fields (key=value):",
+        *(f"  {name} = {default}  {help}" for name, default, help in describe_fields()),
+    ]
     return "\n".join(lines)
 
 
@@ -35,13 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ddplab", description="Distributed Data Parallel training with numbers you can trust.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    t = sub.add_parser("train", help="train a model (default: a character GPT on Shakespeare)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_config_help())
+    t = sub.add_parser(
+        "train",
+        help="train a model (default: a character GPT on Shakespeare)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_config_help(),
+    )
     t.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     t.add_argument("--nproc-per-node", type=int, default=None, help="launch N local processes (torch.distributed.run)")
     t.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times after a failure")
-    t.add_argument("--replica-groups", type=int, default=None,
-                   help="run N replica groups with a torchft Lighthouse (distributed.fault_tolerance=replicas)")
+    t.add_argument(
+        "--replica-groups",
+        type=int,
+        default=None,
+        help="run N replica groups with a torchft Lighthouse (distributed.fault_tolerance=replicas)",
+    )
 
     g = sub.add_parser("generate", help="sample text from a trained language model")
     g.add_argument("run", help="run folder or checkpoint file")
@@ -87,13 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--nnodes", type=int, default=1, help="nodes for plain --nproc counts (several agents on loopback locally)"
     )
-    st.add_argument("--set", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
-                    help="a swept config value; repeat for a grid")
+    st.add_argument(
+        "--set",
+        dest="sweeps",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a swept config value; repeat for a grid",
+    )
     st.add_argument("--name", help="study folder name (default: the config file's name, or 'study')")
     st.add_argument("--output-dir", default="experiments", help="folder that holds the study folder")
     st.add_argument("--budget", help="time budget for 'epochs @ budget' in the report (2h, 90m, 30s)")
-    st.add_argument("--repeat", type=int, help="run each point N times (same seed) and report medians with "
-                    "min-max; default: experiment.repeats of the config (1)")
+    st.add_argument(
+        "--repeat",
+        type=int,
+        help="run each point N times (same seed) and report medians with "
+        "min-max; default: experiment.repeats of the config (1)",
+    )
 
     ss = sub.add_parser("status", help="a run folder's status; exit 0 complete, 75 pre-empted (requeue), 1 otherwise")
     ss.add_argument("run", help="run folder")
@@ -123,9 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # command -> its function; a command's module is imported only when it is asked for (ddplab.commands).
-COMMANDS = {"train": "train", "verify": "train", "status": "train", "generate": "inference", "predict": "inference",
-            "export": "inference",
-            "study": "scaling", "report": "scaling", "forecast": "scaling"}
+COMMANDS = {
+    "train": "train",
+    "verify": "train",
+    "status": "train",
+    "generate": "inference",
+    "predict": "inference",
+    "export": "inference",
+    "study": "scaling",
+    "report": "scaling",
+    "forecast": "scaling",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

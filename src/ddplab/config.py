@@ -20,8 +20,15 @@ INT_MAX = 2**63 - 1
 MAX_SECONDS = 365 * 86400
 
 
-def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-       max: float | None = None, positive: bool = False) -> Any:
+def _f(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    positive: bool = False,
+) -> Any:
     meta = {"help": help, "choices": choices, "min": min, "max": max, "positive": positive}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -65,19 +72,28 @@ class DataConfig:
     num_classes: int | None = _f(None, "classes of generated datasets")
     image_size: int | None = _f(None, "resize images to this side; default per model")
     augment: bool = _f(False, "random crop + horizontal flip for training images")
-    per_sample_seed: bool = _f(True, "read each training sample under a seed of (experiment.seed, epoch, sample "
-                                     "index), so random augmentation is the same whatever the world size or workers "
-                                     "(map-style datasets; torch's generator, and Python's random and numpy's where "
-                                     "the transform draws from them)")
+    per_sample_seed: bool = _f(
+        True,
+        "read each training sample under a seed of (experiment.seed, epoch, sample "
+        "index), so random augmentation is the same whatever the world size or workers "
+        "(map-style datasets; torch's generator, and Python's random and numpy's where "
+        "the transform draws from them)",
+    )
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
     cache_dir: str | None = _f(None, "cache folder for HF datasets, token caches and image caches")
-    cache: str = _f("raw", "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
-                           "(re-encoded at the training size, quality 90, decoded each epoch; a fifth of raw's disk) "
-                           "or false (each file decoded every epoch); true still means raw",
-                    choices=("raw", "jpeg", "false"))
-    decode: str = _f("cpu", "where JPEG images are decoded: cpu (in the loader workers) or gpu (nvJPEG on the rank's "
-                            "GPU, in batches, after the loader; image_folder with data.cache=jpeg or false)",
-                     choices=("cpu", "gpu"))
+    cache: str = _f(
+        "raw",
+        "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
+        "(re-encoded at the training size, quality 90, decoded each epoch; a fifth of raw's disk) "
+        "or false (each file decoded every epoch); true still means raw",
+        choices=("raw", "jpeg", "false"),
+    )
+    decode: str = _f(
+        "cpu",
+        "where JPEG images are decoded: cpu (in the loader workers) or gpu (nvJPEG on the rank's "
+        "GPU, in batches, after the loader; image_folder with data.cache=jpeg or false)",
+        choices=("cpu", "gpu"),
+    )
     num_workers: int | None = _f(
         None,
         "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
@@ -99,8 +115,11 @@ class ModelConfig:
     ff_dim: int | None = _f(None, "feed-forward width; default 4 x dim", positive=True)
     context: int = _f(64, "tokens of context (GPT block size)", positive=True)
     dropout: float = _f(0.0, "dropout probability", min=0.0)
-    dropout_off: bool = _f(False, "set p=0 in every torch.nn.Dropout module of the model, yours too (ddplab verify "
-                                  "sets it: each process draws its own dropout masks)")
+    dropout_off: bool = _f(
+        False,
+        "set p=0 in every torch.nn.Dropout module of the model, yours too (ddplab verify "
+        "sets it: each process draws its own dropout masks)",
+    )
     bias: bool = _f(False, "bias in linear layers and layer norms (GPT)")
     pooling: str = _f("cls", "sequence pooling of classifiers", choices=("cls", "mean"))
     patch_size: int = _f(4, "ViT patch side", positive=True)
@@ -111,8 +130,11 @@ class ModelConfig:
 
 @dataclass
 class EarlyStoppingConfig:
-    monitor: str | None = _f(None, "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
-                                      "stops improving; null: no early stopping")
+    monitor: str | None = _f(
+        None,
+        "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
+        "stops improving; null: no early stopping",
+    )
     mode: str = _f("min", "min: lower is better; max: higher is better", choices=("min", "max"))
     patience: int = _f(3, "whole epochs without improvement before the run stops", positive=True)
     min_delta: float = _f(0.0, "an improvement is a change by more than this", min=0.0)
@@ -127,32 +149,52 @@ class TrainingConfig:
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step", positive=True)
     lr: float = _f(3e-3, "peak learning rate (before lr_scaling)", positive=True)
     min_lr_ratio: float = _f(0.1, "final learning rate as a share of the peak (cosine, linear)", min=0.0, max=1.0)
-    optimizer: str = _f("adamw", "adamw, sgd, any torch.optim class (RMSprop, Adagrad, ...) or your own "
-                                 "file.py:function / package.module:function of (cfg, model) -> optimizer")
-    optimizer_options: dict = _f({}, "keyword arguments of the optimizer (training.optimizer_options.KEY=VALUE; "
-                                     "your function's cfg.options)")
+    optimizer: str = _f(
+        "adamw",
+        "adamw, sgd, any torch.optim class (RMSprop, Adagrad, ...) or your own "
+        "file.py:function / package.module:function of (cfg, model) -> optimizer",
+    )
+    optimizer_options: dict = _f(
+        {}, "keyword arguments of the optimizer (training.optimizer_options.KEY=VALUE; your function's cfg.options)"
+    )
     momentum: float = _f(0.9, "SGD momentum", min=0.0, max=1.0)
     weight_decay: float = _f(0.01, "decoupled weight decay", min=0.0)
     warmup_steps: int = _f(50, "linear warm-up steps", min=0)
-    schedule: str = _f("cosine", "learning-rate schedule after warm-up: cosine, linear, constant, or your own "
-                                "file.py:function / package.module:function of (cfg, optimizer, total_steps) -> "
-                                "LR scheduler (no warm-up added)")
+    schedule: str = _f(
+        "cosine",
+        "learning-rate schedule after warm-up: cosine, linear, constant, or your own "
+        "file.py:function / package.module:function of (cfg, optimizer, total_steps) -> "
+        "LR scheduler (no warm-up added)",
+    )
     schedule_options: dict = _f({}, "free-form values for your own schedule function (its cfg.options)")
     lr_scaling: str = _f("none", "scale lr with world size", choices=("none", "linear", "sqrt"))
     clip_grad_norm: float | None = _f(1.0, "clip gradients to this global norm; null disables", positive=True)
     amp: str = _f("none", "autocast precision", choices=("none", "fp16", "bf16"))
-    tf32: bool = _f(True, "TF32 tensor cores for float32 matmuls and convolutions on CUDA (Ampere and later); on by "
-                          "default, as training tolerates TF32's 10-bit mantissa and gains its speed; torch's own "
-                          "default is off for matmuls (exact float32 for general linear algebra); false: off for both")
-    compile: bool = _f(False, "torch.compile the model (the batch dimension dynamic: one compile, whatever the last "
-                              "batch's size; evaluation runs the model uncompiled)")
-    channels_last: str = _f("auto", "channels_last memory format for 4-D convolution weights and image batches; auto: "
-                                    "on for convolutional models on CUDA", choices=("auto", "true", "false"))
+    tf32: bool = _f(
+        True,
+        "TF32 tensor cores for float32 matmuls and convolutions on CUDA (Ampere and later); on by "
+        "default, as training tolerates TF32's 10-bit mantissa and gains its speed; torch's own "
+        "default is off for matmuls (exact float32 for general linear algebra); false: off for both",
+    )
+    compile: bool = _f(
+        False,
+        "torch.compile the model (the batch dimension dynamic: one compile, whatever the last "
+        "batch's size; evaluation runs the model uncompiled)",
+    )
+    channels_last: str = _f(
+        "auto",
+        "channels_last memory format for 4-D convolution weights and image batches; auto: "
+        "on for convolutional models on CUDA",
+        choices=("auto", "true", "false"),
+    )
     eval_every: int | None = _f(None, "also evaluate every N optimizer steps", positive=True)
     nonfinite: str = _f("stop", "on a non-finite loss on any rank: stop or skip the step", choices=("stop", "skip"))
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
-    keep_host_memory: bool = _f(True, "glibc keeps freed host memory for the next step instead of returning it to "
-                                      "the OS (no page faults per step on CPU; Linux)")
+    keep_host_memory: bool = _f(
+        True,
+        "glibc keeps freed host memory for the next step instead of returning it to "
+        "the OS (no page faults per step on CPU; Linux)",
+    )
 
 
 @dataclass
@@ -161,52 +203,90 @@ class CheckpointConfig:
     keep_last: int = _f(2, "complete snapshots kept", positive=True)
     resume: str = _f("auto", "auto (newest complete snapshot), never, or a snapshot path")
     save_best: bool = _f(True, "keep the model with the best validation loss")
-    async_save: bool = _f(False, "fsdp/hsdp: write snapshots in the background (DCP async_save) while training "
-                                 "goes on (`async` is a Python keyword)")
-    checksums: bool = _f(True, "record each snapshot file's CRC-32C in its manifest and check it before the "
-                               "snapshot is trusted (false: sizes only)")
+    async_save: bool = _f(
+        False,
+        "fsdp/hsdp: write snapshots in the background (DCP async_save) while training "
+        "goes on (`async` is a Python keyword)",
+    )
+    checksums: bool = _f(
+        True,
+        "record each snapshot file's CRC-32C in its manifest and check it before the "
+        "snapshot is trusted (false: sizes only)",
+    )
 
 
 @dataclass
 class DistributedConfig:
     backend: str = _f("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
     timeout: float = _f(600.0, "seconds before a stuck collective fails the job", positive=True, max=MAX_SECONDS)
-    stall_warning: float = _f(60.0, "seconds without progress before rank 0 names the stalled rank", positive=True,
-                              max=MAX_SECONDS)
+    stall_warning: float = _f(
+        60.0, "seconds without progress before rank 0 names the stalled rank", positive=True, max=MAX_SECONDS
+    )
     bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size", positive=True)
     comm_hook: str = _f("none", "DDP communication hook", choices=("none", "fp16", "bf16", "powersgd"))
     simulated_latency_ms: float = _f(0.0, "delay added to every gradient all-reduce", min=0.0, max=MAX_SECONDS * 1000)
     simulated_bandwidth_mbps: float | None = _f(None, "cap on simulated link bandwidth", positive=True)
     find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (frozen or unused layers)")
-    sync_batchnorm: bool = _f(False, "BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm), not each "
-                                     "process's own; CUDA only")
-    strategy: str = _f("ddp", "ddp (replicas), fsdp (FSDP2: parameters, gradients and optimizer state sharded over "
-                              "all processes) or hsdp (sharded within a node, replicated across nodes)",
-                       choices=("ddp", "fsdp", "hsdp"))
-    shard: str | None = _f(None, "your own shard(model, mesh) function (file.py:shard) that calls fully_shard on "
-                                    "the model's blocks; default: the model's blocks, see the sharding page")
-    fault_tolerance: str = _f("none", "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
-                                      "that keep training when one dies and copy a rejoining group's state from a "
-                                      "live one; see the fault-tolerance page", choices=("none", "replicas"))
-    lighthouse: str | None = _f(None, "fault_tolerance=replicas: the torchft Lighthouse's address (http://host:"
-                                         "port); default $TORCHFT_LIGHTHOUSE (`--replica-groups N` starts one)")
+    sync_batchnorm: bool = _f(
+        False, "BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm), not each process's own; CUDA only"
+    )
+    strategy: str = _f(
+        "ddp",
+        "ddp (replicas), fsdp (FSDP2: parameters, gradients and optimizer state sharded over "
+        "all processes) or hsdp (sharded within a node, replicated across nodes)",
+        choices=("ddp", "fsdp", "hsdp"),
+    )
+    shard: str | None = _f(
+        None,
+        "your own shard(model, mesh) function (file.py:shard) that calls fully_shard on "
+        "the model's blocks; default: the model's blocks, see the sharding page",
+    )
+    fault_tolerance: str = _f(
+        "none",
+        "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
+        "that keep training when one dies and copy a rejoining group's state from a "
+        "live one; see the fault-tolerance page",
+        choices=("none", "replicas"),
+    )
+    lighthouse: str | None = _f(
+        None,
+        "fault_tolerance=replicas: the torchft Lighthouse's address (http://host:"
+        "port); default $TORCHFT_LIGHTHOUSE (`--replica-groups N` starts one)",
+    )
     replica_group: int = _f(0, "fault_tolerance=replicas: this group's number, 0 to replica_groups - 1", min=0)
-    replica_groups: int = _f(1, "fault_tolerance=replicas: how many groups the job has; the training data is split "
-                                "in as many shares", positive=True)
-    replica_lr: str = _f("fixed", "fault_tolerance=replicas, while groups are missing: fixed (the lr stays; the "
-                                  "gradient is the mean over the groups present) or follow (the lr is scaled by the "
-                                  "share of groups present, as the global batch is)", choices=("fixed", "follow"))
-    shard_min_params: int = _f(1_000_000, "fsdp/hsdp on a model that names no blocks: every child module with at "
-                                          "least this many parameters is sharded on its own", positive=True)
+    replica_groups: int = _f(
+        1,
+        "fault_tolerance=replicas: how many groups the job has; the training data is split in as many shares",
+        positive=True,
+    )
+    replica_lr: str = _f(
+        "fixed",
+        "fault_tolerance=replicas, while groups are missing: fixed (the lr stays; the "
+        "gradient is the mean over the groups present) or follow (the lr is scaled by the "
+        "share of groups present, as the global batch is)",
+        choices=("fixed", "follow"),
+    )
+    shard_min_params: int = _f(
+        1_000_000,
+        "fsdp/hsdp on a model that names no blocks: every child module with at "
+        "least this many parameters is sharded on its own",
+        positive=True,
+    )
 
 
 @dataclass
 class LoggingConfig:
-    trackers: list = _f(["tensorboard"], "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
-                                         "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
-                        choices=("tensorboard", "mlflow", "wandb"))
-    mlflow_uri: str | None = _f(None, "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the "
-                                         "local store <experiment.output_dir>/mlflow/mlflow.db")
+    trackers: list = _f(
+        ["tensorboard"],
+        "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
+        "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
+        choices=("tensorboard", "mlflow", "wandb"),
+    )
+    mlflow_uri: str | None = _f(
+        None,
+        "MLflow tracking URI; default $MLFLOW_TRACKING_URI, else the "
+        "local store <experiment.output_dir>/mlflow/mlflow.db",
+    )
     mlflow_experiment: str = _f("ddplab", "MLflow experiment that holds the runs")
     wandb_project: str = _f("ddplab", "W&B project (WANDB_MODE=offline: files in the run folder's wandb/)")
     progress: bool = _f(True, "progress bar on rank 0 (terminals only)")
@@ -214,8 +294,11 @@ class LoggingConfig:
     straggler_threshold: float = _f(
         0.2, "a rank slower than the median by this share, log after log, is named a straggler", positive=True
     )
-    plots: bool = _f(True, "draw confusion_matrix_<split>.png at the end of a classification run (about a second "
-                           "and a half, matplotlib's import included; the .csv is always written)")
+    plots: bool = _f(
+        True,
+        "draw confusion_matrix_<split>.png at the end of a classification run (about a second "
+        "and a half, matplotlib's import included; the .csv is always written)",
+    )
 
 
 @dataclass
@@ -270,8 +353,13 @@ def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, tr
     `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every rank to
     ceil(N / world size) samples, the loader keeps the last short batch, accumulation groups micro-batches
     (without it, None: a stream's epoch ends when the stream does)."""
-    out = {"per_process": batch_size, "grad_accum_steps": grad_accum_steps, "world_size": world_size,
-           "global": batch_size * grad_accum_steps * world_size, "steps_per_epoch": None}
+    out = {
+        "per_process": batch_size,
+        "grad_accum_steps": grad_accum_steps,
+        "world_size": world_size,
+        "global": batch_size * grad_accum_steps * world_size,
+        "steps_per_epoch": None,
+    }
     if train_samples is not None:
         per_rank = math.ceil(train_samples / world_size)
         out["steps_per_epoch"] = math.ceil(math.ceil(per_rank / batch_size) / grad_accum_steps)
@@ -283,9 +371,12 @@ def keep_global_batch(global_batch: int, batch_size: int, world_size: int) -> in
     accum, rest = divmod(global_batch, batch_size * world_size)
     if rest or not accum:
         fits = [b for b in range(min(batch_size, global_batch), 0, -1) if global_batch % (b * world_size) == 0]
-        fix = (f"set training.batch_size={fits[0]}" if fits else
-               f"resume with a process count that divides {global_batch}")
-        raise UserError(f"cannot keep the run's global batch of {global_batch} on {world_size} processes with "
-                        f"training.batch_size={batch_size} (no accumulation makes {batch_size} x {world_size} x "
-                        f"steps = {global_batch}): {fix}")
+        fix = (
+            f"set training.batch_size={fits[0]}" if fits else f"resume with a process count that divides {global_batch}"
+        )
+        raise UserError(
+            f"cannot keep the run's global batch of {global_batch} on {world_size} processes with "
+            f"training.batch_size={batch_size} (no accumulation makes {batch_size} x {world_size} x "
+            f"steps = {global_batch}): {fix}"
+        )
     return accum

@@ -21,6 +21,7 @@ from ddplab.errors import UserError
 
 # ---------------------------------------------------------------------------- loading
 
+
 def read_config(source: str | Path | dict | Config | None = None, overrides=()) -> Config:
     """Types and ranges only (ddplab.registry.load_config also checks names): a YAML path (None:
     the defaults), a dict or a Config, then dotted `key=value` overrides."""
@@ -89,8 +90,13 @@ def _expanded_size(node: yaml.Node, sizes: dict) -> int:
         raise _TooBig("holds itself (an alias inside its own anchor)", node.start_mark)
     if id(node) not in sizes:
         sizes[id(node)] = None  # being counted
-        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
-            node.value if isinstance(node, yaml.SequenceNode) else []
+        children = (
+            [c for pair in node.value for c in pair]
+            if isinstance(node, yaml.MappingNode)
+            else node.value
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
         sizes[id(node)] = min(1 + sum(_expanded_size(c, sizes) for c in children), MAX_YAML_NODES + 1)
     return sizes[id(node)]
 
@@ -198,8 +204,11 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
     if hint is list:  # names: `[a, b]` (YAML), `a,b` or `[]` on the command line
         if isinstance(value, str):
-            value = _yaml_value(value, dotted) if value.strip().startswith("[") else \
-                [v.strip() for v in value.split(",") if v.strip()]
+            value = (
+                _yaml_value(value, dotted)
+                if value.strip().startswith("[")
+                else [v.strip() for v in value.split(",") if v.strip()]
+            )
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return list(dict.fromkeys(value))
         raise UserError(f"'{dotted}' must be a list of names like [a, b], got {value!r}")
@@ -242,6 +251,7 @@ def _shown(value: Any) -> str:
 
 # ---------------------------------------------------------------------------- validation
 
+
 def validate(cfg: Config) -> None:
     """Range and choice checks for every field, then cross-field checks."""
     cfg.data.cache = {"true": "raw"}.get(cfg.data.cache, cfg.data.cache)  # data.cache=true: as before jpeg existed
@@ -265,8 +275,10 @@ def _plain_name(name: str | None, dotted: str) -> None:
         return
     name = str(name)
     if name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable():
-        raise UserError(f"{dotted}: {name!r} is not a plain folder name (one path component: no '/', no '..' "
-                        f"or '.', no control characters)")
+        raise UserError(
+            f"{dotted}: {name!r} is not a plain folder name (one path component: no '/', no '..' "
+            f"or '.', no control characters)"
+        )
 
 
 def _check_fields(node: Any, prefix: str) -> None:

@@ -42,9 +42,15 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
-        return LaunchInfo("torchrun", rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
-                          local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), master_addr=env.get("MASTER_ADDR"),
-                          master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None)
+        return LaunchInfo(
+            "torchrun",
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
+        )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         world = int(env["SLURM_NTASKS"])
         nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
@@ -53,12 +59,16 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         if tasks is None:
             raise UserError(f"SLURM_TASKS_PER_NODE={per_node!r} does not start with a number of tasks")
         job = int(env.get("SLURM_JOB_ID", "0"))
-        return LaunchInfo("slurm", rank=int(env["SLURM_PROCID"]), world_size=world,
-                          local_rank=int(env.get("SLURM_LOCALID", 0)),
-                          local_world_size=int(tasks.group()),
-                          master_addr=env.get("MASTER_ADDR") or nodes[0],
-                          # A job-dependent port lets two jobs share a first node.
-                          master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000))
+        return LaunchInfo(
+            "slurm",
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world,
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(tasks.group()),
+            master_addr=env.get("MASTER_ADDR") or nodes[0],
+            # A job-dependent port lets two jobs share a first node.
+            master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000),
+        )
     return LaunchInfo(launcher="none")
 
 
@@ -166,8 +176,10 @@ def pick_backend(requested: str, cuda: bool) -> str:
 def check_one_gpu_per_process(processes_per_node: int, gpus: int) -> None:
     """NCCL refuses two ranks on one GPU, with an opaque 'invalid usage' at the first collective."""
     if processes_per_node > gpus:
-        raise UserError(f"{processes_per_node} processes on this node but {gpus} GPU(s) visible: NCCL needs one GPU "
-                        f"per process; start at most {gpus} per node, or set distributed.backend=gloo")
+        raise UserError(
+            f"{processes_per_node} processes on this node but {gpus} GPU(s) visible: NCCL needs one GPU "
+            f"per process; start at most {gpus} per node, or set distributed.backend=gloo"
+        )
 
 
 @contextlib.contextmanager
@@ -193,8 +205,13 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
         store = attempt_store(launch, timeout_s)
         if store is not None:
             kwargs["store"] = store
-        dist.init_process_group(backend=chosen, rank=launch.rank, world_size=launch.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        dist.init_process_group(
+            backend=chosen,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
     ok = False
     try:
         yield DistContext(launch=launch, backend=chosen, device=device)
@@ -219,16 +236,27 @@ def attempt_store(launch: LaunchInfo, timeout_s: float):
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     assert launch.master_addr is not None and launch.master_port is not None  # torchrun sets both
-    base = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    base = dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return dist.PrefixStore(f"ddplab/attempt-{attempt}", base)
 
 
-def wrap_model(model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float = 25.0,
-               find_unused_parameters: bool = False) -> torch.nn.Module:
+def wrap_model(
+    model: torch.nn.Module, ctx: DistContext, *, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False
+) -> torch.nn.Module:
     """DDP around the model when there is more than one process; the model itself otherwise."""
     model.to(ctx.device)
     if not ctx.is_distributed:
         return model
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
-               gradient_as_bucket_view=True, find_unused_parameters=find_unused_parameters)
+    return DDP(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=find_unused_parameters,
+    )

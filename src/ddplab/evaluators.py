@@ -18,8 +18,11 @@ import torch.nn.functional as F
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(self, device: torch.device,
-                 scored: Callable = lambda output, target: (output.float().flatten(0, 1), target.flatten())) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        scored: Callable = lambda output, target: (output.float().flatten(0, 1), target.flatten()),
+    ) -> None:
         self.scored = scored  # (output, target) -> flat logits and their next tokens (LanguageModeling.scored)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
@@ -84,8 +87,12 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
     """Precision, recall and F1 of each class and its support, as scikit-learn's
     precision_recall_fscore_support(average=None, zero_division=0) gives them."""
     precision, recall, f1, _, actual = _per_class(confusion.double())
-    return {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
-            "support": [int(x) for x in actual.tolist()]}
+    return {
+        "precision": precision.tolist(),
+        "recall": recall.tolist(),
+        "f1": f1.tolist(),
+        "support": [int(x) for x in actual.tolist()],
+    }
 
 
 def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
@@ -109,19 +116,25 @@ class RegressionEvaluator:
     def update(self, output, target) -> None:
         out, tgt = (t.double() for t in self.task._shaped(output, target))
         err = out - tgt
-        self.sums += torch.stack([torch.ones_like(tgt).sum(0), err.sum(0), err.abs().sum(0), (err ** 2).sum(0),
-                                  tgt.sum(0), (tgt ** 2).sum(0)])
+        self.sums += torch.stack(
+            [torch.ones_like(tgt).sum(0), err.sum(0), err.abs().sum(0), (err**2).sum(0), tgt.sum(0), (tgt**2).sum(0)]
+        )
 
     def compute(self, ctx) -> dict[str, float]:
         n, _, abs_err, sq_err, y, y2 = ctx.all_reduce(self.sums.clone())
         count = n[0].item()
         if count == 0:
             return {}
-        total = y2 - y ** 2 / n  # sum of squares around each output's mean
+        total = y2 - y**2 / n  # sum of squares around each output's mean
         r2 = torch.where(total > 0, 1 - sq_err / total.clamp(min=1e-300), torch.zeros_like(total))
         mse = (sq_err / n).mean().item()
-        return {"loss": mse, "mae": (abs_err / n).mean().item(), "rmse": math.sqrt(mse) if self.task.outputs == 1
-                else (sq_err / n).sqrt().mean().item(), "r2": r2.mean().item(), "samples": count}
+        return {
+            "loss": mse,
+            "mae": (abs_err / n).mean().item(),
+            "rmse": math.sqrt(mse) if self.task.outputs == 1 else (sq_err / n).sqrt().mean().item(),
+            "r2": r2.mean().item(),
+            "samples": count,
+        }
 
 
 class MetricsEvaluator:
@@ -134,8 +147,9 @@ class MetricsEvaluator:
 
     def update(self, output, target) -> None:
         n = len(target)
-        self.sums += torch.stack([self.task.loss(output, target).double() * n,
-                                  torch.tensor(n, dtype=torch.float64, device=self.sums.device)])
+        self.sums += torch.stack(
+            [self.task.loss(output, target).double() * n, torch.tensor(n, dtype=torch.float64, device=self.sums.device)]
+        )
         if self.metrics:
             logits = self.task.logits(output)
             for metric in self.metrics.values():

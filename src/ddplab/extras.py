@@ -7,10 +7,13 @@ import importlib.util
 
 from ddplab.errors import UserError
 
-EXTRAS = {"text": ("transformers", "datasets", "pandas", "pyarrow", "fsspec"),
-          "vision": ("torchvision", "PIL", "sklearn"),
-          "report": ("matplotlib", "scipy"), "track": ("mlflow", "wandb"),
-          "ft": ("torchft",)}
+EXTRAS = {
+    "text": ("transformers", "datasets", "pandas", "pyarrow", "fsspec"),
+    "vision": ("torchvision", "PIL", "sklearn"),
+    "report": ("matplotlib", "scipy"),
+    "track": ("mlflow", "wandb"),
+    "ft": ("torchft",),
+}
 
 
 def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:

@@ -71,8 +71,9 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
-        raise UserError(f"{path}: the checkpoint's weights do not fit the model its config builds "
-                        f"({first_line(exc, 160)})") from None
+        raise UserError(
+            f"{path}: the checkpoint's weights do not fit the model its config builds ({first_line(exc, 160)})"
+        ) from None
     model.eval()
     return model, ckpt, data
 
@@ -83,15 +84,18 @@ def _rebuilt(cfg, build) -> torch.nn.Module:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported in one line
-        raise UserError(f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
-                        f"({type(exc).__name__}: {first_line(exc, 160)})") from None
+        raise UserError(
+            f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
+            f"({type(exc).__name__}: {first_line(exc, 160)})"
+        ) from None
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def sample(model, meta: dict, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-           top_k: int | None = 40, seed: int = 0) -> str:
+def sample(
+    model, meta: dict, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40, seed: int = 0
+) -> str:
     if meta.get("tokenizer") not in ("char", "byte"):
         raise UserError("this checkpoint is not a character / byte language model")
     tokenizer = CharTokenizer.from_meta(meta)

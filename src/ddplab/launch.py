@@ -186,8 +186,9 @@ class _Job(StopSignals):
         if cmd[:3] != AGENT:
             cmd = [*AGENT, "--exec", *cmd]  # srun: it too must die with this process
         # Its own session: a terminal's Ctrl-C reaches the launcher only, which stops the job cleanly.
-        proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=self.log or subprocess.PIPE,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=self.log, stderr=self.log or subprocess.PIPE, start_new_session=True
+        )
         self.procs.append(proc)
         if self.log is None:
             pump = threading.Thread(target=_pump, args=(proc.stderr, self.report, self.tail), daemon=True)
@@ -281,7 +282,7 @@ def root_cause(lines) -> tuple[int, str] | None:
     """torchrun's first observed failure, from its summary: (0, "rank 0 (host h) died: Signal 9 (SIGKILL)
     received by PID 123") or (1, "rank 1 (host h) died: exit code 1")."""
     text = "".join(lines)
-    section = text[text.find("Root Cause"):] if "Root Cause" in text else ""
+    section = text[text.find("Root Cause") :] if "Root Cause" in text else ""
     rank, host = re.search(r"rank\s*:\s*(\d+)", section), re.search(r"host\s*:\s*(\S+)", section)
     if rank is None:
         return None
@@ -309,16 +310,21 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
     return summary
 
 
-def run(commands: list[list[str]], *, log: Path | None = None, report_in: Path | None = None,
-        env: dict | None = None, independent: bool = False) -> Ended:
+def run(
+    commands: list[list[str]],
+    *,
+    log: Path | None = None,
+    report_in: Path | None = None,
+    env: dict | None = None,
+    independent: bool = False,
+) -> Ended:
     """Run agents (torchrun_command, or srun around one) until all end, forwarding signals to them.
 
     With `log`, the agents' output is appended there; else stdout is this process's and stderr
     is copied through. `report_in`: where the workers report (a folder every node sees)."""
     env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, \
-            contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, contextlib.ExitStack() as stack:
         report = Path(folder)
         env.update(Handoff(report_dir=folder, stop_request=str(report / "stop")).env())
         out = stack.enter_context(open_append(log.parent, log.name)) if log else None
@@ -349,18 +355,34 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups:
     if groups:
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}  # torchft's lines per step: RUST_LOG=info
         with lighthouse() as address:
-            ended = run([torchrun_command(nproc, [*args, f"distributed.replica_group={i}",
-                                                  f"distributed.replica_groups={groups}",
-                                                  f"distributed.lighthouse={address}"], **kwargs)
-                         for i in range(groups)], env=env, independent=True)
+            ended = run(
+                [
+                    torchrun_command(
+                        nproc,
+                        [
+                            *args,
+                            f"distributed.replica_group={i}",
+                            f"distributed.replica_groups={groups}",
+                            f"distributed.lighthouse={address}",
+                        ],
+                        **kwargs,
+                    )
+                    for i in range(groups)
+                ],
+                env=env,
+                independent=True,
+            )
     else:
         ended = run([torchrun_command(nproc, args, **kwargs)], env=env)
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
-    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in (ExitCode.OK, ExitCode.PREEMPTED,
-                                                                                  ExitCode.INTERRUPTED):
+    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in (
+        ExitCode.OK,
+        ExitCode.PREEMPTED,
+        ExitCode.INTERRUPTED,
+    ):
         print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")
@@ -369,10 +391,12 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups:
     return ended.code
 
 
-LIGHTHOUSE_OPTIONS = ("--min_replicas=1",  # the groups left go on, however few
-                      "--heartbeat_timeout_ms=2000",  # a group silent this long is out of the next quorum
-                      "--join_timeout_ms=2000",  # how long a quorum waits for a group that is starting
-                      "--quorum_tick_ms=50")
+LIGHTHOUSE_OPTIONS = (
+    "--min_replicas=1",  # the groups left go on, however few
+    "--heartbeat_timeout_ms=2000",  # a group silent this long is out of the next quorum
+    "--join_timeout_ms=2000",  # how long a quorum waits for a group that is starting
+    "--quorum_tick_ms=50",
+)
 
 
 @contextlib.contextmanager
@@ -385,8 +409,12 @@ def lighthouse():
     with socket.socket() as probe:  # a free port, handed straight on
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
-    proc = subprocess.Popen([*AGENT, "--exec", program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [*AGENT, "--exec", program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         yield f"http://localhost:{port}"
     finally:

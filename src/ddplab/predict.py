@@ -67,9 +67,11 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
         return data.preprocess
     example = example or _example(data)
     if example.get("kind") == "dict":
-        raise UserError("this run's items are dicts (as Hugging Face's are): predict reads raw inputs through "
-                        "Data(preprocess=...), a function from one input to one sample's dict, which its data does "
-                        "not give")
+        raise UserError(
+            "this run's items are dicts (as Hugging Face's are): predict reads raw inputs through "
+            "Data(preprocess=...), a function from one input to one sample's dict, which its data does "
+            "not give"
+        )
     dataset = next((d for d in (data.val, data.test, data.train) if d is not None), None)
     source = _unwrapped(dataset)
     transform = getattr(source, "transform", None)
@@ -98,6 +100,7 @@ def _sample(example: dict) -> Callable:
 
 def _open_image(item: str, loader: Callable | None):
     from PIL import Image, UnidentifiedImageError  # the vision extra: only for image inputs
+
     if not Path(item).is_file():
         raise UserError(f"no such image file: {item}")
     try:
@@ -126,8 +129,9 @@ def read_numbers(item: str) -> torch.Tensor:
         raise UserError(f"input '{item[:40]}' is not comma-separated numbers nor a .npy/.pt file") from None
 
 
-def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None = None,
-            trust_code: bool = False) -> list[dict]:
+def predict(
+    run: str, items: list[str], batch_size: int = 32, top_k: int | None = None, trust_code: bool = False
+) -> list[dict]:
     """One dict per input: {"input": the input, then what the run's Task.predict gives}."""
     checkpoint = read_checkpoint(run)
     if recorded_task(checkpoint[0]).kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
@@ -141,7 +145,7 @@ def predict(run: str, items: list[str], batch_size: int = 32, top_k: int | None 
     rows = []
     with torch.no_grad():
         for i in range(0, len(items), batch_size):
-            chunk = items[i: i + batch_size]
+            chunk = items[i : i + batch_size]
             samples = [sample(_user(encode, "reading the input", item)) for item in chunk]
             try:
                 inputs = task.unpack(collate(samples))[0]
@@ -184,7 +188,7 @@ def line(row: dict) -> str:
 
 
 def output_format(path: str) -> str:
-    """"csv" or "jsonl", from the name of a file that can be written."""
+    """ "csv" or "jsonl", from the name of a file that can be written."""
     kind = Path(path).suffix.lstrip(".")
     if kind not in ("csv", "jsonl"):
         raise UserError(f"--output {path}: name a .csv or a .jsonl file")
@@ -202,6 +206,7 @@ def write(rows: list[dict], path: str) -> None:
     else:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows({k: v if isinstance(v, (str, float, int)) else _shown(v) for k, v in row.items()}
-                         for row in rows)
+        writer.writerows(
+            {k: v if isinstance(v, (str, float, int)) else _shown(v) for k, v in row.items()} for row in rows
+        )
     write_atomic(Path(path).parent, Path(path).name, f.getvalue())

@@ -51,6 +51,7 @@ def changes() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------- environment and imports
 
+
 def env_default(names: str | tuple[str, ...], value: str) -> bool:
     """Set every one of `names` (a variable's current and older spellings) to `value`, unless the user
     set any of them. Returns whether ddplab set them."""
@@ -97,6 +98,7 @@ def signal_handler(signum: int, handler) -> bool:
 
 # ---------------------------------------------------------------------------- torch, the collector, glibc
 
+
 def tf32(on: bool) -> None:
     """TF32 tensor cores for float32 matmuls and cuDNN convolutions (Ampere and later) on, or both off.
 
@@ -110,12 +112,15 @@ def tf32(on: bool) -> None:
     wanted = "high" if on else "highest"
     if matmul != wanted:
         torch.set_float32_matmul_precision(wanted)
-        _record(f"TF32 matmuls {'on' if on else 'off'} (training.tf32)",
-                lambda: torch.set_float32_matmul_precision(matmul))
+        _record(
+            f"TF32 matmuls {'on' if on else 'off'} (training.tf32)", lambda: torch.set_float32_matmul_precision(matmul)
+        )
     if conv != on:
         torch.backends.cudnn.allow_tf32 = on
-        _record(f"TF32 convolutions {'on' if on else 'off'} (training.tf32)",
-                lambda: setattr(torch.backends.cudnn, "allow_tf32", conv))
+        _record(
+            f"TF32 convolutions {'on' if on else 'off'} (training.tf32)",
+            lambda: setattr(torch.backends.cudnn, "allow_tf32", conv),
+        )
 
 
 def freeze_gc() -> None:
@@ -167,6 +172,7 @@ def keep_freed_memory() -> int:
         mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT)
         mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT)
         trim(0)
+
     kept = next((t for t in (KEEP, CAPPED) if mallopt(M_MMAP_THRESHOLD, t)), 0)
     _record(f"glibc keeps freed memory below {kept >> 20} MiB (training.keep_host_memory)", undo)
     return kept

@@ -44,28 +44,44 @@ _W = "ddplab.workloads."
 MODELS: dict[str, Builtin] = {
     "gpt": Builtin(_W + "char_lm:gpt", "lm", "tokens"),
     "transformer": Builtin(_W + "text_classification:transformer", "classification", "text", extra="text"),
-    "hf": Builtin(_W + "text_classification:hf", "classification", "text", check="ddplab.models.checks:check_hf",
-                  extra="text"),
+    "hf": Builtin(
+        _W + "text_classification:hf", "classification", "text", check="ddplab.models.checks:check_hf", extra="text"
+    ),
     "cnn": Builtin(_W + "images:cnn", "classification", "image", image=(None, None), extra="vision"),
     "vit": Builtin(_W + "images:vit", "classification", "image", image=(None, None), extra="vision"),
 }
 # Every torchvision classifier by name: RGB at the side its ImageNet weights were made for.
-TORCHVISION = Builtin(_W + "images:torchvision_model", "classification", "image", image=(3, 224),
-                      check="ddplab.models.vision:check_input", check_files="ddplab.models.vision:check_files",
-                      extra="vision")
+TORCHVISION = Builtin(
+    _W + "images:torchvision_model",
+    "classification",
+    "image",
+    image=(3, 224),
+    check="ddplab.models.vision:check_input",
+    check_files="ddplab.models.vision:check_files",
+    extra="vision",
+)
 
-_IMAGES: dict[str, Any] = dict(task="classification", inputs="image", check="ddplab.data.checks:check_images",
-               check_files="ddplab.data.checks:check_image_files", extra="vision")
+_IMAGES: dict[str, Any] = dict(
+    task="classification",
+    inputs="image",
+    check="ddplab.data.checks:check_images",
+    check_files="ddplab.data.checks:check_image_files",
+    extra="vision",
+)
 _TEXTS: dict[str, Any] = dict(
     task="classification", inputs="text", check="ddplab.data.checks:check_text_classes", extra="text"
 )
 DATA: dict[str, Builtin] = {
     "text": Builtin(_W + "char_lm:data", "lm", "tokens", check="ddplab.data.checks:check_corpus"),
     "synthetic": Builtin(_W + "synthetic:data", "any", "any"),
-    **{name: Builtin(_W + "images:data", **_IMAGES) for name in ("digits", "mnist", "fashion_mnist", "cifar10",
-                                                                  "image_folder")},
-    **{name: Builtin(_W + "text_classification:data", **_TEXTS)
-       for name in ("imdb", "amazon_polarity", "text_files", "synthetic_reviews")},
+    **{
+        name: Builtin(_W + "images:data", **_IMAGES)
+        for name in ("digits", "mnist", "fashion_mnist", "cifar10", "image_folder")
+    },
+    **{
+        name: Builtin(_W + "text_classification:data", **_TEXTS)
+        for name in ("imdb", "amazon_polarity", "text_files", "synthetic_reviews")
+    },
 }
 
 
@@ -76,9 +92,12 @@ def model_entry(name: str) -> Builtin | None:
     if name in MODELS:
         return MODELS[name]
     if missing("vision", ("torchvision",)):
-        raise UserError(f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS)}, a torchvision "
-                        f"classifier (pip install 'ddplab[vision]'), or your own file.py:function")
+        raise UserError(
+            f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS)}, a torchvision "
+            f"classifier (pip install 'ddplab[vision]'), or your own file.py:function"
+        )
     from ddplab.models import vision  # imports torchvision: only for a name that is none of ddplab's own
+
     if vision.is_torchvision(name):
         return TORCHVISION
     raise UserError(vision.unknown_model(name, list(MODELS)))
@@ -88,8 +107,10 @@ def data_entry(name: str) -> Builtin | None:
     if is_reference(name):
         return None
     if name not in DATA:
-        raise UserError(f"data.name: unknown dataset '{name}'; choose one of {', '.join(sorted(DATA))}, "
-                        f"or your own file.py:function")
+        raise UserError(
+            f"data.name: unknown dataset '{name}'; choose one of {', '.join(sorted(DATA))}, "
+            f"or your own file.py:function"
+        )
     return DATA[name]
 
 
@@ -112,6 +133,7 @@ def builtin_names() -> tuple[list[str], list[str]]:
 
 # ---------------------------------------------------------------------------- checks
 
+
 def check_config(cfg: Config, given: tuple = ()) -> None:
     """Names, references and which model fits which data, before any process starts; `given`: sections
     whose function ddplab.train() was handed, which is not imported again by its reference."""
@@ -132,18 +154,23 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
     t = cfg.training
     if t.optimizer not in ("adamw", "sgd") or t.optimizer_options or t.schedule not in ("cosine", "linear", "constant"):
         from ddplab.engine.optim import check_names  # imports torch: only for a name that is none of ddplab's own
+
         check_names(t)
     d = cfg.distributed
     if d.strategy != "ddp" and d.comm_hook != "none":
-        raise UserError(f"distributed.comm_hook={d.comm_hook} is a DDP communication hook; distributed.strategy="
-                        f"{d.strategy} reduces gradients itself: set distributed.comm_hook=none or strategy=ddp")
+        raise UserError(
+            f"distributed.comm_hook={d.comm_hook} is a DDP communication hook; distributed.strategy="
+            f"{d.strategy} reduces gradients itself: set distributed.comm_hook=none or strategy=ddp"
+        )
     if d.shard:
         resolve(d.shard, "distributed.shard")
     if d.fault_tolerance == "replicas":
         require("ft", "distributed.fault_tolerance=replicas")
         if d.replica_group >= d.replica_groups:
-            raise UserError(f"distributed.replica_group={d.replica_group} is not below distributed.replica_groups="
-                            f"{d.replica_groups}")
+            raise UserError(
+                f"distributed.replica_group={d.replica_group} is not below distributed.replica_groups="
+                f"{d.replica_groups}"
+            )
     for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
         if tracker != "tensorboard":
             require("track", f"logging.trackers={tracker}", (tracker,))
@@ -163,8 +190,9 @@ def check_decode(cfg: Config) -> None:
     import torch  # only for data.decode=gpu: whether this machine has a GPU to decode on
 
     if not torch.cuda.is_available():
-        raise UserError("data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; "
-                        "use data.decode=cpu")
+        raise UserError(
+            "data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; use data.decode=cpu"
+        )
 
 
 def check_sync_batchnorm(cfg: Config) -> None:
@@ -174,8 +202,10 @@ def check_sync_batchnorm(cfg: Config) -> None:
     import torch  # only for distributed.sync_batchnorm: whether this machine has a GPU to run it on
 
     if not torch.cuda.is_available():
-        raise UserError("distributed.sync_batchnorm=true needs CUDA (torch's SyncBatchNorm runs on GPUs only) and "
-                        "this machine has none; leave it false on CPU")
+        raise UserError(
+            "distributed.sync_batchnorm=true needs CUDA (torch's SyncBatchNorm runs on GPUs only) and "
+            "this machine has none; leave it false on CPU"
+        )
 
 
 def checked_without_torch(cfg: Config) -> bool:
@@ -189,9 +219,11 @@ def _mismatch(cfg, model: Builtin, data: Builtin) -> str:
     models = [n for n, s in MODELS.items() if s.inputs == data.inputs and s.task == data.task]
     if data.inputs == "image":
         models.append("any torchvision classifier")
-    return (f"model.name={cfg.model.name} reads {model.inputs} for a {model.task} task but data.name={cfg.data.name} "
-            f"gives {data.inputs} ({data.task}): use model.name={' or '.join(models)}, or data.name one of "
-            f"{', '.join(fitting)}")
+    return (
+        f"model.name={cfg.model.name} reads {model.inputs} for a {model.task} task but data.name={cfg.data.name} "
+        f"gives {data.inputs} ({data.task}): use model.name={' or '.join(models)}, or data.name one of "
+        f"{', '.join(fitting)}"
+    )
 
 
 def check_files(cfg: Config) -> None:
@@ -203,8 +235,14 @@ def check_files(cfg: Config) -> None:
 
 # ---------------------------------------------------------------------------- loading
 
-def load_config(source: str | Path | dict | Config | None = None, overrides=(), *, model: Callable | None = None,
-                data: Callable | None = None) -> Config:
+
+def load_config(
+    source: str | Path | dict | Config | None = None,
+    overrides=(),
+    *,
+    model: Callable | None = None,
+    data: Callable | None = None,
+) -> Config:
     """The one config loader every command uses: YAML path (None: the embedded default), dict or
     Config, then `key=value` overrides; types, ranges, names and pairings checked. Functions
     handed to ddplab.train() take the place of model.name / data.name."""
@@ -234,8 +272,10 @@ def absolute_references(cfg: Config) -> None:
 
 # ---------------------------------------------------------------------------- building
 
+
 def workload(cfg: Config, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
     """The config's workload; functions handed to ddplab.train() are used as given."""
     refs = {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")}
-    return Workload(data_fn or resolve(refs["data"], "data.name"), model_fn or resolve(refs["model"], "model.name"),
-                    refs)
+    return Workload(
+        data_fn or resolve(refs["data"], "data.name"), model_fn or resolve(refs["model"], "model.name"), refs
+    )

@@ -55,8 +55,10 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     remember_code(work.references.values())  # what predict and generate may import again without asking
     phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
     flight_recorder.arm(cfg.distributed.backend)
-    with distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx, \
-            own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note):
+    with (
+        distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx,
+        own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note),
+    ):
         phases.mark("rendezvous")
         trainer = run = view = beat = None
         trackers = Trackers(cfg.logging.trackers)
@@ -122,16 +124,25 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
                 if partial
                 else ""
             )
-            run.log(f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
-                    f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}")
+            run.log(
+                f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
+                f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run_dir}"
+            )
             # Sharded, every rank takes part in each forward pass; rank 0 writes.
             if (
                 (ctx.is_main or cfg.distributed.strategy != "ddp")
                 and data.meta.get("tokenizer") in ("char", "byte")
                 and cfg.generate.max_new_tokens > 0
             ):
-                text = sample(view.model, data.meta, cfg.generate.prompt, cfg.generate.max_new_tokens,
-                              cfg.generate.temperature, cfg.generate.top_k, seed=cfg.experiment.seed)
+                text = sample(
+                    view.model,
+                    data.meta,
+                    cfg.generate.prompt,
+                    cfg.generate.max_new_tokens,
+                    cfg.generate.temperature,
+                    cfg.generate.top_k,
+                    seed=cfg.experiment.seed,
+                )
                 run.write_text(RunFolder.SAMPLE, text)
                 run.log("sample:\n" + text)
             trainer.end(result)
@@ -170,7 +181,6 @@ def _train(cfg: Config, data_fn, model_fn, callbacks) -> dict:
     if ctx.is_main:  # after the process group is gone: teardown is counted too
         phases.add_teardown(run_dir)
     return result
-
 
 
 def _quiet(report: str) -> None:

@@ -46,8 +46,10 @@ def find_logits(output) -> torch.Tensor:
     elif isinstance(found, (tuple, list)) and found:
         found = found[0]
     if not isinstance(found, torch.Tensor):
-        raise UserError(f"model: the forward pass returned {_kind(output)}; the task needs logits: a tensor, "
-                        f"(logits, ...), {{'logits': ...}} or an object with .logits")
+        raise UserError(
+            f"model: the forward pass returned {_kind(output)}; the task needs logits: a tensor, "
+            f"(logits, ...), {{'logits': ...}} or an object with .logits"
+        )
     return found
 
 
@@ -87,20 +89,25 @@ class Task:
             names = (self.target_field,) if self.target_field else ("labels", "label")
             field = next((n for n in names if n in batch), None)
             if field is None:
-                raise UserError(f"a batch is a mapping with keys {sorted(map(str, batch))[:8]} but no target "
-                                f"field {' or '.join(names)}; set {type(self).__name__}.target_field")
+                raise UserError(
+                    f"a batch is a mapping with keys {sorted(map(str, batch))[:8]} but no target "
+                    f"field {' or '.join(names)}; set {type(self).__name__}.target_field"
+                )
             return batch, batch[field], len(batch[field])
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             return batch[0], batch[1], len(batch[1])
-        raise UserError(f"a batch is {_kind(batch)}; ddplab takes (inputs, target) or a mapping with a "
-                        f"'labels' field (see docs/your-workload.md)")
+        raise UserError(
+            f"a batch is {_kind(batch)}; ddplab takes (inputs, target) or a mapping with a "
+            f"'labels' field (see docs/your-workload.md)"
+        )
 
     def loss(self, output, target: torch.Tensor) -> torch.Tensor:
         """A scalar tensor, from the model's output exactly as returned: here the model's own loss."""
         if (loss := own_loss(output)) is not None:
             return loss
-        raise NotImplementedError(f"{type(self).__name__}.loss(output, target) is not written, and the model's "
-                                  f"output holds no loss")
+        raise NotImplementedError(
+            f"{type(self).__name__}.loss(output, target) is not written, and the model's output holds no loss"
+        )
 
     def logits(self, output) -> torch.Tensor:
         """The tensor scored by metrics and predict; override for an output of another form."""
@@ -155,8 +162,10 @@ class Classification(Task):
     def check_output(self, output, target):
         expected, shape = (len(target), self.num_classes), tuple(self.logits(output).shape)
         if shape != expected:
-            raise UserError(f"the model's logits have shape {shape} but Classification({self.num_classes}) "
-                            f"needs {expected} (one logit per class)")
+            raise UserError(
+                f"the model's logits have shape {shape} but Classification({self.num_classes}) "
+                f"needs {expected} (one logit per class)"
+            )
 
     def evaluator(self, device):
         return ClassificationEvaluator(self.num_classes, device, self.logits)
@@ -212,8 +221,10 @@ class LanguageModeling(Task):
     def check_output(self, output, target):
         logits = self.logits(output)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(target.shape):
-            raise UserError(f"the model's logits have shape {tuple(logits.shape)} but LanguageModeling needs "
-                            f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}")
+            raise UserError(
+                f"the model's logits have shape {tuple(logits.shape)} but LanguageModeling needs "
+                f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}"
+            )
 
     def evaluator(self, device):
         return LMEvaluator(device, self.scored)
@@ -248,8 +259,10 @@ class Regression(Task):
             want = f"({n}, {self.outputs})" + (f" or ({n},)" if self.outputs == 1 else "")
             raise UserError(f"the model's output has shape {shape} but Regression(outputs={self.outputs}) needs {want}")
         if target.numel() != n * self.outputs:
-            raise UserError(f"targets of shape {tuple(target.shape)} do not hold {self.outputs} value(s) per sample "
-                            f"for Regression(outputs={self.outputs})")
+            raise UserError(
+                f"targets of shape {tuple(target.shape)} do not hold {self.outputs} value(s) per sample "
+                f"for Regression(outputs={self.outputs})"
+            )
 
     def evaluator(self, device):
         return RegressionEvaluator(self, device)

@@ -64,11 +64,21 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     steps = cfg.training.max_steps or 20
     digest = hashlib.sha1(json.dumps([cfg.to_dict(), nproc], sort_keys=True, default=str).encode()).hexdigest()
     work = Path(cfg.experiment.output_dir) / f"verify-{digest[:10]}"
-    forced = [f"training.max_steps={steps}", "training.epochs=1", "model.dropout=0", "model.dropout_off=true",
-              "logging.log_every=1",
-              "logging.trackers=[]", "logging.progress=false", "checkpoint.save_best=false",
-              "checkpoint.every=null", "training.eval_every=null", "generate.max_new_tokens=0",
-              f"experiment.output_dir={work}", "checkpoint.resume=auto"]
+    forced = [
+        f"training.max_steps={steps}",
+        "training.epochs=1",
+        "model.dropout=0",
+        "model.dropout_off=true",
+        "logging.log_every=1",
+        "logging.trackers=[]",
+        "logging.progress=false",
+        "checkpoint.save_best=false",
+        "checkpoint.every=null",
+        "training.eval_every=null",
+        "generate.max_new_tokens=0",
+        f"experiment.output_dir={work}",
+        "checkpoint.resume=auto",
+    ]
     if not cfg.data.per_sample_seed or cfg.data.decode == "gpu":  # each process would draw its own augmentation
         forced.append("data.augment=false")
     base = ([config] if config else []) + list(overrides) + forced
@@ -79,8 +89,10 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     work.mkdir(parents=True, exist_ok=True)
     keep = False
     try:
-        for name, procs, extra, label in (("ddp", nproc, [], f"{nproc}-process"),
-                                          ("single", 1, [f"training.batch_size={nproc * batch}"], "1-process")):
+        for name, procs, extra, label in (
+            ("ddp", nproc, [], f"{nproc}-process"),
+            ("single", 1, [f"training.batch_size={nproc * batch}"], "1-process"),
+        ):
             if not finished(work / name):  # done before a pre-emption: kept
                 _run(procs, ["train", *base, f"experiment.name={name}", *extra], work, label)
         a, b = _losses(work / "ddp"), _losses(work / "single")
@@ -118,11 +130,15 @@ def _remaining(found: dict) -> bool:
 def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
     """The stochastic parts of the model and data the runs reported, each with what verify did or what to do."""
     seeded = "seeded_transforms" in found
-    lines = ["randomness: dropout off in both runs; " + ("augmentation drawn from per-sample seeds" if seeded
-                                                         else "data.augment off")]
+    lines = [
+        "randomness: dropout off in both runs; "
+        + ("augmentation drawn from per-sample seeds" if seeded else "data.augment off")
+    ]
     if found.get("dropout_modules"):
-        lines.append(f"randomness: {found['dropout_modules']} dropout module(s) still drawing (not torch.nn.Dropout "
-                     f"subclasses?): set their p to 0 for verify")
+        lines.append(
+            f"randomness: {found['dropout_modules']} dropout module(s) still drawing (not torch.nn.Dropout "
+            f"subclasses?): set their p to 0 for verify"
+        )
     if found.get("batchnorm_modules"):
         lines.append(
             f"randomness: {found['batchnorm_modules']} BatchNorm module(s): each of the {nproc} processes "
@@ -131,9 +147,13 @@ def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
             f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance"
         )
     if found.get("random_transforms"):
-        lines.append(f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
-                     f"each process draws its own: keep data.per_sample_seed=true, or turn them off for verify")
+        lines.append(
+            f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
+            f"each process draws its own: keep data.per_sample_seed=true, or turn them off for verify"
+        )
     if found.get("seeded_transforms"):
-        lines.append(f"randomness: random transforms on the training set ({', '.join(found['seeded_transforms'])}) "
-                     f"drawn from per-sample seeds: the same draws in both runs")
+        lines.append(
+            f"randomness: random transforms on the training set ({', '.join(found['seeded_transforms'])}) "
+            f"drawn from per-sample seeds: the same draws in both runs"
+        )
     return lines

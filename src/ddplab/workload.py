@@ -90,8 +90,10 @@ class Assets:
         """Where the file or folder that training's Data.assets[name] named was saved."""
         if name not in self.files:
             saved = ", ".join(sorted(self.files)) or "none"
-            raise UserError(f"cfg.assets.path({name!r}): this run saved no such asset (saved: {saved}); "
-                            f"name it in Data(assets=...) at training, and predict from the run folder")
+            raise UserError(
+                f"cfg.assets.path({name!r}): this run saved no such asset (saved: {saved}); "
+                f"name it in Data(assets=...) at training, and predict from the run folder"
+            )
         return self.folder / self.files[name]
 
 
@@ -140,6 +142,7 @@ def build_config(cfg, section: str, ctx=None, assets: Assets | None = None) -> B
 
 # ---------------------------------------------------------------------------- code references
 
+
 def is_reference(name: str) -> bool:
     return ":" in name
 
@@ -167,8 +170,10 @@ def resolve(reference: str, field_name: str) -> Callable:
     """`file.py:function` or `package.module:function` -> the callable (one line if it cannot be had)."""
     where, _, name = reference.rpartition(":")
     if not where or not name:
-        raise UserError(f"{field_name}: '{reference}' is not a code reference of the form file.py:function "
-                        f"or package.module:function")
+        raise UserError(
+            f"{field_name}: '{reference}' is not a code reference of the form file.py:function "
+            f"or package.module:function"
+        )
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where).expanduser().resolve()
         if not path.is_file():
@@ -241,11 +246,18 @@ def reference_of(fn: Callable) -> str:
     module = inspect.getmodule(fn)
     qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))
     if "<locals>" in qualname or "<lambda>" in qualname:
-        raise UserError(f"{qualname}: pass a function defined at the top level of a file or module "
-                        f"(predict, generate and resume import it again by name)")
+        raise UserError(
+            f"{qualname}: pass a function defined at the top level of a file or module "
+            f"(predict, generate and resume import it again by name)"
+        )
     source = inspect.getsourcefile(fn) if module is not None else None
-    if module is not None and module.__name__ not in ("__main__",) and not module.__name__.startswith("ddplab_user_") \
-            and module.__spec__ is not None and not source:
+    if (
+        module is not None
+        and module.__name__ not in ("__main__",)
+        and not module.__name__.startswith("ddplab_user_")
+        and module.__spec__ is not None
+        and not source
+    ):
         return f"{module.__name__}:{qualname}"
     if source is None:
         raise UserError(f"{qualname}: cannot tell which file defines it")
@@ -311,10 +323,18 @@ def check_trusted(reference: str, trust_code: bool, field_name: str, run: str | 
     module = not _is_file_reference(reference.rpartition(":")[0])
     places = (Path.cwd().resolve(), _run_root(Path(run).resolve()))
     known = _trained_with()
-    unknown = [f for f in files if f.is_file() and not f.is_relative_to(_PACKAGE) and _digest(f) not in known
-               and not (module and not any(f.is_relative_to(p) for p in places))]
+    unknown = [
+        f
+        for f in files
+        if f.is_file()
+        and not f.is_relative_to(_PACKAGE)
+        and _digest(f) not in known
+        and not (module and not any(f.is_relative_to(p) for p in places))
+    ]
     if unknown and not trust_code:
-        raise UserError(f"{field_name}: this run's code {unknown[0]} is not code this machine trained with; "
-                        f"read it, then pass --trust-code to import it")
+        raise UserError(
+            f"{field_name}: this run's code {unknown[0]} is not code this machine trained with; "
+            f"read it, then pass --trust-code to import it"
+        )
     if files and files[-1].is_file():
         print(f"ddplab: importing {field_name} code from {files[-1]}", file=sys.stderr)

@@ -31,6 +31,7 @@ def study(ns) -> int:
         print(f"study {name}: {grid} points" + (f" x {repeat} repeats" if repeat > 1 else "") + f" -> {study_dir}")
         run_study(study_dir, config, points)
         from ddplab.report.build import make_report  # matplotlib: the report extra, required above
+
         report_path = make_report([study_dir], study_dir, budget)
         finish_study(study_dir, study_dir)  # the points' parent MLflow run gets the report, then ends
     print(f"report: {report_path}")
@@ -58,11 +59,11 @@ def forecast(ns) -> int:
     at_least("--batch-size", ns.batch_size)
     from ddplab.forecast import Options, make_forecast  # scipy and matplotlib: the report extra
 
-    opts = Options(ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook,
-                   ns.strategy)
+    opts = Options(
+        ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook, ns.strategy
+    )
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
     output_folder("--output", out)
     path = make_forecast(ns.dirs, out, opts)
     print(f"{path.read_text()}forecast: {path}")
     return ExitCode.OK
-

@@ -58,8 +58,9 @@ def launch(cfg, ns) -> int:
         if note:
             print(note, flush=True)
         note_launch()  # the workers' start-up breakdown begins at this process's start
-        return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
-                           env=lock.worker_env())
+        return run_workers(
+            ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts, env=lock.worker_env()
+        )
     finally:
         lock.release()
 
@@ -70,8 +71,9 @@ def launch_groups(cfg, ns) -> int:
     if cfg.distributed.fault_tolerance != "replicas":
         raise UserError("--replica-groups runs replica groups: set distributed.fault_tolerance=replicas")
     note_launch()
-    return run_workers(ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts,
-                       groups=ns.replica_groups)
+    return run_workers(
+        ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts, groups=ns.replica_groups
+    )
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
@@ -118,6 +120,7 @@ def verify(ns) -> int:
     at_least("--tolerance", ns.tolerance, 0)
     at_least("--weight-tolerance", ns.weight_tolerance, 0)
     from ddplab.verify import verify as compare  # torch: never the launcher's import
+
     return compare(*split_args(ns.args), ns.nproc, ns.tolerance, ns.weight_tolerance)
 
 
@@ -137,8 +140,13 @@ def status(ns) -> int:
         print(f"running: {_progress(run)}{_quorum(run)}")
     elif status in ("running", "failed"):
         failure = summary.get("failure") or {}
-        print("failed: " + (failure.get("summary", "").removeprefix("job failed: ")
-                            or "the job ended without a report (killed?); see train.log"))
+        print(
+            "failed: "
+            + (
+                failure.get("summary", "").removeprefix("job failed: ")
+                or "the job ended without a report (killed?); see train.log"
+            )
+        )
         status = "failed"
     else:
         print(status)

@@ -22,6 +22,7 @@ GREY_MODES = ("1", "L", "LA")  # PIL modes read as one channel (8 bits at most: 
 
 # ---------------------------------------------------------------------------- images
 
+
 class ImageSpec(NamedTuple):
     """What the images become: channels as stored (and read), channels the model gets, side."""
 
@@ -52,8 +53,9 @@ def expected_files(name: str, root: str) -> list[Path]:
     return [raw / f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
 
 
-def image_spec(cfg, channels: int | None = None, side: int | None = None,
-               log: Callable[[str], None] | None = None) -> ImageSpec:
+def image_spec(
+    cfg, channels: int | None = None, side: int | None = None, log: Callable[[str], None] | None = None
+) -> ImageSpec:
     """The images for this config, given what the model needs: `channels` and a default `side`,
     None where it takes whatever the data has (the registry knows which). `log` hears how an
     image_folder's side was chosen when neither the config nor the model sets one."""
@@ -76,7 +78,7 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
     if found is None or not found.seen:
         return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
     if len(found.sizes) == 1:
-        (w, h), = found.sizes
+        ((w, h),) = found.sizes
         if w == h:
             return w, f"every image is {w}x{h}: kept at {w}x{h}"
         side = min(w, h)
@@ -85,8 +87,10 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
             f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}",
         )
     shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
-    return FOLDER_SIDE, (f"images differ in size ({shown}): resized and centre-cropped to "
-                         f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose")
+    return FOLDER_SIDE, (
+        f"images differ in size ({shown}): resized and centre-cropped to "
+        f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose"
+    )
 
 
 def folder_images(root: str) -> FolderImages:
@@ -95,6 +99,7 @@ def folder_images(root: str) -> FolderImages:
     Stops early once the images are known to differ in size and to hold colour: nothing more
     could change the choice. An unreadable file is skipped here and named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
+
     grey, count = True, 0
     sizes: list[tuple[int, int]] = []
     for folder, dirs, files in os.walk(root, followlinks=True):
@@ -119,8 +124,10 @@ def folder_images(root: str) -> FolderImages:
 def check_images(cfg) -> None:
     """From the config alone (whether the images fit the model is the registry's check)."""
     if cfg.data.name == "image_folder" and cfg.data.root is None:
-        raise UserError("data.root: image_folder needs data.root=<folder with one sub-folder per class, "
-                        "or train/ and val/ holding them>")
+        raise UserError(
+            "data.root: image_folder needs data.root=<folder with one sub-folder per class, "
+            "or train/ and val/ holding them>"
+        )
 
 
 def check_image_files(cfg) -> None:
@@ -132,8 +139,10 @@ def check_image_files(cfg) -> None:
         if missing and not cfg.data.download:
             where = "no such folder" if not Path(root).is_dir() else f"{missing[0].name} missing"
             names = ", ".join(p.name for p in expected_files(name, root))
-            raise UserError(f"data.root: {TORCHVISION[name]} not found under {root} ({where}): put {names} "
-                            f"in {missing[0].parent} (uncompressed), or set data.download=true")
+            raise UserError(
+                f"data.root: {TORCHVISION[name]} not found under {root} ({where}): put {names} "
+                f"in {missing[0].parent} (uncompressed), or set data.download=true"
+            )
     elif name == "image_folder":
         folder = Path(cfg.data.root)
         if not folder.is_dir():
@@ -142,8 +151,10 @@ def check_image_files(cfg) -> None:
             if split is not None:
                 classes = sorted(p.name for p in split.iterdir() if p.is_dir() and not p.name.startswith("."))
                 if len(classes) < 2:
-                    raise UserError(f"data.root: {split} holds {len(classes)} class folder(s) "
-                                    f"({', '.join(classes) or 'none'}); image_folder needs at least 2, one per class")
+                    raise UserError(
+                        f"data.root: {split} holds {len(classes)} class folder(s) "
+                        f"({', '.join(classes) or 'none'}); image_folder needs at least 2, one per class"
+                    )
 
 
 def folder_layout(root: Path) -> dict[str, Path | None]:
@@ -154,6 +165,7 @@ def folder_layout(root: Path) -> dict[str, Path | None]:
 
 
 # ---------------------------------------------------------------------------- text
+
 
 def check_corpus(cfg) -> None:
     """data.name=text: a named corpus exists."""
@@ -177,14 +189,18 @@ def check_text_classes(cfg) -> None:
         raise UserError(f"data.tokenizer={kind} does not fit data.name={d.name}; use hash or hf")
     if m.name in DEFAULT_TOKENIZER and kind != DEFAULT_TOKENIZER[m.name]:
         wanted = DEFAULT_TOKENIZER[m.name]
-        raise UserError(f"data.tokenizer={kind} does not fit model.name={m.name}, which reads "
-                        f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
-                        f"use data.tokenizer={wanted} (or leave it unset)")
+        raise UserError(
+            f"data.tokenizer={kind} does not fit model.name={m.name}, which reads "
+            f"{'its own pretrained tokenizer' if wanted == 'hf' else 'hash token ids'}: "
+            f"use data.tokenizer={wanted} (or leave it unset)"
+        )
     if d.name == "synthetic_reviews":
         from ddplab.data import text_synthetic  # numpy: kept off every command's start, as text_sources
+
         k = d.num_classes or 2
         if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
             raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
     if d.name == "text_files":
         from ddplab.data import text_sources  # numpy: only for this source
+
         text_sources.check_files(cfg)

@@ -62,9 +62,16 @@ def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict, kind:
     for path, label in samples:
         st = os.stat(path)
         files.append((str(Path(path).relative_to(root)), st.st_size, st.st_mtime_ns, int(label)))
-    return {"version": VERSION, "root": str(root.resolve()), "files": files, "image_size": meta["image_size"],
-            "mode": pil_mode(meta), "steps": "to_image,resize(antialias),center_crop", "format": kind,
-            "quality": QUALITY if kind == "jpeg" else None}
+    return {
+        "version": VERSION,
+        "root": str(root.resolve()),
+        "files": files,
+        "image_size": meta["image_size"],
+        "mode": pil_mode(meta),
+        "steps": "to_image,resize(antialias),center_crop",
+        "format": kind,
+        "quality": QUALITY if kind == "jpeg" else None,
+    }
 
 
 def cache_folder(cache_dir: str | Path, description: dict) -> Path:
@@ -87,16 +94,23 @@ def on_the_fly(meta: dict):
     """uint8 (..., C, S, S) -> normalised float: the tail of `vision.transform`, batch or item;
     grey becomes RGB here when the model needs 3 channels."""
     rgb = [v2.RGB()] if meta["channels"] == 3 else []
-    return v2.Compose([v2.ToImage(), *rgb, v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(meta["mean"], meta["std"])])
+    return v2.Compose(
+        [v2.ToImage(), *rgb, v2.ToDtype(torch.float32, scale=True), v2.Normalize(meta["mean"], meta["std"])]
+    )
 
 
 def free_space(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def write(folder: Path, samples: list[tuple[str, int]], meta: dict, kind: str = "raw", workers: int | None = None,
-          log: Callable[[str], None] = print) -> None:
+def write(
+    folder: Path,
+    samples: list[tuple[str, int]],
+    meta: dict,
+    kind: str = "raw",
+    workers: int | None = None,
+    log: Callable[[str], None] = print,
+) -> None:
     """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over
     `workers` processes (default: this process's cores), written in order as they come back."""
     n, side = len(samples), meta["image_size"]
@@ -104,15 +118,19 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, kind: str = 
     folder.parent.mkdir(parents=True, exist_ok=True)
     raw, free = n * channels * side * side + 8 * n, free_space(folder.parent)
     if kind == "raw" and raw * MARGIN > free:
-        raise UserError(f"data.cache=raw: {n} images need about {_size(raw)} at {channels}x{side}x{side} but "
-                        f"{folder.parent} has {_size(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
-                        f"the size or less) or data.cache_dir=<bigger disk>")
+        raise UserError(
+            f"data.cache=raw: {n} images need about {_size(raw)} at {channels}x{side}x{side} but "
+            f"{folder.parent} has {_size(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
+            f"the size or less) or data.cache_dir=<bigger disk>"
+        )
     workers = workers or host_cores()
     chunk = max(8, min(256, n // (4 * workers) or 1))  # several chunks per worker, so the pool stays busy
-    chunks = [[path for path, _ in samples[i:i + chunk]] for i in range(0, n, chunk)]
+    chunks = [[path for path, _ in samples[i : i + chunk]] for i in range(0, n, chunk)]
     workers = max(1, min(workers, len(chunks)))
-    log(f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {_size(raw)}; "
-        f"{_size(free)} free) with {workers} processes, into {folder}")
+    log(
+        f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {_size(raw)}; "
+        f"{_size(free)} free) with {workers} processes, into {folder}"
+    )
     began, size = time.perf_counter(), 0
     with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
@@ -131,11 +149,23 @@ def write(folder: Path, samples: list[tuple[str, int]], meta: dict, kind: str = 
         if kind == "jpeg":
             np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         took = time.perf_counter() - began
-        (tmp / text_cache.META).write_text(json.dumps({"size": n, "shape": [channels, side, side], "format": kind,
-                                                       "quality": QUALITY if kind == "jpeg" else None,
-                                                       "bytes": size, "raw_bytes": raw, "version": VERSION}))
-    log(f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {_size(size)}"
-        + (f", {size / raw:.2f}x raw" if kind == "jpeg" else ""))
+        (tmp / text_cache.META).write_text(
+            json.dumps(
+                {
+                    "size": n,
+                    "shape": [channels, side, side],
+                    "format": kind,
+                    "quality": QUALITY if kind == "jpeg" else None,
+                    "bytes": size,
+                    "raw_bytes": raw,
+                    "version": VERSION,
+                }
+            )
+        )
+    log(
+        f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {_size(size)}"
+        + (f", {size / raw:.2f}x raw" if kind == "jpeg" else "")
+    )
 
 
 def decode_chunk(paths: list[str], meta: dict, kind: str) -> list[bytes] | str:
@@ -161,14 +191,21 @@ def _pool(workers: int):
     """Forked like the DataLoader's workers (no re-import of torch per worker); one thread each."""
     if workers == 1:
         return contextlib.nullcontext(SimpleNamespace(map=map))
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=torch.set_num_threads, initargs=(1,))
+    return ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads, initargs=(1,)
+    )
 
 
 def _bar(total: int) -> Progress:
     """The build's progress and ETA, in terminals (a log gets the lines before and after)."""
-    bar = Progress(TextColumn("image cache"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   transient=True, disable=not sys.stdout.isatty())
+    bar = Progress(
+        TextColumn("image cache"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        disable=not sys.stdout.isatty(),
+    )
     bar.add_task("decode", total=total)
     return bar
 
@@ -226,8 +263,11 @@ class CachedImages(Dataset):
     def images(self) -> np.ndarray:
         if self._images is None:
             raw = self.format == "raw"
-            self._images = np.load(self.folder / "images.npy", mmap_mode="r") if raw else \
-                np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
+            self._images = (
+                np.load(self.folder / "images.npy", mmap_mode="r")
+                if raw
+                else np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
+            )
             self._offsets = None if raw else np.load(self.folder / "offsets.npy")
         return self._images
 
@@ -236,7 +276,7 @@ class CachedImages(Dataset):
         images = self.images
         offsets = self._offsets
         assert offsets is not None  # a jpeg cache: loaded with its images
-        return torch.from_numpy(np.array(images[offsets[i]:offsets[i + 1]]))
+        return torch.from_numpy(np.array(images[offsets[i] : offsets[i + 1]]))
 
     def pixels(self, at: np.ndarray) -> torch.Tensor:
         """uint8 (N, C, S, S) of the images at `at`: rows of the map, or JPEGs decoded here."""
@@ -276,6 +316,10 @@ def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
     outside a job (dist=None, e.g. predict)."""
     kind = cfg.data.cache
     folder = cache_folder(text_cache.cache_root(cfg), describe(dataset.samples, dataset.root, meta, kind))
-    text_cache.ensure(dist, folder, lambda: write(folder, dataset.samples, meta, kind, log=partial(print, flush=True)),
-                      what="image cache")
+    text_cache.ensure(
+        dist,
+        folder,
+        lambda: write(folder, dataset.samples, meta, kind, log=partial(print, flush=True)),
+        what="image cache",
+    )
     return CachedImages(folder, meta, encoded=cfg.data.decode == "gpu")

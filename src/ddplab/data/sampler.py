@@ -43,7 +43,7 @@ class ResumableDistributedSampler(DistributedSampler):
         # on resume still gets equal shares. Padding repeats the epoch's first samples, as
         # DistributedSampler does, so an unchanged world size sees exactly its order.
         order = self.global_order()
-        rest = order[self.start:]
+        rest = order[self.start :]
         if self.drop_last:
             return rest[: len(rest) - len(rest) % self.num_replicas]
         pad = -len(rest) % self.num_replicas

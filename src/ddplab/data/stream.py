@@ -76,8 +76,9 @@ class Stream(IterableDataset):
         info = get_worker_info()
         workers, worker = (1, 0) if info is None or self.own else (info.num_workers, info.id)
         if self.seeks:
-            yield from self.dataset.share(self.epoch, self.start, self.limit, self.rank, self.world_size,
-                                          self.batch_size, worker, workers)
+            yield from self.dataset.share(
+                self.epoch, self.start, self.limit, self.rank, self.world_size, self.batch_size, worker, workers
+            )
             return
         if callable(getattr(self.dataset, "set_epoch", None)):  # a shuffling stream reshuffles per epoch
             self.dataset.set_epoch(self.epoch)

@@ -87,8 +87,14 @@ def write(folder: Path, source: TextSource, tokenizer, description: dict, log: C
         for name, split in source.splits.items():
             sizes[name] = _write_split(tmp, name, split, tokenizer)
             log(f"token cache: {name} split, {sizes[name]} texts tokenised")
-        meta = {"label_names": source.label_names, "sizes": sizes, "tokenizer": tokenizer.describe(),
-                "source": description, "dtype": tokenizer.dtype.name, "version": VERSION}
+        meta = {
+            "label_names": source.label_names,
+            "sizes": sizes,
+            "tokenizer": tokenizer.describe(),
+            "source": description,
+            "dtype": tokenizer.dtype.name,
+            "version": VERSION,
+        }
         (tmp / META).write_text(json.dumps(meta, indent=1))
 
 
@@ -138,8 +144,10 @@ def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cach
             raise UserError(errors[0])
     blind = [r for r in ctx.gather_objects(None if is_complete(folder) else ctx.rank) if r is not None]
     if blind:
-        raise UserError(f"{what} {folder} was built but rank(s) {blind} cannot see it: the processes of a "
-                        f"node must share one experiment.output_dir (or data.cache_dir)")
+        raise UserError(
+            f"{what} {folder} was built but rank(s) {blind} cannot see it: the processes of a "
+            f"node must share one experiment.output_dir (or data.cache_dir)"
+        )
 
 
 class TokenCache:

@@ -43,12 +43,17 @@ def tokenizer_description(cfg) -> dict:
             if p.is_dir()
             else None
         )
-        return {"tokenizer": "hf", "pretrained": str(p.resolve()) if p.is_dir() else cfg.model.pretrained,
-                "files": stamp, "max_len": cfg.data.max_len}
+        return {
+            "tokenizer": "hf",
+            "pretrained": str(p.resolve()) if p.is_dir() else cfg.model.pretrained,
+            "files": stamp,
+            "max_len": cfg.data.max_len,
+        }
     return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len).describe()
 
 
 # ---------------------------------------------------------------------------- datasets
+
 
 class TokenizedTexts(Dataset):
     """Rows of one cached split, in the order `rows` gives; items are ({input_ids}, label)."""

@@ -41,8 +41,10 @@ def _read_utf8(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UserError(f"data.path: {path} is not UTF-8 text (byte {err.start}: {data[err.start]:#04x}); "
-                        "give a text file, or convert it to UTF-8") from None
+        raise UserError(
+            f"data.path: {path} is not UTF-8 text (byte {err.start}: {data[err.start]:#04x}); "
+            "give a text file, or convert it to UTF-8"
+        ) from None
     if "\x00" in text:
         raise UserError(f"data.path: {path} holds NUL bytes: a binary file, not text") from None
     return text

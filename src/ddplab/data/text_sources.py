@@ -27,6 +27,7 @@ SMALL = 20 * 2**20  # files up to this size get their labels checked before laun
 
 # ---------------------------------------------------------------------------- hub datasets
 
+
 @contextlib.contextmanager
 def _offline():
     """data.download=false: never touch the network (else an unreachable hub costs ~30 s of retries).
@@ -34,6 +35,7 @@ def _offline():
     Both libraries read their offline flag at import time; it is flipped for this call only."""
     import datasets  # the text extra, only when a hub dataset is read
     import huggingface_hub.constants as hub  # comes with datasets (the text extra)
+
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
     try:
@@ -44,13 +46,14 @@ def _offline():
 
 def hub_source(cfg) -> TextSource:
     import datasets  # the text extra, only when a hub dataset is read
+
     name, fields = HUB[cfg.data.name]
     try:
         with contextlib.nullcontext() if cfg.data.download else _offline():
             ds = datasets.load_dataset(name, cache_dir=cfg.data.cache_dir)
     except Exception as exc:  # noqa: BLE001 - every way of not finding the data gets the same advice
         reason = first_line(exc, 120) or type(exc).__name__
-        how = ("the hub is unreachable" if cfg.data.download else "data.download=false and it is not in the HF cache")
+        how = "the hub is unreachable" if cfg.data.download else "data.download=false and it is not in the HF cache"
         raise UserError(
             f"data.name={cfg.data.name}: cannot load '{name}' with datasets.load_dataset ({how}: {reason}); "
             f"run once with data.download=true on a connected machine (data.cache_dir=<folder> to keep it), "
@@ -64,7 +67,7 @@ def hub_source(cfg) -> TextSource:
 def _hub_split(split, fields: tuple[str, ...]) -> TextSplit:
     def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
         for start in range(0, len(split), size):
-            batch = split[start:start + size]  # Arrow-backed: only this chunk is materialised
+            batch = split[start : start + size]  # Arrow-backed: only this chunk is materialised
             columns = [batch[f] for f in fields]
             texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns, strict=True)]
             yield texts, np.asarray(batch["label"], dtype=np.int64)
@@ -79,18 +82,29 @@ def hub_describe(cfg) -> dict:
 
 # ---------------------------------------------------------------------------- the user's files
 
+
 def _files(cfg) -> dict[str, str]:
-    return {split: path for split, path in (("train", cfg.data.train), ("val", cfg.data.val),
-                                            ("test", cfg.data.test)) if path is not None}
+    return {
+        split: path
+        for split, path in (("train", cfg.data.train), ("val", cfg.data.val), ("test", cfg.data.test))
+        if path is not None
+    }
 
 
 def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | None = None):
     import pandas as pd  # the text extra, only when a table is read
+
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        return pd.read_csv(p, sep="\t" if suffix == ".tsv" else ",", usecols=columns, keep_default_na=False,
-                           na_values=[""], nrows=nrows)
+        return pd.read_csv(
+            p,
+            sep="\t" if suffix == ".tsv" else ",",
+            usecols=columns,
+            keep_default_na=False,
+            na_values=[""],
+            nrows=nrows,
+        )
     if suffix in (".parquet", ".pq"):
         return pd.read_parquet(p, columns=columns)
     try:
@@ -108,6 +122,7 @@ def header(path: str | Path) -> list[str] | None:
         return list(read_table(p, nrows=0).columns)
     if suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq  # the text extra, only for Parquet
+
         return list(pq.read_schema(p).names)
     if suffix == ".jsonl":
         with open(p, encoding="utf-8") as f:
@@ -120,8 +135,10 @@ def check_files(cfg) -> None:
     """Missing files, unknown formats, missing columns, and (for small files) labels that do not fit."""
     d = cfg.data
     if d.train is None:
-        raise UserError("data.name=text_files needs data.train=<file> (CSV, TSV, JSON, JSONL or Parquet); "
-                        "data.val and data.test are optional")
+        raise UserError(
+            "data.name=text_files needs data.train=<file> (CSV, TSV, JSON, JSONL or Parquet); "
+            "data.val and data.test are optional"
+        )
     files = _files(cfg)
     for split, path in files.items():
         p = Path(path)
@@ -141,13 +158,15 @@ def check_files(cfg) -> None:
                     f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}"
                 )
     if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
-        label_mapping([read_table(p, [d.label_column])[d.label_column] for p in files.values()], d.num_classes,
-                      d.label_column)
+        label_mapping(
+            [read_table(p, [d.label_column])[d.label_column] for p in files.values()], d.num_classes, d.label_column
+        )
 
 
 def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
     """Label names, and a value -> id mapping for non-integer labels (None: the values are the ids)."""
     import pandas as pd  # the text extra, only when a table is read
+
     labels = pd.concat(parts)
     if labels.isna().any():
         raise UserError(
@@ -162,14 +181,18 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
             )
         if low < 0 or high >= k:
             bad = low if low < 0 else high
-            raise UserError(f"data.label_column '{column}': label {bad} does not fit data.num_classes={k} "
-                            f"(integer labels are class ids 0..{k - 1}); set data.num_classes or fix the labels")
+            raise UserError(
+                f"data.label_column '{column}': label {bad} does not fit data.num_classes={k} "
+                f"(integer labels are class ids 0..{k - 1}); set data.num_classes or fix the labels"
+            )
         return [str(i) for i in range(k)], None
     names = sorted(str(v) for v in labels.astype(str).unique())
     if num_classes is not None and len(names) > num_classes:
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        raise UserError(f"data.label_column '{column}' holds {len(names)} distinct labels ({shown}) "
-                        f"but data.num_classes={num_classes}")
+        raise UserError(
+            f"data.label_column '{column}' holds {len(names)} distinct labels ({shown}) "
+            f"but data.num_classes={num_classes}"
+        )
     if len(names) < 2 and num_classes is None:
         raise UserError(
             f"data.label_column '{column}' holds a single label ({names[0]}); a classifier needs at least 2"
@@ -186,7 +209,7 @@ def files_source(cfg) -> TextSource:
     def split_of(frame) -> TextSplit:
         def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
             for start in range(0, len(frame), size):
-                part = frame.iloc[start:start + size]
+                part = frame.iloc[start : start + size]
                 texts = part[d.text_column].fillna("").astype(str).tolist()
                 raw = part[d.label_column]
                 labels = raw.astype(str).map(mapping).to_numpy() if mapping else raw.to_numpy()
@@ -203,5 +226,10 @@ def files_describe(cfg) -> dict:
     for split, path in _files(cfg).items():
         st = Path(path).stat()
         files[split] = [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
-    return {"dataset": "text_files", "files": files, "text_column": d.text_column, "label_column": d.label_column,
-            "num_classes": d.num_classes}
+    return {
+        "dataset": "text_files",
+        "files": files,
+        "text_column": d.text_column,
+        "label_column": d.label_column,
+        "num_classes": d.num_classes,
+    }

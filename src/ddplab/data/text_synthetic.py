@@ -15,25 +15,33 @@ import numpy as np
 
 from ddplab.data.text_cache import TextSource, TextSplit
 
-POSITIVE = ("great excellent wonderful superb brilliant enjoyable moving delightful masterpiece fantastic "
-            "charming beautiful gripping touching hilarious stunning memorable clever").split()
-NEGATIVE = ("awful terrible boring dull horrible weak poor dreadful mess disappointing tedious painful "
-            "clumsy forgettable pointless bland annoying predictable").split()
+POSITIVE = (
+    "great excellent wonderful superb brilliant enjoyable moving delightful masterpiece fantastic "
+    "charming beautiful gripping touching hilarious stunning memorable clever"
+).split()
+NEGATIVE = (
+    "awful terrible boring dull horrible weak poor dreadful mess disappointing tedious painful "
+    "clumsy forgettable pointless bland annoying predictable"
+).split()
 # Extra lexicons for more than two classes (rating-like labels).
-EXTRA = ("decent okay fine average passable watchable solid competent uneven mixed modest fair "
-         "ambitious odd quirky strange daring bold").split()
-NEUTRAL = ("the a an and of to in is it that this film movie story plot scene scenes actor actors actress "
-           "director character characters cast script camera music score ending beginning end time "
-           "was were has have had with as for on at by from his her their its one two first last "
-           "very quite rather really just also even still again then when while where who which "
-           "about into over after before through during between some many most more less other such "
-           "only own same so than too can will would could should may might must do does did "
-           "make made makes see seen watch watched look looks feel feels felt think thought "
-           "year years minute minutes hour part role roles audience viewers people man woman "
-           "world life love family friend house city night day home war truth death money job "
-           "dialogue performance performances effects action drama comedy thriller horror romance "
-           "sequel version book novel series episode screen theater theatre studio production "
-           "lead supporting young old new long short big small whole entire second third final").split()
+EXTRA = (
+    "decent okay fine average passable watchable solid competent uneven mixed modest fair "
+    "ambitious odd quirky strange daring bold"
+).split()
+NEUTRAL = (
+    "the a an and of to in is it that this film movie story plot scene scenes actor actors actress "
+    "director character characters cast script camera music score ending beginning end time "
+    "was were has have had with as for on at by from his her their its one two first last "
+    "very quite rather really just also even still again then when while where who which "
+    "about into over after before through during between some many most more less other such "
+    "only own same so than too can will would could should may might must do does did "
+    "make made makes see seen watch watched look looks feel feels felt think thought "
+    "year years minute minutes hour part role roles audience viewers people man woman "
+    "world life love family friend house city night day home war truth death money job "
+    "dialogue performance performances effects action drama comedy thriller horror romance "
+    "sequel version book novel series episode screen theater theatre studio production "
+    "lead supporting young old new long short big small whole entire second third final"
+).split()
 
 P_SIGNAL, P_NOISE = 0.10, 0.025
 
@@ -45,7 +53,7 @@ def lexicons(num_classes: int) -> list[list[str]]:
     size = len(pool) // num_classes
     if size < 3:
         raise ValueError(f"synthetic_reviews supports at most {len(pool) // 3} classes")
-    return [pool[c * size:(c + 1) * size] for c in range(num_classes)]
+    return [pool[c * size : (c + 1) * size] for c in range(num_classes)]
 
 
 def generate(seed: int, start: int, count: int, num_classes: int) -> tuple[list[str], np.ndarray]:
@@ -57,7 +65,7 @@ def generate(seed: int, start: int, count: int, num_classes: int) -> tuple[list[
         rows = _block(seed, b, num_classes)
         lo, hi = max(start, b * block) - b * block, min(start + count, (b + 1) * block) - b * block
         texts += rows[0][lo:hi]
-        labels[len(texts) - (hi - lo):len(texts)] = rows[1][lo:hi]
+        labels[len(texts) - (hi - lo) : len(texts)] = rows[1][lo:hi]
     return texts, labels
 
 
@@ -85,8 +93,10 @@ def _block(seed: int, b: int, num_classes: int, size: int = 1000) -> tuple[list[
     punct[ends - lengths] = 1.0  # no review opens with a punctuation mark
     words = np.where(punct < 0.07, len(vocab) - 2, np.where(punct < 0.10, len(vocab) - 1, words))
     tokens = vocab[words]
-    texts = [" ".join(tokens[end - n:end]).replace(" .", ".").replace(" ,", ",").capitalize() + "."
-             for end, n in zip(ends, lengths, strict=True)]
+    texts = [
+        " ".join(tokens[end - n : end]).replace(" .", ".").replace(" ,", ",").capitalize() + "."
+        for end, n in zip(ends, lengths, strict=True)
+    ]
     return texts, labels
 
 
@@ -102,5 +112,11 @@ def source(cfg) -> TextSource:
 
 
 def describe(cfg) -> dict:
-    return {"dataset": "synthetic_reviews", "seed": cfg.experiment.seed, "num_samples": cfg.data.num_samples,
-            "num_classes": cfg.data.num_classes or 2, "p_signal": P_SIGNAL, "p_noise": P_NOISE}
+    return {
+        "dataset": "synthetic_reviews",
+        "seed": cfg.experiment.seed,
+        "num_samples": cfg.data.num_samples,
+        "num_classes": cfg.data.num_classes or 2,
+        "p_signal": P_SIGNAL,
+        "p_noise": P_NOISE,
+    }

@@ -54,9 +54,16 @@ class HashTokenizer:
         self._memo: dict[str, int] = {}
 
     def describe(self) -> dict:
-        return {"tokenizer": "hash", "vocab_size": self.vocab_size, "max_len": self.max_len,
-                "lowercase": self.lowercase, "split": _TOKEN.pattern, "hash": "crc32",
-                "pad_id": self.PAD, "cls_id": self.CLS}
+        return {
+            "tokenizer": "hash",
+            "vocab_size": self.vocab_size,
+            "max_len": self.max_len,
+            "lowercase": self.lowercase,
+            "split": _TOKEN.pattern,
+            "hash": "crc32",
+            "pad_id": self.PAD,
+            "cls_id": self.CLS,
+        }
 
     def words(self, text: str) -> list[str]:
         keep = self.max_len - 1
@@ -87,6 +94,7 @@ class HFTokenizer:
 
     def __init__(self, pretrained: str, max_len: int) -> None:
         from transformers import AutoTokenizer  # the text extra; seconds to import
+
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)
         except (OSError, ValueError) as exc:
@@ -105,8 +113,14 @@ class HFTokenizer:
         self.dtype = id_dtype(self.vocab_size)
 
     def describe(self) -> dict:
-        return {"tokenizer": "hf", "pretrained": self.pretrained, "max_len": self.max_len,
-                "vocab_size": self.vocab_size, "pad_id": self.pad_id, "class": type(self.tok).__name__}
+        return {
+            "tokenizer": "hf",
+            "pretrained": self.pretrained,
+            "max_len": self.max_len,
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "class": type(self.tok).__name__,
+        }
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]

@@ -52,6 +52,7 @@ class ImageSplits(NamedTuple):
 
 # ---------------------------------------------------------------------------- transforms
 
+
 def transform(meta: dict):
     """The validation transform: uint8 tensor(s) or a PIL image -> normalised float (C, S, S):
     the image cache's decode steps, then what it applies per batch."""
@@ -61,8 +62,9 @@ def transform(meta: dict):
 def augmentation(meta: dict):
     """Training only, after the validation transform: random crop (reflect-padded) + horizontal flip."""
     side = meta["image_size"]
-    return v2.Compose([v2.RandomCrop(side, padding=max(side // 8, 1), padding_mode="reflect"),
-                       v2.RandomHorizontalFlip()])
+    return v2.Compose(
+        [v2.RandomCrop(side, padding=max(side // 8, 1), padding_mode="reflect"), v2.RandomHorizontalFlip()]
+    )
 
 
 def read_image(path: str, mode: str = "RGB"):
@@ -88,12 +90,20 @@ def image_meta(spec: ImageSpec, label_names: list[str], mean: list[float], std: 
     """What a checkpoint keeps to rebuild the transform and name the labels."""
     if spec.channels != len(mean):  # grey statistics serve each of the repeated channels
         mean, std = mean * spec.channels, std * spec.channels
-    return {"input": "image", "label_names": label_names, "image_size": spec.side, "channels": spec.channels,
-            "source_channels": spec.source_channels, "mean": [float(m) for m in mean],
-            "std": [float(s) for s in std], "input_shape": [spec.channels, spec.side, spec.side]}
+    return {
+        "input": "image",
+        "label_names": label_names,
+        "image_size": spec.side,
+        "channels": spec.channels,
+        "source_channels": spec.source_channels,
+        "mean": [float(m) for m in mean],
+        "std": [float(s) for s in std],
+        "input_shape": [spec.channels, spec.side, spec.side],
+    }
 
 
 # ---------------------------------------------------------------------------- datasets
+
 
 class ImageTensors(Dataset):
     """Images (N, C, H, W) and integer labels; `transform` (if any) runs item by item."""
@@ -130,8 +140,10 @@ class EncodedFiles(Dataset):
     def __init__(self, folder: ImageFolder, meta: dict) -> None:
         other = next((p for p, _ in folder.samples if Path(p).suffix.lower() not in (".jpg", ".jpeg")), None)
         if other is not None:
-            raise UserError(f"data.decode=gpu decodes JPEG files only, and {other} is not one; set "
-                            f"data.cache=jpeg (the tree re-encoded once) or data.decode=cpu")
+            raise UserError(
+                f"data.decode=gpu decodes JPEG files only, and {other} is not one; set "
+                f"data.cache=jpeg (the tree re-encoded once) or data.decode=cpu"
+            )
         self.samples, self.meta = folder.samples, meta
         self.transform = self.batch_transform = on_the_fly(meta)
         self.batched = True  # augmented on the device, after the loader (data.sample_seed does not reach it)
@@ -146,8 +158,10 @@ class EncodedFiles(Dataset):
     def __getitems__(self, indices: list[int]):
         batched = self.transform is self.batch_transform
         blobs = [torchvision.io.read_file(self.samples[i][0]) for i in indices]
-        return ImageBatch(image_cache.EncodedImages(blobs, self.meta, self.transform, batched),
-                          torch.tensor([self.samples[i][1] for i in indices]))
+        return ImageBatch(
+            image_cache.EncodedImages(blobs, self.meta, self.transform, batched),
+            torch.tensor([self.samples[i][1] for i in indices]),
+        )
 
 
 def image_tensors(images: torch.Tensor, labels: torch.Tensor, meta: dict) -> ImageTensors:
@@ -165,7 +179,7 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int) 
     n_test, n_val = round(n * test_fraction), round(n * val_fraction)
     if n_test + n_val >= n:
         raise UserError(f"data.val_fraction + data.test_fraction leave no training images ({n} in all)")
-    return order[n_test + n_val:], order[n_test:n_test + n_val], order[:n_test]
+    return order[n_test + n_val :], order[n_test : n_test + n_val], order[:n_test]
 
 
 def stack_images(batch) -> tuple[torch.Tensor | image_cache.EncodedImages, torch.Tensor]:
@@ -196,6 +210,7 @@ def _augmented(dataset, augment):
 # ---------------------------------------------------------------------------- builders
 # Each takes the whole Config, the job (a DistContext, or None outside one) and the ImageSpec.
 
+
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 1,797 digits: (N, 8, 8) ink levels 0..16 and (N,) labels.
 
@@ -208,6 +223,7 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
         table = np.loadtxt(path, delimiter=",")
         return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits as sklearn_digits  # the slow import, only where the file is missing
+
     digits = sklearn_digits()
     return digits.images, digits.target
 
@@ -237,8 +253,10 @@ def torchvision_set(cfg, dist, spec: ImageSpec) -> ImageSplits:
     try:
         sets = [cls(root, train=is_train) for is_train in (True, False)]
     except RuntimeError:
-        raise UserError(f"data.root: {TORCHVISION[cfg.data.name]} not found under {root} "
-                        f"(expected {expected_files(cfg.data.name, root)[0]}); set data.download=true") from None
+        raise UserError(
+            f"data.root: {TORCHVISION[cfg.data.name]} not found under {root} "
+            f"(expected {expected_files(cfg.data.name, root)[0]}); set data.download=true"
+        ) from None
     tensors = []
     for s in sets:
         images = torch.as_tensor(s.data)
@@ -269,8 +287,10 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
     fixed = {s: read(folder) for s in ("val", "test") if (folder := layout[s]) is not None}
     for split, ds in fixed.items():
         if ds.classes != full.classes:
-            raise UserError(f"data.root: {layout[split]} has classes {ds.classes[:5]}..., "
-                            f"{layout['train']} has {full.classes[:5]}...; both need the same class folders")
+            raise UserError(
+                f"data.root: {layout[split]} has classes {ds.classes[:5]}..., "
+                f"{layout['train']} has {full.classes[:5]}...; both need the same class folders"
+            )
     meta["label_names"] = list(full.classes)
     val_fraction = 0.0 if "val" in fixed else cfg.data.val_fraction
     test_fraction = 0.0 if "test" in fixed else cfg.data.test_fraction
@@ -284,5 +304,6 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
         tf = transform(meta)
         for ds in (full, *fixed.values()):
             ds.transform = tf
-    return _splits(cfg, meta, Subset(full, train), fixed.get("val", Subset(full, val)),
-                   fixed.get("test", Subset(full, test)))
+    return _splits(
+        cfg, meta, Subset(full, train), fixed.get("val", Subset(full, val)), fixed.get("test", Subset(full, test))
+    )

@@ -41,8 +41,10 @@ class TrainView:
     elapsed = _read("state.elapsed", "Seconds of training so far, across restarts.")
     resumes = _read("state.resumes", "How many times this run continued from a snapshot.")
     snapshot_stalls = _read("state.snapshot_stalls", "Each snapshot's {step, stall_s, async}: training held.", tuple)
-    stop_reason = _read("state.stop_reason", "None while training; epochs, max_steps, time_budget, preempted, or the "
-                                             "reason given to request_stop.")
+    stop_reason = _read(
+        "state.stop_reason",
+        "None while training; epochs, max_steps, time_budget, preempted, or the reason given to request_stop.",
+    )
     # what is trained, where
     model = _read("raw", "The module being trained, without its DDP / torch.compile wrappers.")
     optimizer = _read("optimizer", "The optimizer (its param_groups hold the current learning rate).")
@@ -119,6 +121,7 @@ class CallbackList:
         def call(*args, **kwargs) -> None:
             for cb in self.callbacks:
                 getattr(cb, hook)(*args, **kwargs)
+
         return call
 
     def state_dict(self) -> dict:

@@ -218,8 +218,9 @@ class Checkpointer:
             raise self._failed(name, exc) from exc
         if self.is_main and sharded and background:
             self._saving = self._pending
-            self._finisher = threading.Thread(target=self._finish_when_saved, daemon=True,
-                                              args=(self._pending, tmp, final, manifest))
+            self._finisher = threading.Thread(
+                target=self._finish_when_saved, daemon=True, args=(self._pending, tmp, final, manifest)
+            )
             self._finisher.start()
         return final if self.is_main else None
 
@@ -233,8 +234,9 @@ class Checkpointer:
                 group = dist.new_group(backend="gloo")
                 assert isinstance(group, dist.ProcessGroup)  # every rank is a member
                 self._group = group
-            saved = dcp.async_save(shards, checkpoint_id=str(folder), process_group=self._group,
-                                   no_dist=not ctx.is_distributed)
+            saved = dcp.async_save(
+                shards, checkpoint_id=str(folder), process_group=self._group, no_dist=not ctx.is_distributed
+            )
             # A newer torch returns an AsyncSaveResponse, whose upload future is the one to wait for.
             self._pending = cast(Future, getattr(saved, "upload_completion", saved))
         else:
@@ -484,12 +486,16 @@ def same_model(path, mine: dict, theirs: dict, where: str = "") -> None:
     extra = [k for k in theirs if k not in mine]
     if missing or extra:
         name = (missing or extra)[0]
-        raise UserError(f"{where}{path} holds another model ({'no' if missing else 'an unknown'} "
-                        f"parameter {name}); resume with the config it was trained with")
+        raise UserError(
+            f"{where}{path} holds another model ({'no' if missing else 'an unknown'} "
+            f"parameter {name}); resume with the config it was trained with"
+        )
     for k, v in mine.items():
         if tuple(v.shape) != tuple(theirs[k].shape):
-            raise UserError(f"{where}{path} holds another model ({k} is {tuple(theirs[k].shape)}, "
-                            f"this config builds {tuple(v.shape)}); resume with the config it was trained with")
+            raise UserError(
+                f"{where}{path} holds another model ({k} is {tuple(theirs[k].shape)}, "
+                f"this config builds {tuple(v.shape)}); resume with the config it was trained with"
+            )
 
 
 def _why(message: str) -> str:

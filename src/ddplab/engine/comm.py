@@ -21,8 +21,12 @@ from ddplab.engine.clock import InFlight, Stamps, covered_s
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
-_HOOKS = {"none": (default_hooks.allreduce_hook, None), "fp16": (default_hooks.fp16_compress_hook, 2),
-          "bf16": (default_hooks.bf16_compress_hook, 2), "powersgd": (powerSGD_hook.powerSGD_hook, None)}
+_HOOKS = {
+    "none": (default_hooks.allreduce_hook, None),
+    "fp16": (default_hooks.fp16_compress_hook, 2),
+    "bf16": (default_hooks.bf16_compress_hook, 2),
+    "powersgd": (powerSGD_hook.powerSGD_hook, None),
+}
 POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
@@ -104,8 +108,15 @@ class CommMonitor(InFlight):
         if self._recorded_steps >= 3:
             return
         buffer = bucket.buffer()
-        self._recording.append(_bucket_info(bucket.index(), bucket.parameters(), buffer.numel(),
-                                            buffer.numel() * buffer.element_size(), buffer.dtype))
+        self._recording.append(
+            _bucket_info(
+                bucket.index(),
+                bucket.parameters(),
+                buffer.numel(),
+                buffer.numel() * buffer.element_size(),
+                buffer.dtype,
+            )
+        )
         if bucket.is_last():
             self.layout, self._recording = self._recording, []
             self._recorded_steps += 1
@@ -135,8 +146,14 @@ class CommMonitor(InFlight):
 def _bucket_info(index: int, params, numel: int, nbytes: int, dtype: torch.dtype) -> dict:
     # PowerSGD views each gradient as (rows, rest) and compresses it when it is a matrix.
     matrices = [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in params if p.dim() > 1]
-    return {"index": index, "numel": numel, "bytes": nbytes, "dtype": str(dtype).replace("torch.", ""),
-            "params": len(params), "matrices": matrices}
+    return {
+        "index": index,
+        "numel": numel,
+        "bytes": nbytes,
+        "dtype": str(dtype).replace("torch.", ""),
+        "params": len(params),
+        "matrices": matrices,
+    }
 
 
 def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
@@ -145,8 +162,13 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
     group = dist.group.WORLD
     state: dist.ProcessGroup | powerSGD_hook.PowerSGDState | None = group
     if dcfg.comm_hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
-                                            start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=2,
+            min_compression_rate=2,
+            random_seed=0,
+        )
     monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state, ctx.device)
     monitor.beat = getattr(ctx, "beat", None)
     model.register_comm_hook(monitor, CommMonitor.__call__)
@@ -226,8 +248,12 @@ class StepTimer:
     def take_epoch(self) -> dict:
         self._close()
         self._settle()
-        out = {"forward_time_s": getattr(self, "forward_s", 0.0), "backward_time_s": getattr(self, "backward_s", 0.0),
-               "comm_exposed_s": getattr(self, "exposed_s", 0.0), "timed_micro_steps": getattr(self, "micro_steps", 0)}
+        out = {
+            "forward_time_s": getattr(self, "forward_s", 0.0),
+            "backward_time_s": getattr(self, "backward_s", 0.0),
+            "comm_exposed_s": getattr(self, "exposed_s", 0.0),
+            "timed_micro_steps": getattr(self, "micro_steps", 0),
+        }
         self.forward_s = self.backward_s = self.exposed_s = 0.0
         self.micro_steps = 0
         return out
@@ -254,8 +280,12 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
     mine = {**monitor.take_epoch(), **timed}
     totals = torch.tensor(list(mine.values()), dtype=torch.float64, device=ctx.device)
     mean = dict(zip(mine, (ctx.all_reduce(totals, "sum") / ctx.world_size).tolist(), strict=True))
-    row = {"comm_time_s": mean["comm_time_s"], "compute_time_s": max(epoch_time - mean["comm_time_s"], 0.0),
-           "simulated_delay_s": mean["simulated_delay_s"], "comm_calls": round(mean["comm_buckets"])}
+    row = {
+        "comm_time_s": mean["comm_time_s"],
+        "compute_time_s": max(epoch_time - mean["comm_time_s"], 0.0),
+        "simulated_delay_s": mean["simulated_delay_s"],
+        "comm_calls": round(mean["comm_buckets"]),
+    }
     return row | {k: round(mean[k]) if k == "timed_micro_steps" else mean[k] for k in timed}
 
 
@@ -269,8 +299,10 @@ def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
     groups, _ = dist._compute_bucket_assignment_by_size(params, limits)
     members = [[params[j] for j in group] for group in groups]
-    return [_bucket_info(i, ps, sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps), ps[0].dtype)
-            for i, ps in enumerate(members)]
+    return [
+        _bucket_info(i, ps, sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps), ps[0].dtype)
+        for i, ps in enumerate(members)
+    ]
 
 
 def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:

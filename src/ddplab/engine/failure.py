@@ -40,15 +40,20 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
         logs = Path(run_dir) / RunFolder.LOGS
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"rank{rank}.log", "a") as f:
-            f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, host {socket.gethostname()}, "
-                    f"pid {os.getpid()}: failed before training began\n")
+            f.write(
+                f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, host {socket.gethostname()}, "
+                f"pid {os.getpid()}: failed before training began\n"
+            )
             f.write("".join(traceback.format_exception(exc)))
         if rank == 0:
             run = RunFolder(run_dir, is_main=True)
             try:
                 run.log(f"failed: {line}", echo=False)
-                run.update_json(RunFolder.METRICS_JSON, status="failed",
-                                failure={"summary": f"job failed: {line}", "error": line, "logs": str(logs)})
+                run.update_json(
+                    RunFolder.METRICS_JSON,
+                    status="failed",
+                    failure={"summary": f"job failed: {line}", "error": line, "logs": str(logs)},
+                )
             finally:
                 run.close()
     except (OSError, RunError):

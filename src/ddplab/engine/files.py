@@ -40,8 +40,9 @@ def _refuse(fd: int, name: str, shown: Path, want_dir: bool) -> bool:
     except FileNotFoundError:
         return False
     if stat.S_ISLNK(mode):
-        raise RunError(f"refusing to write {shown}: it is a symbolic link (to {os.readlink(name, dir_fd=fd)}); "
-                       f"remove it")
+        raise RunError(
+            f"refusing to write {shown}: it is a symbolic link (to {os.readlink(name, dir_fd=fd)}); remove it"
+        )
     if want_dir and not stat.S_ISDIR(mode):
         raise RunError(f"refusing to write into {shown}: it is not a folder")
     if not want_dir and not stat.S_ISREG(mode):

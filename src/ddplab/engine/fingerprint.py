@@ -78,15 +78,19 @@ def check_resume(run_dir: Path, new: dict) -> None:
         except (OSError, yaml.YAMLError):
             old = None
     if not isinstance(old, dict):
-        raise UserError(f"{stored} is unreadable, so the unfinished run there cannot be checked; "
-                        "start a new run with experiment.name=... or checkpoint.resume=never")
+        raise UserError(
+            f"{stored} is unreadable, so the unfinished run there cannot be checked; "
+            "start a new run with experiment.name=... or checkpoint.resume=never"
+        )
     diff = differences(old, new)
     if diff:
         shown = ", ".join(f"{k}: {v!r} -> {w!r}" for k, v, w in diff[:3])
         if len(diff) > 3:
             shown += f" (+{len(diff) - 3} more)"
-        raise UserError(f"{run_dir} holds an unfinished run with another config ({shown}); rerun with its config to "
-                        "continue it, or start a new run with experiment.name=... or checkpoint.resume=never")
+        raise UserError(
+            f"{run_dir} holds an unfinished run with another config ({shown}); rerun with its config to "
+            "continue it, or start a new run with experiment.name=... or checkpoint.resume=never"
+        )
 
 
 def check_resume_path(cfg, model) -> None:

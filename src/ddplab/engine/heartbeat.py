@@ -74,8 +74,15 @@ def _after_fork() -> None:
 
 
 _OURS = str(Path(__file__).resolve().parents[1])
-_LIBRARIES = tuple({str(Path(p).resolve()) for p in (*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
-                    "purelib", "platlib")), str(Path(torch.__file__).parent))})
+_LIBRARIES = tuple(
+    {
+        str(Path(p).resolve())
+        for p in (
+            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+            str(Path(torch.__file__).parent),
+        )
+    }
+)
 
 
 def _library(filename: str) -> bool:
@@ -210,10 +217,15 @@ class Heartbeat:
         if self._trouble is not None or (self._ended and self.store is None):
             return
         self._trouble = exc
-        self._dump("a heartbeat raised; the beats go on" + (" without the store" if self.store is None else ""), exc,
-                   stacks=False)
-        message = (f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on"
-                   f"{' without the store' if self.store is None else ''} (traceback in {self.log_path})")
+        self._dump(
+            "a heartbeat raised; the beats go on" + (" without the store" if self.store is None else ""),
+            exc,
+            stacks=False,
+        )
+        message = (
+            f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on"
+            f"{' without the store' if self.store is None else ''} (traceback in {self.log_path})"
+        )
         if self.ctx.is_main:
             self.run.log(message)
         else:
@@ -225,9 +237,19 @@ class Heartbeat:
         if b.ticks != self._ticks:
             self._ticks, self._since = b.ticks, now
         frame = sys._current_frames().get(self._main)
-        return {"rank": self.ctx.rank, "host": self._host, "pid": os.getpid(), "step": b.step, "at": time.time(),
-                "phase": b.phase, "collective": b.collective, "waiting": b.waiting, "ticks": b.ticks,
-                "still_s": round(now - self._since, 1), "where": where(frame) if frame is not None else None}
+        return {
+            "rank": self.ctx.rank,
+            "host": self._host,
+            "pid": os.getpid(),
+            "step": b.step,
+            "at": time.time(),
+            "phase": b.phase,
+            "collective": b.collective,
+            "waiting": b.waiting,
+            "ticks": b.ticks,
+            "still_s": round(now - self._since, 1),
+            "where": where(frame) if frame is not None else None,
+        }
 
     def _tick(self) -> None:
         with _BEATING:
@@ -253,8 +275,9 @@ class Heartbeat:
                 seen = dict(self.seen)
             self._warn(seen)
             if count % 5 == 1:
-                self.run.write_json(self.run.HEARTBEAT, {"time": time.time(), "ranks": seen,
-                                                         "progress": self.beat.progress})
+                self.run.write_json(
+                    self.run.HEARTBEAT, {"time": time.time(), "ranks": seen, "progress": self.beat.progress}
+                )
 
     def _read_all(self) -> dict[int, dict]:
         """Every rank's last beat in the store, each marked frozen or not."""
@@ -267,10 +290,11 @@ class Heartbeat:
             if not b["waiting"] and b["still_s"] >= self.stall_warning and self._warned.get(rank) != b["ticks"]:
                 self._warned[rank] = b["ticks"]
                 note = " (its heartbeat stopped too: the process is frozen)" if b.get("frozen") else ""
-                self.run.log(f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s{note} "
-                             f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
-                             + "".join(f"; rank {r} waits in {o['collective']}" for r, o in seen.items()
-                                       if o["waiting"]))
+                self.run.log(
+                    f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s{note} "
+                    f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
+                    + "".join(f"; rank {r} waits in {o['collective']}" for r, o in seen.items() if o["waiting"])
+                )
 
     def _end_rank(self) -> None:
         """Another rank failed: report it (rank 0), dump this rank's stacks, and have the main thread end the rank.
@@ -386,17 +410,23 @@ class Heartbeat:
         # says what every other rank was doing.
         rank = failure["culprit"]["rank"]
         error = errors.get(rank, {})
-        self.announce(error["line"] if error.get("known") and error.get("line") else
-                      f"{failure['summary']} (traceback in {failure['logs']}/rank{rank}.log)" if error else
-                      failure["report"])
+        self.announce(
+            error["line"]
+            if error.get("known") and error.get("line")
+            else f"{failure['summary']} (traceback in {failure['logs']}/rank{rank}.log)"
+            if error
+            else failure["report"]
+        )
         if self.store is not None:
             self.store.set(_REPORTED, "1")
         return failure
 
     def _dump(self, reason: str, exc: BaseException | None = None, stacks: bool = True) -> None:
         with open_append(self.run.path, Path(self.run.LOGS, self.log_path.name)) as f:
-            f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {self._host}, "
-                    f"pid {os.getpid()}: {reason}\n")
+            f.write(
+                f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {self._host}, "
+                f"pid {os.getpid()}: {reason}\n"
+            )
             if exc is not None:
                 f.write("".join(traceback.format_exception(exc)))
             if stacks:
@@ -425,25 +455,39 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
     # when a peer that has not yet told its own error looks still.
     known = sorted(r for r, e in errors.items() if e.get("known"))
-    still = sorted((b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
-                   key=lambda b: -b["still_s"])
+    still = sorted(
+        (b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
+        key=lambda b: -b["still_s"],
+    )
     stalled = [] if known else gone or still
     if stalled:
         b = stalled[0]
         culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
-        head = (f"rank {b['rank']} died or froze before its first heartbeat" if gone and b["host"] is None else
-                f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
-                f"(host {b['host']}): {_at(b['where'])}" if gone else
-                f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
-                f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
-                f"): {_at(b['where'])}")
+        head = (
+            f"rank {b['rank']} died or froze before its first heartbeat"
+            if gone and b["host"] is None
+            else f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
+            f"(host {b['host']}): {_at(b['where'])}"
+            if gone
+            else f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
+            f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
+            f"): {_at(b['where'])}"
+        )
     else:
         rank = known[0] if known else min(errors) if errors else 0
         e, b = errors.get(rank, {}), beats.get(rank, {})
-        culprit = {"rank": rank, "host": b.get("host"), "phase": b.get("phase"), "step": b.get("step"),
-                   "where": e.get("where") or b.get("where"), "error": e.get("error")}
-        head = (f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
-                f"at {_at(culprit['where'])}")
+        culprit = {
+            "rank": rank,
+            "host": b.get("host"),
+            "phase": b.get("phase"),
+            "step": b.get("step"),
+            "where": e.get("where") or b.get("where"),
+            "error": e.get("error"),
+        }
+        head = (
+            f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
+            f"at {_at(culprit['where'])}"
+        )
     waits = {r: b["collective"] for r, b in beats.items() if b["waiting"]}
     lines = [f"job failed: {head}"]
     for r in sorted(set(beats) | set(errors)):
@@ -453,8 +497,10 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
         said = f"waited in {waits[r]}" if r in waits else f"was in {b.get('phase')} at {_at(b.get('where'))}"
         lines.append(f"  rank {r} {said} (step {b.get('step')})" + (f": {e['error']}" if e.get("error") else ""))
     for r, c in sorted((stuck or {}).items()):  # flight_recorder.unfinished
-        lines.append(f"  rank {r} never completed {c['collective']} #{c['seq']} of process group {c['group']} "
-                     f"(sizes {c['sizes']}, {c['state']}; flight recorder)")
+        lines.append(
+            f"  rank {r} never completed {c['collective']} #{c['seq']} of process group {c['group']} "
+            f"(sizes {c['sizes']}, {c['state']}; flight recorder)"
+        )
     logs = Path(run_dir).resolve() / "logs"
     lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
     return {

@@ -35,7 +35,7 @@ class LossLedger:
 
     def step_loss(self, step: int) -> torch.Tensor:
         """The summed loss of one step's micro-batches (for the skip-a-non-finite-step check)."""
-        return self.losses[self.steps.index(step):len(self.steps)].sum()
+        return self.losses[self.steps.index(step) : len(self.steps)].sum()
 
     def drop_step(self, step: int) -> None:
         """Forget a skipped step: its loss stays out of the logged mean."""

@@ -84,8 +84,9 @@ class TrainFeed:
     state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
     """
 
-    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None],
-                 share: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int] | None = None
+    ) -> None:
         """`share`: (this process's share, shares) of each epoch's order; default (rank, world size)."""
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
         rank, world = share or (ctx.rank, ctx.world_size)
@@ -98,8 +99,10 @@ class TrainFeed:
             self.sampler = None
             self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit)
             if is_stateful(dataset) and loaders.workers:
-                log(f"the training stream keeps its own position (state_dict()): it is read in the training process, "
-                    f"not by {loaders.workers} loader workers")
+                log(
+                    f"the training stream keeps its own position (state_dict()): it is read in the training process, "
+                    f"not by {loaders.workers} loader workers"
+                )
         else:
             self.sampler = ResumableDistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed)
             if cfg.data.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
@@ -111,8 +114,11 @@ class TrainFeed:
     def epoch(self, epoch: int, consumed: int) -> Iterator:
         """The batches of `epoch` after its first `consumed` samples (all ranks together)."""
         if self.loader is None:
-            self.loader = (self.loaders.train(self.dataset, self.sampler) if self.sampler is not None
-                           else self.loaders.train(self.source))
+            self.loader = (
+                self.loaders.train(self.dataset, self.sampler)
+                if self.sampler is not None
+                else self.loaders.train(self.source)
+            )
         # Worker seeds come from the loader's own generator: a function of the epoch only,
         # so a resumed epoch hands its workers the same seeds.
         self.loader.generator.manual_seed(self.seed + epoch)
@@ -130,8 +136,10 @@ class TrainFeed:
             source.set_epoch(epoch)
             return
         if source.seeks:
-            self.log(f"the training stream seeks to sample {consumed} of epoch {epoch + 1} itself (its order depends "
-                     f"on the seed and epoch alone: nothing is read twice, at any world size)")
+            self.log(
+                f"the training stream seeks to sample {consumed} of epoch {epoch + 1} itself (its order depends "
+                f"on the seed and epoch alone: nothing is read twice, at any world size)"
+            )
             source.set_epoch(epoch, consumed)
             return
         was = restored.get("world_size", self.ctx.world_size)
@@ -145,15 +153,19 @@ class TrainFeed:
             source.set_epoch(epoch, consumed, skip=False)
             return
         if not source.own:
-            self.log(f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
-                     f"epoch {epoch + 1} (read and dropped)")
+            self.log(
+                f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
+                f"epoch {epoch + 1} (read and dropped)"
+            )
             source.set_epoch(epoch, consumed)
             return
         # A stream that shards itself: each rank's share alone is known to it.
         exact = was == self.ctx.world_size and not loader.num_workers
-        self.log(f"the training stream shards itself and has no state_dict(): each rank skips forward past its first "
-                 f"{consumed // was} samples (read and dropped)" + ("" if exact else
-                 "; not exact: that needs the same world size and data.num_workers=0"))
+        self.log(
+            f"the training stream shards itself and has no state_dict(): each rank skips forward past its first "
+            f"{consumed // was} samples (read and dropped)"
+            + ("" if exact else "; not exact: that needs the same world size and data.num_workers=0")
+        )
         source.set_epoch(epoch, consumed // was)
 
     def left(self) -> float:

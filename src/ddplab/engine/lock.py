@@ -54,8 +54,9 @@ def resolve_run_dir(cfg) -> tuple[Path, str | None]:
 class RunLock:
     """`flock(LOCK_EX | LOCK_NB)` on a folder; `UserError` naming the holder when taken."""
 
-    def __init__(self, path: str | Path, what: str = "run folder",
-                 names: str = "experiment.output_dir and experiment.name") -> None:
+    def __init__(
+        self, path: str | Path, what: str = "run folder", names: str = "experiment.output_dir and experiment.name"
+    ) -> None:
         self.path = Path(path)
         self.what = what
         self.names = names  # the settings that chose the folder, for the error messages
@@ -81,16 +82,21 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise UserError(f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
-                                f"or change {self.names}") from None
+                raise UserError(
+                    f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
+                    f"or change {self.names}"
+                ) from None
             if _same_folder(self.path, fd):
                 break
             os.close(fd)
         self.fd, self._created = fd, created
         # Who holds it, for the error of a second start and for this holder's workers; removed again at
         # release, so a start that fails leaves the folder as it found it.
-        write_atomic(self.path, HOLDER_FILE, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                         "token": self.token}) + "\n")
+        write_atomic(
+            self.path,
+            HOLDER_FILE,
+            json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": self.token}) + "\n",
+        )
         return self
 
     def _make(self) -> list[Path]:
@@ -193,13 +199,18 @@ def launcher_lock() -> Path | None:
         return None
     try:
         info = json.loads((Path(named) / HOLDER_FILE).read_text())
-        ours = (secrets.compare_digest(str(info["token"]), told.lock_token or "")
-                and info["pid"] in _ancestors() and held(Path(named)))
+        ours = (
+            secrets.compare_digest(str(info["token"]), told.lock_token or "")
+            and info["pid"] in _ancestors()
+            and held(Path(named))
+        )
     except (OSError, ValueError, KeyError, TypeError):
         ours = False
     if not ours:
-        raise UserError(f"{LOCKED_ENV}={named} is set, but no ddplab launcher above this process holds that run "
-                        f"folder; unset {LOCKED_ENV} (ddplab's launcher sets it for its own workers)")
+        raise UserError(
+            f"{LOCKED_ENV}={named} is set, but no ddplab launcher above this process holds that run "
+            f"folder; unset {LOCKED_ENV} (ddplab's launcher sets it for its own workers)"
+        )
     return Path(named)
 
 

@@ -51,8 +51,11 @@ def checksum(path: Path, algorithm: str = CHECKSUM) -> str:
 def describe(folder: Path, checksums: bool = True) -> dict:
     """{relative path: [size, checksum]} of every file in `folder` but the marker; the checksum is None
     when `checksums` is false (checkpoint.checksums=false: sizes only)."""
-    return {p.relative_to(folder).as_posix(): [p.stat().st_size, checksum(p) if checksums else None]
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
+    return {
+        p.relative_to(folder).as_posix(): [p.stat().st_size, checksum(p) if checksums else None]
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def read(folder: Path) -> dict:

@@ -27,8 +27,10 @@ def scaled_lr(lr: float, rule: str, world_size: int) -> float:
 def adamw_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices, not biases, norms or other vectors (the usual transformer recipe)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def _adamw(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
@@ -51,8 +53,11 @@ SCHEDULES = ("cosine", "linear", "constant")  # warm-up, then these: Schedule be
 
 def torch_optimizer(name: str) -> type | None:
     """The torch.optim class of that name (any case), or None."""
-    found = {n.lower(): c for n, c in vars(torch.optim).items()
-             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    found = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
     return found.get(name.lower())
 
 
@@ -66,13 +71,16 @@ def check_names(t) -> None:
             f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
         )
     else:  # its options, tried on one parameter
-        build_optimizer(SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")),
-                        torch.nn.Linear(1, 1), t.lr)
+        build_optimizer(
+            SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")), torch.nn.Linear(1, 1), t.lr
+        )
     if is_reference(t.schedule):
         resolve(t.schedule, "training.schedule")
     elif t.schedule not in SCHEDULES:
-        raise UserError(f"training.schedule: unknown schedule '{t.schedule}'; choose one of {', '.join(SCHEDULES)} "
-                        f"or your own file.py:function")
+        raise UserError(
+            f"training.schedule: unknown schedule '{t.schedule}'; choose one of {', '.join(SCHEDULES)} "
+            f"or your own file.py:function"
+        )
 
 
 def _call_config(cfg, ctx, options: dict) -> BuildConfig:
@@ -93,12 +101,15 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
             decay = {"weight_decay": t.weight_decay} if "weight_decay" in inspect.signature(cls).parameters else {}
             return cls([p for p in model.parameters() if p.requires_grad], lr=lr, **{**decay, **t.optimizer_options})
         except (TypeError, ValueError) as exc:
-            raise UserError(f"training.optimizer_options {t.optimizer_options}: training.optimizer={t.optimizer} "
-                            f"refused them ({exc})") from None
+            raise UserError(
+                f"training.optimizer_options {t.optimizer_options}: training.optimizer={t.optimizer} "
+                f"refused them ({exc})"
+            ) from None
     optimizer = resolve(t.optimizer, "training.optimizer")(_call_config(cfg, ctx, t.optimizer_options), model)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserError(f"training.optimizer: {t.optimizer} returned a {type(optimizer).__name__}, "
-                        f"not a torch.optim.Optimizer")
+        raise UserError(
+            f"training.optimizer: {t.optimizer} returned a {type(optimizer).__name__}, not a torch.optim.Optimizer"
+        )
     for group in optimizer.param_groups:
         group["lr"] *= lr / t.lr
     return optimizer
@@ -109,11 +120,14 @@ def build_schedule(cfg, ctx, optimizer: torch.optim.Optimizer, total_steps: int)
     t = cfg.training
     if not is_reference(t.schedule):
         return Schedule(optimizer, t, total_steps)
-    scheduler = resolve(t.schedule, "training.schedule")(_call_config(cfg, ctx, t.schedule_options), optimizer,
-                                                         total_steps)
+    scheduler = resolve(t.schedule, "training.schedule")(
+        _call_config(cfg, ctx, t.schedule_options), optimizer, total_steps
+    )
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        raise UserError(f"training.schedule: {t.schedule} returned a {type(scheduler).__name__}, "
-                        f"not a torch.optim.lr_scheduler scheduler")
+        raise UserError(
+            f"training.schedule: {t.schedule} returned a {type(scheduler).__name__}, "
+            f"not a torch.optim.lr_scheduler scheduler"
+        )
     return scheduler
 
 
@@ -155,8 +169,13 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "base_lrs": self.base_lrs, "_last_lr": self._last_lr,
-                "total": self.total, "planned": self.planned}
+        return {
+            "last_epoch": self.last_epoch,
+            "base_lrs": self.base_lrs,
+            "_last_lr": self._last_lr,
+            "total": self.total,
+            "planned": self.planned,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch = state["last_epoch"]
@@ -185,4 +204,3 @@ def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budge
     slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()
     if slowest > 0:
         scheduler.replan(budget_total_steps(step, slowest, budget_s))
-

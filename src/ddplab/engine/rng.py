@@ -17,8 +17,11 @@ def rng_state() -> dict:
     legacy = np.random.get_state(legacy=True)
     assert isinstance(legacy, tuple)  # a dict only where the global generator is not MT19937
     kind, keys, pos, has_gauss, cached = legacy
-    state = {"python": random.getstate(), "torch": torch.get_rng_state().tolist(),
-             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state

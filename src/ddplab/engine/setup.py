@@ -46,8 +46,12 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         wrapped = shard(model, cfg, ctx)
         comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
     else:
-        wrapped = wrap_model(model, ctx, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-                             find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze)
+        wrapped = wrap_model(
+            model,
+            ctx,
+            bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+            find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze,
+        )
         comm = install_comm_hook(wrapped, cfg.distributed, ctx) if ctx.is_distributed else None
     if not cfg.training.compile:
         return wrapped, comm
@@ -63,8 +67,9 @@ def wants_channels_last(model: torch.nn.Module, setting: str, device: torch.devi
     kernels run the tensor cores without transposes)."""
     if setting != "auto":
         return setting == "true"
-    return device.type == "cuda" and any(p.dim() == 4 for m in model.modules()
-                                         if isinstance(m, torch.nn.Conv2d) for p in m.parameters())
+    return device.type == "cuda" and any(
+        p.dim() == 4 for m in model.modules() if isinstance(m, torch.nn.Conv2d) for p in m.parameters()
+    )
 
 
 def _each_tensor(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
@@ -73,8 +78,15 @@ def _each_tensor(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
 
 def _inputs_channels_last(module, args, kwargs):
     """Image batches (4-D float tensors) in the weights' format, converted where they already are (the device)."""
-    return _each_tensor(args, kwargs, lambda t: t.contiguous(memory_format=torch.channels_last)
-                        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() else t)
+    return _each_tensor(
+        args,
+        kwargs,
+        lambda t: (
+            t.contiguous(memory_format=torch.channels_last)
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+            else t
+        ),
+    )
 
 
 def _batch_dynamic(module, args, kwargs):
@@ -82,6 +94,7 @@ def _batch_dynamic(module, args, kwargs):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         return t
+
     return _each_tensor(args, kwargs, mark)
 
 
@@ -121,8 +134,10 @@ def build_data(cfg, ctx, work: Workload, assets: Assets | None = None) -> Data:
         saved_assets.check(data, where)
     n = size(data.train)
     if n is None and not cfg.training.max_steps:
-        raise UserError(f"{where}: Data.train is a stream ({type(data.train).__name__}) that does not know its "
-                        f"length: set training.max_steps (the learning-rate schedule needs it), or give it a __len__")
+        raise UserError(
+            f"{where}: Data.train is a stream ({type(data.train).__name__}) that does not know its "
+            f"length: set training.max_steps (the learning-rate schedule needs it), or give it a __len__"
+        )
     if n == 0:
         raise UserError(f"{where}: the training set is empty")
     if cfg.data.limit is not None and n is not None and cfg.data.limit < n and not is_stream(data.train):
@@ -134,8 +149,10 @@ def build_data(cfg, ctx, work: Workload, assets: Assets | None = None) -> Data:
 
 def check_task(task, where: str) -> None:
     if not isinstance(task, Task):
-        raise UserError(f"{where}: Data.task is {task!r}; give ddplab.Classification(n), ddplab.Regression(), "
-                        f"ddplab.LanguageModeling() or a ddplab.Task subclass")
+        raise UserError(
+            f"{where}: Data.task is {task!r}; give ddplab.Classification(n), ddplab.Regression(), "
+            f"ddplab.LanguageModeling() or a ddplab.Task subclass"
+        )
 
 
 def same_on_every_rank(data: Data, ctx, where: str) -> None:
@@ -145,9 +162,11 @@ def same_on_every_rank(data: Data, ctx, where: str) -> None:
     digests = ctx.gather_objects(data_digest(data))
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise UserError(f"{where}: returns different data on rank {differ[0]} than on rank 0 (its task, meta or "
-                        f"first items differ): build it from the seed and the files alone, the same on every rank "
-                        f"(e.g. rank 0 builds a tokenizer and saves it, cfg.barrier(), every rank loads it)")
+        raise UserError(
+            f"{where}: returns different data on rank {differ[0]} than on rank 0 (its task, meta or "
+            f"first items differ): build it from the seed and the files alone, the same on every rank "
+            f"(e.g. rank 0 builds a tokenizer and saves it, cfg.barrier(), every rank loads it)"
+        )
 
 
 def data_digest(data: Data) -> str:
@@ -189,8 +208,10 @@ def _digest(obj, h) -> None:
         h.update(type(obj).__name__.encode())
 
 
-ACCEPTED = ("a torch.utils.data.Dataset with __len__, a torch.utils.data.IterableDataset (a stream), "
-            "a Hugging Face datasets.Dataset or datasets.IterableDataset")
+ACCEPTED = (
+    "a torch.utils.data.Dataset with __len__, a torch.utils.data.IterableDataset (a stream), "
+    "a Hugging Face datasets.Dataset or datasets.IterableDataset"
+)
 
 
 def check_dataset(value, where: str) -> None:
@@ -264,15 +285,18 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
     items = list(islice(train, 2)) if is_stream(train) else [train[i] for i in range(min(2, len(train)))]
     for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 or isinstance(item, Mapping)):
-            raise UserError(f"data: a dataset item must be (inputs, target) or a dict holding its target "
-                            f"('labels' or 'label'), got {type(item).__name__}"
-                            f"{' of length ' + str(len(item)) if isinstance(item, (tuple, list)) else ''}")
+            raise UserError(
+                f"data: a dataset item must be (inputs, target) or a dict holding its target "
+                f"('labels' or 'label'), got {type(item).__name__}"
+                f"{' of length ' + str(len(item)) if isinstance(item, (tuple, list)) else ''}"
+            )
     collate = data.collate_fn or torch.utils.data.default_collate
     try:
         batch = collate(items)
     except Exception as exc:  # noqa: BLE001 - the user's data: say what broke, in one line
-        raise UserError(f"data: two items do not collate into a batch ({_said(exc)}); give Data(collate_fn=...)"
-                        f"{_text_hint(items)}") from None
+        raise UserError(
+            f"data: two items do not collate into a batch ({_said(exc)}); give Data(collate_fn=...){_text_hint(items)}"
+        ) from None
     inputs, target, _ = data.task.unpack(batch)
     was_training = model.training
     model.eval()
@@ -280,10 +304,10 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
         with torch.no_grad():
             output = call_model(model, inputs)
     except Exception as exc:  # noqa: BLE001 - a bug in the model's code: exit 1, its traceback in logs/
-        given = (f"keywords {sorted(map(str, inputs))}" if isinstance(inputs, Mapping)
-                 else f"a {type(inputs).__name__}")
-        raise RunError(f"model: a forward pass on a batch of {len(target)} ({given}) failed ({_said(exc)}) "
-                       f"at {place_of(exc)}") from exc
+        given = f"keywords {sorted(map(str, inputs))}" if isinstance(inputs, Mapping) else f"a {type(inputs).__name__}"
+        raise RunError(
+            f"model: a forward pass on a batch of {len(target)} ({given}) failed ({_said(exc)}) at {place_of(exc)}"
+        ) from exc
     finally:
         model.train(was_training)
     task = data.task
@@ -293,11 +317,11 @@ def check_output(model: torch.nn.Module, data: Data) -> None:
         loss = _call(task.loss, where, output, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise UserError(f"{where} returned {shape} on a batch of {len(target)}; it must return a scalar tensor "
-                        f"(e.g. .mean())")
+        raise UserError(
+            f"{where} returned {shape} on a batch of {len(target)}; it must return a scalar tensor (e.g. .mean())"
+        )
     if not torch.isfinite(loss):
         raise UserError(f"{where} returned {loss.item()} on the first two training samples; it must be finite")
-
 
 
 def unused_parameters(exc: RuntimeError, model: torch.nn.Module) -> RunError | None:
@@ -310,5 +334,7 @@ def unused_parameters(exc: RuntimeError, model: torch.nn.Module) -> RunError | N
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     unused = [names[int(i)] for i in indices.group(1).split() if int(i) < len(names)] if indices else []
     shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
-    return RunError(f"parameters without a gradient ({shown or 'unnamed'}): set "
-                    f"distributed.find_unused_parameters=true, or requires_grad=False on them")
+    return RunError(
+        f"parameters without a gradient ({shown or 'unnamed'}): set "
+        f"distributed.find_unused_parameters=true, or requires_grad=False on them"
+    )

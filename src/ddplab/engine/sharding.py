@@ -44,25 +44,32 @@ def shard(model: torch.nn.Module, cfg, ctx) -> torch.nn.Module:
         return model
     if d.strategy == "hsdp":
         if ctx.world_size % per_node:
-            raise UserError(f"distributed.strategy=hsdp replicates across nodes: the world size {ctx.world_size} "
-                            f"must be a multiple of the {per_node} processes per node")
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size // per_node, per_node),
-                                mesh_dim_names=("replicate", "shard"))
+            raise UserError(
+                f"distributed.strategy=hsdp replicates across nodes: the world size {ctx.world_size} "
+                f"must be a multiple of the {per_node} processes per node"
+            )
+        mesh = init_device_mesh(
+            ctx.device.type, (ctx.world_size // per_node, per_node), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     policy = precision(cfg.training.amp, ctx.device)
     if d.shard:
         resolve(d.shard, "distributed.shard")(model, mesh)
         if not any(_is_fsdp(m) for m in model.modules()):
-            raise UserError(f"distributed.shard={d.shard} sharded nothing: it must call "
-                            f"torch.distributed.fsdp.fully_shard(module, mesh=mesh) on the model's blocks")
+            raise UserError(
+                f"distributed.shard={d.shard} sharded nothing: it must call "
+                f"torch.distributed.fsdp.fully_shard(module, mesh=mesh) on the model's blocks"
+            )
     else:
         chosen = blocks(model, d.shard_min_params)
         for block in chosen:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         if ctx.is_main:
-            print(f"{d.strategy}: {len(chosen)} blocks sharded on their own "
-                  f"({_names(model, chosen)}), then the root", flush=True)
+            print(
+                f"{d.strategy}: {len(chosen)} blocks sharded on their own ({_names(model, chosen)}), then the root",
+                flush=True,
+            )
     if not _is_fsdp(model):
         fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
@@ -142,9 +149,13 @@ def sharded_parts(model: torch.nn.Module, optimizer) -> tuple:
         set_optimizer_state_dict,
     )
 
-    return (part(lambda: get_model_state_dict(model), lambda state: set_model_state_dict(model, state)),
-            part(lambda: get_optimizer_state_dict(model, optimizer),
-                 lambda state: set_optimizer_state_dict(model, optimizer, state)))
+    return (
+        part(lambda: get_model_state_dict(model), lambda state: set_model_state_dict(model, state)),
+        part(
+            lambda: get_optimizer_state_dict(model, optimizer),
+            lambda state: set_optimizer_state_dict(model, optimizer, state),
+        ),
+    )
 
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict:
@@ -154,9 +165,12 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict:
     def local(t):
         t = t.to_local() if tensor is not None and isinstance(t, tensor.DTensor) else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-    return {"parameters": sum(local(p) for p in model.parameters()),
-            "gradients": sum(local(p) for p in model.parameters() if p.requires_grad),
-            "optimizer": sum(local(v) for state in optimizer.state.values() for v in state.values())}
+
+    return {
+        "parameters": sum(local(p) for p in model.parameters()),
+        "gradients": sum(local(p) for p in model.parameters() if p.requires_grad),
+        "optimizer": sum(local(v) for state in optimizer.state.values() for v in state.values()),
+    }
 
 
 def fsdp_units(model: torch.nn.Module, min_params: int) -> list[dict]:

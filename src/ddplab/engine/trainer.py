@@ -75,8 +75,9 @@ class Trainer:
     """Outside engine/, a run is driven through fit() / test() / end() / close() and observed through
     `view` (what callbacks get); its state is the parts registered in _register_parts()."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder,
-                 callbacks=()) -> None:
+    def __init__(
+        self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder, callbacks=()
+    ) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
@@ -99,8 +100,9 @@ class Trainer:
         )
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
-        self.checkpoints = Checkpointer(run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last,
-                                        cfg.checkpoint.checksums)
+        self.checkpoints = Checkpointer(
+            run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
+        )
         self.signals = StopSignals()
         self.callbacks = CallbackList(callbacks)
         self.view = TrainView(self)
@@ -161,8 +163,15 @@ class Trainer:
     def _about(self, **extra) -> dict:
         """What a snapshot's manifest says of the run besides its files."""
         s = self.state
-        return {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, "world_size": self.ctx.world_size,
-                "global_batch": self.batch["global"], "config": self.cfg.to_dict(), **extra}
+        return {
+            "step": s.step,
+            "epoch": s.epoch,
+            "consumed": s.consumed,
+            "world_size": self.ctx.world_size,
+            "global_batch": self.batch["global"],
+            "config": self.cfg.to_dict(),
+            **extra,
+        }
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
@@ -299,10 +308,12 @@ class Trainer:
         sums, first_bad = self.ledger.totals()
         bad = self.ctx.all_reduce(first_bad, "min").item()
         if math.isfinite(bad):
-            raise RunError(f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
-                           f"as the train loss is logged, each logging.log_every={self.cfg.logging.log_every} steps; "
-                           f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
-                           f"training.nonfinite=skip to skip such steps")
+            raise RunError(
+                f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
+                f"as the train loss is logged, each logging.log_every={self.cfg.logging.log_every} steps; "
+                f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
+                f"training.nonfinite=skip to skip such steps"
+            )
         asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
         loss_sum, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
         if asking and s.stop_reason is None:
@@ -345,8 +356,10 @@ class Trainer:
         over, signalled = self.ctx.all_reduce(flags, "max").tolist()
         if signalled:
             s.stop_reason = "preempted"
-            self.run.log(f"stop signal ({self.signals.received or 'on another rank'}) after step {s.step}: "
-                         f"snapshotting and exiting")
+            self.run.log(
+                f"stop signal ({self.signals.received or 'on another rank'}) after step {s.step}: "
+                f"snapshotting and exiting"
+            )
         elif over:
             s.stop_reason = "time_budget"
             self.run.log(f"time budget {t.time_budget} reached after step {s.step} ({s.elapsed:.1f} s spent)")
@@ -356,8 +369,10 @@ class Trainer:
         """Snapshot where the stop happened; then (unless pre-empted) evaluate and record it."""
         s = self.state
         self.snapshot()
-        self.run.log(f"stopped ({s.stop_reason}) after step {s.step}, {s.consumed} samples into epoch {s.epoch + 1}; "
-                     f"snapshot saved")
+        self.run.log(
+            f"stopped ({s.stop_reason}) after step {s.step}, {s.consumed} samples into epoch {s.epoch + 1}; "
+            f"snapshot saved"
+        )
         if s.stop_reason != "preempted":
             # A row for the part-epoch, after the snapshot: a resumed run finishes the epoch
             # from the snapshot's sums, so metrics.csv never holds the epoch twice.
@@ -374,14 +389,20 @@ class Trainer:
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
         self._tick()
         took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
-        row = {"epoch": self.view.epoch, "step": s.step,
-               "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
-               **{f"val_{k}": v for k, v in val.items() if k != "samples"},
-               "epoch_time_s": took, "eval_time_s": s.epoch_eval_time, "snapshot_time_s": s.epoch_snapshot_time,
-               "elapsed_s": s.elapsed,
-               "samples_per_s": s.epoch_samples / took if took else None,
-               "tokens_per_s": s.epoch_tokens / took if took and s.epoch_tokens else None,
-               "lr": self.scheduler.get_last_lr()[0], "data_wait_s": data_wait}
+        row = {
+            "epoch": self.view.epoch,
+            "step": s.step,
+            "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
+            **{f"val_{k}": v for k, v in val.items() if k != "samples"},
+            "epoch_time_s": took,
+            "eval_time_s": s.epoch_eval_time,
+            "snapshot_time_s": s.epoch_snapshot_time,
+            "elapsed_s": s.elapsed,
+            "samples_per_s": s.epoch_samples / took if took else None,
+            "tokens_per_s": s.epoch_tokens / took if took and s.epoch_tokens else None,
+            "lr": self.scheduler.get_last_lr()[0],
+            "data_wait_s": data_wait,
+        }
         if self.replicas is not None:
             row.update(self.replicas.epoch_columns())
         if partial:
@@ -445,17 +466,23 @@ class Trainer:
             # The remaining samples of the epoch are re-divided among the new ranks (see the sampler);
             # per-rank random streams cannot carry over, so they are reseeded.
             seed_everything(self.cfg.experiment.seed + 1000 * s.step + self.ctx.rank)
-            self.run.log(f"world size changed from {manifest['world_size']} to {self.ctx.world_size}: the rest of "
-                         f"epoch {s.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample repeated "
-                         f"or lost); dropout streams are reseeded, so the run is no longer bit-identical")
+            self.run.log(
+                f"world size changed from {manifest['world_size']} to {self.ctx.world_size}: the rest of "
+                f"epoch {s.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample repeated "
+                f"or lost); dropout streams are reseeded, so the run is no longer bit-identical"
+            )
         if [name for name in left if name != "rng"]:
-            self.run.log(f"not restored from the snapshot (absent, or per rank at another world size), left as "
-                         f"built: {', '.join(name for name in left if name != 'rng')}")
+            self.run.log(
+                f"not restored from the snapshot (absent, or per rank at another world size), left as "
+                f"built: {', '.join(name for name in left if name != 'rng')}"
+            )
         if s.stop_reason in ("epochs", "max_steps", "time_budget", "preempted"):  # the loop checks these again
             s.stop_reason = None  # a callback's request stays: the run ended there
         s.resumes += 1
-        self.run.log(f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
-                     f"epoch, {s.elapsed:.1f} s already spent)")
+        self.run.log(
+            f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
+            f"epoch, {s.elapsed:.1f} s already spent)"
+        )
 
     def _keep_global_batch(self, manifest: dict) -> None:
         """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
@@ -465,8 +492,10 @@ class Trainer:
         )
         accum = keep_global_batch(global_batch, t.batch_size, self.shares)
         if accum != t.grad_accum_steps:
-            self.run.log(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
-                         f"{global_batch} on {self.shares} processes")
+            self.run.log(
+                f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
+                f"{global_batch} on {self.shares} processes"
+            )
             t.grad_accum_steps = accum
             self.batch = batch_arithmetic(t.batch_size, accum, self.shares, self.feed.size)
 
@@ -475,8 +504,9 @@ class Trainer:
         if dataset is None or size(dataset) == 0:
             return {}
         with timed(self, "eval"):
-            metrics, self.evaluator = evaluate(self.raw, self.task, self.loaders.evaluation(dataset), self.ctx,
-                                               self.autocast)
+            metrics, self.evaluator = evaluate(
+                self.raw, self.task, self.loaders.evaluation(dataset), self.ctx, self.autocast
+            )
             if self.phase == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
                 s = self.state
                 self.improved = metrics["loss"] < s.best_val_loss

@@ -43,8 +43,9 @@ def _link(x: np.ndarray) -> Link:
 def predict_measured(compute: Compute, m: Measured, link: Link, scale: float) -> float:
     """A measured run's step as the model sees it: its own setup, strategy, batch, hook and simulated link;
     the measured link joins both the processes of a node and the nodes (one machine here)."""
-    return predict_step(compute, comm_of(m), m.nodes, m.per_node, m.batch, link, link, m.accum, scale,
-                        m.latency_ms, m.bandwidth_mbps).step_s
+    return predict_step(
+        compute, comm_of(m), m.nodes, m.per_node, m.batch, link, link, m.accum, scale, m.latency_ms, m.bandwidth_mbps
+    ).step_s
 
 
 def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
@@ -63,8 +64,13 @@ def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
     # The model has kinks (max of compute and communication), so start from a few places: latency,
     # scale, and nanoseconds per byte unlimited or 800 Mbit/s.
     starts = itertools.product((0.0, 0.1, 1.0, 10.0), (1.0, 1.5), (0.0, 10.0))
-    best = min((least_squares(residuals, np.array(x0)[:free], bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
-                for x0 in starts), key=lambda result: result.cost)
+    best = min(
+        (
+            least_squares(residuals, np.array(x0)[:free], bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
+            for x0 in starts
+        ),
+        key=lambda result: result.cost,
+    )
     x = np.concatenate([best.x, _DEFAULT[free:]])
     link = _link(x)
     points = [(m, predict_measured(compute, m, link, x[1])) for m in multi]

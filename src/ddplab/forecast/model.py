@@ -72,17 +72,25 @@ def measure(run: Run) -> Measured | None:
 
     comm = run.summary.get("comm", {})
     return Measured(
-        name=run.name, nodes=run.nodes, per_node=max(1, run.processes // run.nodes),
-        batch=int(run.ddp.get("per_process", 1)), accum=int(run.ddp.get("grad_accum_steps", 1)),
-        train_samples=int(run.summary.get("dataset", {}).get("train") or 0), steps_per_epoch=steps,
-        epoch_times=[r["epoch_time_s"] for r in rows], forward=per_micro("forward_time_s"),
+        name=run.name,
+        nodes=run.nodes,
+        per_node=max(1, run.processes // run.nodes),
+        batch=int(run.ddp.get("per_process", 1)),
+        accum=int(run.ddp.get("grad_accum_steps", 1)),
+        train_samples=int(run.summary.get("dataset", {}).get("train") or 0),
+        steps_per_epoch=steps,
+        epoch_times=[r["epoch_time_s"] for r in rows],
+        forward=per_micro("forward_time_s"),
         backward=per_micro("backward_time_s"),
         data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / (steps * len(rows)),
         comm_exposed=per_micro("comm_exposed_s") if run.processes > 1 else 0.0,
         latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
         bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),
-        hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none", buckets=comm.get("buckets", []),
-        strategy=run.ddp.get("strategy") or "ddp", units=comm.get("units", []))
+        hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none",
+        buckets=comm.get("buckets", []),
+        strategy=run.ddp.get("strategy") or "ddp",
+        units=comm.get("units", []),
+    )
 
 
 def _linear(xs: Sequence[float], ys: Sequence[float], proportional: bool) -> tuple[float, float]:
@@ -120,8 +128,10 @@ class Compute:
 
 def fit_compute(singles: list[Measured]) -> Compute:
     if not singles:
-        raise UserError("forecast: no 1-process run among the runs given; the compute model needs one "
-                        "(e.g. ddplab study ... --nproc 1,2)")
+        raise UserError(
+            "forecast: no 1-process run among the runs given; the compute model needs one "
+            "(e.g. ddplab study ... --nproc 1,2)"
+        )
     xs = [m.batch for m in singles]
     timed = all(m.forward is not None and m.backward is not None for m in singles)
     fwd: list[float] = []
@@ -134,9 +144,13 @@ def fit_compute(singles: list[Measured]) -> Compute:
         fwd.append(f)
         bwd.append(b)
         rest.append(max(model_s - m.accum * (f + b), 0.0))
-    return Compute(forward=_linear(xs, fwd, True), backward=_linear(xs, bwd, True),
-                   data_wait=_linear(xs, [m.data_wait for m in singles], True), rest=_linear(xs, rest, False),
-                   timed=timed)
+    return Compute(
+        forward=_linear(xs, fwd, True),
+        backward=_linear(xs, bwd, True),
+        data_wait=_linear(xs, [m.data_wait for m in singles], True),
+        rest=_linear(xs, rest, False),
+        timed=timed,
+    )
 
 
 @dataclass
@@ -163,8 +177,9 @@ def simulated_delay_s(nbytes: float, processes: int, latency_ms: float, bandwidt
     return delay
 
 
-def overlapped_backward(backward_s: float, buckets: list[dict], messages: list[list[float]], cost,
-                        delays: list[float] | None = None) -> tuple[float, float, float]:
+def overlapped_backward(
+    backward_s: float, buckets: list[dict], messages: list[list[float]], cost, delays: list[float] | None = None
+) -> tuple[float, float, float]:
     """(backward end incl. communication, total all-reduce time, exposed all-reduce time).
 
     DDP hands a bucket to the all-reduce as soon as its last gradient is ready; gradients become
@@ -198,9 +213,19 @@ class StepForecast:
     sent_bytes: float = 0.0  # per rank
 
 
-def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch: int, inter: Link, intra: Link,
-                 accum: int = 1, scale: float = 1.0, latency_ms: float = 0.0,
-                 bandwidth_mbps: float | None = None) -> StepForecast:
+def predict_step(
+    compute: Compute,
+    comm: Comm,
+    nodes: int,
+    per_node: int,
+    batch: int,
+    inter: Link,
+    intra: Link,
+    accum: int = 1,
+    scale: float = 1.0,
+    latency_ms: float = 0.0,
+    bandwidth_mbps: float | None = None,
+) -> StepForecast:
     """One optimizer step of nodes x per_node processes with `batch` samples per process."""
     p = nodes * per_node
     base = compute.step_s(batch, accum, 1.0 if p == 1 else scale)
@@ -216,8 +241,14 @@ def predict_step(compute: Compute, comm: Comm, nodes: int, per_node: int, batch:
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
     sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages, strict=True)]
     delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]
-    end, comm_s, exposed = overlapped_backward(backward, comm.buckets, messages,
-                                               lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays)
+    end, comm_s, exposed = overlapped_backward(
+        backward, comm.buckets, messages, lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays
+    )
     step = base - backward + end
-    return StepForecast(step, base, comm_s + sum(delays), exposed,
-                        sent_bytes("ddp", sum(sum(m) for m in messages), nodes, per_node, accum))
+    return StepForecast(
+        step,
+        base,
+        comm_s + sum(delays),
+        exposed,
+        sent_bytes("ddp", sum(sum(m) for m in messages), nodes, per_node, accum),
+    )

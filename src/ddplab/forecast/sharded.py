@@ -16,6 +16,7 @@ STRATEGIES = ("ddp", "fsdp", "hsdp")
 
 def costs(strategy: str, nodes: int, per_node: int, inter: Link, intra: Link):
     """(gather, reduce): seconds to all-gather a unit's parameters and to reduce its gradients."""
+
     def gather(n):
         # One of a ring all-reduce's two phases, (p-1)/p of the bytes sent: half its cost. hsdp's stay in the node.
         whole = (
@@ -55,8 +56,17 @@ def gathered_pass(compute_s: float, units: list[dict], gather, reduce=None) -> t
     return max(t, reduced), comm
 
 
-def sharded_step(fwd: float, bwd: float, units: list[dict], strategy: str, nodes: int, per_node: int,
-                 inter: Link, intra: Link, accum: int) -> tuple[float, float]:
+def sharded_step(
+    fwd: float,
+    bwd: float,
+    units: list[dict],
+    strategy: str,
+    nodes: int,
+    per_node: int,
+    inter: Link,
+    intra: Link,
+    accum: int,
+) -> tuple[float, float]:
     """(seconds a step's communication adds to its compute, communication seconds in all) for
     `accum` micro-steps of forward `fwd` and backward `bwd` seconds."""
     gather, reduce = costs(strategy, nodes, per_node, inter, intra)

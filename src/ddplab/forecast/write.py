@@ -7,13 +7,23 @@ from pathlib import Path
 
 from ddplab.report.plots import _pyplot, _save
 
-COLUMNS = [("strategy", "strategy", "{}"), ("setup", "setup", "{}"), ("processes", "processes", "{}"),
-           ("global_batch", "global batch", "{}"), ("steps_per_epoch", "steps / epoch", "{:,}"),
-           ("sent_mb", "sent MB / rank", "{:,.2f}"), ("step_ms", "step (ms)", "{:,.2f}"),
-           ("compute_ms", "compute (ms)", "{:,.2f}"), ("comm_ms", "comm (ms)", "{:,.2f}"),
-           ("exposed_comm_ms", "not hidden (ms)", "{:,.2f}"), ("epoch_s", "epoch (s)", "{:,.2f}"),
-           ("speedup", "speedup", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
-           ("comm_share", "comm share", "{:.1%}"), ("epochs_in_budget", "epochs @ budget", "{:,.1f}")]
+COLUMNS = [
+    ("strategy", "strategy", "{}"),
+    ("setup", "setup", "{}"),
+    ("processes", "processes", "{}"),
+    ("global_batch", "global batch", "{}"),
+    ("steps_per_epoch", "steps / epoch", "{:,}"),
+    ("sent_mb", "sent MB / rank", "{:,.2f}"),
+    ("step_ms", "step (ms)", "{:,.2f}"),
+    ("compute_ms", "compute (ms)", "{:,.2f}"),
+    ("comm_ms", "comm (ms)", "{:,.2f}"),
+    ("exposed_comm_ms", "not hidden (ms)", "{:,.2f}"),
+    ("epoch_s", "epoch (s)", "{:,.2f}"),
+    ("speedup", "speedup", "{:.2f}"),
+    ("efficiency", "efficiency", "{:.2f}"),
+    ("comm_share", "comm share", "{:.1%}"),
+    ("epochs_in_budget", "epochs @ budget", "{:,.1f}"),
+]
 
 
 def markdown(result) -> str:
@@ -26,10 +36,13 @@ def markdown(result) -> str:
     lines += ["", "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in result.rows:
         lines.append("| " + " | ".join("-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in cols) + " |")
-    lines += ["", "Speedup is the 1x1 forecast's epoch time over the setup's, at the same batch per process; "
-              "efficiency is speedup / processes; comm (ms) is every collective's time, hidden or not; comm share "
-              "is the part not hidden behind compute, over the step; sent MB / rank is what each process sends per "
-              "step."]
+    lines += [
+        "",
+        "Speedup is the 1x1 forecast's epoch time over the setup's, at the same batch per process; "
+        "efficiency is speedup / processes; comm (ms) is every collective's time, hidden or not; comm share "
+        "is the part not hidden behind compute, over the step; sent MB / rank is what each process sends per "
+        "step.",
+    ]
     if result.fit is not None:
         lines += [
             "",
@@ -61,11 +74,16 @@ def plot(result, path: Path) -> None:
     left.tick_params(axis="x", labelrotation=45 if several else 0)
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         ordered = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["processes"])
-        right.plot([r["processes"] for r in ordered], [r["speedup"] for r in ordered], "o-",
-                   label=f"forecast, {strategy}" if several else "forecast")
+        right.plot(
+            [r["processes"] for r in ordered],
+            [r["speedup"] for r in ordered],
+            "o-",
+            label=f"forecast, {strategy}" if several else "forecast",
+        )
         for r in ordered:
-            right.annotate(r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10),
-                           fontsize=8)
+            right.annotate(
+                r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8
+            )
     top = max(r["processes"] for r in rows)
     right.plot([1, top], [1, top], "--", color="grey", label="ideal")
     right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")

@@ -32,8 +32,11 @@ class EpochColumns(Callback):
 
     def on_epoch_end(self, view, row):
         device = view.device
-        peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # ru_maxrss: KiB on Linux
+        peak = (
+            torch.cuda.max_memory_allocated(device) / 2**20
+            if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )  # ru_maxrss: KiB on Linux
         row["peak_mem_mb"] = view.dist.all_reduce(torch.tensor([peak], device=device), "max").item()
         value = mfu(view.model, row.get("tokens_per_s"), device, view.world_size)
         if value is not None:
@@ -51,17 +54,28 @@ class EpochColumns(Callback):
 class RunRecorder(Callback):
     """metrics.csv (every epoch so far) and the console / train.log lines (trackers: ddplab.trackers)."""
 
-    ROW_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_f1", "val_perplexity", "val_r2", "val_rmse",
-                "epoch_time_s", "samples_per_s")
+    ROW_KEYS = (
+        "train_loss",
+        "val_loss",
+        "val_accuracy",
+        "val_f1",
+        "val_perplexity",
+        "val_r2",
+        "val_rmse",
+        "epoch_time_s",
+        "samples_per_s",
+    )
 
     def on_train_start(self, view):
         run, b, dist = view.run, view.batch, view.dist
-        run.log(f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
-                f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
-                f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
-                + (f"{b['steps_per_epoch']} steps per epoch" if b["steps_per_epoch"] else "epochs end with the stream")
-                + f"; {view.data_workers} data workers per process"
-                + "".join(f"; {change}" for change in process_state.in_effect()))  # torch's defaults, unless listed
+        run.log(
+            f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
+            f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
+            f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
+            + (f"{b['steps_per_epoch']} steps per epoch" if b["steps_per_epoch"] else "epochs end with the stream")
+            + f"; {view.data_workers} data workers per process"
+            + "".join(f"; {change}" for change in process_state.in_effect())
+        )  # torch's defaults, unless listed
 
     def on_log(self, view, values):
         step, every = view.step, view.config.logging.log_every
@@ -73,8 +87,9 @@ class RunRecorder(Callback):
     def on_eval_end(self, view, split, metrics):
         every = view.config.training.eval_every
         if split == "val" and every and view.step % every == 0 and view.phase == "train":
-            view.run.log(f"step {view.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
-                                                            if isinstance(v, float)))
+            view.run.log(
+                f"step {view.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+            )
 
     def on_epoch_end(self, view, row):
         run, per_epoch = view.run, view.steps_per_epoch
@@ -121,8 +136,14 @@ class ProgressBar(Callback):
             return
         # Only a terminal shows the bar: a worker that never draws one is spared rich's import.
 
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), console=view.run.console, transient=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=view.run.console,
+            transient=True,
+        )
         self.progress.add_task(f"epoch {view.epoch}", total=view.epoch_samples)
         self.progress.start()
 

@@ -27,10 +27,13 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
         classes = list(names) if names and len(names) == n else [str(i) for i in range(n)]
         matrix = [[int(x) for x in row] for row in confusion.tolist()]
         scores = per_class_scores(confusion)
-        out[split] = {"classes": classes,
-                      "per_class": {c: {k: scores[k][i] for k in ("precision", "recall", "f1", "support")}
-                                    for i, c in enumerate(classes)},
-                      "confusion_matrix": matrix}
+        out[split] = {
+            "classes": classes,
+            "per_class": {
+                c: {k: scores[k][i] for k in ("precision", "recall", "f1", "support")} for i, c in enumerate(classes)
+            },
+            "confusion_matrix": matrix,
+        }
         if write:
             table = io.StringIO(newline="")
             csv.writer(table).writerows(
@@ -55,8 +58,15 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
     image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     if n <= 30:  # counts stay readable up to about 30 classes
         for i, j in np.ndindex(n, n):
-            ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=7,
-                    color="white" if share[i, j] > 0.5 else "black")
+            ax.text(
+                j,
+                i,
+                f"{int(counts[i, j])}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if share[i, j] > 0.5 else "black",
+            )
     ax.set_xticks(range(n), classes, rotation=90 if n > 10 else 0, fontsize=7)
     ax.set_yticks(range(n), classes, fontsize=7)
     ax.set(xlabel="predicted", ylabel="true", title=f"Confusion matrix, {split} ({int(counts.sum())} samples)")
@@ -78,6 +88,11 @@ class ClassReports(Callback):
 
     def on_train_end(self, view, summary) -> None:
         if self.evaluators:
-            summary["classes"] = class_reports(self.evaluators, view.run.path, view.data.meta.get("label_names"),
-                                               view.is_main, view.config.logging.plots)
+            summary["classes"] = class_reports(
+                self.evaluators,
+                view.run.path,
+                view.data.meta.get("label_names"),
+                view.is_main,
+                view.config.logging.plots,
+            )
             view.run.write_json(view.run.METRICS_JSON, summary)

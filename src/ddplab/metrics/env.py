@@ -28,8 +28,12 @@ def git_commit() -> str | None:
         except (OSError, subprocess.SubprocessError):
             continue
         if out.returncode == 0:
-            dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
             return out.stdout.strip() + ("-dirty" if dirty else "")
     return None
 
@@ -38,11 +42,17 @@ def local_info(device: torch.device) -> dict:
     info = {"host": socket.gethostname(), "pid": os.getpid(), "device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, device_memory_gb=round(props.total_memory / 2**30, 1),
-                    capability=f"{props.major}.{props.minor}")
+        info.update(
+            device_name=props.name,
+            device_memory_gb=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+        )
     else:
-        info.update(device_name=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-                    torch_threads=torch.get_num_threads())
+        info.update(
+            device_name=platform.processor() or platform.machine(),
+            cpu_count=os.cpu_count(),
+            torch_threads=torch.get_num_threads(),
+        )
     return info
 
 

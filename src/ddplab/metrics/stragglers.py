@@ -60,14 +60,14 @@ class Stragglers(Callback):
         threshold = view.config.logging.straggler_threshold
         for rank, t in enumerate(own):
             # The others' median: with two ranks, a median that included the slow one would halve its lead.
-            median = _median(own[:rank] + own[rank + 1:])
+            median = _median(own[:rank] + own[rank + 1 :])
             if median <= 0:
                 continue
             self.streak[rank] = self.streak[rank] + 1 if t > median * (1 + threshold) else 0
             if self.streak[rank] >= STREAK and rank not in self.named:
                 self.named.add(rank)
                 compute, data = every[rank, :2].tolist()
-                others = torch.cat([every[:rank], every[rank + 1:]])
+                others = torch.cat([every[:rank], every[rank + 1 :]])
                 loses = (
                     "data loading"
                     if data - _median(others[:, 1].tolist()) > compute - _median(others[:, 0].tolist())

@@ -51,29 +51,60 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
     model = view.model
     flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
     return {
-        "status": status, "stop_reason": view.stop_reason, "config": cfg.to_dict(), "workload": workload or {},
+        "status": status,
+        "stop_reason": view.stop_reason,
+        "config": cfg.to_dict(),
+        "workload": workload or {},
         # None: a stream that does not know its length
-        "dataset": {"name": cfg.data.name, "task": data.task.describe()["kind"], "train": size(data.train),
-                    "val": size(data.val) if data.val is not None else 0,
-                    "test": size(data.test) if data.test is not None else 0,
-                    "num_classes": data.num_classes, "vocab_size": data.vocab_size},
-        "model": {"name": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
-                  "flops_per_token": flops, "stochastic": stochastic_parts(model, data)},
-        "ddp": {**view.batch, "backend": dist.backend, "launcher": dist.launch.launcher,
-                "lr": view.lr, "lr_scaling": cfg.training.lr_scaling,
-                "bucket_cap_mb": cfg.distributed.bucket_cap_mb, "comm_hook": cfg.distributed.comm_hook,
-                "strategy": cfg.distributed.strategy, "state_bytes_per_rank": state_bytes(model, view.optimizer),
-                "snapshot_stalls": list(view.snapshot_stalls)},
-        "comm": {**comm_summary(model, view.comm, cfg.distributed),
-                 "units": fsdp_units(model, cfg.distributed.shard_min_params)},
-        "epochs": list(history), "steps": list(view.log_rows), "aggregates": aggregates, "test": test or {},
+        "dataset": {
+            "name": cfg.data.name,
+            "task": data.task.describe()["kind"],
+            "train": size(data.train),
+            "val": size(data.val) if data.val is not None else 0,
+            "test": size(data.test) if data.test is not None else 0,
+            "num_classes": data.num_classes,
+            "vocab_size": data.vocab_size,
+        },
+        "model": {
+            "name": cfg.model.name,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "flops_per_token": flops,
+            "stochastic": stochastic_parts(model, data),
+        },
+        "ddp": {
+            **view.batch,
+            "backend": dist.backend,
+            "launcher": dist.launch.launcher,
+            "lr": view.lr,
+            "lr_scaling": cfg.training.lr_scaling,
+            "bucket_cap_mb": cfg.distributed.bucket_cap_mb,
+            "comm_hook": cfg.distributed.comm_hook,
+            "strategy": cfg.distributed.strategy,
+            "state_bytes_per_rank": state_bytes(model, view.optimizer),
+            "snapshot_stalls": list(view.snapshot_stalls),
+        },
+        "comm": {
+            **comm_summary(model, view.comm, cfg.distributed),
+            "units": fsdp_units(model, cfg.distributed.shard_min_params),
+        },
+        "epochs": list(history),
+        "steps": list(view.log_rows),
+        "aggregates": aggregates,
+        "test": test or {},
         "eta": eta_record(history, view.elapsed),
     }
 
 
 def eta_record(history, actual_end_s: float) -> dict:
     """Each epoch's estimate of the end of training beside the actual end: how far off the ETA was."""
-    estimates = [{"epoch": r["epoch"], "eta_s": r["eta_s"], "predicted_end_s": r["predicted_end_s"],
-                  "error": r["predicted_end_s"] / actual_end_s - 1 if actual_end_s else None}
-                 for r in history if r.get("predicted_end_s") is not None]
+    estimates = [
+        {
+            "epoch": r["epoch"],
+            "eta_s": r["eta_s"],
+            "predicted_end_s": r["predicted_end_s"],
+            "error": r["predicted_end_s"] / actual_end_s - 1 if actual_end_s else None,
+        }
+        for r in history
+        if r.get("predicted_end_s") is not None
+    ]
     return {"actual_end_s": actual_end_s, "estimates": estimates}

@@ -10,8 +10,18 @@ import torch
 
 # Device-name substring -> peak dense bf16 TFLOP/s. Longer, more specific names first.
 PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0,
-    "A10": 125.0, "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0, "T4": 65.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L4": 121.0,
+    "V100": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "T4": 65.0,
 }
 
 

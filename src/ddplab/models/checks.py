@@ -22,8 +22,10 @@ def check_image_input(cfg, channels: int, side: int) -> None:
     elif name == "vit" and side % cfg.model.patch_size:
         problem = f"model.patch_size={cfg.model.patch_size} does not divide it"
     if problem:
-        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
-                        f"set another data.image_size")
+        raise UserError(
+            f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
+            f"set another data.image_size"
+        )
 
 
 def looks_like_path(name: str) -> bool:

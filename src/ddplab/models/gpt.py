@@ -48,8 +48,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(c.dim, bias=c.bias)
         self.attn = CausalSelfAttention(c)
         self.ln2 = nn.LayerNorm(c.dim, bias=c.bias)
-        self.mlp = nn.Sequential(nn.Linear(c.dim, ff, bias=c.bias), nn.GELU(),
-                                 nn.Linear(ff, c.dim, bias=c.bias), nn.Dropout(c.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(c.dim, ff, bias=c.bias), nn.GELU(), nn.Linear(ff, c.dim, bias=c.bias), nn.Dropout(c.dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -97,8 +98,14 @@ class GPT(nn.Module):
         return 6 * n + 12 * c.layers * c.dim * c.context
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample `max_new_tokens` after the prompt `idx` (B, T)."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.context :])[:, -1, :]

@@ -42,8 +42,9 @@ class TransformerClassifier(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.dim, padding_idx=c.pad_id)
         self.register_buffer("positions", sinusoidal(c.max_len, c.dim), persistent=False)
         self.drop = nn.Dropout(c.dropout)
-        layer = nn.TransformerEncoderLayer(c.dim, c.heads, c.ff_dim or 4 * c.dim, c.dropout, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            c.dim, c.heads, c.ff_dim or 4 * c.dim, c.dropout, activation="gelu", batch_first=True, norm_first=True
+        )
         # Nested tensors would skip padded positions faster in eval, but only for post-norm layers.
         self.encoder = nn.TransformerEncoder(layer, c.layers, norm=nn.LayerNorm(c.dim), enable_nested_tensor=False)
         self.head = nn.Linear(c.dim, c.num_classes)

@@ -27,8 +27,9 @@ IMAGENET_SIDE = 224  # the side torchvision's weights were made for: the default
 class CNN(nn.Module):
     """Two 3x3 convolutions, max-pool, dropout, two linear layers (the FashionMNIST tutorial net)."""
 
-    def __init__(self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.25,
-                 hidden: int = 128) -> None:
+    def __init__(
+        self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.25, hidden: int = 128
+    ) -> None:
         super().__init__()
         if image_size < CNN_MIN_SIDE:
             raise ValueError(f"CNN needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE}, got {image_size}")
@@ -50,6 +51,7 @@ class CNN(nn.Module):
 
 # ---------------------------------------------------------------------------- names
 
+
 def torchvision_names() -> list[str]:
     return models.list_models(module=models)  # classifiers only: detection etc. live in sub-modules
 
@@ -63,7 +65,7 @@ def compact(names: list[str]) -> str:
     families: dict[str, list[str]] = defaultdict(list)
     for name in names:
         family = re.split(r"[^a-z]", name, maxsplit=1)[0]
-        families[family].append(name[len(family):])
+        families[family].append(name[len(family) :])
     parts = []
     for family, rests in sorted(families.items()):
         rests = sorted(rests, key=_natural)
@@ -80,11 +82,14 @@ def unknown_model(name: str, own: list[str]) -> str:
     tv = torchvision_names()
     close = difflib.get_close_matches(name, own + tv, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return (f"model.name: unknown model '{name}'{hint}; choose one of {', '.join(sorted(own))}, "
-            f"or a torchvision classifier: {compact(tv)}")
+    return (
+        f"model.name: unknown model '{name}'{hint}; choose one of {', '.join(sorted(own))}, "
+        f"or a torchvision classifier: {compact(tv)}"
+    )
 
 
 # ---------------------------------------------------------------------------- weights
+
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """A state dict from a local file (plain, or inside a 'state_dict' / 'model' entry)."""
@@ -98,8 +103,9 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise UserError(f"model.weights: no such file: {path}") from None
     except Exception as exc:  # noqa: BLE001 - anything unreadable is the user's file, not a bug
-        raise UserError(f"model.weights: cannot read {path} as a state dict "
-                        f"({first_line(exc, 120) or type(exc).__name__})") from None
+        raise UserError(
+            f"model.weights: cannot read {path} as a state dict ({first_line(exc, 120) or type(exc).__name__})"
+        ) from None
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -116,9 +122,11 @@ def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, nam
     shapes = [
         f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]
     ]
-    parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
-             f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
-             f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else ""]
+    parts = [
+        f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+        f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
+        f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
+    ]
     if missing or unexpected or shapes:
         raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(p for p in parts if p)}")
 
@@ -126,6 +134,7 @@ def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, nam
 # ---------------------------------------------------------------------------- builders
 # Each takes the config's model section and the images' shape; `ddplab.workloads.images` reads
 # that shape from the Data (or, at predict time, from the checkpoint's meta).
+
 
 def _torchvision(name: str, side: int) -> nn.Module:
     kwargs = {}
@@ -152,9 +161,12 @@ def _pretrained(name: str, side: int, path: str) -> nn.Module:
 
 def find_head(model: nn.Module) -> str:
     """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
-    heads = [name for name, m in model.named_modules()
-             if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES)
-             or (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES)]
+    heads = [
+        name
+        for name, m in model.named_modules()
+        if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES)
+        or (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES)
+    ]
     if not heads:
         raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
     return heads[-1]
@@ -193,12 +205,19 @@ def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
     reading `channels` (torchvision's is made for 3: its patch embedding is replaced for others)."""
     if side % m.patch_size:
         raise UserError(f"model.patch_size={m.patch_size} must divide the image side {side} (data.image_size)")
-    model = VisionTransformer(image_size=side, patch_size=m.patch_size, num_layers=m.layers, num_heads=m.heads,
-                              hidden_dim=m.dim, mlp_dim=m.ff_dim or 4 * m.dim, dropout=m.dropout,
-                              num_classes=num_classes)
+    model = VisionTransformer(
+        image_size=side,
+        patch_size=m.patch_size,
+        num_layers=m.layers,
+        num_heads=m.heads,
+        hidden_dim=m.dim,
+        mlp_dim=m.ff_dim or 4 * m.dim,
+        dropout=m.dropout,
+        num_classes=num_classes,
+    )
     if channels != 3:
         model.conv_proj = nn.Conv2d(channels, m.dim, kernel_size=m.patch_size, stride=m.patch_size)
-        fan_in = channels * m.patch_size ** 2  # torchvision's own initialisation of this layer
+        fan_in = channels * m.patch_size**2  # torchvision's own initialisation of this layer
         nn.init.trunc_normal_(model.conv_proj.weight, std=(1 / fan_in) ** 0.5)
         nn.init.zeros_(model.conv_proj.bias)
     _own_weights(m, model, model.heads)
@@ -216,6 +235,7 @@ def _own_weights(m, model: nn.Module, head: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------- checks
 
+
 def check_input(cfg) -> None:
     """A torchvision classifier takes RGB at data.image_size (else its default side): a forward
     pass on the meta device (no memory, no init time) finds what does not fit, before launch."""
@@ -224,8 +244,10 @@ def check_input(cfg) -> None:
         with torch.device("meta"):
             _torchvision(name, side).eval()(torch.empty(1, 3, side, side))
     except (RuntimeError, ValueError, AssertionError) as exc:
-        raise UserError(f"data.image_size: {side}x{side} images do not fit model.name={name} "
-                        f"({first_line(exc, 120) or type(exc).__name__}); set another data.image_size") from None
+        raise UserError(
+            f"data.image_size: {side}x{side} images do not fit model.name={name} "
+            f"({first_line(exc, 120) or type(exc).__name__}); set another data.image_size"
+        ) from None
 
 
 def check_files(cfg) -> None:

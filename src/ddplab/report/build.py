@@ -32,9 +32,14 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     rows = build_rows(runs, budget)
     write_csv(rows, out / "report.csv")
 
-    images = [*plots.setups_plots(rows, out), *plots.sweep_plots(rows, out),
-              plots.val_epoch_plot(runs, out / "val_epochs.png"), *plots.loss_plots(runs, out),
-              plots.accuracy_plot(runs, out / "accuracy_time.png"), plots.comm_plot(rows, out / "comm.png")]
+    images = [
+        *plots.setups_plots(rows, out),
+        *plots.sweep_plots(rows, out),
+        plots.val_epoch_plot(runs, out / "val_epochs.png"),
+        *plots.loss_plots(runs, out),
+        plots.accuracy_plot(runs, out / "accuracy_time.png"),
+        plots.comm_plot(rows, out / "comm.png"),
+    ]
 
     repeats = sorted({r["repeats"] for r in rows})
     try:
@@ -97,15 +102,26 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         ]
     quality = quality_columns_for(rows)
     if any(is_quality(k) for k, _ in quality):
-        lines += ["", "## Quality", "", markdown(rows, quality), "",
-                  "- the task's own scores (accuracy and macro precision / recall / F1 for classification; R², MAE, "
-                  "RMSE for regression; a Task's torchmetrics by their names): val scores are the last epoch's, on "
-                  "the whole validation split; test scores are the best model's on the test split."]
+        lines += [
+            "",
+            "## Quality",
+            "",
+            markdown(rows, quality),
+            "",
+            "- the task's own scores (accuracy and macro precision / recall / F1 for classification; R², MAE, "
+            "RMSE for regression; a Task's torchmetrics by their names): val scores are the last epoch's, on "
+            "the whole validation split; test scores are the best model's on the test split.",
+        ]
     notes = comparisons(rows) + efficiency_notes(rows)
     if notes:
-        lines += ["", "## Differences and noise", "",
-                  "Throughput (samples/s) of points that differ in one thing only; where their ranges over repeats "
-                  "overlap the difference is within noise and no order is claimed.", ""]
+        lines += [
+            "",
+            "## Differences and noise",
+            "",
+            "Throughput (samples/s) of points that differ in one thing only; where their ranges over repeats "
+            "overlap the difference is within noise and no order is claimed.",
+            "",
+        ]
         lines += [f"- {line}" for line in notes]
     table = scaling_tables(rows, budget, budget_from)
     if table:

@@ -26,8 +26,14 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
         return f"{head}: a single run on a side, noise not measured (use --repeat 3)"
     lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
-    if (lo_a is not None and hi_a is not None and lo_b is not None and hi_b is not None
-            and lo_a <= hi_b and lo_b <= hi_a):
+    if (
+        lo_a is not None
+        and hi_a is not None
+        and lo_b is not None
+        and hi_b is not None
+        and lo_a <= hi_b
+        and lo_b <= hi_a
+    ):
         return f"{head}: **within noise** (ranges overlap)"
     faster, slower = (a, b) if va > vb else (b, a)
     return f"{head}: {faster['label']} is {max(va, vb) / min(va, vb):.2f}x {slower['label']} (ranges apart)"
@@ -59,6 +65,8 @@ def efficiency_notes(rows: list[dict]) -> list[str]:
             if row.get("repeats", 1) > 1 and lo is not None and lo <= 1.0:
                 notes.append(f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 is within noise")
             else:
-                notes.append(f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 (superlinear, or the "
-                             f"1-process baseline ran slow; repeat to tell)")
+                notes.append(
+                    f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 (superlinear, or the "
+                    f"1-process baseline ran slow; repeat to tell)"
+                )
     return notes

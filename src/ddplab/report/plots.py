@@ -66,8 +66,10 @@ def _series(rows: list[dict], key: str, where: dict[str, int]) -> dict[str, list
     series: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         series[_swept_label(row)].append(row)
-    series = {label: sorted((r for r in items if r.get(key)), key=lambda r: where[r["setup"]])
-              for label, items in series.items()}
+    series = {
+        label: sorted((r for r in items if r.get(key)), key=lambda r: where[r["setup"]])
+        for label, items in series.items()
+    }
     return {label: items for label, items in series.items() if items}
 
 
@@ -96,16 +98,24 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
         line = _errorbar(left, xs, items, "samples_per_s", label=label)
         base = next((r for r in items if r["processes"] == 1), None)
         if base:
-            left.plot(xs, [base["samples_per_s"] * r["processes"] for r in items], linestyle="--",
-                      color=line.get_color(), alpha=0.6)
+            left.plot(
+                xs,
+                [base["samples_per_s"] * r["processes"] for r in items],
+                linestyle="--",
+                color=line.get_color(),
+                alpha=0.6,
+            )
         eff = [r for r in items if r.get("efficiency") is not None]
         if eff:
             _errorbar(right, [where[r["setup"]] for r in eff], eff, "efficiency", color=line.get_color(), label=label)
     right.axhline(1.0, linestyle="--", color="grey", label="ideal")
     left.plot([], [], linestyle="--", color="grey", label="ideal (linear in processes)")
     left.set(ylabel="training samples/s", title="Throughput per setup")
-    right.set(ylabel="scaling efficiency (speedup / processes)", title="Efficiency per setup",
-              ylim=(0, max(1.1, right.get_ylim()[1])))
+    right.set(
+        ylabel="scaling efficiency (speedup / processes)",
+        title="Efficiency per setup",
+        ylim=(0, max(1.1, right.get_ylim()[1])),
+    )
     for ax in (left, right):
         _categories(ax, order)
         _legend(ax, fontsize=8)
@@ -125,8 +135,11 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     communicated) the communication share of a step against the swept value, one line per
     setup and combination of the other swept values."""
     plt = _pyplot()
-    keys = [k for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
-            if len({r.get(k) for r in rows}) > 1]
+    keys = [
+        k
+        for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
+        if len({r.get(k) for r in rows}) > 1
+    ]
     paths = []
     for key in keys:
         leaf = key.split(":", 1)[1]
@@ -174,8 +187,10 @@ def _median_curve(runs: list[Run], key: str) -> list[dict]:
         for r in run.epochs:
             if r.get(key) is not None and not r.get("partial"):
                 per_epoch[int(r["epoch"])].append(r[key])
-    return [{"epoch": e, key: statistics.median(v), f"{key}_min": min(v), f"{key}_max": max(v)}
-            for e, v in sorted(per_epoch.items())]
+    return [
+        {"epoch": e, key: statistics.median(v), f"{key}_min": min(v), f"{key}_max": max(v)}
+        for e, v in sorted(per_epoch.items())
+    ]
 
 
 def _points(runs: list[Run]) -> dict[str, list[Run]]:
@@ -210,8 +225,9 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
             if curve:
                 line, marker = styles[setups.index(group[0].setup) % len(styles)]
                 color = colors[swept.index(json.dumps(group[0].swept, sort_keys=True)) % len(colors)]
-                _errorbar(ax, [c["epoch"] for c in curve], curve, key, marker=marker, linestyle=line, color=color,
-                          label=label)
+                _errorbar(
+                    ax, [c["epoch"] for c in curve], curve, key, marker=marker, linestyle=line, color=color, label=label
+                )
         _integer_ticks(ax.xaxis)
         name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
         ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
@@ -251,8 +267,10 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
 
 
 def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
-    series = {name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
-              for name, run in _firsts(runs).items()}
+    series = {
+        name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
+        for name, run in _firsts(runs).items()
+    }
     series = {label: pts for label, pts in series.items() if pts}
     if not series:
         return None

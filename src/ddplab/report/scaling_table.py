@@ -9,17 +9,27 @@ from collections import defaultdict
 from ddplab.report.plots import setup_order
 from ddplab.report.table import SCORE_HEADERS, cell, fmt, quality_keys
 
-ROWS = [("lr", "Learning rate"), ("global_batch", "Global batch size"), ("steps_per_epoch", "Steps per epoch"),
-        ("mean_epoch_time_s", "Avg epoch time (s)"), ("epochs_at_budget", "Epochs @ budget"),
-        ("scaling_efficiency", "Scaling efficiency"), ("best_val_loss", "Best validation loss"),
-        ("test_loss", "Test loss"), ("test_accuracy", "Top-1 test accuracy")]
+ROWS = [
+    ("lr", "Learning rate"),
+    ("global_batch", "Global batch size"),
+    ("steps_per_epoch", "Steps per epoch"),
+    ("mean_epoch_time_s", "Avg epoch time (s)"),
+    ("epochs_at_budget", "Epochs @ budget"),
+    ("scaling_efficiency", "Scaling efficiency"),
+    ("best_val_loss", "Best validation loss"),
+    ("test_loss", "Test loss"),
+    ("test_accuracy", "Top-1 test accuracy"),
+]
 
 
 def _score_rows(items: list[dict]) -> list[tuple[str, str]]:
     """The task's other test scores that some point holds (R², MAE, RMSE for regression; a Task's own)."""
     keys = [k for k in quality_keys(items) if k.startswith("test_") and k not in dict(ROWS)]
-    return [(k, f"Test {SCORE_HEADERS.get(k[5:], k[5:].replace('_', ' '))}") for k in keys
-            if any(r.get(k) is not None for r in items)]
+    return [
+        (k, f"Test {SCORE_HEADERS.get(k[5:], k[5:].replace('_', ' '))}")
+        for k in keys
+        if any(r.get(k) is not None for r in items)
+    ]
 
 
 def _with_efficiency(items: list[dict]) -> list[dict]:
@@ -48,14 +58,29 @@ def scaling_tables(rows: list[dict], budget_s: float | None, budget_why: str) ->
         items = _with_efficiency(items)
         others = [f"{k.split('.')[-1]}={v}" for k, v in items[0].items() if k.startswith("swept:")]
         title = "Scaling table" + (f" ({', '.join(others)})" if others else "")
-        budget = (f"epochs @ budget: within {fmt('budget', budget_s)} s of training time" if budget_s
-                  else f"epochs @ budget: — ({budget_why})")
-        lines += [f"### {title}", "", "| | " + " | ".join(f"{r['setup']}" for r in items) + " |",
-                  "|---|" + "|".join("---" for _ in items) + "|"]
+        budget = (
+            f"epochs @ budget: within {fmt('budget', budget_s)} s of training time"
+            if budget_s
+            else f"epochs @ budget: — ({budget_why})"
+        )
+        lines += [
+            f"### {title}",
+            "",
+            "| | " + " | ".join(f"{r['setup']}" for r in items) + " |",
+            "|---|" + "|".join("---" for _ in items) + "|",
+        ]
         for key, name in ROWS + _score_rows(items):
             lines.append(f"| **{name}** | " + " | ".join(cell(r, key) for r in items) + " |")
-        lines += ["", f"Columns are setups (nodes x processes per node); efficiency is throughput against "
-                      f"{items[0]['setup']} per process; {budget}" + ("; ≈ marks a projection (budget ÷ avg epoch "
-                      "time) for a run that trained less than the budget" if any(
-                          r.get("epochs_at_budget_projected") for r in items) else "") + ".", ""]
+        lines += [
+            "",
+            f"Columns are setups (nodes x processes per node); efficiency is throughput against "
+            f"{items[0]['setup']} per process; {budget}"
+            + (
+                "; ≈ marks a projection (budget ÷ avg epoch time) for a run that trained less than the budget"
+                if any(r.get("epochs_at_budget_projected") for r in items)
+                else ""
+            )
+            + ".",
+            "",
+        ]
     return lines

@@ -19,9 +19,23 @@ from ddplab.engine.files import write_atomic
 from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
-TIMING = ["epochs", "mean_epoch_time_s", "samples_per_s", "speedup", "efficiency", "comm_ms_per_step",
-          "compute_ms_per_step", "rank_spread", "epochs_at_budget", "train_time_s", "gpu_util", "gpu_mem_mb",
-          "step_ms", "overhead_ms_per_step", "peak_mem_mb"]
+TIMING = [
+    "epochs",
+    "mean_epoch_time_s",
+    "samples_per_s",
+    "speedup",
+    "efficiency",
+    "comm_ms_per_step",
+    "compute_ms_per_step",
+    "rank_spread",
+    "epochs_at_budget",
+    "train_time_s",
+    "gpu_util",
+    "gpu_mem_mb",
+    "step_ms",
+    "overhead_ms_per_step",
+    "peak_mem_mb",
+]
 # The task's own scores, as its evaluator names them (a user Task's torchmetrics by their keys in
 # Task.metrics()): these first, in this order, then any others by name.
 SCORES = ("loss", "accuracy", "top5_accuracy", "precision", "recall", "f1", "perplexity", "r2", "mae", "rmse")
@@ -30,17 +44,32 @@ SCORE_HEADERS = {"f1": "F1", "r2": "R²", "mae": "MAE", "rmse": "RMSE"}
 # (key, markdown header); the CSV uses the keys.
 HEAD = [("point", "point"), ("setup", "setup (nodes x procs)")]
 TIMING_COLUMNS = [
-    ("processes", "processes"), ("batch_per_process", "batch / process"), ("global_batch", "global batch"),
-    ("lr", "lr"), ("steps_per_epoch", "steps / epoch"), ("epochs", "epochs"), ("repeats", "repeats"),
-    ("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "samples/s"), ("speedup", "speedup"),
-    ("efficiency", "efficiency"), ("comm_ms_per_step", "comm ms/step"), ("compute_ms_per_step", "compute ms/step"),
-    ("rank_spread", "rank spread"), ("epochs_at_budget", "epochs @ budget"),
+    ("processes", "processes"),
+    ("batch_per_process", "batch / process"),
+    ("global_batch", "global batch"),
+    ("lr", "lr"),
+    ("steps_per_epoch", "steps / epoch"),
+    ("epochs", "epochs"),
+    ("repeats", "repeats"),
+    ("mean_epoch_time_s", "mean epoch time (s)"),
+    ("samples_per_s", "samples/s"),
+    ("speedup", "speedup"),
+    ("efficiency", "efficiency"),
+    ("comm_ms_per_step", "comm ms/step"),
+    ("compute_ms_per_step", "compute ms/step"),
+    ("rank_spread", "rank spread"),
+    ("epochs_at_budget", "epochs @ budget"),
 ]
 # What a strategy (ddp, fsdp, hsdp) holds per rank and what it costs.
 STRATEGY_COLUMNS = [
-    ("params_mb", "params MiB / rank"), ("grads_mb", "grads MiB / rank"), ("optim_mb", "optimizer MiB / rank"),
-    ("peak_mem_mb", "peak MiB"), ("samples_per_s", "samples/s"), ("step_ms", "step ms"),
-    ("comm_ms_per_step", "comm ms/step"), ("overhead_ms_per_step", "overhead ms/step"),
+    ("params_mb", "params MiB / rank"),
+    ("grads_mb", "grads MiB / rank"),
+    ("optim_mb", "optimizer MiB / rank"),
+    ("peak_mem_mb", "peak MiB"),
+    ("samples_per_s", "samples/s"),
+    ("step_ms", "step ms"),
+    ("comm_ms_per_step", "comm ms/step"),
+    ("overhead_ms_per_step", "overhead ms/step"),
 ]
 GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
 PERCENT = {"val_accuracy", "test_accuracy", "val_top5_accuracy", "test_top5_accuracy", "rank_spread"}
@@ -60,8 +89,14 @@ def is_quality(key: str) -> bool:
 
 def quality_keys(rows: list[dict]) -> list[str]:
     """best_val_loss, then every split's scores that some row holds, val before test, in SCORES order."""
-    scores = list(dict.fromkeys(k.split("_", 1)[1] for r in rows for k in r if k.startswith(("val_", "test_"))
-                                and not (k.endswith(("_min", "_max")) and k[:-4] in r)))  # a point's range
+    scores = list(
+        dict.fromkeys(
+            k.split("_", 1)[1]
+            for r in rows
+            for k in r
+            if k.startswith(("val_", "test_")) and not (k.endswith(("_min", "_max")) and k[:-4] in r)
+        )
+    )  # a point's range
     scores.sort(key=lambda n: (SCORES.index(n) if n in SCORES else len(SCORES), n))
     return ["best_val_loss", *(f"{split}_{name}" for split in ("val", "test") for name in scores)]
 
@@ -94,8 +129,11 @@ def study_budget(runs: list[Run], budget_s: float | None) -> tuple[float | None,
     budgets = {r.summary.get("aggregates", {}).get("time_budget_s") for r in runs}
     if len(budgets) == 1 and None not in budgets:
         return budgets.pop(), "the runs' training.time_budget"
-    why = ("the runs have different training.time_budget values" if len(budgets - {None}) > 1
-           else "no budget: pass --budget (e.g. --budget 2h) or train with training.time_budget")
+    why = (
+        "the runs have different training.time_budget values"
+        if len(budgets - {None}) > 1
+        else "no budget: pass --budget (e.g. --budget 2h) or train with training.time_budget"
+    )
     return None, why
 
 
@@ -135,7 +173,8 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         # (fsdp before they were timed) has rows of 0, no measurement.
         timed = (run.summary.get("comm") or {}).get("timed")
         has_comm = any(r.get("comm_time_s") is not None for r in run.epochs) and (
-            strategy == "ddp" or run.processes == 1 or bool(timed))
+            strategy == "ddp" or run.processes == 1 or bool(timed)
+        )
         state = run.ddp.get("state_bytes_per_rank")
         state = state if isinstance(state, dict) else {}
         epoch_s, steps_per_epoch = _mean(r.get("epoch_time_s") for r in run.full_epochs), run.ddp.get("steps_per_epoch")

@@ -91,8 +91,14 @@ def point_name(setup: Setup, swept: dict[str, str]) -> str:
     return "-".join([head] + [f"{key.split('.')[-1]}_{_slug(v)}" for key, v in swept.items()])
 
 
-def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: dict[str, list[str]],
-           study_dir: str, repeat: int = 1) -> list[Point]:
+def expand(
+    config: str | None,
+    common: list[str],
+    setups: list[Setup],
+    sweeps: dict[str, list[str]],
+    study_dir: str,
+    repeat: int = 1,
+) -> list[Point]:
     """Every run of the grid (each point `repeat` times, same seed), each point validated as
     `ddplab train` would before anything starts."""
     if repeat < 1:
@@ -114,5 +120,15 @@ def expand(config: str | None, common: list[str], setups: list[Setup], sweeps: d
             points.append(Point(name, setup, swept, overrides, point=name))
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
     # machine then spreads over all points instead of landing on the repeats of one.
-    return [Point(repeat_name(p.name, r), p.setup, p.swept, [*p.overrides, f"experiment.name={repeat_name(p.name, r)}"],
-                  r, p.name) for r in range(1, repeat + 1) for p in points]
+    return [
+        Point(
+            repeat_name(p.name, r),
+            p.setup,
+            p.swept,
+            [*p.overrides, f"experiment.name={repeat_name(p.name, r)}"],
+            r,
+            p.name,
+        )
+        for r in range(1, repeat + 1)
+        for p in points
+    ]

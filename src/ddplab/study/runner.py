@@ -38,13 +38,16 @@ def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    return [torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=endpoint, run_id=run_id)
-            for _ in range(setup.nodes)]
+    return [
+        torchrun_command(setup.per_node, args, nnodes=setup.nodes, rdzv_endpoint=endpoint, run_id=run_id)
+        for _ in range(setup.nodes)
+    ]
 
 
 def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=None) -> list[str]:
     """`srun` starts one agent per node of the allocation; they meet at the first node."""
     from ddplab.distributed import expand_nodelist  # torch: only under SLURM, never for report/forecast
+
     env = os.environ if env is None else env
     host = expand_nodelist(env.get("SLURM_JOB_NODELIST", "localhost"))[0]
     job = int(env.get("SLURM_JOB_ID", "0"))
@@ -59,8 +62,10 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
         have = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
         need = max(p.setup.nodes for p in points)
         if need > have:
-            raise UserError(f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
-                            f"use sbatch --nodes={need} or fewer nodes per point")
+            raise UserError(
+                f"--nproc asks for {need} nodes but this SLURM allocation has {have}; "
+                f"use sbatch --nodes={need} or fewer nodes per point"
+            )
     console = Console(highlight=False)
     columns = (
         SpinnerColumn(),
@@ -80,10 +85,25 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                 continue
             progress.update(task, description=label)
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(folder, RunFolder.POINT, json.dumps(
-                {"study": study_dir.name, "point": point.point, "run": point.name, "repeat": point.repeat,
-                 "nodes": point.setup.nodes, "per_node": point.setup.per_node, "processes": point.setup.processes,
-                 "setup": point.setup.label, "swept": point.swept}, indent=2) + "\n")
+            write_atomic(
+                folder,
+                RunFolder.POINT,
+                json.dumps(
+                    {
+                        "study": study_dir.name,
+                        "point": point.point,
+                        "run": point.name,
+                        "repeat": point.repeat,
+                        "nodes": point.setup.nodes,
+                        "per_node": point.setup.per_node,
+                        "processes": point.setup.processes,
+                        "setup": point.setup.label,
+                        "swept": point.swept,
+                    },
+                    indent=2,
+                )
+                + "\n",
+            )
             args = ["train", *([config] if config else []), *point.overrides]
             run_id = f"{study_dir.name}-{point.name}"
             commands = (
@@ -95,15 +115,20 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
             # The report folder lies in the point's folder, which every node of the job sees.
             ended = run(commands, log=folder / LOG_FILE, report_in=folder)
             if ended.stopped or ended.code == ExitCode.PREEMPTED:
-                raise Preempted(f"study pre-empted during point {point.name}; finished points are kept and "
-                                f"the same command continues the study")
+                raise Preempted(
+                    f"study pre-empted during point {point.name}; finished points are kept and "
+                    f"the same command continues the study"
+                )
             code = ended.code
             if code != 0 or not finished(folder):
                 if tail := log_tail(folder / LOG_FILE):
                     print(tail, file=sys.stderr)
-                raise PointFailed(f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
-                                  f"finished points are kept and the same command resumes the study")
+                raise PointFailed(
+                    f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
+                    f"finished points are kept and the same command resumes the study"
+                )
             rate = json.loads((folder / "metrics.json").read_text()).get("aggregates", {}).get("mean_samples_per_s")
-            console.print(f"{label}: done in {time.perf_counter() - start:.1f} s"
-                          + (f", {rate:,.0f} samples/s" if rate else ""))
+            console.print(
+                f"{label}: done in {time.perf_counter() - start:.1f} s" + (f", {rate:,.0f} samples/s" if rate else "")
+            )
             progress.advance(task)

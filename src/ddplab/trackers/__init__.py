@@ -100,6 +100,7 @@ class Trackers(Callback):
                 self._drop(view, entry, exc)
 
     def _drop(self, view, entry, exc: Exception) -> None:
-        view.run.log(f"WARNING: tracker {entry[0].name} failed and is off for the rest of this run: "
-                     f"{type(exc).__name__}: {exc}")
+        view.run.log(
+            f"WARNING: tracker {entry[0].name} failed and is off for the rest of this run: {type(exc).__name__}: {exc}"
+        )
         self.live.remove(entry)

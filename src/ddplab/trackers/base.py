@@ -20,8 +20,11 @@ def read_json(path: Path) -> dict:
 
 
 def numbers(row: dict, skip=()) -> dict:
-    return {k: float(v) for k, v in row.items() if k not in skip and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 class Tracker:

@@ -58,14 +58,16 @@ class MLflow(Tracker):
             experiment = _experiment(client, cfg.logging.mlflow_experiment, uri)
             tags.append(RunTag("ddplab.run_folder", str(run_dir.resolve())))
             if study:
-                tags += [RunTag("mlflow.parentRunId", _parent(client, experiment, uri, run_dir.parent, study)),
-                         *(RunTag(k, str(study[k])) for k in ("study", "point", "setup", "repeat", "processes")),
-                         *(RunTag(_key(k), str(v)) for k, v in study.get("swept", {}).items())]
+                tags += [
+                    RunTag("mlflow.parentRunId", _parent(client, experiment, uri, run_dir.parent, study)),
+                    *(RunTag(k, str(study[k])) for k in ("study", "point", "setup", "repeat", "processes")),
+                    *(RunTag(_key(k), str(v)) for k, v in study.get("swept", {}).items()),
+                ]
             self.run_id = client.create_run(experiment, run_name=cfg.run_name()).info.run_id
             params = [Param(_key(k), str(v)[:6000]) for k, v in flatten(cfg.to_dict()).items()]
             record[self.name] = {"uri": uri, "run_id": self.run_id}
         for i in range(0, max(len(params), len(tags)), 100):  # MLflow's limit per batch, for each
-            client.log_batch(self.run_id, params=params[i:i + 100], tags=tags[i:i + 100])
+            client.log_batch(self.run_id, params=params[i : i + 100], tags=tags[i : i + 100])
         return self._last_step("train/loss"), self._last_step("epoch")
 
     def _last_step(self, key: str) -> int:

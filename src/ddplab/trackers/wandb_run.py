@@ -21,12 +21,22 @@ class WandB(Tracker):
         cfg, mine = view.config, record.get(self.name, {})
         run_id = mine.get("id") or uuid.uuid4().hex[:12]
         config = {**cfg.to_dict(), **({"study_point": study} if study else {})}
-        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.run_name(), id=run_id, resume="allow",
-                              dir=None if os.environ.get("WANDB_DIR") else str(view.run.path),  # the user's wins
-                              group=study["study"] if study else None,
-                              config=None if "id" in mine else config, settings=wandb.Settings(console="off"))
-        record[self.name] = {"id": run_id, "project": cfg.logging.wandb_project, "train": mine.get("train", 0),
-                             "epoch": mine.get("epoch", 0)}
+        self.run = wandb.init(
+            project=cfg.logging.wandb_project,
+            name=cfg.run_name(),
+            id=run_id,
+            resume="allow",
+            dir=None if os.environ.get("WANDB_DIR") else str(view.run.path),  # the user's wins
+            group=study["study"] if study else None,
+            config=None if "id" in mine else config,
+            settings=wandb.Settings(console="off"),
+        )
+        record[self.name] = {
+            "id": run_id,
+            "project": cfg.logging.wandb_project,
+            "train": mine.get("train", 0),
+            "epoch": mine.get("epoch", 0),
+        }
         # Online, a resumed run knows its last step; offline, trackers.json does.
         held = max(self.run.starting_step - 1, 0) if self.run.resumed else 0
         return max(mine.get("train", 0), held), max(mine.get("epoch", 0), held)

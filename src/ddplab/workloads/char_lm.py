@@ -1,6 +1,6 @@
 """A character (or byte) GPT on any text file or folder of text files; the default workload.
 
-    ddplab train data.name=text data.path=corpus.txt model.name=gpt
+ddplab train data.name=text data.path=corpus.txt model.name=gpt
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def data(cfg) -> ddplab.Data:
     tokens = tokenizer.encode(text)
     n_val = int(len(tokens) * d.val_fraction)
     train = TokenChunks(tokens[: len(tokens) - n_val], context)
-    val = TokenChunks(tokens[len(tokens) - n_val:], context) if n_val > context else None
+    val = TokenChunks(tokens[len(tokens) - n_val :], context) if n_val > context else None
     if len(train) == 0:
         raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
     return ddplab.Data(train=train, val=val, task=ddplab.LanguageModeling(tokenizer.vocab_size), meta=tokenizer.meta())
@@ -29,5 +29,15 @@ def data(cfg) -> ddplab.Data:
 
 def gpt(cfg, data: ddplab.Data) -> GPT:
     m = cfg.config.model
-    return GPT(GPTConfig(vocab_size=data.vocab_size, context=m.context, layers=m.layers, heads=m.heads,
-                         dim=m.dim, ff_dim=m.ff_dim, dropout=m.dropout, bias=m.bias))
+    return GPT(
+        GPTConfig(
+            vocab_size=data.vocab_size,
+            context=m.context,
+            layers=m.layers,
+            heads=m.heads,
+            dim=m.dim,
+            ff_dim=m.ff_dim,
+            dropout=m.dropout,
+            bias=m.bias,
+        )
+    )

@@ -17,23 +17,39 @@ from ddplab.data.checks import image_spec
 from ddplab.models import vision as models
 from ddplab.registry import image_needs
 
-SOURCES = {"digits": images.digits, "mnist": images.torchvision_set, "fashion_mnist": images.torchvision_set,
-           "cifar10": images.torchvision_set, "image_folder": images.image_folder}
+SOURCES = {
+    "digits": images.digits,
+    "mnist": images.torchvision_set,
+    "fashion_mnist": images.torchvision_set,
+    "cifar10": images.torchvision_set,
+    "image_folder": images.image_folder,
+}
 
 
 def data(cfg: ddplab.BuildConfig) -> ddplab.Data:
     if cfg.assets is not None:  # `ddplab predict`: the transform and labels from the saved meta; no image is read
         meta = cfg.assets.meta
-        return ddplab.Data(train=None, meta=meta, collate_fn=images.stack_images,
-                           input_shape=tuple(meta["input_shape"]), preprocess=images.ImageFile(meta))
+        return ddplab.Data(
+            train=None,
+            meta=meta,
+            collate_fn=images.stack_images,
+            input_shape=tuple(meta["input_shape"]),
+            preprocess=images.ImageFile(meta),
+        )
     config = cfg.config
     spec = image_spec(config, *image_needs(config.model.name), log=_say if cfg.is_main else None)
     splits = SOURCES[config.data.name](config, cfg.dist, spec)
     meta = splits.meta
-    return ddplab.Data(train=splits.train, val=splits.val, test=splits.test,
-                       task=ddplab.Classification(len(meta["label_names"]), meta["label_names"]),
-                       collate_fn=images.stack_images, meta=meta, input_shape=tuple(meta["input_shape"]),
-                       preprocess=images.ImageFile(meta))
+    return ddplab.Data(
+        train=splits.train,
+        val=splits.val,
+        test=splits.test,
+        task=ddplab.Classification(len(meta["label_names"]), meta["label_names"]),
+        collate_fn=images.stack_images,
+        meta=meta,
+        input_shape=tuple(meta["input_shape"]),
+        preprocess=images.ImageFile(meta),
+    )
 
 
 def cnn(cfg: ddplab.BuildConfig, data: ddplab.Data):

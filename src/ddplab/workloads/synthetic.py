@@ -1,7 +1,7 @@
 """Generated, learnable tensors shaped for the configured model, for smoke tests and benchmarks.
 
-    ddplab train data.name=synthetic model.name=gpt      # token sequences
-    ddplab train data.name=synthetic model.name=cnn      # images, one mean pattern per class
+ddplab train data.name=synthetic model.name=gpt      # token sequences
+ddplab train data.name=synthetic model.name=cnn      # images, one mean pattern per class
 """
 
 from __future__ import annotations
@@ -25,14 +25,22 @@ def data(cfg) -> ddplab.Data:
         stride = torch.randint(1, 8, (n, 1), generator=g)
         seq = (start + stride * torch.arange(context + 1)) % vocab
         tokens = TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
-        return ddplab.Data(train=Subset(tokens, range(n_train)), val=Subset(tokens, range(n_train, n)),
-                           task=ddplab.LanguageModeling(vocab), meta={"tokenizer": "synthetic", "vocab_size": vocab})
+        return ddplab.Data(
+            train=Subset(tokens, range(n_train)),
+            val=Subset(tokens, range(n_train, n)),
+            task=ddplab.LanguageModeling(vocab),
+            meta={"tokenizer": "synthetic", "vocab_size": vocab},
+        )
     classes = c.data.num_classes or 10
     # The small CNN is grey-scale's model; every other image model gets RGB.
     channels, side = (1 if c.model.name == "cnn" else 3), c.data.image_size or 28
     patterns = torch.randn(classes, channels, side, side, generator=g)
     labels = torch.randint(0, classes, (n,), generator=g)
     images = TensorDataset(patterns[labels] + 1.5 * torch.randn(n, channels, side, side, generator=g), labels)
-    return ddplab.Data(train=Subset(images, range(n_train)), val=Subset(images, range(n_train, n)),
-                       task=ddplab.Classification(classes, [str(i) for i in range(classes)]),
-                       input_shape=(channels, side, side), meta={"input_shape": [channels, side, side]})
+    return ddplab.Data(
+        train=Subset(images, range(n_train)),
+        val=Subset(images, range(n_train, n)),
+        task=ddplab.Classification(classes, [str(i) for i in range(classes)]),
+        input_shape=(channels, side, side),
+        meta={"input_shape": [channels, side, side]},
+    )

@@ -54,8 +54,15 @@ def data(cfg) -> ddplab.Data:
     names += [str(i) for i in range(len(names), k)]
     train, val, test = splits(c, cache)
     meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
-    return ddplab.Data(train=train, val=val, test=test, task=ddplab.Classification(k, names), meta=meta,
-                       collate_fn=partial(pad_collate, pad_id=meta["pad_id"]), preprocess=Encoder(meta))
+    return ddplab.Data(
+        train=train,
+        val=val,
+        test=test,
+        task=ddplab.Classification(k, names),
+        meta=meta,
+        collate_fn=partial(pad_collate, pad_id=meta["pad_id"]),
+        preprocess=Encoder(meta),
+    )
 
 
 class Encoder:
@@ -69,32 +76,49 @@ class Encoder:
         if self.tokenizer is None:  # a pretrained tokenizer loads in seconds: only when predicting
             self.tokenizer = tokenizer_from_meta(self.meta)
         ids, lengths = self.tokenizer.encode_batch([text])
-        return {"input_ids": torch.from_numpy(ids[0, :lengths[0]].astype(np.int64))}
+        return {"input_ids": torch.from_numpy(ids[0, : lengths[0]].astype(np.int64))}
 
 
 def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
     m, meta = cfg.config.model, data.meta
-    return TransformerClassifier(TransformerConfig(
-        vocab_size=data.vocab_size, num_classes=data.num_classes, max_len=meta.get("max_len", cfg.config.data.max_len),
-        layers=m.layers, heads=m.heads, dim=m.dim, ff_dim=m.ff_dim, dropout=m.dropout, pooling=m.pooling,
-        pad_id=meta.get("pad_id", 0)))
+    return TransformerClassifier(
+        TransformerConfig(
+            vocab_size=data.vocab_size,
+            num_classes=data.num_classes,
+            max_len=meta.get("max_len", cfg.config.data.max_len),
+            layers=m.layers,
+            heads=m.heads,
+            dim=m.dim,
+            ff_dim=m.ff_dim,
+            dropout=m.dropout,
+            pooling=m.pooling,
+            pad_id=meta.get("pad_id", 0),
+        )
+    )
 
 
 def hf(cfg, data: ddplab.Data) -> nn.Module:
     """A pretrained encoder with a fresh head sized to this data's labels."""
     from transformers import AutoModelForSequenceClassification  # seconds to import: only for model.name=hf
+
     m = cfg.config.model
     check_pretrained(m.pretrained)
     names = data.meta.get("label_names") or [str(i) for i in range(data.num_classes)]
     source = str(Path(m.pretrained).expanduser()) if looks_like_path(m.pretrained) else m.pretrained
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=data.num_classes, id2label=dict(enumerate(names)),
-            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
+            source,
+            num_labels=data.num_classes,
+            id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)},
+            ignore_mismatched_sizes=True,
+        )
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier "
-                        f"({first_line(exc, 160) or type(exc).__name__}); "
-                        f"give a local model folder, or a hub name on a connected machine") from None
+        raise UserError(
+            f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier "
+            f"({first_line(exc, 160) or type(exc).__name__}); "
+            f"give a local model folder, or a hub name on a connected machine"
+        ) from None
     if m.freeze:
         model.base_model.requires_grad_(False)
     return model
