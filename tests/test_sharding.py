@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
 from conftest import TINY_GPT, _env, assert_ok, ddplab, main, torchrun
+from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
 from faults import command
 
@@ -64,8 +65,11 @@ def _run(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_re
 
 def test_fsdp_shards_the_blocks_and_matches_ddp(reference):
     log = (reference / "train.log").read_text()
-    shards = sorted(p.name for p in (Checkpointer(reference / "checkpoints", False).latest() / "shards").iterdir())
+    latest = Checkpointer(reference / "checkpoints", False).latest()
+    shards = sorted(p.name for p in (latest / "shards").iterdir())
     assert [n for n in shards if n.endswith(".distcp")] == ["__0_0.distcp", "__1_0.distcp"]  # each rank its own
+    files = manifest.verify(latest)["files"]  # each rank checksummed its own shard: the manifest holds them all
+    assert {"state.pt", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"} <= files.keys()
     summary = _summary(reference)
     assert summary["ddp"]["strategy"] == "fsdp" and summary["ddp"]["ranks_identical"]
     assert summary["status"] == "complete" and summary["aggregates"]["steps"] == 12

@@ -207,13 +207,20 @@ class Checkpointer:
                 subfolder(self.root.parent, self.root.name)  # a link where checkpoints/ belongs is refused
                 _remove(tmp)
                 tmp.mkdir()
+            known: dict = {}
             if sharded:
                 ctx.barrier()  # the folder exists before any rank writes into it
                 self._save_shards(sharded, tmp / SHARDS, ctx, background)
+                if not background and ctx.is_distributed:
+                    # Each rank describes the shard files it wrote, all at once: rank 0 alone would read
+                    # every rank's in turn while training waits.
+                    mine = sorted((tmp / SHARDS).glob(f"__{ctx.rank}_*.distcp"))
+                    for theirs in ctx.gather_objects(describe(tmp, self.checksums, files=mine)):
+                        known.update(theirs)
             if self.is_main:
                 _write_synced(tmp / STATE, lambda f: torch.save(plain, f))
                 if not (sharded and background):
-                    self._finish(tmp, final, manifest)
+                    self._finish(tmp, final, manifest, known)
         except (Exception, *_dcp_error()) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
             raise self._failed(name, exc) from exc
         if self.is_main and sharded and background:
@@ -252,12 +259,14 @@ class Checkpointer:
         except (Exception, *_dcp_error()) as exc:  # noqa: BLE001 - raised by wait(), in the training thread
             self._error = self._failed(final.name, exc)
 
-    def _finish(self, tmp: Path, final: Path, manifest: dict) -> None:
-        """Checksums, the marker, the rename into place, then old step snapshots pruned."""
+    def _finish(self, tmp: Path, final: Path, manifest: dict, known: dict | None = None) -> None:
+        """Checksums (but of the files `known` describes), the marker, the rename into place, then old
+        step snapshots pruned."""
         if (tmp / SHARDS).is_dir():
             _fsync_dir(tmp / SHARDS)
         crc = self.checksums
-        write_marker(tmp, {**manifest, "checksum": CHECKSUM if crc else None, "files": describe(tmp, crc)})
+        files = describe(tmp, crc, known)
+        write_marker(tmp, {**manifest, "checksum": CHECKSUM if crc else None, "files": files})
         _fsync_dir(tmp)
         if final.exists():  # the same name saved again: the best model, or a step snapshot that ends an epoch
             old = self.root / f".old-{final.name}"

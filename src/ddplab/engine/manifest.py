@@ -48,14 +48,18 @@ def checksum(path: Path, algorithm: str = CHECKSUM) -> str:
     return f"{crc:08x}"
 
 
-def describe(folder: Path, checksums: bool = True) -> dict:
-    """{relative path: [size, checksum]} of every file in `folder` but the marker; the checksum is None
-    when `checksums` is false (checkpoint.checksums=false: sizes only)."""
-    return {
-        p.relative_to(folder).as_posix(): [p.stat().st_size, checksum(p) if checksums else None]
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MARKER
-    }
+def describe(folder: Path, checksums: bool = True, known: dict | None = None, files=None) -> dict:
+    """{relative path: [size, checksum]} of every file in `folder` but the marker (or of `files` in it);
+    the checksum is None when `checksums` is false (checkpoint.checksums=false: sizes only). Entries
+    in `known` (files another process described) are taken as they are."""
+    known = known or {}
+    paths = sorted(folder.rglob("*")) if files is None else [Path(f) for f in files]
+    described = {}
+    for p in paths:
+        name = p.relative_to(folder).as_posix()
+        if p.is_file() and p.name != MARKER:
+            described[name] = known.get(name) or [p.stat().st_size, checksum(p) if checksums else None]
+    return described
 
 
 def read(folder: Path) -> dict:
