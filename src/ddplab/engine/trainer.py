@@ -180,9 +180,9 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
+        self._mark = time.perf_counter()  # the run's clock: callbacks' time counts, on_train_start's in epoch 1
         self.callbacks.on_train_start(self.view)
         self.signals.install()
-        self._mark = time.perf_counter()  # the run's clock starts once the callbacks have
         try:
             if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
                 self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
