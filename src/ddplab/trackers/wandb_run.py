@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 from ddplab.trackers.base import Tracker
-
-IN_USE_WAIT_S = 60.0
 
 
 class WandB(Tracker):
@@ -24,7 +21,7 @@ class WandB(Tracker):
         cfg, mine = view.config, record.get(self.name, {})
         run_id = mine.get("id") or uuid.uuid4().hex[:12]
         config = {**cfg.to_dict(), **({"study_point": study} if study else {})}
-        options = dict(
+        self.run = wandb.init(
             project=cfg.logging.wandb_project,
             name=cfg.run_name(),
             id=run_id,
@@ -34,17 +31,6 @@ class WandB(Tracker):
             config=None if "id" in mine else config,
             settings=wandb.Settings(console="off"),
         )
-        # A killed attempt's wandb-core outlives it for a while, holding the run: "run ID ... is in use"
-        # until it notices. The next attempt (a restart, a resume) waits for it, a minute at most.
-        deadline = time.monotonic() + IN_USE_WAIT_S
-        while True:
-            try:
-                self.run = wandb.init(**options)
-                break
-            except Exception as exc:
-                if "in use" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
         record[self.name] = {
             "id": run_id,
             "project": cfg.logging.wandb_project,
