@@ -1,10 +1,14 @@
 """logging.trackers: MLflow (a real local store) and W&B (offline mode) continue one run across a
 kill and a resume, a study is one parent MLflow run, and a tracker that fails never stops training."""
 
+import contextlib
 import csv
 import importlib.util
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,23 @@ def wandb_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+def _end_orphans(marker: str) -> None:
+    """SIGKILL the processes whose environment holds `marker`, and wait until they are gone."""
+    mine = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                mine.append(int(entry.name))
+        except OSError:
+            continue
+    for pid in mine:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}/environ").exists() for pid in mine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _client(root: Path):
     from mlflow.tracking import MlflowClient
 
@@ -61,6 +82,9 @@ def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(tmp_path, corpu
         command("kill_rank=0,step=10", args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert killed.returncode == -9, killed.stderr[-2000:]  # mid-epoch 1, two steps after the snapshot at step 8
+    # The killed attempt's wandb-core can outlive it and hold the run ("run ID ... is in use"), seen under
+    # xdist for over a minute; on a cluster the restarted job starts on a fresh process tree.
+    _end_orphans(f"WANDB_CONFIG_DIR={tmp_path / 'wandb-config'}")
     run = tmp_path / "experiments" / "k"
     first = json.loads((run / "trackers.json").read_text())
     assert_ok(ddplab(*args, cwd=tmp_path))
