@@ -179,3 +179,88 @@ def test_status_names_the_quorum(tmp_path):
     (tmp_path / "replicas.csv").write_text("\n".join(rows) + "\n")
     assert _quorum(tmp_path) == "; 1 replica group(s) in the quorum since step 2"
     assert _quorum(tmp_path / "absent") == ""
+
+
+def _job(tmp_path: Path, name: str, steps: int, *extra: str) -> subprocess.Popen:
+    """A 2-group x 1-process replica job of the un-gated workload, its own session (killable whole)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddplab",
+            "train",
+            "--replica-groups",
+            "2",
+            "distributed.fault_tolerance=replicas",
+            "model.name=wl.py:model",
+            "data.name=wl.py:data",
+            f"model.options.gate={tmp_path / 'never'}",
+            "training.batch_size=8",
+            f"training.max_steps={steps}",
+            "training.epochs=100",
+            "training.warmup_steps=0",
+            "checkpoint.every=20",
+            "logging.log_every=10",
+            "logging.trackers=[]",
+            "logging.progress=false",
+            "distributed.timeout=60",
+            f"experiment.name={name}",
+            *extra,
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _same_run(run: Path, ref: Path) -> None:
+    """`run` ended as the uninterrupted `ref` did: weights, epoch rows (losses, replicas, global batch), status."""
+    mine, theirs = _weights(run), _weights(ref)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs), f"{run.name}: weights differ from {ref.name}'s"
+    rows, ref_rows = (list(csv.DictReader((r / "metrics.csv").open())) for r in (run, ref))
+    keys = ("epoch", "step", "train_loss", "val_loss", "replicas", "global_batch")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
+    assert json.loads((run / "metrics.json").read_text())["status"] == "complete"
+
+
+def test_a_whole_replica_job_killed_or_preempted_resumes_from_its_snapshots_exactly(tmp_path):
+    """The whole job (every group and the Lighthouse) SIGKILLed, or pre-empted by SIGTERM, then the same command:
+    each group resumes from its own last snapshot, and the job ends as an uninterrupted job did."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    (tmp_path / "wl.py").write_text(WORKLOAD)
+    steps = 150  # 128 steps an epoch per group: the stop falls in epoch 1, the end in epoch 2
+    _finish(_job(tmp_path, "whole", steps))
+    for name, sig in (("killed", signal.SIGKILL), ("preempted", signal.SIGTERM)):
+        job = _job(tmp_path, name, steps)
+        runs = [tmp_path / "experiments" / f"{name}-group{i}" for i in range(2)]
+        try:
+            _wait(lambda runs=runs: True if len(_rows(runs[1])) >= 50 else None, 180, job)
+            (os.killpg if sig == signal.SIGKILL else os.kill)(job.pid, sig)
+            out, _ = job.communicate(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+        if sig == signal.SIGTERM:
+            assert job.returncode == 75, out[-3000:]
+            stopped = {Checkpointer(run / "checkpoints", is_main=False).latest().name for run in runs}
+            assert len(stopped) == 1, f"the groups stopped at different steps: {stopped}"
+        assert all(Checkpointer(run / "checkpoints", is_main=False).latest() for run in runs), "no snapshot"
+        _finish(_job(tmp_path, name, steps))
+        for i, run in enumerate(runs):
+            assert "resumed from" in (run / "train.log").read_text()
+            _same_run(run, tmp_path / "experiments" / f"whole-group{i}")

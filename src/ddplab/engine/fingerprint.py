@@ -31,6 +31,7 @@ SAFE_TO_CHANGE = (
     "experiment.repeats",  # read by `ddplab study` only
     "distributed.timeout",
     "distributed.backend",
+    "distributed.lighthouse",  # the replica groups' coordinator: `--replica-groups` picks a port per launch
     "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/trainer.py)
     "training.grad_accum_steps",
     "checkpoint.async_save",

@@ -47,6 +47,8 @@ class Replicas:
         self.follow_lr = d.replica_lr == "follow"
         self._load = load_state_dict
         self.rejoined = False  # the last quorum replaced this group's state with a peer's
+        self._first = True  # this attempt has not yet joined a quorum
+        self._carried = self._stop = torch.zeros(2)  # stop flags: the last all-reduce's, those committed since asked
         self.present = self.groups  # groups in the last step's quorum
         self._epoch: list[int] = []  # the global batch of each step committed this epoch
         self._fewest = self.groups  # the fewest groups in a committed step this epoch
@@ -86,18 +88,16 @@ class Replicas:
     def begin_step(self) -> bool:
         """Join this step's quorum (before its data is read); True when a peer's state was loaded.
 
-        A run's first step waits (distributed.timeout at most) for every group: groups start a few seconds
-        apart, and one that began alone would train alone until the others arrive."""
+        An attempt's first step waits (distributed.timeout at most) for every group: groups start a few seconds
+        apart, a whole job resumed from its snapshots too, and one that began alone would train alone until the
+        others arrive."""
         self.rejoined = False
         self.manager.start_quorum()
         deadline = time.monotonic() + self.timeout
-        while (
-            self.manager.current_step() == 0
-            and self.manager.num_participants() < self.groups
-            and time.monotonic() < deadline
-        ):
+        while self._first and self.manager.num_participants() < self.groups and time.monotonic() < deadline:
             time.sleep(0.2)
             self.manager.start_quorum()
+        self._first = False
         was, self.present = self.present, self.manager.num_participants()
         if self.present != was or self.rejoined:
             joined = " (this group rejoined from a peer's live state)" if self.rejoined else ""
@@ -107,25 +107,34 @@ class Replicas:
             )
         return self.rejoined
 
-    def reduce(self, params) -> None:
-        """Average the gradients (this process's shards of them) over the groups in the quorum."""
+    def reduce(self, params, stop: torch.Tensor) -> None:
+        """Average the gradients (this process's shards of them) over the groups in the quorum. This process's
+        stop flags (time budget over, stop signal) ride along: stop() then holds whether any group raised one."""
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
+        tensors = [*grads, stop.to(grads[0].dtype if grads else stop.dtype)]
+        flat = _flatten_dense_tensors(tensors)
         self.manager.allreduce(flat).wait()
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(reduced)
+        *reduced, self._carried = _unflatten_dense_tensors(flat, tensors)
+        for grad, mean in zip(grads, reduced, strict=True):
+            grad.copy_(mean)
 
     def commit(self, optimizer) -> bool:
         """Whether the step counts (every group present finished its all-reduce); with replica_lr=follow,
         the optimizer's lr is scaled by the share of groups present for this step."""
         if not self.manager.should_commit():
             return False
+        self._stop = torch.maximum(self._stop.to(self._carried.device), self._carried.float())
         if self.follow_lr and self.present != self.groups:
             for group in optimizer.param_groups:
                 group["lr"] *= self.present / self.groups
         return True
+
+    def stop(self) -> torch.Tensor:
+        """The stop flags raised by any group in the steps committed since the last call: the same in every group,
+        so that all of them stop at the same step (a group's own flags are not: a signal reaches them at
+        different moments)."""
+        flags, self._stop = (self._stop > 0).float(), torch.zeros_like(self._stop)
+        return flags
 
     def restore_lr(self, optimizer) -> None:
         if self.follow_lr and self.present != self.groups:
@@ -147,6 +156,12 @@ class Replicas:
         row = {"replicas": self._fewest, "global_batch": sum(self._epoch) / len(self._epoch) if self._epoch else None}
         self._epoch, self._fewest = [], self.groups
         return row
+
+    def state_dict(self) -> dict:
+        return {"epoch": list(self._epoch), "fewest": self._fewest}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._epoch, self._fewest = list(state["epoch"]), state["fewest"]
 
     def sync_step(self, step: int) -> None:
         """After a resume from a snapshot: the quorum compares groups by this step."""

@@ -109,6 +109,11 @@ class Trainer:
         self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
+        self.replicas = None
+        if d.fault_tolerance == "replicas":
+            from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
+
+            self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
         self.parts, self.best_parts = self._register_parts()
         self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
@@ -118,11 +123,6 @@ class Trainer:
         self.improved = False  # the last epoch-end evaluation set a new best
         self._resumed = False
         self._mark = time.perf_counter()
-        self.replicas = None
-        if d.fault_tolerance == "replicas":
-            from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
-
-            self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
 
     def _register_parts(self) -> tuple[Parts, Parts]:
         """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
@@ -139,6 +139,8 @@ class Trainer:
         parts.add("data", self.feed)  # a stream's own position (map-style data: the trainer's `consumed`)
         parts.add("rng", part(rng_state, set_rng_state), PER_RANK)
         parts.add("callbacks", self.callbacks)
+        if self.replicas is not None:
+            parts.add("replicas", self.replicas)  # the epoch's tally of groups present (its row's columns)
         for name, obj in about.items():
             parts.add(name, obj)
         for name, obj in self.data.state.items():  # the workload's own (ddplab.Data(state=...))
@@ -286,7 +288,7 @@ class Trainer:
         (a group failed during it): its gradients and loss are dropped, its data stays read (skipped)."""
         replicas = self.replicas
         assert replicas is not None  # called in replica mode only
-        replicas.reduce(self.raw.parameters())
+        replicas.reduce(self.raw.parameters(), self._stop_flags())
         committed = replicas.commit(self.optimizer)
         replicas.record(step, samples * self.ctx.world_size * replicas.present, committed)
         if not committed:
@@ -351,9 +353,8 @@ class Trainer:
             # Asking every step would put a collective and a host sync in every step; the
             # log interval is a schedule all ranks share, and where the loop syncs anyway.
             return False
-        over = self.budget is not None and s.elapsed >= self.budget
-        flags = torch.tensor([float(over), float(self.signals.received is not None)], device=self.ctx.device)
-        over, signalled = self.ctx.all_reduce(flags, "max").tolist()
+        flags = self.replicas.stop() if self.replicas is not None else self._stop_flags()  # replicas: every group's
+        over, signalled = self.ctx.all_reduce(flags.to(self.ctx.device), "max").tolist()
         if signalled:
             s.stop_reason = "preempted"
             self.run.log(
@@ -364,6 +365,11 @@ class Trainer:
             s.stop_reason = "time_budget"
             self.run.log(f"time budget {t.time_budget} reached after step {s.step} ({s.elapsed:.1f} s spent)")
         return s.stop_reason is not None
+
+    def _stop_flags(self) -> torch.Tensor:
+        """This process's own reasons to stop: the time budget is over, a stop signal came."""
+        over = self.budget is not None and self.state.elapsed >= self.budget
+        return torch.tensor([float(over), float(self.signals.received is not None)], device=self.ctx.device)
 
     def stop_mid_epoch(self) -> None:
         """Snapshot where the stop happened; then (unless pre-empted) evaluate and record it."""
