@@ -101,12 +101,15 @@ def _wait(what, timeout: float, proc: subprocess.Popen):
     raise AssertionError(f"timed out after {timeout} s")
 
 
-def test_a_killed_group_rejoins_from_its_peer(tmp_path):
+@pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "fsdp")])
+def test_a_killed_group_rejoins_from_its_peer(tmp_path, nproc, strategy):
+    """A group's worker SIGKILLed: the other group goes on alone, and the killed group, restarted by its agent
+    (its surviving worker, under FSDP, ended by the agent), rejoins with its peer's live state."""
     pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
     (tmp_path / "wl.py").write_text(WORKLOAD)
     gate = tmp_path / "slow"
     gate.touch()
-    steps, kill_at = 600, 30  # 128 steps an epoch: the run crosses epochs' ends after the rejoin
+    steps, kill_at = 600 // nproc, 30  # 128 / nproc steps an epoch: the run crosses epochs' ends after the rejoin
     cmd = [
         sys.executable,
         "-m",
@@ -116,6 +119,9 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path):
         "2",
         "--max-restarts",
         "1",
+        "--nproc-per-node",
+        str(nproc),
+        f"distributed.strategy={strategy}",
         "distributed.fault_tolerance=replicas",
         "model.name=wl.py:model",
         "data.name=wl.py:data",
@@ -161,10 +167,10 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path):
     assert [int(r["step"]) for r in healthy] == list(range(1, steps + 1)), "the healthy group skipped or redid steps"
     alone = [int(r["step"]) for r in healthy if r["replicas"] == "1"]
     assert alone and min(alone) > kill_at - 2 and max(alone) < int(back["step"]), alone
-    assert all(r["global_batch"] == "8" for r in healthy if r["replicas"] == "1")
+    assert all(r["global_batch"] == str(8 * nproc) for r in healthy if r["replicas"] == "1")
     with (runs[0] / "metrics.csv").open() as f:
         epochs = list(csv.DictReader(f))
-    assert epochs[0]["replicas"] == "1" and float(epochs[0]["global_batch"]) < 16, epochs[0]
+    assert epochs[0]["replicas"] == "1" and float(epochs[0]["global_batch"]) < 16 * nproc, epochs[0]
     for run in runs:
         assert json.loads((run / "metrics.json").read_text())["status"] == "complete"
     assert "rejoined from a peer's live state" in (runs[1] / "train.log").read_text()

@@ -326,7 +326,9 @@ def run(
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, contextlib.ExitStack() as stack:
         report = Path(folder)
-        env.update(Handoff(report_dir=folder, stop_request=str(report / "stop")).env())
+        # A worker that receives a stop signal alone asks for the whole job to stop, except in replica groups
+        # (`independent`): there it is as often torchrun's agent ending a killed worker's peers to restart them.
+        env.update(Handoff(report_dir=folder, stop_request=None if independent else str(report / "stop")).env())
         out = stack.enter_context(open_append(log.parent, log.name)) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""

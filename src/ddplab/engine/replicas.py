@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torchft import Manager, ProcessGroupGloo
+from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
 STEPS_CSV = "replicas.csv"  # one row per step taken (or dropped): how many groups made it, and its global batch
 
@@ -54,7 +55,7 @@ class Replicas:
         self._fewest = self.groups  # the fewest groups in a committed step this epoch
         self.timeout = d.timeout
         timeout = datetime.timedelta(seconds=d.timeout)
-        store = {} if os.environ.get("MASTER_ADDR") else self._own_store()
+        store = self._attempt_store() if os.environ.get("MASTER_ADDR") else self._own_store()
         lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -75,6 +76,19 @@ class Replicas:
         self.csv = (folder / STEPS_CSV).open("a", newline="") if ctx.is_main else None
         if self.csv is not None and self.csv.tell() == 0:
             csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time"])
+
+    def _attempt_store(self) -> dict:
+        """torchrun's store, rid of the address a previous attempt's manager left in it: the store outlives a
+        `--max-restarts` restart, and torchft's manager keeps its address there under a fixed key, which a rank
+        of the new attempt could read before rank 0 wrote its own (and wait on a dead manager)."""
+        if self.ctx.is_main:
+            base = torch.distributed.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+            )
+            for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+                base.delete_key(key)
+        self.ctx.barrier()
+        return {}
 
     def _own_store(self) -> dict:
         """One process started without torchrun: the store the Manager needs, made here."""
