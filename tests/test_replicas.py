@@ -101,6 +101,51 @@ def _wait(what, timeout: float, proc: subprocess.Popen):
     raise AssertionError(f"timed out after {timeout} s")
 
 
+def _job(tmp_path: Path, name: str, steps: int, *extra: str, gate: Path | None = None) -> subprocess.Popen:
+    """A 2-group replica job of WORKLOAD (slow while `gate` exists), in its own session (killable whole)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddplab",
+            "train",
+            "--replica-groups",
+            "2",
+            "distributed.fault_tolerance=replicas",
+            "model.name=wl.py:model",
+            "data.name=wl.py:data",
+            f"model.options.gate={gate or tmp_path / 'never'}",
+            "training.batch_size=8",
+            f"training.max_steps={steps}",
+            "training.epochs=100",
+            "training.warmup_steps=0",
+            "logging.log_every=10",
+            "logging.trackers=[]",
+            "logging.progress=false",
+            "distributed.timeout=60",
+            f"experiment.name={name}",
+            *extra,
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "fsdp")])
 def test_a_killed_group_rejoins_from_its_peer(tmp_path, nproc, strategy):
     """A group's worker SIGKILLed: the other group goes on alone, and the killed group, restarted by its agent
@@ -110,40 +155,16 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path, nproc, strategy):
     gate = tmp_path / "slow"
     gate.touch()
     steps, kill_at = 600 // nproc, 30  # 128 / nproc steps an epoch: the run crosses epochs' ends after the rejoin
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddplab",
-        "train",
-        "--replica-groups",
-        "2",
+    proc = _job(
+        tmp_path,
+        "ft",
+        steps,
         "--max-restarts",
         "1",
         "--nproc-per-node",
         str(nproc),
         f"distributed.strategy={strategy}",
-        "distributed.fault_tolerance=replicas",
-        "model.name=wl.py:model",
-        "data.name=wl.py:data",
-        f"model.options.gate={gate}",
-        "training.batch_size=8",
-        f"training.max_steps={steps}",
-        "training.epochs=100",
-        "training.warmup_steps=0",
-        "logging.log_every=10",
-        "logging.trackers=[]",
-        "logging.progress=false",
-        "distributed.timeout=60",
-        "experiment.name=ft",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        gate=gate,
     )
     runs = [tmp_path / "experiments" / f"ft-group{i}" for i in range(2)]
     try:
@@ -187,52 +208,6 @@ def test_status_names_the_quorum(tmp_path):
     assert _quorum(tmp_path / "absent") == ""
 
 
-def _job(tmp_path: Path, name: str, steps: int, *extra: str) -> subprocess.Popen:
-    """A 2-group x 1-process replica job of the un-gated workload, its own session (killable whole)."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddplab",
-            "train",
-            "--replica-groups",
-            "2",
-            "distributed.fault_tolerance=replicas",
-            "model.name=wl.py:model",
-            "data.name=wl.py:data",
-            f"model.options.gate={tmp_path / 'never'}",
-            "training.batch_size=8",
-            f"training.max_steps={steps}",
-            "training.epochs=100",
-            "training.warmup_steps=0",
-            "checkpoint.every=20",
-            "logging.log_every=10",
-            "logging.trackers=[]",
-            "logging.progress=false",
-            "distributed.timeout=60",
-            f"experiment.name={name}",
-            *extra,
-        ],
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
 def _same_run(run: Path, ref: Path) -> None:
     """`run` ended as the uninterrupted `ref` did: weights, epoch rows (losses, replicas, global batch), status."""
     mine, theirs = _weights(run), _weights(ref)
@@ -249,9 +224,9 @@ def test_a_whole_replica_job_killed_or_preempted_resumes_from_its_snapshots_exac
     pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
     (tmp_path / "wl.py").write_text(WORKLOAD)
     steps = 150  # 128 steps an epoch per group: the stop falls in epoch 1, the end in epoch 2
-    _finish(_job(tmp_path, "whole", steps))
+    _finish(_job(tmp_path, "whole", steps, "checkpoint.every=20"))
     for name, sig in (("killed", signal.SIGKILL), ("preempted", signal.SIGTERM)):
-        job = _job(tmp_path, name, steps)
+        job = _job(tmp_path, name, steps, "checkpoint.every=20")
         runs = [tmp_path / "experiments" / f"{name}-group{i}" for i in range(2)]
         try:
             _wait(lambda runs=runs: True if len(_rows(runs[1])) >= 50 else None, 180, job)
@@ -266,7 +241,7 @@ def test_a_whole_replica_job_killed_or_preempted_resumes_from_its_snapshots_exac
             stopped = {Checkpointer(run / "checkpoints", is_main=False).latest().name for run in runs}
             assert len(stopped) == 1, f"the groups stopped at different steps: {stopped}"
         assert all(Checkpointer(run / "checkpoints", is_main=False).latest() for run in runs), "no snapshot"
-        _finish(_job(tmp_path, name, steps))
+        _finish(_job(tmp_path, name, steps, "checkpoint.every=20"))
         for i, run in enumerate(runs):
             assert "resumed from" in (run / "train.log").read_text()
             _same_run(run, tmp_path / "experiments" / f"whole-group{i}")
