@@ -27,7 +27,7 @@ from ddplab.data.stream import size
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import BEST, PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
-from ddplab.engine.clock import timed
+from ddplab.engine.clock import Clock
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.loaders import Loaders, TrainFeed
@@ -100,6 +100,7 @@ class Trainer:
         )
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
+        self.clock = Clock(self.state, ctx)
         self.checkpoints = Checkpointer(
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
@@ -110,14 +111,12 @@ class Trainer:
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
         self.parts, self.best_parts = self._register_parts()
-        self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
+        self.eval_at = "train"  # train (training.eval_every) | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
-        self.activity = "train"  # train | eval | snapshot: what the loop is doing now
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
         self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
         self._resumed = False
-        self._mark = time.perf_counter()
         self.replicas = None
         if d.fault_tolerance == "replicas":
             from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
@@ -180,7 +179,7 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
-        self._mark = time.perf_counter()  # the run's clock: callbacks' time counts, on_train_start's in epoch 1
+        self.clock.restart()  # callbacks' time counts, on_train_start's in epoch 1
         self.callbacks.on_train_start(self.view)
         self.signals.install()
         try:
@@ -230,7 +229,7 @@ class Trainer:
                 self.snapshot()
             if t.eval_every and s.step % t.eval_every == 0:
                 self.evaluate(self.data.val, "val")
-            self._tick()  # after the log interval's sync: the time budget sees the device's work
+            self.clock.tick()  # after the log interval's sync: the time budget sees the device's work
             if self._should_stop():
                 break
         if left > 0 and s.stop_reason is not None:
@@ -382,12 +381,12 @@ class Trainer:
         """The epoch's core row (global numbers); callbacks add columns and record it."""
         s, ctx = self.state, self.ctx
         self.log_interval()
-        self.phase = "epoch_end"
+        self.eval_at = "epoch_end"
         val = self.evaluate(self.data.val, "val")
-        self.phase = "train"
+        self.eval_at = "train"
         # The slowest rank's wait is what holds the others at the next all-reduce.
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
-        self._tick()
+        self.clock.tick()
         took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
         row = {
             "epoch": self.view.epoch,
@@ -418,24 +417,17 @@ class Trainer:
             s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = s.epoch_time = 0.0
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
         if self.cfg.checkpoint.save_best and (not val or self.improved):
-            with timed(self, "snapshot"):
+            with self.clock.timed("snapshot"):
                 self.checkpoints.save(self.best_parts, self.ctx, BEST, self._about(val_loss=val.get("loss")))
         return row
-
-    def _tick(self) -> None:
-        """One continuous clock: the epoch's wall time and the run's elapsed time lose nothing between ticks."""
-        now = time.perf_counter()
-        self.state.elapsed += now - self._mark
-        self.state.epoch_time += now - self._mark
-        self._mark = now
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> None:
         """A collective: the loss since the last log is reduced, then every part is written
         (engine/checkpoint.py). The time training stood still for it is recorded."""
         self.log_interval()
-        self._tick()
-        with timed(self, "snapshot"):  # a snapshot holds the clock up to its own start
+        self.clock.tick()
+        with self.clock.timed("snapshot"):  # a snapshot holds the clock up to its own start
             began = time.perf_counter()
             s, background = self.state, self.sharded and self.cfg.checkpoint.async_save
             path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
@@ -503,11 +495,11 @@ class Trainer:
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or size(dataset) == 0:
             return {}
-        with timed(self, "eval"):
+        with self.clock.timed("eval"):
             metrics, self.evaluator = evaluate(
                 self.raw, self.task, self.loaders.evaluation(dataset), self.ctx, self.autocast
             )
-            if self.phase == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
+            if self.eval_at == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
                 s = self.state
                 self.improved = metrics["loss"] < s.best_val_loss
                 if self.improved:
@@ -522,7 +514,7 @@ class Trainer:
         self.ctx.barrier()
         if (best := self.checkpoints.root / BEST).is_dir():
             load_full(self.raw, self.checkpoints.load_snapshot(best)["model"])
-        self.phase = "test"
+        self.eval_at = "test"
         return self.evaluate(self.data.test, "test")
 
     def end(self, summary: dict) -> None:
