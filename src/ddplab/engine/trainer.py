@@ -30,12 +30,12 @@ from ddplab.engine.checkpoint import BEST, PER_RANK, SHARDED, SHARED, Checkpoint
 from ddplab.engine.clock import Clock
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
-from ddplab.engine.loaders import Loaders, TrainFeed
-from ddplab.engine.optim import build_optimizer, build_schedule, plan_for_budget, scaled_lr
+from ddplab.engine.optim import plan_for_budget
+from ddplab.engine.parts import TrainParts
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
-from ddplab.engine.setup import autocast, distribute, unused_parameters
+from ddplab.engine.setup import autocast, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.errors import RunError
 from ddplab.tasks import call_model, to_device
@@ -73,31 +73,18 @@ class TrainState:
 
 class Trainer:
     """Outside engine/, a run is driven through fit() / test() / end() / close() and observed through
-    `view` (what callbacks get); its state is the parts registered in _register_parts()."""
+    `view` (what callbacks get). It is handed its parts, built (engine/parts.py); its state is what
+    _register_parts() registers."""
 
-    def __init__(
-        self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder, callbacks=()
-    ) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, data, parts: TrainParts, run: RunFolder, callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
-        d = cfg.distributed
-        self.groups = d.replica_groups if d.fault_tolerance == "replicas" else 1  # replica groups (engine/replicas.py)
-        self.shares = ctx.world_size * self.groups  # processes the data and the global batch are divided among
-        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, self.shares, size(data.train))
-        self.raw = model
-        self.model, self.comm = distribute(model, cfg, ctx)
-        self.lr = scaled_lr(t.lr, t.lr_scaling, self.shares)
-        self.optimizer = build_optimizer(cfg, ctx, self.raw, self.lr)
+        self.model, self.raw, self.comm = parts.model, parts.raw, parts.comm
+        self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
+        self.loaders, self.feed = parts.loaders, parts.feed
+        self.lr, self.shares, self.batch = parts.lr, parts.shares, parts.batch
         self.autocast = autocast(t.amp, ctx.device)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
-        self.loaders = Loaders(cfg, ctx, data.collate_fn)
-        share = (d.replica_group * ctx.world_size + ctx.rank, self.shares)
-        self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log, share)
-        self.sampler = self.feed.sampler  # None for a stream
-        self.scheduler = build_schedule(
-            cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs
-        )
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.clock = Clock(self.state, ctx)
@@ -118,7 +105,7 @@ class Trainer:
         self.improved = False  # the last epoch-end evaluation set a new best
         self._resumed = False
         self.replicas = None
-        if d.fault_tolerance == "replicas":
+        if cfg.distributed.fault_tolerance == "replicas":
             from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
 
             self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
