@@ -35,19 +35,16 @@ class TrainView:
     elapsed = property(lambda v: v._t.state.elapsed, doc="Seconds of training so far, across restarts.")
     resumes = property(lambda v: v._t.state.resumes, doc="How many times this run continued from a snapshot.")
     snapshot_stalls = property(
-        lambda v: tuple(v._t.state.snapshot_stalls), doc="Each snapshot's {step, stall_s, async}: training held."
+        lambda v: tuple(v._t.state.snapshot_stalls), doc="Each snapshot's {step, stall_s, async}."
     )
     stop_reason = property(
-        lambda v: v._t.state.stop_reason,
-        doc="None while training; epochs, max_steps, time_budget, preempted, or the reason given to request_stop.",
+        lambda v: v._t.state.stop_reason, doc="None while training; then why it stopped (metrics.json)."
     )
     # what is trained, where
     model = property(lambda v: v._t.raw, doc="The module being trained, without its DDP / torch.compile wrappers.")
-    optimizer = property(
-        lambda v: v._t.optimizer, doc="The optimizer (its param_groups hold the current learning rate)."
-    )
+    optimizer = property(lambda v: v._t.optimizer, doc="The optimizer (its param_groups hold the current lr).")
     run = property(
-        lambda v: v._t.run, doc="The run folder: .path, .log(message) (rank 0 prints and appends to train.log)."
+        lambda v: v._t.run, doc="The run folder: .path, .log(message) (rank 0 prints, appends to train.log)."
     )
     config = property(lambda v: v._t.cfg, doc="The resolved Config.")
     data = property(lambda v: v._t.data, doc="The workload's ddplab.Data (splits, task, meta).")
@@ -60,30 +57,16 @@ class TrainView:
     lr = property(lambda v: v._t.lr, doc="The peak learning rate, after training.lr_scaling.")
     time_budget_s = property(lambda v: v._t.budget, doc="training.time_budget in seconds, or None.")
     comm = property(lambda v: v._t.comm, doc="The gradient all-reduce monitor (None in a one-process run).")
-    evaluator = property(
-        lambda v: v._t.evaluator, doc="The last evaluation's evaluator (classification: its global confusion matrix)."
-    )
-    data_workers = property(
-        lambda v: v._t.loaders.workers, doc="DataLoader worker processes per rank (data.num_workers or its default)."
-    )
+    evaluator = property(lambda v: v._t.evaluator, doc="The last evaluation's (classification: a confusion matrix).")
+    data_workers = property(lambda v: v._t.loaders.workers, doc="DataLoader worker processes per rank.")
     activity = property(lambda v: v._t.clock.activity, doc="What the loop is doing now: train, eval or snapshot.")
-    data_wait = property(
-        lambda v: v._t.state.epoch_data_wait, doc="This rank's seconds waiting for batches in the epoch so far."
-    )
-    snapshot_time = property(
-        lambda v: v._t.state.epoch_snapshot_time, doc="Seconds of snapshots since the last epoch row."
-    )
-    eval_at = property(
-        lambda v: v._t.eval_at,
-        doc="Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.",
-    )
+    data_wait = property(lambda v: v._t.state.epoch_data_wait, doc="This rank's seconds waiting for data this epoch.")
+    snapshot_time = property(lambda v: v._t.state.epoch_snapshot_time, doc="Snapshot seconds since the last row.")
+    eval_at = property(lambda v: v._t.eval_at, doc="Where this evaluation was asked for: train, epoch_end or test.")
     history = property(lambda v: tuple(v._t.state.history), doc="One row per epoch so far (metrics.csv).")
-    log_rows = property(
-        lambda v: tuple(v._t.state.steps), doc="One row per log interval so far: step, epoch, loss, lr, elapsed_s."
-    )
+    log_rows = property(lambda v: tuple(v._t.state.steps), doc="One row per log interval: step, epoch, loss, lr...")
     batch = property(
-        lambda v: dict(v._t.batch),
-        doc="ddplab.config.batch_arithmetic of this run: per_process, global, steps_per_epoch...",
+        lambda v: dict(v._t.batch), doc="ddplab.config.batch_arithmetic of this run: per_process, global..."
     )
     steps_per_epoch = property(lambda v: v._t.batch["steps_per_epoch"], doc="Optimizer steps in a whole epoch.")
 

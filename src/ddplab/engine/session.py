@@ -62,8 +62,8 @@ class Session:
             try:
                 data, model = self.build(ctx, work)
                 run = self.open_run_folder(ctx, run_dir, note, data)
-                trainer = self.start(ctx, run, work, data, model, callbacks, builders)
-                result = self.fit(ctx, run, trainer)
+                # No reference to the trainer here: the teardown must be able to let it go before the process group.
+                result = self.fit(ctx, run, self.start(ctx, run, work, data, model, callbacks, builders))
             except PeerFailed:  # told by this rank's heartbeat; rank 0 wrote the job's report
                 raise SystemExit(ExitCode.FAILED) from None
             except Exception as exc:
@@ -92,7 +92,7 @@ class Session:
         run = self.run = RunFolder(run_dir, ctx.is_main)
         flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
         # One process alone: its failure reaches the terminal as the exception ddplab.cli prints.
-        announce = _announce if ctx.is_distributed else _quiet
+        announce = _announce if ctx.is_distributed else lambda report: None
         self.beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, announce).start()
         if note:
             run.log(note)
@@ -191,10 +191,6 @@ class Session:
         self.trainer = None
         if self.run is not None:
             self.run.close()
-
-
-def _quiet(report: str) -> None:
-    pass
 
 
 def _announce(report: str) -> None:

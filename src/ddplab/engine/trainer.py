@@ -1,6 +1,6 @@
 """The training loop: a stateful object that reads top to bottom.
 
-fit() = resume -> [train an epoch -> evaluate -> record -> snapshot] until done.
+resume(), then fit() = [train an epoch -> evaluate -> record -> snapshot] until done.
 It steps, accumulates, evaluates and stops; everything else (rows' extra columns, files,
 console, progress) hangs on callbacks (engine/callbacks.py), which see a read-only TrainView.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
@@ -103,7 +103,6 @@ class Trainer:
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
         self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
-        self._resumed = False
         self.replicas = None
         if cfg.distributed.fault_tolerance == "replicas":
             from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
@@ -161,8 +160,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
-        if not self._resumed:
-            self.resume()
+        """Train from the state resume() left (the session resumes first), until a stop or the last epoch."""
         if self.replicas is not None:
             self.replicas.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
@@ -428,7 +426,6 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the snapshot checkpoint.resume names (auto: the newest that passes its checks;
         never: none), after rank 0 cleaned what an interrupted save left behind."""
-        self._resumed = True
         how = self.cfg.checkpoint.resume
         if how == "never":
             return
