@@ -125,20 +125,21 @@ class Session:
             report_preempted()  # now, not after the teardown: a process that aborts at exit has told the launcher
             trainer.end(result)
             return result
-        result = self.record(ctx, run, trainer, state, time.time() - start)
+        result = self.record(ctx, run, trainer, state, start)
         trainer.end(result)
         ctx.beat.mark("end")
         return result
 
-    def record(self, ctx: DistContext, run: RunFolder, trainer: Trainer, state: TrainState, took: float) -> dict:
-        """The complete run: tested, its ranks' parameters compared, metrics.json written, its `done:` line."""
+    def record(self, ctx: DistContext, run: RunFolder, trainer: Trainer, state: TrainState, start: float) -> dict:
+        """The complete run: tested, its ranks' parameters compared, metrics.json written (wall_time_s: from
+        `start`, fit's, to here), its `done:` line."""
         view = trainer.view
         digests = ctx.gather_objects(parameter_digest(view.model))
         if len(set(digests)) > 1:
             run.log(f"WARNING: parameters differ between ranks after training: {digests}")
         result = summary(view, "complete", self.code, test=trainer.test())
         result["ddp"].update(parameter_digests=digests, ranks_identical=len(set(digests)) == 1)
-        result["wall_time_s"] = took
+        result["wall_time_s"] = time.time() - start
         self.phases.mark("end_of_run")
         result["phases"] = self.phases.as_dict()
         run.write_json(RunFolder.METRICS_JSON, result)
