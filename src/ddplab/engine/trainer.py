@@ -72,7 +72,7 @@ class TrainState:
 
 
 class Trainer:
-    """Outside engine/, a run is driven through fit() / test() / end() / close() and observed through
+    """A run is driven through resume() / fit() / test() / end() / close() (engine/session.py) and observed through
     `view` (what callbacks get). It is handed its parts, built (engine/parts.py); its state is what
     _register_parts() registers."""
 
