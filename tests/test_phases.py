@@ -5,9 +5,9 @@ import os
 import time
 
 from conftest import assert_ok, ddplab
+from ddplab.engine import phases as phases_mod
+from ddplab.engine.phases import Phases
 from ddplab.handoff import Handoff
-from ddplab.metrics import phases as phases_mod
-from ddplab.metrics.phases import Phases
 
 
 def test_process_start_is_in_the_past_and_phases_add_up(monkeypatch):

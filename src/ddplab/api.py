@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ddplab import process_state
 from ddplab.config import Config
+from ddplab.engine.parts import Builders
 from ddplab.registry import load_config
 from ddplab.run import train as run_train
 
@@ -22,11 +23,13 @@ def train(
     model: Callable | None = None,
     data: Callable | None = None,
     callbacks=(),
+    builders: Builders | None = None,
 ) -> dict:
     """Train and return the run's summary (what metrics.json holds; "status" is "complete" or
     "preempted"). `model(cfg, data)` and `data(cfg)` take the place of model.name / data.name;
     define them at the top level of a file guarded by `if __name__ == "__main__":`, since
-    predict, generate and resume import that file again."""
+    predict, generate and resume import that file again. `builders` replace how the trainer's parts are
+    built (engine/parts.py)."""
     with process_state.changes():  # importing a workload file puts its folder on sys.path: undone too
         cfg = load_config(config, list(overrides), model=model, data=data)
-        return run_train(cfg, data_fn=data, model_fn=model, callbacks=list(callbacks))
+        return run_train(cfg, data_fn=data, model_fn=model, callbacks=list(callbacks), builders=builders)

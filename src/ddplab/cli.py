@@ -9,8 +9,8 @@ import sys
 
 from ddplab import process_state
 from ddplab.config import describe_fields
+from ddplab.engine.reports import report_error, report_failure
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
-from ddplab.launch import report_error, report_failure
 from ddplab.registry import builtin_names
 
 

@@ -6,7 +6,7 @@ calls the run's data function with what the run saved for inference (`cfg.assets
 meta and task, the files of the run folder's inference/), from which it builds its preprocessing
 without reading the data (a data function that ignores them builds its datasets as in training);
 `generate` builds the model from the task and meta the checkpoint stored (a character model
-needs nothing else). Then come the checkpoint's weights.
+needs nothing else). Then come the checkpoint's weights. `LanguageSample`: the sample a training run ends with.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ddplab.callbacks import Callback
 from ddplab.config import Config
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine import assets
 from ddplab.engine.checkpoint import load_checkpoint
+from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import UserError, first_line
 from ddplab.registry import workload
@@ -108,3 +110,22 @@ def sample(
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
     model.train(was_training)
     return tokenizer.decode(out[0].tolist())
+
+
+class LanguageSample(Callback):
+    """At a complete run's end, a character / byte language model's sample (generate.*): in sample.txt and
+    train.log. Sharded, every rank takes part in each forward pass; rank 0 writes."""
+
+    def on_train_end(self, view, summary) -> None:
+        cfg, meta, g = view.config, view.data.meta, view.config.generate
+        if (
+            summary["status"] == "complete"
+            and (view.is_main or cfg.distributed.strategy != "ddp")
+            and meta.get("tokenizer") in ("char", "byte")
+            and g.max_new_tokens > 0
+        ):
+            text = sample(
+                view.model, meta, g.prompt, g.max_new_tokens, g.temperature, g.top_k, seed=cfg.experiment.seed
+            )
+            view.run.write_text(RunFolder.SAMPLE, text)
+            view.run.log("sample:\n" + text)

@@ -37,12 +37,12 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.engine.files import open_append, write_atomic
+from ddplab.engine.files import open_append
 from ddplab.engine.preemption import StopSignals
+from ddplab.engine.reports import STOPPING
 from ddplab.errors import ExitCode, Preempted, UserError
 from ddplab.handoff import Handoff
 
-STOPPING = "stopping"  # in the report folder: the launcher has asked the agents to stop
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 AGENT = [sys.executable, "-m", "ddplab.launch"]
@@ -117,40 +117,6 @@ def log_tail(path: Path, lines: int = 12) -> str:
 def under_agent() -> bool:
     """This process is a worker started by a torchrun agent."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
-# ------------------------------------------------------------------ worker side
-def _report(name: str, text: str) -> bool:
-    folder = Handoff.read().report_dir
-    if not folder or not Path(folder).is_dir():
-        return False
-    write_atomic(folder, f"{name}-rank{int(os.environ.get('RANK', '0')):05d}", text)
-    return True
-
-
-def listened() -> bool:
-    """A ddplab launcher started this worker and prints what it reports (the workers stay quiet)."""
-    folder = Handoff.read().report_dir
-    return folder is not None and Path(folder).is_dir()
-
-
-def report_error(message: str) -> bool:
-    """A worker's user error, for the launcher to print once; False when no ddplab launcher listens."""
-    return _report("error", message)
-
-
-def report_failure(report: str) -> bool:
-    """A failed job's report (engine/heartbeat.py), for the launcher to print instead of tracebacks."""
-    return _report("failure", report)
-
-
-def report_preempted() -> None:
-    """Then wait (10 s at most) until the launcher has asked the agents to stop: an agent that saw
-    this worker exit first would take it for a failure and restart the workers (--max-restarts)."""
-    if _report("preempted", ""):
-        deadline, stopping = time.monotonic() + 10, Path(Handoff.read().report_dir or ".") / STOPPING
-        while not stopping.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 # ------------------------------------------------------------------ launcher side

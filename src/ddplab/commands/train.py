@@ -12,10 +12,10 @@ from ddplab.config import keep_global_batch
 from ddplab.config_io import format_duration
 from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.engine.manifest import Damaged, newest, read
+from ddplab.engine.phases import note_launch
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.launch import die_with_parent, quick_exit, run_workers, under_agent
-from ddplab.metrics.phases import note_launch
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
 
 

@@ -14,7 +14,6 @@ changing the model or the optimizer breaks exact resume.
 from __future__ import annotations
 
 import math
-import operator
 
 from ddplab.callbacks import Callback
 from ddplab.errors import UserError
@@ -22,54 +21,54 @@ from ddplab.errors import UserError
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 
-def _read(path: str, doc: str, then=lambda value: value) -> property:
-    """A read-only attribute of the trainer by its dotted path (`state.step`), passed through `then`
-    (tuple, dict: a copy, so that a callback cannot change the run through it)."""
-    get = operator.attrgetter(path)
-    return property(lambda view: then(get(view._t)), doc=doc)
-
-
 class TrainView:
-    """What a callback may read of a run in progress; nothing here can be assigned."""
+    """What a callback may read of a run in progress; nothing here can be assigned. Each property reads the
+    trainer's own attribute; a list or a dict is handed out as a copy (tuple, dict), so that a callback cannot
+    change the run through it."""
 
     def __init__(self, trainer) -> None:
         self._t = trainer
 
     # progress
-    step = _read("state.step", "Optimizer steps taken.")
-    epochs_completed = _read("state.epoch", "Whole epochs trained so far.")
-    elapsed = _read("state.elapsed", "Seconds of training so far, across restarts.")
-    resumes = _read("state.resumes", "How many times this run continued from a snapshot.")
-    snapshot_stalls = _read("state.snapshot_stalls", "Each snapshot's {step, stall_s, async}: training held.", tuple)
-    stop_reason = _read(
-        "state.stop_reason",
-        "None while training; epochs, max_steps, time_budget, preempted, or the reason given to request_stop.",
+    step = property(lambda v: v._t.state.step, doc="Optimizer steps taken.")
+    epochs_completed = property(lambda v: v._t.state.epoch, doc="Whole epochs trained so far.")
+    elapsed = property(lambda v: v._t.state.elapsed, doc="Seconds of training so far, across restarts.")
+    resumes = property(lambda v: v._t.state.resumes, doc="How many times this run continued from a snapshot.")
+    snapshot_stalls = property(
+        lambda v: tuple(v._t.state.snapshot_stalls), doc="Each snapshot's {step, stall_s, async}."
+    )
+    stop_reason = property(
+        lambda v: v._t.state.stop_reason, doc="None while training; then why it stopped (metrics.json)."
     )
     # what is trained, where
-    model = _read("raw", "The module being trained, without its DDP / torch.compile wrappers.")
-    optimizer = _read("optimizer", "The optimizer (its param_groups hold the current learning rate).")
-    run = _read("run", "The run folder: .path, .log(message) (rank 0 prints and appends to train.log).")
-    config = _read("cfg", "The resolved Config.")
-    data = _read("data", "The workload's ddplab.Data (splits, task, meta).")
-    dist = _read("ctx", "The DistContext: reductions and barriers, for hooks that every rank runs.")
-    rank = _read("ctx.rank", "This process's rank.")
-    world_size = _read("ctx.world_size", "Processes in the job.")
-    is_main = _read("ctx.is_main", "Rank 0: the one that writes files.")
-    device = _read("ctx.device", "This process's torch.device.")
+    model = property(lambda v: v._t.raw, doc="The module being trained, without its DDP / torch.compile wrappers.")
+    optimizer = property(lambda v: v._t.optimizer, doc="The optimizer (its param_groups hold the current lr).")
+    run = property(
+        lambda v: v._t.run, doc="The run folder: .path, .log(message) (rank 0 prints, appends to train.log)."
+    )
+    config = property(lambda v: v._t.cfg, doc="The resolved Config.")
+    data = property(lambda v: v._t.data, doc="The workload's ddplab.Data (splits, task, meta).")
+    dist = property(lambda v: v._t.ctx, doc="The DistContext: reductions and barriers, for hooks that every rank runs.")
+    rank = property(lambda v: v._t.ctx.rank, doc="This process's rank.")
+    world_size = property(lambda v: v._t.ctx.world_size, doc="Processes in the job.")
+    is_main = property(lambda v: v._t.ctx.is_main, doc="Rank 0: the one that writes files.")
+    device = property(lambda v: v._t.ctx.device, doc="This process's torch.device.")
     # what ddplab's own columns and files are made from
-    lr = _read("lr", "The peak learning rate, after training.lr_scaling.")
-    time_budget_s = _read("budget", "training.time_budget in seconds, or None.")
-    comm = _read("comm", "The gradient all-reduce monitor (None in a one-process run).")
-    evaluator = _read("evaluator", "The last evaluation's evaluator (classification: its global confusion matrix).")
-    data_workers = _read("loaders.workers", "DataLoader worker processes per rank (data.num_workers or its default).")
-    activity = _read("activity", "What the loop is doing now: train, eval or snapshot.")
-    data_wait = _read("state.epoch_data_wait", "This rank's seconds waiting for batches in the epoch so far.")
-    snapshot_time = _read("state.epoch_snapshot_time", "Seconds of snapshots since the last epoch row.")
-    phase = _read("phase", "Where the evaluation in progress was asked for: train (eval_every), epoch_end, test.")
-    history = _read("state.history", "One row per epoch so far (metrics.csv).", tuple)
-    log_rows = _read("state.steps", "One row per log interval so far: step, epoch, loss, lr, elapsed_s.", tuple)
-    batch = _read("batch", "ddplab.config.batch_arithmetic of this run: per_process, global, steps_per_epoch...", dict)
-    steps_per_epoch = _read("batch", "Optimizer steps in a whole epoch.", operator.itemgetter("steps_per_epoch"))
+    lr = property(lambda v: v._t.lr, doc="The peak learning rate, after training.lr_scaling.")
+    time_budget_s = property(lambda v: v._t.budget, doc="training.time_budget in seconds, or None.")
+    comm = property(lambda v: v._t.comm, doc="The gradient all-reduce monitor (None in a one-process run).")
+    evaluator = property(lambda v: v._t.evaluator, doc="The last evaluation's (classification: a confusion matrix).")
+    data_workers = property(lambda v: v._t.loaders.workers, doc="DataLoader worker processes per rank.")
+    activity = property(lambda v: v._t.clock.activity, doc="What the loop is doing now: train, eval or snapshot.")
+    data_wait = property(lambda v: v._t.state.epoch_data_wait, doc="This rank's seconds waiting for data this epoch.")
+    snapshot_time = property(lambda v: v._t.state.epoch_snapshot_time, doc="Snapshot seconds since the last row.")
+    eval_at = property(lambda v: v._t.eval_at, doc="Where this evaluation was asked for: train, epoch_end or test.")
+    history = property(lambda v: tuple(v._t.state.history), doc="One row per epoch so far (metrics.csv).")
+    log_rows = property(lambda v: tuple(v._t.state.steps), doc="One row per log interval: step, epoch, loss, lr...")
+    batch = property(
+        lambda v: dict(v._t.batch), doc="ddplab.config.batch_arithmetic of this run: per_process, global..."
+    )
+    steps_per_epoch = property(lambda v: v._t.batch["steps_per_epoch"], doc="Optimizer steps in a whole epoch.")
 
     @property
     def epoch(self) -> int:

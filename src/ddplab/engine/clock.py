@@ -1,4 +1,4 @@
-"""Evaluation and snapshots clocked apart from training, on the trainer's one continuous clock; moments on the
+"""The trainer's one continuous clock, with evaluation and snapshots clocked apart from training; moments on the
 device (Stamps) and the time a rank spent in collectives (InFlight)."""
 
 from __future__ import annotations
@@ -11,24 +11,43 @@ from typing import Any, Literal
 import torch
 
 
-@contextlib.contextmanager
-def timed(trainer, activity: Literal["eval", "snapshot"]):
-    """Adds the block's seconds to state.epoch_<activity>_time (eval, snapshot); the epoch's training time is the
-    rest of its wall clock. On CUDA the clock starts once the training work queued before is done, so each
-    holds its own device time."""
-    if trainer.ctx.device.type == "cuda":
-        torch.cuda.synchronize(trainer.ctx.device)  # once per evaluation or snapshot, never per step
-    trainer.ctx.beat.mark("evaluation" if activity == "eval" else activity)  # the heartbeat's phase too
-    trainer.activity, started = activity, time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds = time.perf_counter() - started
-        if activity == "eval":
-            trainer.state.epoch_eval_time += seconds
-        else:
-            trainer.state.epoch_snapshot_time += seconds
-        trainer.activity = "train"
+class Clock:
+    """The trainer's one continuous clock: every second inside fit() goes to the run's elapsed time and to the
+    epoch's wall time (tick), so nothing is lost between ticks; evaluations and snapshots are also clocked apart
+    (timed), and the epoch's training time is the rest. `state` is the trainer's TrainState, which it adds to."""
+
+    def __init__(self, state, ctx) -> None:
+        self.state, self.ctx = state, ctx
+        self.activity: Literal["train", "eval", "snapshot"] = "train"  # what the loop is doing now
+        self._mark = time.perf_counter()
+
+    def restart(self) -> None:
+        """The run's time counts from now (fit's start): what came before it is the start-up's."""
+        self._mark = time.perf_counter()
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.state.elapsed += now - self._mark
+        self.state.epoch_time += now - self._mark
+        self._mark = now
+
+    @contextlib.contextmanager
+    def timed(self, activity: Literal["eval", "snapshot"]):
+        """Adds the block's seconds to state.epoch_eval_time or epoch_snapshot_time. On CUDA the clock starts
+        once the training work queued before is done, so each holds its own device time."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)  # once per evaluation or snapshot, never per step
+        self.ctx.beat.mark("evaluation" if activity == "eval" else activity)  # the heartbeat's phase too
+        self.activity, started = activity, time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            if activity == "eval":
+                self.state.epoch_eval_time += seconds
+            else:
+                self.state.epoch_snapshot_time += seconds
+            self.activity = "train"
 
 
 class Stamps:
@@ -72,13 +91,16 @@ class InFlight:
     straggler check and the step timer read of engine/comm.py's CommMonitor (DDP) and engine/fsdp_comm.py's
     ShardedCommMonitor (FSDP) alike; each settles its own intervals (_settle) into _comm_s."""
 
-    # Set by each subclass's __init__.
-    _lock: threading.Lock
-    _comm_s: float
-    delay_s: float
-    buckets: int
-    done_count: int  # collectives completed
-    last_done: Any  # the Stamps moment the latest of them completed at
+    layout: list  # DDP's gradient buckets as the reducer handed them over (metrics.json's comm section)
+    collectives: str  # what it times, in metrics.json's comm section
+
+    def __init__(self, device: torch.device, beat=None) -> None:
+        self.clock, self.beat = Stamps(device), beat  # beat: the rank's heartbeat (distributed.Beat)
+        self._lock = threading.Lock()  # collectives complete on the backend's threads
+        self._comm_s = self.delay_s = 0.0
+        self.buckets = 0  # collectives called, since the last take_epoch
+        self.done_count = 0  # collectives completed
+        self.last_done: Any = None  # the Stamps moment the latest of them completed at
 
     def _settle(self) -> None:
         """Add the intervals that have finished to _comm_s."""

@@ -10,7 +10,6 @@ compression. The hook also records the reducer's bucket layout, and a StepTimer 
 model itself) records forward and backward time per step: what `ddplab forecast` needs.
 """
 
-import threading
 import time
 
 import torch
@@ -58,19 +57,14 @@ class CommMonitor(InFlight):
         self.wire_bytes = _HOOKS[dcfg.comm_hook][1]
         self.world_size = world_size
         self.inner, self.inner_state = inner, inner_state
-        self.clock = Stamps(device)
-        self._lock = threading.Lock()  # futures complete on the backend's threads
+        super().__init__(device)
         self.layout: list[dict] = []  # the buckets of the last recorded step, in the order DDP hands them over
         self._recording: list[dict] = []
         self._recorded_steps = 0
         # [start, end or None] per bucket, a list per step: DDP waits for a step's all-reduces before the
         # next step, so intervals of different steps never overlap and a step's union is settled on its own.
         self._steps: list[list[list]] = [[]]
-        self.last_done = None  # the stamp of the latest completed all-reduce
-        self.done_count = 0
-        self.beat = None  # the rank's heartbeat (distributed.Beat): a gradient all-reduce is a collective too
-        self._in_flight = self.buckets = 0
-        self._comm_s = self.delay_s = 0.0
+        self._in_flight = 0
 
     def _settle(self) -> None:
         """Add the union of every finished step's intervals (on CUDA: whose events have completed)."""

@@ -15,12 +15,11 @@ Stamps), so an interval is the collective's own time on the device.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ddplab.engine.clock import InFlight, Stamps, covered_s
+from ddplab.engine.clock import InFlight, covered_s
 
 if TYPE_CHECKING:  # FSDP's comm interfaces, from a private module: named for the checker only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -33,13 +32,9 @@ class ShardedCommMonitor(InFlight):
     collectives = "all_gather, reduce_scatter"  # what it times, in metrics.json's comm section
 
     def __init__(self, device: torch.device, beat=None) -> None:
-        self.clock, self.beat = Stamps(device), beat
-        self._lock = threading.Lock()  # an async all-gather completes on the backend's thread
+        super().__init__(device, beat)
         self._open: list[list] = []  # [begin, end or None] in the order begun, not yet counted
         self._reach = None  # the stamp where the intervals counted so far end
-        self._comm_s = self.delay_s = 0.0
-        self.buckets = self.done_count = 0  # buckets: the collectives called, in take_epoch's counter
-        self.last_done = None
 
     def _settle(self) -> None:
         """Count the leading intervals that are done (on CUDA: whose events have completed), their union with

@@ -1,6 +1,6 @@
 """The training loop: a stateful object that reads top to bottom.
 
-fit() = resume -> [train an epoch -> evaluate -> record -> snapshot] until done.
+resume(), then fit() = [train an epoch -> evaluate -> record -> snapshot] until done.
 It steps, accumulates, evaluates and stops; everything else (rows' extra columns, files,
 console, progress) hangs on callbacks (engine/callbacks.py), which see a read-only TrainView.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
@@ -27,15 +27,15 @@ from ddplab.data.stream import size
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import BEST, PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
-from ddplab.engine.clock import timed
+from ddplab.engine.clock import Clock
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
-from ddplab.engine.loaders import Loaders, TrainFeed
-from ddplab.engine.optim import build_optimizer, build_schedule, plan_for_budget, scaled_lr
+from ddplab.engine.optim import plan_for_budget
+from ddplab.engine.parts import TrainParts
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
-from ddplab.engine.setup import autocast, distribute, unused_parameters
+from ddplab.engine.setup import autocast, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.errors import RunError
 from ddplab.tasks import call_model, to_device
@@ -72,34 +72,22 @@ class TrainState:
 
 
 class Trainer:
-    """Outside engine/, a run is driven through fit() / test() / end() / close() and observed through
-    `view` (what callbacks get); its state is the parts registered in _register_parts()."""
+    """A run is driven through resume() / fit() / test() / end() / close() (engine/session.py) and observed through
+    `view` (what callbacks get). It is handed its parts, built (engine/parts.py); its state is what
+    _register_parts() registers."""
 
-    def __init__(
-        self, cfg: Config, ctx: DistContext, data, model: torch.nn.Module, run: RunFolder, callbacks=()
-    ) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, data, parts: TrainParts, run: RunFolder, callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
-        d = cfg.distributed
-        self.groups = d.replica_groups if d.fault_tolerance == "replicas" else 1  # replica groups (engine/replicas.py)
-        self.shares = ctx.world_size * self.groups  # processes the data and the global batch are divided among
-        self.batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, self.shares, size(data.train))
-        self.raw = model
-        self.model, self.comm = distribute(model, cfg, ctx)
-        self.lr = scaled_lr(t.lr, t.lr_scaling, self.shares)
-        self.optimizer = build_optimizer(cfg, ctx, self.raw, self.lr)
+        self.model, self.raw, self.comm = parts.model, parts.raw, parts.comm
+        self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
+        self.loaders, self.feed = parts.loaders, parts.feed
+        self.lr, self.shares, self.batch = parts.lr, parts.shares, parts.batch
         self.autocast = autocast(t.amp, ctx.device)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
-        self.loaders = Loaders(cfg, ctx, data.collate_fn)
-        share = (d.replica_group * ctx.world_size + ctx.rank, self.shares)
-        self.feed = TrainFeed(data.train, self.loaders, cfg, ctx, run.log, share)
-        self.sampler = self.feed.sampler  # None for a stream
-        self.scheduler = build_schedule(
-            cfg, ctx, self.optimizer, t.max_steps or self.batch["steps_per_epoch"] * t.epochs
-        )
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
+        self.clock = Clock(self.state, ctx)
         self.checkpoints = Checkpointer(
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
@@ -110,19 +98,16 @@ class Trainer:
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
         self.replicas = None
-        if d.fault_tolerance == "replicas":
+        if cfg.distributed.fault_tolerance == "replicas":
             from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
 
             self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
         self.parts, self.best_parts = self._register_parts()
-        self.phase = "train"  # train | epoch_end | test: where an evaluation was asked for
+        self.eval_at = "train"  # train (training.eval_every) | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
-        self.activity = "train"  # train | eval | snapshot: what the loop is doing now
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
         self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
-        self._resumed = False
-        self._mark = time.perf_counter()
 
     def _register_parts(self) -> tuple[Parts, Parts]:
         """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
@@ -177,12 +162,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
-        if not self._resumed:
-            self.resume()
+        """Train from the state resume() left (the session resumes first), until a stop or the last epoch."""
         if self.replicas is not None:
             self.replicas.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
-        self._mark = time.perf_counter()  # the run's clock: callbacks' time counts, on_train_start's in epoch 1
+        self.clock.restart()  # callbacks' time counts, on_train_start's in epoch 1
         self.callbacks.on_train_start(self.view)
         self.signals.install()
         try:
@@ -232,7 +216,7 @@ class Trainer:
                 self.snapshot()
             if t.eval_every and s.step % t.eval_every == 0:
                 self.evaluate(self.data.val, "val")
-            self._tick()  # after the log interval's sync: the time budget sees the device's work
+            self.clock.tick()  # after the log interval's sync: the time budget sees the device's work
             if self._should_stop():
                 break
         if left > 0 and s.stop_reason is not None:
@@ -388,12 +372,12 @@ class Trainer:
         """The epoch's core row (global numbers); callbacks add columns and record it."""
         s, ctx = self.state, self.ctx
         self.log_interval()
-        self.phase = "epoch_end"
+        self.eval_at = "epoch_end"
         val = self.evaluate(self.data.val, "val")
-        self.phase = "train"
+        self.eval_at = "train"
         # The slowest rank's wait is what holds the others at the next all-reduce.
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
-        self._tick()
+        self.clock.tick()
         took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
         row = {
             "epoch": self.view.epoch,
@@ -424,24 +408,17 @@ class Trainer:
             s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = s.epoch_time = 0.0
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
         if self.cfg.checkpoint.save_best and (not val or self.improved):
-            with timed(self, "snapshot"):
+            with self.clock.timed("snapshot"):
                 self.checkpoints.save(self.best_parts, self.ctx, BEST, self._about(val_loss=val.get("loss")))
         return row
-
-    def _tick(self) -> None:
-        """One continuous clock: the epoch's wall time and the run's elapsed time lose nothing between ticks."""
-        now = time.perf_counter()
-        self.state.elapsed += now - self._mark
-        self.state.epoch_time += now - self._mark
-        self._mark = now
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> None:
         """A collective: the loss since the last log is reduced, then every part is written
         (engine/checkpoint.py). The time training stood still for it is recorded."""
         self.log_interval()
-        self._tick()
-        with timed(self, "snapshot"):  # a snapshot holds the clock up to its own start
+        self.clock.tick()
+        with self.clock.timed("snapshot"):  # a snapshot holds the clock up to its own start
             began = time.perf_counter()
             s, background = self.state, self.sharded and self.cfg.checkpoint.async_save
             path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
@@ -455,7 +432,6 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the snapshot checkpoint.resume names (auto: the newest that passes its checks;
         never: none), after rank 0 cleaned what an interrupted save left behind."""
-        self._resumed = True
         how = self.cfg.checkpoint.resume
         if how == "never":
             return
@@ -509,11 +485,11 @@ class Trainer:
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or size(dataset) == 0:
             return {}
-        with timed(self, "eval"):
+        with self.clock.timed("eval"):
             metrics, self.evaluator = evaluate(
                 self.raw, self.task, self.loaders.evaluation(dataset), self.ctx, self.autocast
             )
-            if self.phase == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
+            if self.eval_at == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
                 s = self.state
                 self.improved = metrics["loss"] < s.best_val_loss
                 if self.improved:
@@ -528,7 +504,7 @@ class Trainer:
         self.ctx.barrier()
         if (best := self.checkpoints.root / BEST).is_dir():
             load_full(self.raw, self.checkpoints.load_snapshot(best)["model"])
-        self.phase = "test"
+        self.eval_at = "test"
         return self.evaluate(self.data.test, "test")
 
     def end(self, summary: dict) -> None:

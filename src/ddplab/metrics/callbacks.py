@@ -86,7 +86,7 @@ class RunRecorder(Callback):
 
     def on_eval_end(self, view, split, metrics):
         every = view.config.training.eval_every
-        if split == "val" and every and view.step % every == 0 and view.phase == "train":
+        if split == "val" and every and view.step % every == 0 and view.eval_at == "train":
             view.run.log(
                 f"step {view.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))
             )

@@ -1,0 +1,72 @@
+"""What the Trainer trains with, built before it and handed to it: the model as it is distributed, the
+optimizer, the learning-rate schedule, the gradient scaler and the data (loaders and the training feed).
+
+`Builders` is the table of how each part is built, as torchtitan's TrainSpec hands its trainer builders.
+Its defaults are ddplab's config-driven builders: training.optimizer and training.schedule name a recipe, a
+torch.optim class or the workload's own file.py:function (engine/optim.py), so a workload fills the table
+through its config; code that drives the engine itself (`ddplab.run.train(builders=...)`, tests) may replace
+any builder. A builder takes what the default beside it takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddplab.config import batch_arithmetic
+from ddplab.data.stream import size
+from ddplab.engine.clock import InFlight
+from ddplab.engine.loaders import Loaders, TrainFeed
+from ddplab.engine.optim import build_optimizer, build_schedule, scaled_lr
+from ddplab.engine.setup import distribute
+
+
+def grad_scaler(cfg, ctx) -> torch.amp.GradScaler:
+    """Loss scaling for training.amp=fp16 on CUDA; a scaler that does nothing otherwise."""
+    return torch.amp.GradScaler("cuda", enabled=cfg.training.amp == "fp16" and ctx.device.type == "cuda")
+
+
+@dataclass
+class TrainParts:
+    """The built parts, and the arithmetic they were built for."""
+
+    model: torch.nn.Module  # what the loop calls: DDP- or FSDP-wrapped, compiled when asked
+    raw: torch.nn.Module  # the module itself, whose parameters the optimizer holds
+    comm: InFlight | None  # the monitor of its gradient communication (None in one process)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # an LR scheduler, stepped once per optimizer step
+    scaler: torch.amp.GradScaler
+    loaders: Loaders
+    feed: TrainFeed
+    lr: float  # the peak learning rate, after training.lr_scaling
+    shares: int  # processes the data and the global batch are divided among: world size x replica groups
+    batch: dict  # batch_arithmetic over those shares
+
+
+@dataclass(frozen=True)
+class Builders:
+    distribute: Callable = distribute  # (model, cfg, ctx) -> (the model to train, its comm monitor or None)
+    optimizer: Callable = build_optimizer  # (cfg, ctx, model, lr) -> torch.optim.Optimizer
+    schedule: Callable = build_schedule  # (cfg, ctx, optimizer, total_steps) -> LR scheduler
+    scaler: Callable = grad_scaler  # (cfg, ctx) -> torch.amp.GradScaler
+    loaders: Callable = Loaders  # (cfg, ctx, collate_fn) -> Loaders
+    feed: Callable = TrainFeed  # (dataset, loaders, cfg, ctx, log, (share, shares)) -> TrainFeed
+
+    def build(self, cfg, ctx, data, model: torch.nn.Module, log: Callable[[str], None]) -> TrainParts:
+        """Each part after those it needs: the optimizer takes the parameters as distributing left them
+        (sharded, under FSDP), the schedule the optimizer and the steps the batch arithmetic gives."""
+        t, d = cfg.training, cfg.distributed
+        groups = d.replica_groups if d.fault_tolerance == "replicas" else 1  # replica groups (engine/replicas.py)
+        shares = ctx.world_size * groups
+        batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, shares, size(data.train))
+        wrapped, comm = self.distribute(model, cfg, ctx)
+        lr = scaled_lr(t.lr, t.lr_scaling, shares)
+        optimizer = self.optimizer(cfg, ctx, model, lr)
+        scaler = self.scaler(cfg, ctx)
+        loaders = self.loaders(cfg, ctx, data.collate_fn)
+        feed = self.feed(data.train, loaders, cfg, ctx, log, (d.replica_group * ctx.world_size + ctx.rank, shares))
+        scheduler = self.schedule(cfg, ctx, optimizer, t.max_steps or batch["steps_per_epoch"] * t.epochs)
+        return TrainParts(wrapped, model, comm, optimizer, scheduler, scaler, loaders, feed, lr, shares, batch)

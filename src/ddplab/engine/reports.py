@@ -1,0 +1,46 @@
+"""How a worker tells the ddplab launcher that started it how it ended: a file in the folder the launcher
+names (handoff.py: report_dir), which launch.py reads. A worker no ddplab launcher listens to says it itself."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ddplab.engine.files import write_atomic
+from ddplab.handoff import Handoff
+
+STOPPING = "stopping"  # in the report folder: the launcher has asked the agents to stop
+
+
+def _report(name: str, text: str) -> bool:
+    folder = Handoff.read().report_dir
+    if not folder or not Path(folder).is_dir():
+        return False
+    write_atomic(folder, f"{name}-rank{int(os.environ.get('RANK', '0')):05d}", text)
+    return True
+
+
+def listened() -> bool:
+    """A ddplab launcher started this worker and prints what it reports (the workers stay quiet)."""
+    folder = Handoff.read().report_dir
+    return folder is not None and Path(folder).is_dir()
+
+
+def report_error(message: str) -> bool:
+    """A worker's user error, for the launcher to print once; False when no ddplab launcher listens."""
+    return _report("error", message)
+
+
+def report_failure(report: str) -> bool:
+    """A failed job's report (engine/heartbeat.py), for the launcher to print instead of tracebacks."""
+    return _report("failure", report)
+
+
+def report_preempted() -> None:
+    """Then wait (10 s at most) until the launcher has asked the agents to stop: an agent that saw
+    this worker exit first would take it for a failure and restart the workers (--max-restarts)."""
+    if _report("preempted", ""):
+        deadline, stopping = time.monotonic() + 10, Path(Handoff.read().report_dir or ".") / STOPPING
+        while not stopping.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
