@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,6 +196,11 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path, nproc, strategy):
     for run in runs:
         assert json.loads((run / "metrics.json").read_text())["status"] == "complete"
     assert "rejoined from a peer's live state" in (runs[1] / "train.log").read_text()
+    told = (runs[0] / "train.log").read_text()
+    left, came = (re.search(rf"step (\d+): group 1 {what}; (\d) of 2", told) for what in ("left", "came back"))
+    assert left and came, told[-2000:]
+    assert (int(left[1]), left[2], int(came[1]), came[2]) == (min(alone), "1", max(alone) + 1, "2")
+    assert {r["groups"] for r in healthy if r["replicas"] == "1"} == {"0"}
     mine, theirs = _weights(runs[0]), _weights(runs[1])
     assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the rejoined group's parameters differ"
 
@@ -202,9 +208,10 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path, nproc, strategy):
 def test_status_names_the_quorum(tmp_path):
     from ddplab.commands.train import _quorum
 
-    rows = ["step,replicas,global_batch,committed,time", "1,2,16,1,1.0", "2,2,16,0,2.0", "2,1,8,1,3.0", "3,1,8,1,4.0"]
+    rows = ["step,replicas,global_batch,committed,time,groups", "1,2,16,1,1.0,0 1", "2,2,16,0,2.0,0 1"]
+    rows += ["2,1,8,1,3.0,0", "3,1,8,1,4.0,0"]
     (tmp_path / "replicas.csv").write_text("\n".join(rows) + "\n")
-    assert _quorum(tmp_path) == "; 1 replica group(s) in the quorum since step 2"
+    assert _quorum(tmp_path) == "; 1 replica group(s) (groups 0) in the quorum since step 2"
     assert _quorum(tmp_path / "absent") == ""
 
 

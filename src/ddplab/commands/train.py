@@ -168,7 +168,8 @@ def _quorum(run: Path) -> str:
         if row["replicas"] != rows[-1]["replicas"]:
             break
         since = row
-    return f"; {rows[-1]['replicas']} replica group(s) in the quorum since step {since['step']}"
+    which = f" (groups {rows[-1]['groups'].replace(' ', ', ')})" if rows[-1].get("groups") else ""
+    return f"; {rows[-1]['replicas']} replica group(s){which} in the quorum since step {since['step']}"
 
 
 def _progress(run: Path) -> str:

@@ -50,7 +50,9 @@ class Replicas:
         self.rejoined = False  # the last quorum replaced this group's state with a peer's
         self._first = True  # this attempt has not yet joined a quorum
         self._carried = self._stop = torch.zeros(2)  # stop flags: the last all-reduce's, those committed since asked
+        self._marks = torch.ones(self.groups)  # the last all-reduce's marks: > 0 for each group present
         self.present = self.groups  # groups in the last step's quorum
+        self.members = list(range(self.groups))  # which groups: as of the last committed step whose count changed
         self._epoch: list[int] = []  # the global batch of each step committed this epoch
         self._fewest = self.groups  # the fewest groups in a committed step this epoch
         self.timeout = d.timeout
@@ -75,7 +77,7 @@ class Replicas:
         )
         self.csv = (folder / STEPS_CSV).open("a", newline="") if ctx.is_main else None
         if self.csv is not None and self.csv.tell() == 0:
-            csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time"])
+            csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time", "groups"])
 
     def _attempt_store(self) -> dict:
         """torchrun's store, rid of the address a previous attempt's manager left in it: the store outlives a
@@ -112,23 +114,22 @@ class Replicas:
             time.sleep(0.2)
             self.manager.start_quorum()
         self._first = False
-        was, self.present = self.present, self.manager.num_participants()
-        if self.present != was or self.rejoined:
-            joined = " (this group rejoined from a peer's live state)" if self.rejoined else ""
-            self.log(
-                f"step {self.manager.current_step() + 1}: {self.present} of {self.groups} replica groups in the quorum"
-                + joined
-            )
+        self.present = self.manager.num_participants()
+        if self.rejoined:
+            self.log(f"step {self.manager.current_step() + 1}: this group rejoined from a peer's live state")
         return self.rejoined
 
     def reduce(self, params, stop: torch.Tensor) -> None:
         """Average the gradients (this process's shards of them) over the groups in the quorum. This process's
-        stop flags (time budget over, stop signal) ride along: stop() then holds whether any group raised one."""
+        stop flags (time budget over, stop signal) ride along: stop() then holds whether any group raised one; so
+        does a mark of this group, which names the groups present."""
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-        tensors = [*grads, stop.to(grads[0].dtype if grads else stop.dtype)]
+        mark = torch.zeros(self.groups, dtype=stop.dtype, device=stop.device)
+        mark[self.group] = 1
+        tensors = [*grads, *(t.to(grads[0].dtype if grads else stop.dtype) for t in (stop, mark))]
         flat = _flatten_dense_tensors(tensors)
         self.manager.allreduce(flat).wait()
-        *reduced, self._carried = _unflatten_dense_tensors(flat, tensors)
+        *reduced, self._carried, self._marks = _unflatten_dense_tensors(flat, tensors)
         for grad, mean in zip(grads, reduced, strict=True):
             grad.copy_(mean)
 
@@ -156,13 +157,31 @@ class Replicas:
                 group["lr"] *= self.groups / self.present
 
     def record(self, step: int, global_batch: int, committed: bool) -> None:
-        """A step's row in replicas.csv; a committed one counts in the epoch's columns."""
+        """A step's row in replicas.csv; a committed one counts in the epoch's columns, and where its quorum
+        differs from the last one's, the log names the groups that left or came back."""
         if committed:
             self._epoch.append(global_batch)
             self._fewest = min(self._fewest, self.present)
+            if self.present != len(self.members) or self.rejoined:  # read from the device only then
+                self._name_groups(step, [g for g, share in enumerate(self._marks.tolist()) if share > 0])
         if self.csv is not None:
-            csv.writer(self.csv).writerow([step, self.present, global_batch, int(committed), f"{time.time():.3f}"])
+            row = [
+                step,
+                self.present,
+                global_batch,
+                int(committed),
+                f"{time.time():.3f}",
+                " ".join(map(str, self.members)),
+            ]
+            csv.writer(self.csv).writerow(row)
             self.csv.flush()
+
+    def _name_groups(self, step: int, now: list[int]) -> None:
+        left, back = sorted(set(self.members) - set(now)), sorted(set(now) - set(self.members))
+        if left or back:
+            said = [f"group {g} left" for g in left] + [f"group {g} came back" for g in back]
+            self.log(f"step {step}: {', '.join(said)}; {len(now)} of {self.groups} replica groups in the quorum")
+        self.members = now
 
     def epoch_columns(self) -> dict:
         """The epoch row's `replicas` (the fewest groups any of its steps had) and `global_batch` (the
