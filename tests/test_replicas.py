@@ -252,3 +252,20 @@ def test_a_whole_replica_job_killed_or_preempted_resumes_from_its_snapshots_exac
         for i, run in enumerate(runs):
             assert "resumed from" in (run / "train.log").read_text()
             _same_run(run, tmp_path / "experiments" / f"whole-group{i}")
+
+
+def test_a_time_budget_stops_every_group_at_the_same_step(tmp_path):
+    """Each group's own clock passes the budget at its own moment; the flag rides the all-reduce across groups,
+    so both stop (and snapshot) after the same step, and the schedule planned over the budget is planned on the
+    groups' mean time spent, so that both hold the same learning rate and the same weights."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    (tmp_path / "wl.py").write_text(WORKLOAD)
+    gate = tmp_path / "slow"
+    gate.touch()  # 0.15 s a step: the budget ends the run after a few log intervals
+    _finish(_job(tmp_path, "budget", 1000, "training.time_budget=3s", gate=gate))
+    records = [json.loads((tmp_path / "experiments" / f"budget-group{i}" / "metrics.json").read_text()) for i in (0, 1)]
+    assert [r["stop_reason"] for r in records] == ["time_budget"] * 2
+    steps = [r["aggregates"]["steps"] for r in records]
+    assert steps[0] == steps[1] and steps[0] % 10 == 0, steps  # a log interval: where stops are agreed
+    mine, theirs = (_weights(tmp_path / "experiments" / f"budget-group{i}") for i in (0, 1))
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the groups' weights differ"

@@ -49,7 +49,9 @@ class Replicas:
         self._load = load_state_dict
         self.rejoined = False  # the last quorum replaced this group's state with a peer's
         self._first = True  # this attempt has not yet joined a quorum
-        self._carried = self._stop = torch.zeros(2)  # stop flags: the last all-reduce's, those committed since asked
+        # What rides along each step's all-reduce: (budget over, stop signal, seconds spent), averaged over the groups;
+        # the last one's, then the flags of the steps committed since stop() was asked, and the mean time spent.
+        self._carried, self._stop, self._spent = torch.zeros(3), torch.zeros(2), torch.zeros(())
         self._marks = torch.ones(self.groups)  # the last all-reduce's marks: > 0 for each group present
         self.present = self.groups  # groups in the last step's quorum
         self.members = list(range(self.groups))  # which groups: as of the last committed step whose count changed
@@ -121,8 +123,9 @@ class Replicas:
 
     def reduce(self, params, stop: torch.Tensor) -> None:
         """Average the gradients (this process's shards of them) over the groups in the quorum. This process's
-        stop flags (time budget over, stop signal) ride along: stop() then holds whether any group raised one; so
-        does a mark of this group, which names the groups present."""
+        stop flags and time spent ride along (`stop`: budget over, stop signal, seconds): stop() then holds whether
+        any group raised a flag, spent() the groups' mean time; so does a mark of this group, which names the groups
+        present."""
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
         mark = torch.zeros(self.groups, dtype=stop.dtype, device=stop.device)
         mark[self.group] = 1
@@ -138,7 +141,8 @@ class Replicas:
         the optimizer's lr is scaled by the share of groups present for this step."""
         if not self.manager.should_commit():
             return False
-        self._stop = torch.maximum(self._stop.to(self._carried.device), self._carried.float())
+        self._stop = torch.maximum(self._stop.to(self._carried.device), self._carried[:2].float())
+        self._spent = self._carried[2]
         if self.follow_lr and self.present != self.groups:
             for group in optimizer.param_groups:
                 group["lr"] *= self.present / self.groups
@@ -150,6 +154,11 @@ class Replicas:
         different moments)."""
         flags, self._stop = (self._stop > 0).float(), torch.zeros_like(self._stop)
         return flags
+
+    def spent(self) -> float:
+        """The groups' mean time spent as of the last committed step: the same in every group, so that a schedule
+        planned over a time budget gives every group the same learning rate (a host sync: at log intervals only)."""
+        return float(self._spent)
 
     def restore_lr(self, optimizer) -> None:
         if self.follow_lr and self.present != self.groups:

@@ -313,7 +313,8 @@ class Trainer:
         s.steps.append({"step": s.step, "epoch": s.epoch + 1, **values, "elapsed_s": s.elapsed})
         # With a time budget the schedule is planned over the steps the budget allows, re-estimated
         # here, where all ranks meet anyway (the slowest rank's clock counts).
-        plan_for_budget(self.scheduler, self.ctx, s.step, s.elapsed, self.budget)
+        spent = self.replicas.spent() if self.replicas is not None else s.elapsed  # replicas: the same in every group
+        plan_for_budget(self.scheduler, self.ctx, s.step, spent, self.budget)
         self.callbacks.on_log(self.view, values)
 
     def _agree_on_request(self) -> None:
@@ -337,7 +338,7 @@ class Trainer:
             # Asking every step would put a collective and a host sync in every step; the
             # log interval is a schedule all ranks share, and where the loop syncs anyway.
             return False
-        flags = self.replicas.stop() if self.replicas is not None else self._stop_flags()  # replicas: every group's
+        flags = self.replicas.stop() if self.replicas is not None else self._stop_flags()[:2]  # replicas: every group's
         over, signalled = self.ctx.all_reduce(flags.to(self.ctx.device), "max").tolist()
         if signalled:
             s.stop_reason = "preempted"
@@ -351,9 +352,10 @@ class Trainer:
         return s.stop_reason is not None
 
     def _stop_flags(self) -> torch.Tensor:
-        """This process's own reasons to stop: the time budget is over, a stop signal came."""
-        over = self.budget is not None and self.state.elapsed >= self.budget
-        return torch.tensor([float(over), float(self.signals.received is not None)], device=self.ctx.device)
+        """This process's own reasons to stop (the time budget is over, a stop signal came), then its time spent."""
+        spent = self.state.elapsed
+        over = self.budget is not None and spent >= self.budget
+        return torch.tensor([float(over), float(self.signals.received is not None), spent], device=self.ctx.device)
 
     def stop_mid_epoch(self) -> None:
         """Snapshot where the stop happened; then (unless pre-empted) evaluate and record it."""
