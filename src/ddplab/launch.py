@@ -37,7 +37,7 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.engine.files import open_append
+from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.reports import STOPPING
 from ddplab.errors import ExitCode, Preempted, UserError
@@ -268,10 +268,8 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
         record = json.loads(path.read_text())
         if record.get("status") == "running":
             record.update(status="failed", failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"})
-            tmp = path.with_name(".metrics.json.launcher.tmp")
-            tmp.write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(tmp, path)
-            with open(run_dir / "train.log", "a") as log:
+            write_atomic(run_dir, "metrics.json", json.dumps(record, indent=2) + "\n")
+            with open_append(run_dir, "train.log") as log:
                 log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {summary}\n")
     return summary
 

@@ -174,7 +174,7 @@ def resolve(reference: str, field_name: str) -> Callable:
             f"{field_name}: '{reference}' is not a code reference of the form file.py:function "
             f"or package.module:function"
         )
-    if where.endswith(".py") or "/" in where or "\\" in where:
+    if _is_file_reference(where):
         path = Path(where).expanduser().resolve()
         if not path.is_file():
             raise UserError(f"{field_name}: no such file: {where} (from '{reference}')")

@@ -46,10 +46,6 @@ def shards_itself(dataset) -> bool:
     return bool(getattr(dataset, "shards_itself", False))
 
 
-def seeks_itself(dataset) -> bool:
-    return callable(getattr(dataset, "share", None))
-
-
 def owns(j, rank: int, world_size: int, batch_size: int, worker: int, workers: int):
     """Whether item j of the global stream (an int or an array of them) is the given rank's and loader
     worker's: rank j mod world_size, and within it whole batches to the workers in turn."""
@@ -62,7 +58,7 @@ class Stream(IterableDataset):
 
     def __init__(self, dataset, rank: int, world_size: int, batch_size: int, limit: int | None = None) -> None:
         self.dataset, self.batch_size, self.limit = dataset, batch_size, limit
-        self.own, self.seeks = shards_itself(dataset), seeks_itself(dataset)
+        self.own, self.seeks = shards_itself(dataset), callable(getattr(dataset, "share", None))
         self.rank, self.world_size = (0, 1) if self.own else (rank, world_size)
         self.epoch = self.start = 0
         self.skip = True

@@ -346,11 +346,7 @@ class Checkpointer:
         if chosen is None:
             return None
         folder, manifest = Path(chosen[0]), chosen[1]
-        if self.is_main:
-            assert found is not None  # rank 0 chose it
-            plain = found[2]
-        else:
-            plain = _read_state(folder / STATE)
+        plain = found[2] if found is not None else _read_state(folder / STATE)  # found: rank 0's choice, read
         return folder, manifest, parts.load(plain, folder, ctx, manifest["world_size"])
 
     def load_snapshot(self, path: Path, weights: bool = True) -> dict:

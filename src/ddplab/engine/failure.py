@@ -15,6 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ddplab.engine.files import open_append
 from ddplab.engine.heartbeat import gist, place_of
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, UserError, disk_full, no_space, write_failed
@@ -38,8 +39,7 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
     failed in metrics.json, with the line. Nothing more is tried on a full disk: the terminal has the line."""
     try:
         logs = Path(run_dir) / RunFolder.LOGS
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / f"rank{rank}.log", "a") as f:
+        with open_append(run_dir, Path(RunFolder.LOGS, f"rank{rank}.log")) as f:
             f.write(
                 f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, host {socket.gethostname()}, "
                 f"pid {os.getpid()}: failed before training began\n"

@@ -96,7 +96,6 @@ class TrainFeed:
         self.sampler: ResumableDistributedSampler | None = None  # map-style data
         self.source: Stream | None = None  # a stream
         if self.stream:
-            self.sampler = None
             self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit)
             if is_stateful(dataset) and loaders.workers:
                 log(

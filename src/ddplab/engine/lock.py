@@ -235,8 +235,8 @@ def claim(cfg, resolved: tuple[Path, str | None], launcher: Path | None = None) 
 
 
 @contextlib.contextmanager
-def own_run_folder(cfg, ctx, resolve):
-    """Every rank: yields (run_dir, note) once rank 0 owns the folder `resolve(cfg)` picks;
+def own_run_folder(cfg, ctx):
+    """Every rank: yields (run_dir, note) once rank 0 owns the folder resolve_run_dir(cfg) picks;
     raises the same UserError on every rank when it cannot. Released when the job ends."""
     lock, decision = None, None
     if ctx.is_main:
@@ -245,7 +245,7 @@ def own_run_folder(cfg, ctx, resolve):
         except UserError as err:
             decision = (None, None, str(err))
         else:
-            lock, decision = claim(cfg, (launcher, None) if launcher else resolve(cfg), launcher)
+            lock, decision = claim(cfg, (launcher, None) if launcher else resolve_run_dir(cfg), launcher)
     try:
         run_dir, note, error = ctx.broadcast_object(decision)
         if error:

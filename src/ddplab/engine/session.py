@@ -21,7 +21,7 @@ from ddplab.distributed import DistContext
 from ddplab.engine import assets, env, failure, flight_recorder
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
-from ddplab.engine.lock import own_run_folder, resolve_run_dir
+from ddplab.engine.lock import own_run_folder
 from ddplab.engine.parts import Builders
 from ddplab.engine.phases import Phases
 from ddplab.engine.reports import listened, report_failure, report_preempted
@@ -56,7 +56,7 @@ class Session:
         flight_recorder.arm(cfg.distributed.backend)
         with (
             distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx,
-            own_run_folder(cfg, ctx, resolve_run_dir) as (run_dir, note),
+            own_run_folder(cfg, ctx) as (run_dir, note),
         ):
             self.phases.mark("rendezvous")
             try:

@@ -515,9 +515,8 @@ class Trainer:
 
     def close(self) -> None:
         """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
-        if (replicas := getattr(self, "replicas", None)) is not None:
-            replicas.close()
+        if self.replicas is not None:
+            self.replicas.close()
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
-            if hasattr(self, name):
-                delattr(self, name)
+            delattr(self, name)
         gc.collect()

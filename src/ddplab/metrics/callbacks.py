@@ -134,8 +134,6 @@ class ProgressBar(Callback):
     def on_epoch_start(self, view):
         if not _bar_shown(view):
             return
-        # Only a terminal shows the bar: a worker that never draws one is spared rich's import.
-
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
