@@ -6,8 +6,9 @@ on a tree of photo-like JPEGs (gpu_vision.py's; default 2,400 at 224 px, cached 
                 empty cache folder (cold), then again with the cache in place (warm); the cold run's data phase
                 (metrics.json) less the warm run's is the build
 
-Rounds alternate the order of one and pool. Each round prints its rates; then the medians, with their range,
-and the ratios against one process: `ratio pool/one <median> (<range over rounds>)` and
+Rounds alternate the order of one and pool. Each round prints its rates, and for one and pool the CPU time an
+image over all their processes (what the pool adds to the work, whatever else the host runs); then the medians,
+with their range, and the ratios against one process: `ratio pool/one <median> (<range over rounds>)` and
 `ratio train/one ...`, with the load average before and after (2 cores cap both at 2x).
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/image_cache_build.py [--runs 3] [--per-class 600]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -43,13 +45,20 @@ def arguments(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_rate(samples, args, folder: Path, workers: int | None) -> float:
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have ended (the pool's, once it shuts down)."""
+    own, ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+
+
+def write_rate(samples, args, folder: Path, workers: int | None) -> tuple[float, float]:
+    """images/s of image_cache.write, and the CPU milliseconds it spent an image over all its processes."""
     meta = {"image_size": args.image_size, "source_channels": 3}
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), cpu_seconds()
     image_cache.write(folder, samples, meta, "raw", workers=workers, log=lambda line: None)
-    took = time.perf_counter() - began
+    took, cpu = time.perf_counter() - began, cpu_seconds() - cpu
     shutil.rmtree(folder)
-    return len(samples) / took
+    return len(samples) / took, 1e3 * cpu / len(samples)
 
 
 def data_phase(args, tree: Path, cache: Path, out: Path) -> float:
@@ -83,21 +92,27 @@ def main(argv=None) -> None:
         flush=True,
     )
     rates: dict[str, list[float]] = {"one": [], "pool": [], "train": []}
+    cpu: dict[str, list[float]] = {"one": [], "pool": []}
     for r in range(args.runs):
         for name in ("one", "pool") if r % 2 == 0 else ("pool", "one"):
-            rates[name].append(write_rate(samples, args, root / "write", 1 if name == "one" else None))
+            rate, ms = write_rate(samples, args, root / "write", 1 if name == "one" else None)
+            rates[name].append(rate), cpu[name].append(ms)
         cache = root / "cache"
         shutil.rmtree(cache, ignore_errors=True)
         cold, warm = (data_phase(args, tree, cache, root / "runs") for _ in range(2))
         rates["train"].append(n / (cold - warm))
         print(
-            f"round {r + 1}: one {rates['one'][-1]:.0f} images/s, pool {rates['pool'][-1]:.0f}, in training "
-            f"{rates['train'][-1]:.0f} (data phase cold {cold:.2f} s, warm {warm:.2f} s)",
+            f"round {r + 1}: one {rates['one'][-1]:.0f} images/s ({cpu['one'][-1]:.2f} CPU ms an image), pool "
+            f"{rates['pool'][-1]:.0f} ({cpu['pool'][-1]:.2f}), in training {rates['train'][-1]:.0f} (data phase "
+            f"cold {cold:.2f} s, warm {warm:.2f} s); load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
     print(f"load average {os.getloadavg()[0]:.2f} after")
     for name, values in rates.items():
-        print(f"{name:<6} median {statistics.median(values):6.0f} images/s ({min(values):.0f}-{max(values):.0f})")
+        line = f"{name:<6} median {statistics.median(values):6.0f} images/s ({min(values):.0f}-{max(values):.0f})"
+        if name in cpu:
+            line += f", {statistics.median(cpu[name]):.2f} CPU ms an image ({min(cpu[name]):.2f}-{max(cpu[name]):.2f})"
+        print(line)
     for name in ("pool", "train"):
         ratios = [a / b for a, b in zip(rates[name], rates["one"], strict=True)]
         print(f"ratio {name}/one {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
