@@ -68,7 +68,7 @@ def calls() -> dict[str, float]:
         "random.seed, int < 2**64": lambda: random.seed(0x123456789ABCDEF),
         "np.random.seed, int < 2**32": lambda: np.random.seed(123456789),
         "np.random.seed, two 32-bit words (> 2**32)": lambda: np.random.seed([123456789, 1]),
-        "sample_seed (splitmix64 finaliser)": lambda: sample_seed(7, 3, 12345),
+        "sample_seed (integer arithmetic)": lambda: sample_seed(7, 3, 12345),
         "torch get_state + set_state": lambda: g.set_state(g.get_state()),
         "random.getstate + setstate": lambda: random.setstate(random.getstate()),
         "np.random.get_state + set_state": lambda: np.random.set_state(np.random.get_state()),
