@@ -1,5 +1,5 @@
 """Image training at the device's speed: ddplab beside a hand-written torchvision loop and beside the
-model alone, on a JPEG ImageFolder tree; and the image cache's build rate beside one process's decode.
+model alone, on a JPEG ImageFolder tree (the image cache's build rate: image_cache_build.py, on such a tree).
 
 It writes a tree of photo-like JPEGs (smooth gradients and a little noise, one hue per class; no
 validation split, so epochs are training only), then times, in fresh processes, alternating runs:
@@ -15,10 +15,7 @@ last epoch (ddplab: a callback; the others: their own loop), snapshots included;
 the throughput metrics.csv reports for those epochs (images over their epoch_time_s) against the
 same clock less the rows' eval_time_s and snapshot_time_s, printed as reported/real. Then:
 
-    ratio <run>/hand <value>      ratio <run>/ceiling <value>      ratio cache_build pool/one <value>
-
-The cache build rate: `image_cache.write` over the tree with a pool over this host's cores, beside
-the same with one process (PIL decode + resize), alternating, a fresh folder each time.
+    ratio <run>/hand <value>      ratio <run>/ceiling <value>
 
     PYTHONPATH=src python3 benchmarks/gpu_vision.py                  # defaults fit the device found
     PYTHONPATH=src python3 benchmarks/gpu_vision.py --per-class 1100 --side 320 --model resnet50
@@ -57,7 +54,7 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--workers", type=int, default=None, help="the hand loop's DataLoader workers; default: cores - 1, at most 12"
     )
-    p.add_argument("--only", default="ceiling,hand,raw,jpeg,nocache,gpu,build", help="comma-separated subset")
+    p.add_argument("--only", default="ceiling,hand,raw,jpeg,nocache,gpu", help="comma-separated subset")
     p.add_argument("--root", default=None, help="folder for the tree and caches (default: a temporary one)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -268,24 +265,6 @@ def in_child(argv: list[str], kind: str, root: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def build_rates(args, tree: Path, root: Path) -> dict[str, list[float]]:
-    """images/s of image_cache.write with one process and with a pool over the host's cores."""
-    from torchvision.datasets import ImageFolder
-
-    from ddplab.data import image_cache
-
-    samples = ImageFolder(str(tree)).samples
-    meta = {"image_size": args.image_size, "source_channels": 3}
-    rates: dict[str, list[float]] = {"one": [], "pool": []}
-    for r in range(args.runs):
-        for name, workers in (("one", 1), ("pool", None)):
-            folder = root / "builds" / f"{name}-{r}"
-            began = time.perf_counter()
-            image_cache.write(folder, samples, meta, "raw", workers=workers, log=lambda line: None)
-            rates[name].append(len(samples) / (time.perf_counter() - began))
-    return rates
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = arguments(argv)
@@ -293,7 +272,7 @@ def main(argv=None) -> None:
         return child(args)
     root = Path(args.root or tempfile.mkdtemp(prefix="gpu_vision-"))
     root.mkdir(parents=True, exist_ok=True)
-    tree = photo_tree(root, args)
+    photo_tree(root, args)
     passed = [a for i, a in enumerate(argv) if a != "--root" and (i == 0 or argv[i - 1] != "--root")]
     wanted = [k for k in args.only.split(",") if k and (k != "gpu" or CUDA)]
     n = args.classes * args.per_class
@@ -308,7 +287,7 @@ def main(argv=None) -> None:
         for kind in ("raw", "jpeg"):
             in_child([*passed, "--epochs", "1"], kind, root) if kind in wanted else None
     for r in range(args.runs):
-        for kind in [k for k in wanted if k != "build"]:
+        for kind in wanted:
             results.setdefault(kind, []).append(in_child(passed, kind, root))
             print(f"run {r + 1} {kind}: {json.dumps(results[kind][-1])}", flush=True)
     real = {k: statistics.median(x["real"] for x in v) for k, v in results.items()}
@@ -325,11 +304,6 @@ def main(argv=None) -> None:
         for base in ("hand", "ceiling"):
             if base in real and kind != base:
                 print(f"ratio {kind}/{base} {real[kind] / real[base]:.3f}")
-    if "build" in wanted:
-        rates = build_rates(args, tree, root)
-        one, pool = statistics.median(rates["one"]), statistics.median(rates["pool"])
-        print(f"cache build: one process {one:.0f} images/s, pool of {cores()} {pool:.0f} images/s")
-        print(f"ratio cache_build pool/one {pool / one:.3f}")
 
 
 if __name__ == "__main__":

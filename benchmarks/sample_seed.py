@@ -6,9 +6,9 @@ Runs of STEPS steps with seeding on and off alternate; the ratio of each pair's 
 printed as the median and range over the pairs, with the load average. The steps are timed in this
 process's CPU time (one thread): on a host with more runnable processes than cores, wall time mostly
 measures waiting for a core. The range is still wider than the cost, so the seeding is also timed alone,
-around items that cost nothing to read, and set against the median step: torch's generator only (what
-torchvision's transforms draw from), and torch's, Python's and numpy's (a transform that draws from all
-three).
+around items that cost nothing to read (median and range over rounds), and set against the median step:
+torch's generator only (what torchvision's transforms draw from), and torch's, Python's and numpy's (a
+transform that draws from all three). Last, each call the seeding is made of, timed alone.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/sample_seed.py [PAIRS]
 """
@@ -16,13 +16,16 @@ three).
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import sys
 import time
+import timeit
 
+import numpy as np
 import torch
 
-from ddplab.data.sample_seed import PerSampleSeed
+from ddplab.data.sample_seed import GENERATORS, PerSampleSeed, sample_seed
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.engine.setup import build_data, build_model
 from ddplab.registry import load_config, workload
@@ -42,12 +45,43 @@ def per_item(dataset, keys, batch: int, rounds: int = 7) -> float:
     return best
 
 
-def seeding_alone(batch: int, generators: list[str], n: int = 4096) -> float:
-    """Seconds an item that seeding `generators` adds to reading it."""
+def seeding_alone(batch: int, generators: list[str], rounds: int = 9, n: int = 4096) -> list[float]:
+    """Seconds an item that seeding `generators` adds to reading it, in `rounds` rounds (each the best of 3 reads
+    seeded less the best of 3 plain)."""
     items = [(i, 0) for i in range(n)]
     seeded = PerSampleSeed(items, 0)
     seeded.seeded = generators
-    return per_item(seeded, [(1, i) for i in range(n)], batch) - per_item(items, list(range(n)), batch)
+    return [
+        per_item(seeded, [(1, i) for i in range(n)], batch, 3) - per_item(items, list(range(n)), batch, 3)
+        for _ in range(rounds)
+    ]
+
+
+def calls() -> dict[str, float]:
+    """CPU seconds of each call the seeding is made of (timeit, the best of 5)."""
+    g, nprng = torch.default_generator, np.random.get_state()
+    pyrng, trng, kept = random.getstate(), g.get_state(), GENERATORS["numpy"][1]()
+    timed = {
+        "torch.manual_seed (every device)": lambda: torch.manual_seed(123456789),
+        "torch.default_generator.manual_seed": lambda: g.manual_seed(123456789),
+        "random.seed, int < 2**32": lambda: random.seed(123456789),
+        "random.seed, int < 2**64": lambda: random.seed(0x123456789ABCDEF),
+        "np.random.seed, int < 2**32": lambda: np.random.seed(123456789),
+        "np.random.seed, two 32-bit words (> 2**32)": lambda: np.random.seed([123456789, 1]),
+        "sample_seed (integer arithmetic)": lambda: sample_seed(7, 3, 12345),
+        "torch get_state + set_state": lambda: g.set_state(g.get_state()),
+        "random.getstate + setstate": lambda: random.setstate(random.getstate()),
+        "np.random.get_state + set_state": lambda: np.random.set_state(np.random.get_state()),
+        "numpy's state kept through its C struct, read + put back": lambda: GENERATORS["numpy"][2](
+            GENERATORS["numpy"][1]()
+        ),
+    }
+    out = {}
+    for name, call in timed.items():
+        number = 200 if "np.random.get_state" in name else 5000
+        out[name] = min(timeit.repeat(call, number=number, repeat=5, timer=time.process_time)) / number
+    g.set_state(trng), random.setstate(pyrng), np.random.set_state(nprng), GENERATORS["numpy"][2](kept)
+    return out
 
 
 def main(pairs: int) -> None:
@@ -104,11 +138,17 @@ def main(pairs: int) -> None:
     print(f"ratio on / off: median {statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f})")
     print(f"generators seeded for this dataset: {loaders[True].dataset.seeded}")
     for generators in (["torch"], ["torch", "random", "numpy"]):
-        cost = seeding_alone(batch, generators)
+        costs = seeding_alone(batch, generators)
+        cost = statistics.median(costs)
         print(
-            f"seeding {' + '.join(generators)} alone: {cost * 1e6:.1f} us an item, {cost * batch * 1e3:.3f} ms a "
+            f"seeding {' + '.join(generators)} alone: median {cost * 1e6:.2f} us an item "
+            f"({min(costs) * 1e6:.2f}-{max(costs) * 1e6:.2f}, {len(costs)} rounds), {cost * batch * 1e3:.3f} ms a "
             f"batch of {batch}: {100 * cost * batch / step:.2f} % of the median step"
         )
+    print("each call (CPU time, best of 5):")
+    for name, seconds in calls().items():
+        print(f"  {name:<58}{seconds * 1e6:8.2f} us")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

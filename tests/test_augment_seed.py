@@ -105,8 +105,8 @@ class Noisy(Dataset):
     def __getitem__(self, i: int):
         if self.source == "random":
             noise = torch.tensor([random.random() for _ in range(3)])
-        elif self.source == "numpy":
-            noise = torch.from_numpy(np.random.rand(3)).float()
+        elif self.source == "numpy":  # one normal: numpy keeps the pair's other one cached, for the next item
+            noise = torch.from_numpy(np.random.rand(3) + 0.1 * np.random.standard_normal()).float()
         else:
             noise = torch.rand(3)
         return torch.full((3,), float(i)) + noise, i
@@ -142,21 +142,25 @@ def test_one_and_two_processes_see_the_same_augmented_samples(source):
 
 
 def _draws():
-    return torch.rand(4).tolist(), random.random(), float(np.random.rand())
+    return torch.rand(4).tolist(), random.random(), random.gauss(), float(np.random.rand()), np.random.randn(3).tolist()
 
 
-def _reseed():
+def _reseed(cached: bool):
+    """The caller's streams; `cached`: numpy and Python each hold the second normal of a pair they drew."""
     torch.manual_seed(1)
     random.seed(1)
     np.random.seed(1)
+    if cached:
+        random.gauss(), np.random.standard_normal()
 
 
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("source", ["torch", "random", "numpy"])
-def test_reading_leaves_the_callers_random_streams_as_they_were(source):
+def test_reading_leaves_the_callers_random_streams_as_they_were(source, cached):
     seeded = PerSampleSeed(Noisy(source), 0)
-    _reseed()
+    _reseed(cached)
     expected = _draws()
-    _reseed()
+    _reseed(cached)
     seeded[(0, 5)], seeded.__getitems__([(0, 1), (0, 2)])
     assert _draws() == expected
     assert torch.equal(seeded[(2, 5)][0], seeded[(2, 5)][0])  # the same sample and epoch, the same draws

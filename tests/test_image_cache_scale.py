@@ -3,7 +3,9 @@
 data.decode=gpu (refused without CUDA; on a GPU, decoded there)."""
 
 import json
+import os
 import subprocess
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,33 @@ def test_a_pool_of_processes_writes_the_bytes_one_process_writes(tmp_path, kind)
         image_cache.write(folder, samples, META, kind, workers=workers, log=lambda line: None)
         files[workers] = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "meta.json"}
     assert files[1] == files[2] and len(files[1]["images.npy" if kind == "raw" else "images.bin"]) > 0
+    if kind == "raw":  # each row is its image through the decode steps, wherever the worker wrote it
+        steps = image_cache.decode_steps(META)
+        expected = np.stack([steps(Image.open(path).convert("RGB")).numpy() for path, _ in samples])
+        assert np.array_equal(np.load(tmp_path / "w2" / "images.npy"), expected)
+
+
+_decode = image_cache.decode_chunk
+
+
+def _dies_on_a_later_chunk(chunk, meta, rows=None):
+    """The first chunk written, then the worker killed as the second starts."""
+    if chunk[0] > 0:
+        os._exit(9)
+    return _decode(chunk, meta, rows)
+
+
+def test_a_worker_killed_mid_build_leaves_no_cache_and_the_next_build_completes(tmp_path, monkeypatch):
+    photo_tree(tmp_path / "tree", per_class=20)
+    samples = ImageFolder(str(tmp_path / "tree" / "train")).samples
+    folder = tmp_path / "cache" / "images-x"
+    monkeypatch.setattr(image_cache, "decode_chunk", _dies_on_a_later_chunk)  # the forked workers inherit it
+    with pytest.raises(BrokenProcessPool):
+        image_cache.write(folder, samples, META, "raw", workers=2, log=lambda line: None)
+    assert list((tmp_path / "cache").iterdir()) == []  # no folder, no temporary one: nothing to trust
+    monkeypatch.setattr(image_cache, "decode_chunk", _decode)
+    image_cache.write(folder, samples, META, "raw", workers=2, log=lambda line: None)
+    assert len(CachedImages(folder, {**META, "channels": 3}).pixels(np.arange(len(samples)))) == len(samples)
 
 
 def test_jpeg_cache_is_a_third_of_raw_or_less_and_close_to_it(tmp_path):
