@@ -81,9 +81,7 @@ def image_run(tmp_path_factory) -> Path:
 
 
 def test_an_image_file_of_an_image_folder_workload_gets_its_label(image_run, capfd):
-    code = _here(
-        image_run, "predict", "experiments/img", "tree/red/00.png", "tree/blue/03.png", "--output", "p.jsonl"
-    )
+    code = _here(image_run, "predict", "experiments/img", "tree/red/00.png", "tree/blue/03.png", "--output", "p.jsonl")
     out = capfd.readouterr().out
     assert code == 0, out
     lines = [line.split("\t") for line in out.strip().splitlines()]
