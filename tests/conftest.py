@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import gc
-import hashlib
 import os
 import shutil
 import signal
@@ -44,14 +43,13 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(SHARED), ignore_errors=True)
 
 
-def shared(name: str, make: Callable[[Path], object], *key: object) -> Path:
-    """A folder made once per test session by `make(folder)`, whichever test and xdist worker asks first: the
-    others wait on its lock and reuse it. `key` (the arguments that decide what `make` does) names it, so a
-    different job is never taken for it. The folder is shared: a test that changes a run copies it first."""
-    digest = hashlib.sha256(repr((name, key)).encode()).hexdigest()[:12]
+def shared(name: str, make: Callable[[Path], object]) -> Path:
+    """The folder `name`, made once per test session by `make(folder)`, whichever test and xdist worker asks
+    first: the others wait on its lock and reuse it (one name, one job: tests/references.py). The folder is
+    shared: a test that changes a run copies it first."""
     root = Path(os.environ[SHARED])
-    folder, done = root / f"{name}-{digest}", root / f"{name}-{digest}.done"
-    with open(root / f"{name}-{digest}.lock", "w") as lock:
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
