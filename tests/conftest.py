@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,11 +26,37 @@ from tiers import (  # noqa: F401 (hooks: the tiers)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SHARED = "DDPLAB_TESTS_SHARED"  # the folder of the runs trained once per test session
+
+
 def pytest_configure(config):
-    """The record of code trained with on this machine (workload.py) is the suite's own, not the user's: one
-    folder for the whole run, made before xdist's workers start (they inherit it)."""
+    """The record of code trained with on this machine (workload.py) is the suite's own, not the user's; and
+    the reference runs the tests share: one folder each for the whole run, made before xdist's workers start
+    (they inherit them)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="ddplab-tests-state-")
+        os.environ[SHARED] = tempfile.mkdtemp(prefix="ddplab-tests-shared-")
+
+
+def pytest_unconfigure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ and SHARED in os.environ:
+        shutil.rmtree(os.environ.pop(SHARED), ignore_errors=True)
+
+
+def shared(name: str, make: Callable[[Path], object]) -> Path:
+    """The folder `name`, made once per test session by `make(folder)`, whichever test and xdist worker asks
+    first: the others wait on its lock and reuse it (one name, one job: tests/references.py). The folder is
+    shared: a test that changes a run copies it first."""
+    root = Path(os.environ[SHARED])
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
 
 
 # A GPT small enough that a 2-process run takes seconds on one core each.

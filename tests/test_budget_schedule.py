@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY_GPT, assert_ok, ddplab
+from conftest import TINY_GPT, main
 from ddplab.engine.optim import Schedule, budget_total_steps, plan_for_budget
 
 
@@ -62,8 +62,9 @@ def test_budget_estimate_from_the_pace_so_far():
     assert sched.total == 100
 
 
-def test_budget_stopped_cosine_run_ends_at_its_floor_and_prints_the_part_epoch(tmp_path, corpus):
-    proc = ddplab(
+def test_budget_stopped_cosine_run_ends_at_its_floor_and_prints_the_part_epoch(tmp_path, corpus, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    code = main(
         "train",
         f"data.path={corpus}",
         *TINY_GPT,
@@ -76,9 +77,9 @@ def test_budget_stopped_cosine_run_ends_at_its_floor_and_prints_the_part_epoch(t
         "logging.log_every=2",
         "checkpoint.save_best=false",
         "experiment.name=b",
-        cwd=tmp_path,
     )
-    assert_ok(proc)
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
     summary = json.loads((tmp_path / "experiments" / "b" / "metrics.json").read_text())
     assert summary["stop_reason"] == "time_budget"
     last = summary["epochs"][-1]
@@ -86,5 +87,5 @@ def test_budget_stopped_cosine_run_ends_at_its_floor_and_prints_the_part_epoch(t
     assert abs(last["lr"] - floor) <= 0.05 * floor, (last["lr"], summary["steps"][-5:])
     assert max(s["lr"] for s in summary["steps"]) > 5 * floor  # it did pass through the peak
     if last.get("partial"):  # the budget ended inside an epoch: its row is printed and counted
-        assert f"epoch {last['epoch']} (partial, " in proc.stdout
-        assert f"done: time_budget; {last['epoch'] - 1} epochs + 1 partial" in proc.stdout
+        assert f"epoch {last['epoch']} (partial, " in out
+        assert f"done: time_budget; {last['epoch'] - 1} epochs + 1 partial" in out

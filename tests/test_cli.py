@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_GPT, assert_ok, ddplab, main
+from conftest import TINY_GPT, ddplab, main
 
 
 # Real processes prove the path from the console script to one line on stderr; every bad input, these three
@@ -28,23 +28,24 @@ def test_bad_input_is_one_line_and_exit_2(args, field, tmp_path):
     assert not (tmp_path / "experiments").exists()  # nothing started, nothing written
 
 
-def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
-    proc = ddplab(
+def test_short_run_writes_a_self_describing_folder(tmp_path, corpus, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)  # in this process: one process adds nothing (the launcher's path: test_ddp.py)
+    code = main(
         "train",
         f"data.path={corpus}",
         *TINY_GPT,
         "training.epochs=2",
         "logging.trackers=[tensorboard]",
         "experiment.name=short",
-        cwd=tmp_path,
     )
-    assert_ok(proc)
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
     run = tmp_path / "experiments" / "short"
     for name in ("config.yaml", "env.json", "metrics.csv", "metrics.json", "train.log", "sample.txt"):
         assert (run / name).is_file(), name
     assert any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "best" / "COMPLETE").is_file()  # the best model, a snapshot of its own
-    assert "global batch = 8 per process x 1 accumulation x 1 processes = 8" in proc.stdout
+    assert "global batch = 8 per process x 1 accumulation x 1 processes = 8" in out
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert float(rows[1]["val_loss"]) < float(rows[0]["val_loss"])  # it learns
@@ -58,29 +59,29 @@ def test_short_run_writes_a_self_describing_folder(tmp_path, corpus):
     snap = torch.load(sorted((run / "checkpoints").glob("step-*/state.pt"))[-1], weights_only=True)
     assert snap["trainer"]["epoch"] == 2
 
-    gen = ddplab("generate", str(run), "--prompt", "ROMEO.", "--max-new-tokens", "40", cwd=tmp_path)
-    assert_ok(gen)
-    assert gen.stdout.startswith("ROMEO.") and len(gen.stdout.strip()) >= 40
+    assert main("generate", str(run), "--prompt", "ROMEO.", "--max-new-tokens", "40") == 0
+    out = capfd.readouterr().out
+    assert out.startswith("ROMEO.") and len(out.strip()) >= 40
 
     # The same name again: the finished run is kept, the new one gets a fresh folder.
-    again = ddplab(
-        "train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=2", "experiment.name=short", cwd=tmp_path
-    )
-    assert_ok(again)
+    assert main("train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=2", "experiment.name=short") == 0
+    assert "run folder experiments/short-2" in capfd.readouterr().out
     assert (tmp_path / "experiments" / "short-2" / "metrics.json").is_file()
     assert len(list(csv.DictReader(open(run / "metrics.csv")))) == 2
 
 
-def test_resume_auto_continues_an_unfinished_run(tmp_path, corpus):
+def test_resume_auto_continues_an_unfinished_run(tmp_path, corpus, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
     common = [f"data.path={corpus}", *TINY_GPT, "experiment.name=r", "training.epochs=3"]
-    assert_ok(ddplab("train", *common, "training.max_steps=10", cwd=tmp_path))
+    assert main("train", *common, "training.max_steps=10") == 0
     summary = json.loads((tmp_path / "experiments/r/metrics.json").read_text())
     # max_steps ended it: complete, so a new folder would be used; mark it unfinished as a crash would leave it.
     summary["status"] = "running"
     (tmp_path / "experiments/r/metrics.json").write_text(json.dumps(summary))
-    proc = ddplab("train", *common, "training.max_steps=14", cwd=tmp_path)
-    assert_ok(proc)
-    assert "resumed from" in proc.stdout and "step 10" in proc.stdout
+    capfd.readouterr()
+    assert main("train", *common, "training.max_steps=14") == 0
+    out = capfd.readouterr().out
+    assert "resumed from" in out and "step 10" in out
     final = json.loads((tmp_path / "experiments/r/metrics.json").read_text())
     assert final["aggregates"]["steps"] == 14
 

@@ -5,39 +5,33 @@ import platform
 import subprocess
 import sys
 
-from conftest import ROOT, TINY_GPT, assert_ok, ddplab, torchrun
+from conftest import ROOT, TINY_GPT, assert_ok, ddplab
+from references import launched_gpt, torchrun_gpt
 
 
-def test_torchrun_two_processes_keep_identical_replicas(tmp_path, corpus):
-    proc = torchrun(
-        2, "train", f"data.path={corpus}", *TINY_GPT, "training.max_steps=12", "experiment.name=t", cwd=tmp_path
-    )
-    assert_ok(proc)
-    assert "terminate called" not in proc.stderr
-    summary = json.loads((tmp_path / "experiments/t/metrics.json").read_text())
+def test_torchrun_two_processes_keep_identical_replicas():
+    run = torchrun_gpt()  # a 2-process job under plain torchrun, shared with test_fault_tolerance.py
+    assert "terminate called" not in (run.parents[1] / "stderr.txt").read_text()
+    summary = json.loads((run / "metrics.json").read_text())
     assert summary["ddp"]["world_size"] == 2 and summary["ddp"]["global"] == 16
+    assert summary["ddp"]["launcher"] == "torchrun" and summary["status"] == "complete"
     digests = summary["ddp"]["parameter_digests"]
     assert len(digests) == 2 and digests[0] == digests[1] and summary["ddp"]["ranks_identical"]
-    env = json.loads((tmp_path / "experiments/t/env.json").read_text())
+    env = json.loads((run / "env.json").read_text())
     assert env["world_size"] == 2 and env["backend"] == "gloo" and len(env["ranks"]) == 2
     if platform.libc_ver()[0] == "glibc":  # training.keep_host_memory, on by default
         assert env["host_memory_kept_below_bytes"] >= 32 << 20
 
 
-def test_nproc_per_node_launches_workers(tmp_path, corpus):
-    proc = ddplab(
-        "train",
-        f"data.path={corpus}",
-        *TINY_GPT,
-        "training.max_steps=4",
-        "experiment.name=n",
-        "--nproc-per-node",
-        "2",
-        cwd=tmp_path,
-    )
-    assert_ok(proc)
-    summary = json.loads((tmp_path / "experiments/n/metrics.json").read_text())
+def test_nproc_per_node_launches_workers():
+    run = launched_gpt()  # `ddplab train --nproc-per-node 2`, shared with test_signals.py
+    summary = json.loads((run / "metrics.json").read_text())
     assert summary["ddp"]["world_size"] == 2 and summary["ddp"]["launcher"] == "torchrun"
+    assert summary["status"] == "complete" and summary["ddp"]["ranks_identical"]
+    assert (
+        "global batch = 8 per process x 1 accumulation x 2 processes = 16"
+        in (run.parents[1] / "stdout.txt").read_text()
+    )
 
 
 def test_verify_passes_on_the_default_workload(tmp_path):

@@ -109,7 +109,7 @@ def _stalled_job(tmp_path, name, cmd_head, *extra):
 
 
 @pytest.mark.serial  # bounds the job's wall time
-def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends(tmp_path):
+def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends(tmp_path, capfd):
     proc, took, run = _stalled_job(
         tmp_path,
         "fwd",
@@ -131,12 +131,13 @@ def test_a_rank_stalled_in_forward_is_named_with_the_users_file_and_the_job_ends
     failure = json.loads((run / "metrics.json").read_text())["failure"]
     assert failure["culprit"]["rank"] == 1 and failure["culprit"]["where"]["function"] == "forward"
     assert "hang.py" in (run / "logs" / "rank1.log").read_text()  # the stalled rank's stack, dumped
-    status = ddplab("status", str(run), cwd=tmp_path)
-    assert status.returncode == 1 and status.stdout.startswith(f"failed: {head}"), status.stdout
+    assert main("status", str(run)) == 1
+    status = capfd.readouterr().out
+    assert status.startswith(f"failed: {head}") and status.count("\n") == 1, status
 
 
 @pytest.mark.serial  # bounds the job's wall time
-def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
+def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path, capfd):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddplab"]
     proc, took, run = _stalled_job(
         tmp_path, "data", torchrun, "data.options.stall_rank=0", "data.options.stall_call=40"
@@ -150,8 +151,9 @@ def test_rank_0_stalled_in_its_datasets_getitem_under_plain_torchrun(tmp_path):
     # The workers print the report and no traceback; what follows it is torchrun's own failure summary.
     ours = proc.stderr.split("Traceback (most recent call last)")[0]
     assert "rank 0 stalled in data" in ours and "File " not in ours, proc.stderr
-    status = ddplab("status", str(run), cwd=tmp_path)
-    assert status.returncode == 1 and status.stdout.startswith("failed: rank 0 stalled in data")
+    assert main("status", str(run)) == 1
+    status = capfd.readouterr().out
+    assert status.startswith("failed: rank 0 stalled in data") and status.count("\n") == 1, status
 
 
 @pytest.mark.serial  # the ETA is checked against the wall clock
@@ -206,7 +208,7 @@ def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path, capfd):
     assert capfd.readouterr().out.split(":")[0] == "failed"
 
 
-def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path):
+def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path, capfd):
     """The terminal's SIGINT reaches the agent and both workers (one process group), and the agent
     forwards it once more: the workers stop at the next step, snapshot, and exit 75."""
     cmd = [
@@ -229,8 +231,8 @@ def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
     _, err = proc.communicate(timeout=60)
-    status = ddplab("status", str(tmp_path / "experiments" / "int"), cwd=tmp_path)
-    assert (status.returncode, status.stdout.strip()) == (75, "preempted"), err[-2000:]
+    assert main("status", str(tmp_path / "experiments" / "int")) == 75, err[-2000:]
+    assert capfd.readouterr().out == "preempted\n"
     assert list((tmp_path / "experiments" / "int" / "checkpoints").glob("step-*/COMPLETE"))
 
 

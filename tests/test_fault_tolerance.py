@@ -15,43 +15,23 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab, torchrun
+from conftest import _env, assert_ok, main
 from ddplab.engine.checkpoint import Checkpointer
 from faults import command
+from references import SAMPLES, corpus, gpt_args, torchrun_gpt
 
-SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
-
-
-def _args(corpus: Path, name: str) -> list[str]:
-    return [
-        "train",
-        f"data.path={corpus}",
-        *TINY_GPT,
-        f"data.limit={SAMPLES}",
-        "training.epochs=2",
-        "checkpoint.every=2",
-        "logging.log_every=1",
-        "generate.max_new_tokens=0",
-        "distributed.timeout=60",
-        f"experiment.name={name}",
-    ]
+_args = gpt_args  # the shared reference's job, under another name
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    from ddplab.data.text_lm import embedded_corpus
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(embedded_corpus()[:20_000])
-    return path
+    return corpus(tmp_path_factory.mktemp("corpus"), 20_000)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data) -> Path:
-    """The same job, never interrupted."""
-    cwd = tmp_path_factory.mktemp("reference")
-    assert_ok(torchrun(2, *_args(data, "ref"), cwd=cwd))
-    return cwd / "experiments" / "ref"
+def reference() -> Path:
+    """The same job, never interrupted (trained once per session: test_ddp.py reads it too)."""
+    return torchrun_gpt()
 
 
 def _weights(run: Path) -> dict:
@@ -244,7 +224,7 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
         assert all(torch.isfinite(w).all() for w in _weights(run).values())
 
 
-def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data):
+def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data, monkeypatch, capfd):
     args = [*_args(data, "tb"), "training.epochs=1000", "training.time_budget=2s", "checkpoint.every=null"]
     first = _faulty("signal_rank=0,step=4", args, tmp_path)
     assert first.returncode == 75, first.stderr[-2000:]  # ExitCode.PREEMPTED: requeue me
@@ -253,8 +233,9 @@ def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data):
     spent = _summary(run)["aggregates"]["train_time_s"]
     assert spent > 0 and _summary(run)["status"] == "preempted"
 
-    second = ddplab(*args, cwd=tmp_path)
-    assert_ok(second)
+    monkeypatch.chdir(tmp_path)  # the same command again, as one process: in this one
+    assert main(*args) == 0, capfd.readouterr().err[-3000:]
+    assert "resumed from" in capfd.readouterr().out
     summary = _summary(run)
     agg = summary["aggregates"]
     assert summary["stop_reason"] == "time_budget" and summary["status"] == "complete"

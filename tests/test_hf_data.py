@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_ok, ddplab, torchrun
+from conftest import assert_ok, torchrun
 from ddplab.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -22,7 +22,7 @@ def _metrics(run: Path) -> dict:
     return json.loads((run / "metrics.json").read_text())
 
 
-def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_path):
+def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_path, monkeypatch, capfd):
     proc = torchrun(
         2,
         "train",
@@ -40,11 +40,15 @@ def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_pat
     assert m["dataset"]["train"] == 256 and m["dataset"]["val"] == 64
     assert m["aggregates"]["final_val_accuracy"] >= 0.9
     assert m["steps"] and all(r["loss"] > 0 for r in m["steps"])
-    predicted = ddplab(
-        "predict", "experiments/bert", "good great nice film", "the plot was awful", "--trust-code", cwd=tmp_path
-    )
-    assert_ok(predicted)
-    assert predicted.stdout.count("positive") == 1 and predicted.stdout.count("negative") == 1, predicted.stdout
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    code = main(["predict", "experiments/bert", "good great nice film", "the plot was awful", "--trust-code"])
+    predicted = capfd.readouterr().out
+    assert code == 0 and predicted.count("positive") == 1 and predicted.count("negative") == 1, predicted
+    assert [line.split("\t")[-1] for line in predicted.strip().splitlines()] == [
+        "good great nice film",
+        "the plot was awful",
+    ]
 
 
 def test_the_models_own_loss_is_what_trains(monkeypatch):

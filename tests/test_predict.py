@@ -12,8 +12,7 @@ import torch
 from torch.utils.data import Subset, TensorDataset
 
 import ddplab
-from conftest import ROOT, assert_ok
-from conftest import ddplab as run_ddplab
+from conftest import ROOT
 from ddplab.cli import main
 from ddplab.predict import encoder, expand
 
@@ -51,12 +50,20 @@ def _image_tree(root: Path, per_class: int = 12) -> Path:
     return root
 
 
+def _here(folder: Path, *argv: str) -> int:
+    """`ddplab ARGV` run in `folder`, in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        return main(list(argv))
+
+
 @pytest.fixture(scope="module")
 def image_run(tmp_path_factory) -> Path:
     place = tmp_path_factory.mktemp("img")
     _image_tree(place / "tree")
     wl = Path(shutil.copy(ROOT / "examples" / "image_folder.py", place))
-    proc = run_ddplab(
+    code = _here(
+        place,
         "train",
         f"model.name={wl}:model",
         f"data.name={wl}:data",
@@ -68,18 +75,16 @@ def image_run(tmp_path_factory) -> Path:
         "training.warmup_steps=0",
         "experiment.name=img",
         *FAST,
-        cwd=place,
     )
-    assert_ok(proc)
+    assert code == 0 and json.loads((place / "experiments/img/metrics.json").read_text())["status"] == "complete"
     return place
 
 
-def test_an_image_file_of_an_image_folder_workload_gets_its_label(image_run):
-    proc = run_ddplab(
-        "predict", "experiments/img", "tree/red/00.png", "tree/blue/03.png", "--output", "p.jsonl", cwd=image_run
-    )
-    assert_ok(proc)
-    lines = [line.split("\t") for line in proc.stdout.strip().splitlines()]
+def test_an_image_file_of_an_image_folder_workload_gets_its_label(image_run, capfd):
+    code = _here(image_run, "predict", "experiments/img", "tree/red/00.png", "tree/blue/03.png", "--output", "p.jsonl")
+    out = capfd.readouterr().out
+    assert code == 0, out
+    lines = [line.split("\t") for line in out.strip().splitlines()]
     assert [(label, path) for label, _, path in lines] == [("red", "tree/red/00.png"), ("blue", "tree/blue/03.png")]
     assert all(0.5 < float(p) <= 1 for _, p, _ in lines)
     rows = [json.loads(line) for line in (image_run / "p.jsonl").read_text().splitlines()]
@@ -87,8 +92,9 @@ def test_an_image_file_of_an_image_folder_workload_gets_its_label(image_run):
     assert rows[0]["label"] == "red" and rows[0]["probability"] == pytest.approx(float(lines[0][1]), abs=1e-5)
 
 
-def test_a_folder_with_top_k_2_and_a_csv(image_run):
-    proc = run_ddplab(
+def test_a_folder_with_top_k_2_and_a_csv(image_run, capfd):
+    code = _here(
+        image_run,
         "predict",
         "experiments/img",
         "tree/blue",
@@ -98,9 +104,9 @@ def test_a_folder_with_top_k_2_and_a_csv(image_run):
         "5",
         "--output",
         "p.csv",
-        cwd=image_run,
     )
-    assert_ok(proc)
+    out = capfd.readouterr().out
+    assert code == 0, out
     files = sorted(str(p.relative_to(image_run)) for p in (image_run / "tree" / "blue").iterdir())
     rows = list(csv.DictReader(open(image_run / "p.csv")))
     assert [r["input"] for r in rows] == files and len(rows) == 12  # every file, in order, over 3 batches
@@ -109,7 +115,7 @@ def test_a_folder_with_top_k_2_and_a_csv(image_run):
         assert {row["label_1"], row["label_2"]} == {"red", "blue"}
         assert float(row["probability_1"]) + float(row["probability_2"]) == pytest.approx(1, abs=1e-5)
     assert sum(r["label_1"] == "blue" for r in rows) >= 11
-    printed = [line.split("\t") for line in proc.stdout.strip().splitlines()]
+    printed = [line.split("\t") for line in out.strip().splitlines()]
     assert [p[-1] for p in printed] == files and all(len(p) == 5 for p in printed)
 
 
@@ -129,7 +135,7 @@ def test_bad_predict_options_are_one_line(image_run, argv, phrase, monkeypatch, 
     assert code == 2 and len(err) == 1 and phrase in err[0], err
 
 
-def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch):
+def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch, capfd):
     (tmp_path / "reg.py").write_text(REGRESSION)
     monkeypatch.chdir(tmp_path)
     ddplab.train(
@@ -147,14 +153,15 @@ def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch
     )
     np.save(tmp_path / "x.npy", np.array([1.0, 2.0, -1.0]))
     torch.save(torch.tensor([0.5, -0.5, 0.0]), tmp_path / "x.pt")
-    proc = run_ddplab("predict", "experiments/reg", "1,2,-1", "x.npy", "x.pt", "--output", "p.jsonl", cwd=tmp_path)
-    assert_ok(proc)
+    capfd.readouterr()
+    assert main(["predict", "experiments/reg", "1,2,-1", "x.npy", "x.pt", "--output", "p.jsonl"]) == 0
+    printed = capfd.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [r["input"] for r in rows] == ["1,2,-1", "x.npy", "x.pt"] and set(rows[0]) == {"input", "value_1", "value_2"}
     want = [(2.0, -1.0), (2.0, -1.0), (0.0, 1.0)]  # sum and difference of the first two
     for row, (a, b) in zip(rows, want, strict=True):
         assert row["value_1"] == pytest.approx(a, abs=0.05) and row["value_2"] == pytest.approx(b, abs=0.05)
-    assert proc.stdout.splitlines()[2].split("\t")[-1] == "x.pt"
+    assert printed.splitlines()[2].split("\t")[-1] == "x.pt"
 
 
 # ---------------------------------------------------------------------------- encoder, in process

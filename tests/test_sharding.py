@@ -106,17 +106,27 @@ def test_a_resume_on_one_process_keeps_the_global_batch_and_every_sample(tmp_pat
         assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
 
 
-def test_a_resume_on_more_processes_reshards_or_says_what_to_set(tmp_path, data):
-    args = _args(data, "up")
-    _run("signal_rank=0,step=2", args, tmp_path)  # 1 process, global batch 8
-    refused = ddplab(*args, "--nproc-per-node", "2", cwd=tmp_path)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
-    assert "cannot keep the run's global batch of 8 on 2 processes" in refused.stderr
-    assert "set training.batch_size=4" in refused.stderr
+@pytest.fixture(scope="module")
+def preempted_at_2(tmp_path_factory, data) -> Path:
+    """An fsdp job of 1 process (global batch 8) pre-empted after step 2; each test continues a copy of it."""
+    cwd = tmp_path_factory.mktemp("preempted")
+    proc = _run("signal_rank=0,step=2", _args(data, "pre"), cwd)
+    assert proc.returncode == 75 and _summary(cwd / "experiments" / "pre")["status"] == "preempted", proc.stderr
+    return cwd
+
+
+def test_a_resume_on_more_processes_reshards_or_says_what_to_set(tmp_path, data, preempted_at_2, monkeypatch, capfd):
+    args = _args(data, "pre")
+    shutil.copytree(preempted_at_2, tmp_path, dirs_exist_ok=True)  # 1 process, global batch 8
+    monkeypatch.chdir(tmp_path)
+    code, refused = main(*args, "--nproc-per-node", "2"), capfd.readouterr().err  # the launcher, in this process
+    assert code == 2 and refused.count("\n") == 1 and refused.startswith("ddplab: error: ")
+    assert "cannot keep the run's global batch of 8 on 2 processes" in refused
+    assert "set training.batch_size=4" in refused
     _run("signal_rank=1,step=6", [*args, "training.batch_size=4"], tmp_path, nproc=2)  # 1 -> 2, resharded
-    assert _summary(tmp_path / "experiments" / "up")["aggregates"]["steps"] == 6
+    assert _summary(tmp_path / "experiments" / "pre")["aggregates"]["steps"] == 6
     assert_ok(torchrun(4, *args, "training.batch_size=2", cwd=tmp_path))  # 2 -> 4
-    summary = _summary(tmp_path / "experiments" / "up")
+    summary = _summary(tmp_path / "experiments" / "pre")
     assert (
         summary["aggregates"]["steps"] == 24 and summary["ddp"]["global"] == 8 and summary["aggregates"]["resumes"] == 2
     )
@@ -191,12 +201,13 @@ def test_hsdp_from_two_nodes_resumes_on_one_resharded_with_the_global_batch_kept
         assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
 
 
-def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference):
+def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference, capfd):
     from ddplab.inference import load_model
     from ddplab.models.gpt import GPT, GPTConfig
 
     out = tmp_path / "model.safetensors"
-    assert_ok(ddplab("export", str(reference), "--output", str(out)))
+    assert main("export", str(reference), "--output", str(out)) == 0
+    assert str(out) in capfd.readouterr().out
     summary = _summary(reference)
     m = summary["config"]["model"]
     fresh = GPT(
@@ -251,12 +262,12 @@ def test_hsdp_needs_whole_nodes_and_a_model_names_its_blocks():
     assert blocks(mlp, 1000) == [mlp[0]]  # a model that declares none: its children of at least 1000 parameters
 
 
-def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_path, data):
+def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_path, data, preempted_at_2):
     import resource
 
-    args = _args(data, "full")
-    _run("signal_rank=0,step=2", args, tmp_path)
-    ckpts = Path("experiments", "full", "checkpoints")  # as the run names them: relative to its folder
+    args = _args(data, "pre")
+    shutil.copytree(preempted_at_2, tmp_path, dirs_exist_ok=True)
+    ckpts = Path("experiments", "pre", "checkpoints")  # as the run names them: relative to its folder
     proc = subprocess.run(
         command("", args),
         cwd=tmp_path,
@@ -270,10 +281,10 @@ def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_p
     assert f"cannot write snapshot {ckpts}/step-000000004 (OSError: [Errno 27] File too large" in proc.stderr
     assert f"the previous complete snapshot ({ckpts}/step-000000002) is kept" in proc.stderr
     assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
-    assert _weights(tmp_path / "experiments" / "full")  # and it loads
+    assert _weights(tmp_path / "experiments" / "pre")  # and it loads
 
 
-def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference):
+def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference, capfd):
     summary = _summary(reference)
     state, units = summary["ddp"]["state_bytes_per_rank"], summary["comm"]["units"]
     whole = 4 * summary["model"]["parameters"]  # float32
@@ -288,9 +299,9 @@ def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference):
     # and 2 blocks, backward the 2 blocks again (the root stays gathered), and 3 reduce-scatters: 8 x 6 steps.
     assert summary["comm"]["timed"] == "all_gather, reduce_scatter"
     assert all(row["comm_calls"] == 48 and 0 < row["comm_time_s"] < row["epoch_time_s"] for row in summary["epochs"])
-    proc = ddplab("generate", str(reference), "--prompt", "The", "--max-new-tokens", "12", timeout=120)
-    assert_ok(proc)
-    assert "The" in proc.stdout
+    assert main("generate", str(reference), "--prompt", "The", "--max-new-tokens", "12") == 0
+    text = capfd.readouterr().out
+    assert text.startswith("The")
 
 
 def test_a_model_sharded_as_one_unit_saves_whole_weights_after_a_forward_pass(one_rank_group):

@@ -15,36 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab
+from conftest import _env, assert_ok, ddplab
 from ddplab.engine.checkpoint import Checkpointer
+from references import corpus as text
+from references import launched_args, launched_gpt, launched_job
 
 TAG = "DDPLAB_TEST_TAG"  # marks every process of one job, found again through /proc/PID/environ
 
 
-def _job(corpus: Path) -> list[str]:
-    # 2 ranks x batch 8, 320 samples: 20 steps, so a signal after step 2 meets a running job.
-    return [
-        f"data.path={corpus}",
-        *TINY_GPT,
-        "data.limit=320",
-        "training.epochs=1",
-        "logging.log_every=1",
-        "generate.max_new_tokens=0",
-        "distributed.timeout=60",
-    ]
-
-
-def _args(corpus: Path, name: str, *extra: str) -> list[str]:
-    return ["train", *_job(corpus), f"experiment.name={name}", *extra]
+_job, _args = launched_job, launched_args  # 20 steps: a signal after step 2 meets a running job
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from ddplab.data.text_lm import embedded_corpus
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(embedded_corpus()[:40_000])
-    return path
+    return text(tmp_path_factory.mktemp("corpus"), 40_000)
 
 
 def tagged(tag: str) -> list[int]:
@@ -101,10 +85,7 @@ def _summary(run: Path) -> dict:
 
 
 def test_sigterm_to_the_launcher_snapshots_exits_75_and_the_rerun_ends_as_if_never_stopped(tmp_path, corpus):
-    reference = tmp_path / "ref"
-    reference.mkdir()
-    assert_ok(ddplab(*launcher(corpus, "r")[3:], cwd=reference))
-
+    reference = launched_gpt()  # this job never stopped, trained once per session (test_ddp.py reads it too)
     proc, tag, out = start(launcher(corpus, "r"), tmp_path)
     wait_for_step(proc, out)
     proc.send_signal(signal.SIGTERM)
@@ -120,10 +101,10 @@ def test_sigterm_to_the_launcher_snapshots_exits_75_and_the_rerun_ends_as_if_nev
 
     again = ddplab(*launcher(corpus, "r")[3:], cwd=tmp_path)  # the same command continues
     assert_ok(again)
-    done, ref = _summary(run), _summary(reference / "experiments" / "r")
+    done, ref = _summary(run), _summary(reference)
     assert done["status"] == "complete" and done["aggregates"]["resumes"] == 1
     assert [(r["step"], r["loss"]) for r in done["steps"]] == [(r["step"], r["loss"]) for r in ref["steps"]]
-    mine, theirs = _weights(run), _weights(reference / "experiments" / "r")
+    mine, theirs = _weights(run), _weights(reference)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import _env, assert_ok, ddplab
+from conftest import _env, assert_ok, main
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine import manifest
 from ddplab.engine.callbacks import CallbackList
@@ -380,16 +380,23 @@ def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_pat
     assert state["counter"] == ref["counter"] == [{"passes": 16, "rank": 0}]
 
 
-def test_a_resume_checks_the_config_its_snapshot_holds_whatever_became_of_config_yaml(runs, tmp_path):
+def test_a_resume_checks_the_config_its_snapshot_holds_whatever_became_of_config_yaml(
+    runs, tmp_path, monkeypatch, capfd
+):
     run = tmp_path / "experiments" / "stop"
     shutil.copytree(runs["root"] / "experiments" / "stop-ddp", run)
     (run / "config.yaml").unlink()
     lr = json.loads((run / "checkpoints" / "step-000000006" / MARKER).read_text())["config"]["training"]["lr"]
     args = _args(runs["wl"], "stop", "ddp")
-    refused = ddplab(*args, "training.lr=0.5", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
     says = f"training.lr: {lr!r} -> 0.5"
-    assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
-    (run / "config.yaml").write_text("training:\n  lr: 0.5\n")  # edited to agree: the snapshot still disagrees
-    refused = ddplab(*args, "training.lr=0.5", cwd=tmp_path)
-    assert refused.returncode == 2 and says in refused.stderr
-    assert_ok(ddplab(*args, cwd=tmp_path))
+    for config_yaml in (None, "training:\n  lr: 0.5\n"):  # gone; then edited to agree: the snapshot still disagrees
+        if config_yaml:
+            (run / "config.yaml").write_text(config_yaml)
+        code, err = main(*args, "training.lr=0.5"), capfd.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and err.startswith("ddplab: error: ") and says in err, err[-2000:]
+    assert main(*args) == 0, capfd.readouterr().err[-2000:]
+    assert "resumed from" in capfd.readouterr().out
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1
+    assert summary["aggregates"]["steps"] == 16

@@ -17,6 +17,7 @@ import torch
 import ddplab
 from conftest import _env, assert_ok
 from conftest import ddplab as ddplab_cli
+from ddplab.cli import main
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.registry import load_config
 from ddplab.run import train
@@ -152,7 +153,7 @@ def _early(drift: Path, tmp_path: Path, name: str) -> list[str]:
 # ---------------------------------------------------------------------------- early stopping and a stop's persistence
 
 
-def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains_nothing(tmp_path, drift):
+def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains_nothing(tmp_path, drift, capfd):
     run = tmp_path / "early"
     summary = train(load_config(None, _early(drift, tmp_path, "early")))
     assert summary["status"] == "complete" and summary["stop_reason"] == "early_stopping"
@@ -164,14 +165,13 @@ def test_early_stopping_stops_at_the_best_epoch_plus_patience_and_a_rerun_trains
     assert summary["test"]["loss"] == pytest.approx(val[2], rel=1e-6)
     from safetensors.torch import load_file
 
-    from ddplab.cli import main
-
     assert main(["export", str(run)]) == 0
     assert load_file(run / "model.safetensors")["b"].item() == pytest.approx(1 - 0.9**3, rel=1e-5)
     log = (run / "train.log").read_text()
     assert f"early stopping: epoch 6 val_loss {val[5]:.6g} is not < {val[2]:.6g}" in log and "3/3 epochs" in log
     assert "done: early_stopping;" in log
-    assert ddplab_cli("status", str(run)).returncode == 0
+    capfd.readouterr()
+    assert main(["status", str(run)]) == 0 and capfd.readouterr().out == "complete\n"
 
     # A job killed after its last snapshot, before it was recorded complete: the same command ends it
     # without a step more.
@@ -226,7 +226,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_complete(tmp_path, drift):
+def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_complete(tmp_path, drift, capfd):
     script = tmp_path / "ask.py"
     script.write_text(ASK)
     args = [
@@ -256,7 +256,8 @@ def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_co
     log = (run / "train.log").read_text()
     assert "stop requested (enough, by a callback on rank 1) after step 4" in log
     assert "done: enough;" in log
-    assert ddplab_cli("status", str(run)).returncode == 0
+    capfd.readouterr()
+    assert main(["status", str(run)]) == 0 and capfd.readouterr().out == "complete\n"
     latest = Checkpointer(run / "checkpoints", is_main=False).latest()
     assert Checkpointer(run / "checkpoints", is_main=False).load_snapshot(latest)["trainer"]["stop_reason"] == "enough"
 
@@ -473,8 +474,6 @@ def test_any_torch_optimizer_by_name_with_its_options(tmp_path, drift):
 
 def _refused(argv: list[str], capfd) -> str:
     """`ddplab ARGV` in this process: exit 2 and one line on stderr; its text."""
-    from ddplab.cli import main
-
     code = main(argv)
     err = capfd.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, (code, err[-2000:])

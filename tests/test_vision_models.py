@@ -11,7 +11,6 @@ from test_vision_data import image_tree
 
 import ddplab
 from conftest import assert_ok, main, torchrun
-from conftest import ddplab as run_ddplab
 from ddplab.errors import UserError
 from ddplab.models.vision import CNN, compact
 from ddplab.registry import load_config
@@ -130,7 +129,7 @@ def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weight
     assert not (tmp_path / "experiments").exists()
 
 
-def test_cnn_on_digits_under_ddp_then_predict(tmp_path):
+def test_cnn_on_digits_under_ddp_then_predict(tmp_path, capfd):
     proc = torchrun(
         2,
         "train",
@@ -159,9 +158,9 @@ def test_cnn_on_digits_under_ddp_then_predict(tmp_path):
         path = tmp_path / f"digit{i}.png"
         Image.fromarray(np.rint(digits.images[i] * 255 / 16).astype(np.uint8), mode="L").save(path)
         paths.append(str(path))
-    out = run_ddplab("predict", str(run), *paths, cwd=tmp_path)
-    assert_ok(out)
-    rows = [line.split("\t") for line in out.stdout.strip().splitlines()]
+    capfd.readouterr()
+    assert main("predict", str(run), *paths) == 0
+    rows = [line.split("\t") for line in capfd.readouterr().out.strip().splitlines()]
     assert [r[2] for r in rows] == paths and all(0 < float(r[1]) <= 1 for r in rows)
     assert sum(r[0] == str(digits.target[i]) for i, r in enumerate(rows)) >= 5
 

@@ -84,9 +84,10 @@ def test_the_readme_workload_trains_with_two_processes_as_written(tmp_path):
 # ---------------------------------------------------------------------------- examples
 
 
-def test_regression_example_reaches_its_r2(tmp_path):
+def test_regression_example_reaches_its_r2(tmp_path, monkeypatch, capfd):
     wl = Path(shutil.copy(EXAMPLES / "regression_tabular.py", tmp_path))
-    proc = ddplab(
+    monkeypatch.chdir(tmp_path)  # one process: the CLI's entry in this one
+    code = main(
         "train",
         *_names(wl),
         "training.epochs=10",
@@ -94,26 +95,26 @@ def test_regression_example_reaches_its_r2(tmp_path):
         "training.warmup_steps=0",
         "experiment.name=reg",
         *FAST,
-        cwd=tmp_path,
     )
-    assert_ok(proc)
+    assert code == 0, capfd.readouterr().err[-3000:]
     best = max(float(r["val_r2"]) for r in _rows(tmp_path / "experiments" / "reg"))
     assert best >= 0.40, best  # scikit-learn's LinearRegression scores about 0.45 on such a split
-    out = ddplab(
+    capfd.readouterr()
+    code = main(
         "predict",
         "experiments/reg",
         "0.04,0.05,0.06,0.02,-0.04,-0.03,-0.04,0,0.02,-0.02",
         "0,0,0,0,0,0,0,0,0,0",
-        cwd=tmp_path,
     )
-    assert_ok(out)
-    lines = out.stdout.strip().splitlines()
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    lines = out.strip().splitlines()
     assert len(lines) == 2 and all(len(line.split("\t")) == 2 for line in lines)
     float(lines[0].split("\t")[0])
-    assert f"importing model.name code from {wl}" in out.stderr
+    assert f"importing model.name code from {wl}" in err
 
 
-def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path):
+def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path, monkeypatch, capfd):
     sys.path.insert(0, str(EXAMPLES))
     try:
         from image_folder_label_smoothing import write_digits_tree
@@ -138,15 +139,16 @@ def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path):
     rows = _rows(tmp_path / "experiments" / "img")
     assert {"val_accuracy", "val_f1"} <= set(rows[0]) and float(rows[-1]["val_accuracy"]) > 0.6
     # The dataset's own loader and transform read the file; a Task without predict gives its logits.
-    pred = ddplab("predict", "experiments/img", "tree/3", cwd=tmp_path)
-    assert_ok(pred)
-    rows = [line.split("\t") for line in pred.stdout.strip().splitlines()]
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    assert main("predict", "experiments/img", "tree/3") == 0
+    rows = [line.split("\t") for line in capfd.readouterr().out.strip().splitlines()]
     assert [shown for _, shown in rows] == sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "tree/3").iterdir())
     best = [max(range(10), key=[float(v) for v in logits.split(",")].__getitem__) for logits, _ in rows]
     assert best.count(3) > len(best) / 2
-    pred = ddplab("predict", "experiments/img", "0.1,0.2", cwd=tmp_path)  # not an image file
-    errors = [line for line in pred.stderr.strip().splitlines() if not line.startswith("ddplab: importing ")]
-    assert pred.returncode == 2 and errors == ["ddplab: error: no such image file: 0.1,0.2"], pred.stderr
+    code, err = main("predict", "experiments/img", "0.1,0.2"), capfd.readouterr().err  # not an image file
+    errors = [line for line in err.strip().splitlines() if not line.startswith("ddplab: importing ")]
+    assert code == 2 and errors == ["ddplab: error: no such image file: 0.1,0.2"], err
 
 
 def test_python_api_script_with_a_callback_under_torchrun(tmp_path):
