@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # The whole suite: on every core (pytest-xdist; a test file's tests share one worker, so a run trained once
 # per file is trained once, and one that several files read is trained once per session: tests/references.py),
-# then the tests that check wall-clock time, alone. Tiers: tests/tiers.py.
+# then the tests that check wall-clock time or race a loaded machine, alone. Tiers: tests/tiers.py.
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 test: lint
 	$(PYTEST) -n auto --dist loadscope -m "not serial"
