@@ -28,8 +28,9 @@ from ddplab.engine.reports import listened, report_failure, report_preempted
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
+from ddplab.engine.state import TrainState
 from ddplab.engine.summary import parameter_digest, summary
-from ddplab.engine.trainer import Trainer, TrainState
+from ddplab.engine.trainer import Trainer
 from ddplab.errors import ExitCode, UserError
 from ddplab.workload import Data, Workload, reference_file, remember_code
 
