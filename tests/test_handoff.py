@@ -10,7 +10,6 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ddplab"
 def test_what_the_launcher_writes_a_worker_reads_back():
     told = Handoff(
         report_dir="/tmp/r",
-        stop_request="/tmp/r/stop",
         locked_run="/runs/a",
         lock_token="f00d",
         launched_at=1764000000.125,
@@ -18,7 +17,6 @@ def test_what_the_launcher_writes_a_worker_reads_back():
     env = told.env()
     assert env == {
         "DDPLAB_REPORT_DIR": "/tmp/r",
-        "DDPLAB_STOP_REQUEST": "/tmp/r/stop",
         "DDPLAB_LOCKED_RUN": "/runs/a",
         "DDPLAB_LOCK_TOKEN": "f00d",
         "DDPLAB_LAUNCHED_AT": "1764000000.125",

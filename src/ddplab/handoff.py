@@ -1,7 +1,7 @@
 """What ddplab's launcher tells the workers it starts: the whole channel, in one place.
 
 `ddplab train --nproc-per-node N` (launch.py) starts torchrun's agent, which starts the workers and
-passes its environment on. Five variables cross that line, each one field of `Handoff`: the launcher
+passes its environment on. Four variables cross that line, each one field of `Handoff`: the launcher
 writes them with `Handoff(...).env()`, a worker reads them with `Handoff.read()`. Nothing else in
 ddplab names a DDPLAB_ variable. None is trusted for what it claims alone: the lock's two are believed
 only when the launcher above the worker holds that lock (engine/lock.py's launcher_lock).
@@ -20,7 +20,6 @@ PREFIX = "DDPLAB_"
 @dataclass(frozen=True)
 class Handoff:
     report_dir: str | None = None  # where workers leave errors, failure reports and pre-emption for the launcher
-    stop_request: str | None = None  # the file a worker writes to ask the launcher to stop the whole job
     locked_run: str | None = None  # the run folder whose lock the launcher holds for its workers
     lock_token: str | None = None  # ... and the token written in that lock's holder file
     launched_at: float | None = None  # when the launcher process started (time.time()): the launcher_s phase

@@ -143,7 +143,7 @@ class _Job(StopSignals):
         self.pumps: list[threading.Thread] = []
         self.caught: list[int] = []  # every signal, in order
         self.tail: deque[str] = deque(maxlen=200)  # the agents' last stderr lines (torchrun's failure summary)
-        self.requested = False  # a worker received a stop signal (preemption.ASK_ENV)
+        self.requested = False  # a worker's stop signal, agreed and snapshotted by the ranks (engine/preemption.py)
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
 
     def start(self, cmd: list[str], env: dict) -> None:
@@ -182,8 +182,8 @@ class _Job(StopSignals):
         """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
         groups go on without a failed one). The first failure's exit code, else 0."""
         while True:
-            if not (self.caught or self.requested) and (self.report / "stop").exists():
-                self.requested = True
+            if not (self.caught or self.requested) and any(self.report.glob("preempted-rank*")):
+                self.requested = True  # the ranks agreed on a stop signal one of them received and snapshotted
                 self._stop_agents()
             codes = [p.poll() for p in self.procs]
             failed = [c for c in codes if c not in (None, 0)]
@@ -290,9 +290,7 @@ def run(
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, contextlib.ExitStack() as stack:
         report = Path(folder)
-        # A worker that receives a stop signal alone asks for the whole job to stop, except in replica groups
-        # (`independent`): there it is as often torchrun's agent ending a killed worker's peers to restart them.
-        env.update(Handoff(report_dir=folder, stop_request=None if independent else str(report / "stop")).env())
+        env.update(Handoff(report_dir=folder).env())
         out = stack.enter_context(open_append(log.parent, log.name)) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""

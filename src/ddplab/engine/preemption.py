@@ -6,18 +6,20 @@ ExitCode.PREEMPTED. A second signal gets the previous behaviour (usually: die no
 comes within ECHO_S of the first: the same stop reaching a worker again by another path (Ctrl-C
 under plain torchrun comes from the terminal and from the agent; a signal sent to one worker of
 ddplab's launcher comes back from the agent as SIGTERM) must not cut the snapshot short.
+
+A signal that reached one worker alone (`kill PID`) stops the whole job all the same: the ranks agree
+on it, snapshot, and report it (engine/reports.py), and ddplab's launcher stops torchrun's agents then,
+before they could restart the workers (--max-restarts). The signal itself tells the launcher nothing:
+torchrun's agent, restarting the workers after one died, sends the survivors the same SIGTERM, and
+their stop is never agreed (the dead rank fails the collective), so the job is restarted, not ended.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import TypeVar
-
-from ddplab.handoff import Handoff
 
 ECHO_S = 5.0
 
@@ -44,21 +46,16 @@ class StopSignals:
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.received is None:
             self.received, self._at = name, now
-            _ask_launcher(name)
         elif now - self._at > ECHO_S:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
+
+    def echoes_from_now(self) -> None:
+        """The stop is agreed and told to the launcher, whose stop comes back from the agent as one more
+        SIGTERM: an echo, however long the snapshot took."""
+        self._at = time.monotonic()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-def _ask_launcher(name: str) -> None:
-    """The signal may have reached this worker alone (`kill PID`): ddplab's launcher then stops the job
-    as if it had received it, so that torchrun's agent ends the job instead of restarting the workers
-    once they exit (--max-restarts). A stop the launcher began already is not begun twice."""
-    if path := Handoff.read().stop_request:
-        with contextlib.suppress(OSError):
-            Path(path).write_text(name)
