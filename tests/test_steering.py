@@ -519,6 +519,23 @@ def test_sync_batchnorm_without_cuda_is_refused_in_one_line_before_any_process(t
     assert "distributed.sync_batchnorm=true needs CUDA" in err and not (tmp_path / "experiments").exists()
 
 
+def test_sync_batchnorm_converts_every_batchnorm_below_the_root_before_the_model_is_wrapped():
+    """The conversion itself, where CPU can show it (SyncBatchNorm's forward needs CUDA; the test below runs it)."""
+    from types import SimpleNamespace
+
+    from ddplab.engine.setup import distribute
+
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    model = torch.nn.Sequential(inner, torch.nn.BatchNorm2d(3))
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = load_config(None, [])
+    cfg.distributed.sync_batchnorm = True  # load_config refuses it on a machine without CUDA
+    wrapped, _ = distribute(model, cfg, SimpleNamespace(device=torch.device("cpu"), is_distributed=False))
+    norms = [type(m).__name__ for m in wrapped.modules() if "Norm" in type(m).__name__]
+    assert norms == ["SyncBatchNorm", "SyncBatchNorm"]
+    assert all(torch.equal(plain[k], v) for k, v in wrapped.state_dict().items())  # same keys, same values
+
+
 @pytest.mark.gpu
 def test_sync_batchnorm_converts_the_models_batchnorm_on_cuda(tmp_path, drift):
     if not torch.cuda.is_available():
