@@ -33,7 +33,7 @@ def split_shards(cfg) -> tuple[Shards, Shards | None, Shards | None]:
     return train, shards(d.val, False), shards(d.test, False)
 
 
-def first_items(shards: Shards, n: int = PREFIX, columns: Sequence[str] | None = None) -> list:
+def first_items(shards: Shards, n: int, columns: Sequence[str] | None = None) -> list:
     """The first `n` items of `shards` in file order, as read (no transform)."""
     plain = copy.copy(shards)
     plain.shuffle, plain.transform, plain.columns = False, None, list(columns) if columns is not None else None

@@ -151,7 +151,7 @@ def stream_splits(cfg, meta: dict) -> tuple[list[str], Any, Any, Any]:
     d = cfg.data
     train, val, test = streamed.split_shards(cfg)
     streamed.check_columns(train, d.train, {"text_column": d.text_column, "label_column": d.label_column})
-    rows = streamed.first_items(train, columns=[d.label_column])
+    rows = streamed.first_items(train, streamed.PREFIX, columns=[d.label_column])
     labels = pd.Series([row[d.label_column] for row in rows])
     names, mapping = text_sources.label_mapping([labels], d.num_classes, d.label_column)
     rows_to_items = TextRows(meta, d.text_column, d.label_column, mapping, d.num_classes or len(names))
