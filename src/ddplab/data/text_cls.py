@@ -153,7 +153,12 @@ def stream_splits(cfg, meta: dict) -> tuple[list[str], Any, Any, Any]:
     streamed.check_columns(train, d.train, {"text_column": d.text_column, "label_column": d.label_column})
     rows = streamed.first_items(train, streamed.PREFIX, columns=[d.label_column])
     labels = pd.Series([row[d.label_column] for row in rows])
-    names, mapping = text_sources.label_mapping([labels], d.num_classes, d.label_column)
+    try:
+        names, mapping = text_sources.label_mapping([labels], d.num_classes, d.label_column)
+    except UserError as err:
+        raise UserError(
+            f"{err} (in the first {len(rows)} rows of data.train, where data.stream learns the labels)"
+        ) from None
     rows_to_items = TextRows(meta, d.text_column, d.label_column, mapping, d.num_classes or len(names))
     for split in (train, val, test):
         if split is not None:
