@@ -126,9 +126,9 @@ class Encoder:
 class TextRows:
     """data.stream: a shard row -> ({input_ids}, label id), tokenised where it is read."""
 
-    def __init__(self, meta: dict, text: str, label: str, mapping: dict | None, classes: int) -> None:
+    def __init__(self, meta: dict, text: str, label: str, mapping: dict | None, classes: int, read: int) -> None:
         self.encode, self.text, self.label = Encoder(meta), text, label
-        self.mapping, self.classes = mapping, classes
+        self.mapping, self.classes, self.read = mapping, classes, read  # read: the rows the labels came from
 
     def __call__(self, row: dict):
         value = row[self.label]
@@ -137,7 +137,7 @@ class TextRows:
             known = f"{len(self.mapping)} labels" if self.mapping is not None else f"class ids 0..{self.classes - 1}"
             raise ValueError(
                 f"data.label_column '{self.label}': label {value!r} is not one of the {known} learned from the "
-                f"first {streamed.PREFIX} rows of data.train (set data.num_classes for integer labels)"
+                f"first {self.read} rows of data.train (set data.num_classes for integer labels)"
             )
         text = row[self.text]
         return self.encode("" if text is None else str(text)), label
@@ -159,7 +159,7 @@ def stream_splits(cfg, meta: dict) -> tuple[list[str], Any, Any, Any]:
         raise UserError(
             f"{err} (in the first {len(rows)} rows of data.train, where data.stream learns the labels)"
         ) from None
-    rows_to_items = TextRows(meta, d.text_column, d.label_column, mapping, d.num_classes or len(names))
+    rows_to_items = TextRows(meta, d.text_column, d.label_column, mapping, d.num_classes or len(names), len(rows))
     for split in (train, val, test):
         if split is not None:
             split.transform = rows_to_items
