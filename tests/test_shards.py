@@ -1,6 +1,7 @@
 """ddplab.Shards: each format read, an order that depends on (seed, epoch) alone whatever the ranks and
 loader workers, and a streamed run SIGKILLed mid-epoch resumed at 2 and at 1 process with exactly the
-samples of an uninterrupted run (tests/shards_workloads.py holds the workload)."""
+samples of an uninterrupted run (tests/shards_workloads.py holds the workload); the built-in text, text_files
+and image_folder data streamed through it (data.stream)."""
 
 import gzip
 import io
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import tarfile
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 
 import pyarrow as pa
@@ -198,3 +200,129 @@ def test_without_the_text_extra_shards_are_refused_in_one_line(monkeypatch, tmp_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fsspec" else real(name, *a))
     with pytest.raises(UserError, match=r"ddplab.Shards needs fsspec: pip install 'ddplab\[text\]'"):
         ddplab.Shards(tmp_path)
+
+
+# ---------------------------------------------------------------------------- the built-in data streamed (data.stream)
+
+
+def _built(tmp_path, *overrides):
+    from ddplab.distributed import DistContext, LaunchInfo
+    from ddplab.engine.setup import build_data
+    from ddplab.registry import check_files, load_config, workload
+
+    cfg = load_config(None, [f"experiment.output_dir={tmp_path / 'out'}", "data.stream=true", *overrides])
+    check_files(cfg)
+    return cfg, build_data(cfg, DistContext(LaunchInfo("none"), None, torch.device("cpu")), workload(cfg))
+
+
+def _reviews(folder: Path) -> Path:
+    """Three Parquet shards of 10 (review, stars) rows, stars a string label; the third holds label 'meh'
+    past the first rows only."""
+    folder.mkdir()
+    for k in range(3):
+        rows = [
+            {"review": f"review {10 * k + i} {'great' if i % 2 else 'awful'}", "stars": ["bad", "good"][i % 2]}
+            for i in range(10)
+        ]
+        if k == 2:
+            rows[-1]["stars"] = "meh"
+        pq.write_table(pa.Table.from_pylist(rows), folder / f"{k}.parquet")
+    return folder
+
+
+def test_text_files_stream_from_shards_tokenised_as_read_with_labels_from_the_first_rows(tmp_path, monkeypatch):
+    from ddplab.data import streamed
+    from ddplab.data.text_cls import Encoder
+
+    monkeypatch.setattr(streamed, "PREFIX", 20)  # the labels are read from the first 20 rows
+    shards = _reviews(tmp_path / "reviews")
+    columns = ["data.name=text_files", "data.text_column=review", "data.label_column=stars", "model.name=transformer"]
+    cfg, b = _built(tmp_path, *columns, f"data.train={shards}/*.parquet", f"data.val={shards / '0.parquet'}")
+    assert isinstance(b.train, ddplab.Shards) and (len(b.train), len(b.val)) == (30, 10)
+    assert b.meta["label_names"] == ["bad", "good"] and b.num_classes == 2
+    raw = ddplab.Shards(shards, seed=cfg.experiment.seed)  # the order any Shards of these files has
+    encode = Encoder(b.meta)
+    items = list(b.val)
+    assert [label for _, label in items] == [i % 2 for i in range(10)]
+    assert torch.equal(items[3][0]["input_ids"], encode("review 3 great")["input_ids"])
+    order = list(raw)
+    meh = next(j for j, row in enumerate(order) if row["stars"] == "meh")
+    got = [(inputs["input_ids"].tolist(), label) for inputs, label in islice(b.train, meh)]
+    want = [(encode(row["review"])["input_ids"].tolist(), ["bad", "good"].index(row["stars"])) for row in order[:meh]]
+    assert got == want and meh > 0
+    with pytest.raises(ValueError, match="label 'meh' is not one of the 2 labels learned from the first 20 rows"):
+        list(b.train)
+
+
+def test_text_streams_bytes_one_line_a_sample(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("hello world\n\nab\n")
+    _, b = _built(tmp_path, "data.name=text", "model.name=gpt", "model.context=8", f"data.train={tmp_path / 't'}")
+    assert b.meta["tokenizer"] == "byte" and b.vocab_size == 256 and len(b.train) == 2  # blank lines skipped
+    (x1, y1), (x2, y2) = list(ddplab.Shards(tmp_path / "t", shuffle=False, transform=b.train.transform))
+    assert bytes(x1.tolist()) == b"hello wo" and bytes(y1.tolist()) == b"ello wor"  # cut at context + 1 bytes
+    assert bytes(x2[:2].tolist()) == b"ab" and y2.tolist() == [ord("b"), ord("\n")] + [-100] * 6  # padding unscored
+
+
+def test_image_folder_streams_webdataset_tar_shards(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "i").mkdir()
+    with tarfile.open(tmp_path / "i" / "0.tar", "w") as tar:
+        for j in range(6):
+            png = io.BytesIO()
+            Image.new("RGB", (12, 10), (200 * (j % 2), 30, 30)).save(png, format="PNG")
+            for ext, blob in (("png", png.getvalue()), ("cls", str(j % 2).encode())):
+                info = tarfile.TarInfo(f"img{j}.{ext}")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+    overrides = ["data.name=image_folder", "model.name=cnn", "data.num_classes=2", "data.image_size=8"]
+    _, b = _built(tmp_path, *overrides, f"data.train={tmp_path / 'i'}", f"data.test={tmp_path / 'i' / '0.tar'}")
+    assert len(b.train) == 6 and b.input_shape == (3, 8, 8) and b.meta["label_names"] == ["0", "1"]
+    images, labels = b.collate_fn(list(b.test))
+    assert images.shape == (6, 3, 8, 8) and labels.tolist() == [0, 1, 0, 1, 0, 1]
+    assert (images[1, 0] > images[0, 0]).all()  # the red image is class 1
+
+
+def test_a_streamed_builtin_trains_and_predicts_from_its_run_folder(tmp_path, monkeypatch, capfd):
+    from conftest import main
+
+    monkeypatch.chdir(tmp_path)
+    shards = _reviews(tmp_path / "reviews")
+    (shards / "2.parquet").unlink()  # no 'meh'
+    args = ["data.name=text_files", "data.stream=true", "data.train=reviews/*.parquet", "data.val=reviews/1.parquet"]
+    tiny = ["model.name=transformer", "model.layers=1", "model.dim=16", "model.heads=2", "data.max_len=8"]
+    fast = ["training.epochs=2", "training.batch_size=4", "logging.trackers=[]", "logging.progress=false"]
+    assert (
+        main("train", *args, "data.text_column=review", "data.label_column=stars", *tiny, *fast, "experiment.name=s")
+        == 0
+    )
+    assert "val_accuracy" in capfd.readouterr().out
+    assert main("predict", "experiments/s", "an awful film") == 0
+    assert capfd.readouterr().out.split("\t")[0] in ("bad", "good")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["data.name=digits", "model.name=cnn", "data.train=x"], "data.stream=true streams data.name text"),
+        (["data.name=text_files", "model.name=transformer"], "data.stream=true needs data.train="),
+        (["data.name=text", "model.name=gpt", "data.train=t", "data.tokenizer=char"], "use data.tokenizer=byte"),
+        (["data.name=image_folder", "model.name=cnn", "data.train=t"], "needs data.num_classes"),
+        (["data.name=image_folder", "model.name=cnn", "data.root=t", "data.num_classes=2"], "give data.train=t"),
+        (["data.name=text_files", "model.name=transformer", "data.train=t"], "t holds text files"),
+        (["data.name=text_files", "model.name=transformer", "data.train=t/*.csv"], "no shard files at t/*.csv"),
+        (["data.name=text", "model.name=gpt", "data.train=p", "data.text_column=body"], "p has no column 'body'"),
+    ],
+)
+def test_a_streamed_builtin_that_cannot_work_is_refused_in_one_line(tmp_path, monkeypatch, capfd, overrides, words):
+    from conftest import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("a line\n")
+    _parquet(tmp_path / "p", [3])
+    assert main("train", "data.stream=true", *overrides, "logging.trackers=[]") == 2
+    err = capfd.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "experiments").exists()

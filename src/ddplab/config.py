@@ -53,9 +53,19 @@ class DataConfig:
         None, "text file or folder of .txt files (data.name=text); default: the embedded Shakespeare corpus"
     )
     root: str | None = _f(None, "dataset folder for torchvision datasets and image_folder")
-    train: str | None = _f(None, "train file (CSV/JSON/Parquet) for text_files")
-    val: str | None = _f(None, "validation file for text_files")
-    test: str | None = _f(None, "test file for text_files")
+    train: str | None = _f(
+        None,
+        "train file (CSV/JSON/Parquet) for text_files; with data.stream, the training shards of any streamed source",
+    )
+    val: str | None = _f(None, "validation file for text_files; with data.stream, the validation shards")
+    test: str | None = _f(None, "test file for text_files; with data.stream, the test shards")
+    stream: bool = _f(
+        False,
+        "read data.train / data.val / data.test as shards (a file, folder, glob or fsspec URL) through "
+        "ddplab.Shards, a window at a time, instead of whole into memory or a cache: data.name text "
+        "(text, JSON lines, Parquet, Arrow), text_files (JSON lines, Parquet, Arrow), image_folder "
+        "(WebDataset tar)",
+    )
     text_column: str = _f("text", "text column of text_files")
     label_column: str = _f("label", "label column of text_files")
     tokenizer: str | None = _f(

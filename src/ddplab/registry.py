@@ -17,7 +17,7 @@ from typing import Any
 
 from ddplab.config import Config
 from ddplab.config_io import read_config
-from ddplab.data.checks import image_spec
+from ddplab.data.checks import check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
 from ddplab.extras import missing, require
 from ddplab.models.checks import check_image_input
@@ -144,6 +144,7 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
     if model is not None and data is not None:
         if data.inputs not in ("any", model.inputs) or data.task not in ("any", model.task):
             raise UserError(_mismatch(cfg, model, data))
+    check_stream(cfg)
     for entry, section in ((model, "model"), (data, "data")):
         if entry is not None:
             if entry.extra:
@@ -228,9 +229,13 @@ def _mismatch(cfg, model: Builtin, data: Builtin) -> str:
 
 def check_files(cfg: Config) -> None:
     """The files the config names (dataset folders, weights) exist and fit; run before launch."""
-    for entry in (model_entry(cfg.model.name), data_entry(cfg.data.name)):
-        if entry is not None:
-            entry.call("check_files", cfg)
+    model, data = model_entry(cfg.model.name), data_entry(cfg.data.name)
+    if model is not None:
+        model.call("check_files", cfg)
+    if cfg.data.stream:  # shards, not the files a source reads whole
+        check_stream_files(cfg)
+    elif data is not None:
+        data.call("check_files", cfg)
 
 
 # ---------------------------------------------------------------------------- loading

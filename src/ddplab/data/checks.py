@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
+from ddplab.extras import require
 
 # data.name -> (channels, side) of the images as stored; an image_folder tree's are read from its files.
 NATIVE = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32)}
@@ -67,6 +68,10 @@ def image_spec(
     side = cfg.data.image_size or side
     if side is None:
         side, why = _folder_side(found)
+        if cfg.data.stream:
+            why = (
+                f"streamed shards are not read ahead: resized and centre-cropped to {side}x{side}; set data.image_size"
+            )
         if log is not None:
             log(why)
     return ImageSpec(source, channels or source, side)
@@ -123,7 +128,7 @@ def folder_images(root: str) -> FolderImages:
 
 def check_images(cfg) -> None:
     """From the config alone (whether the images fit the model is the registry's check)."""
-    if cfg.data.name == "image_folder" and cfg.data.root is None:
+    if cfg.data.name == "image_folder" and cfg.data.root is None and not cfg.data.stream:
         raise UserError(
             "data.root: image_folder needs data.root=<folder with one sub-folder per class, "
             "or train/ and val/ holding them>"
@@ -200,7 +205,78 @@ def check_text_classes(cfg) -> None:
         k = d.num_classes or 2
         if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
             raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
-    if d.name == "text_files":
+    if d.name == "text_files" and not d.stream:
         from ddplab.data import text_sources  # numpy: only for this source
 
         text_sources.check_files(cfg)
+
+
+# ---------------------------------------------------------------------------- streamed from shards
+
+# data.name -> the shard formats (ddplab.data.shard_files) it streams with data.stream=true
+STREAMS = {
+    "text": ("text", "json", "parquet", "arrow"),
+    "text_files": ("parquet", "arrow", "json"),
+    "image_folder": ("tar",),
+}
+
+
+def check_stream(cfg) -> None:
+    """data.stream=true: a source that streams, its shards named by data.train (+ val, test), and nothing
+    it would have to learn from the whole data set."""
+    d = cfg.data
+    if not d.stream:
+        return
+    if d.name not in STREAMS:
+        raise UserError(
+            f"data.stream=true streams data.name {', '.join(STREAMS)} from shards; data.name={d.name} is read "
+            f"whole (a data function of your own returns ddplab.Shards itself)"
+        )
+    require("text", "data.stream=true", ("fsspec", "pyarrow"))
+    for field in ("path", "root"):
+        if getattr(d, field) is not None:
+            raise UserError(
+                f"data.{field}: data.stream=true reads data.train, data.val and data.test; "
+                f"give data.train={getattr(d, field)} instead"
+            )
+    if d.train is None:
+        raise UserError(
+            f"data.stream=true needs data.train=<shards: a file, folder, glob or fsspec URL> "
+            f"({', '.join(STREAMS[d.name])}); data.val and data.test are optional"
+        )
+    if d.name == "text" and d.tokenizer not in (None, "byte"):
+        raise UserError(
+            f"data.tokenizer={d.tokenizer} with data.stream=true: a character vocabulary is learned from the "
+            f"whole corpus, which a stream never holds; use data.tokenizer=byte (the default when streaming)"
+        )
+    if d.name == "image_folder" and d.num_classes is None:
+        raise UserError(
+            "data.name=image_folder with data.stream=true needs data.num_classes: the classes (each sample's "
+            ".cls, 0 .. num_classes-1) are not read ahead of training"
+        )
+    if d.name == "image_folder" and d.decode == "gpu":
+        raise UserError("data.decode=gpu with data.stream=true: streamed images are decoded in the loader workers")
+
+
+def check_stream_files(cfg) -> None:
+    """Before launch: each split's path names shard files, all of one format the source streams."""
+    from ddplab.data.shard_files import expand, format_of  # fsspec: only for a streamed source
+
+    d = cfg.data
+    for split in ("train", "val", "test"):
+        path = getattr(d, split)
+        if path is None:
+            continue
+        try:
+            files = expand(path, None, {})
+            present = bool(files) and files[0][0].exists(files[0][1])
+        except Exception as exc:  # noqa: BLE001 - a store refusing, a credential missing: it is the path's
+            raise UserError(f"data.{split}: cannot list {path}: {first_line(exc, 160) or type(exc).__name__}") from None
+        if not present:
+            raise UserError(f"data.{split}: no shard files at {path}")
+        formats = sorted({format_of(p) or os.path.splitext(p)[1] or p for _, p in files})
+        if len(formats) > 1 or formats[0] not in STREAMS[d.name]:
+            raise UserError(
+                f"data.{split}: data.name={d.name} streams {', '.join(STREAMS[d.name])} shards; "
+                f"{path} holds {' and '.join(formats)} files"
+            )

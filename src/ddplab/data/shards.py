@@ -18,44 +18,19 @@ source do not: shuffle the rows before writing them, or make `window` as large a
 from __future__ import annotations
 
 import json
-import os
 import tarfile
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
-from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddplab.data.shard_files import FORMATS, expand, format_of
 from ddplab.data.stream import owns
 from ddplab.errors import UserError
 from ddplab.extras import require
-
-FORMATS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".arrow": "arrow",
-    ".feather": "arrow",
-    ".ipc": "arrow",
-    ".jsonl": "json",
-    ".json": "json",
-    ".ndjson": "json",
-    ".txt": "text",
-    ".text": "text",
-    ".tar": "tar",
-}
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
-
-
-def format_of(path: str) -> str | None:
-    """The format a file's name says (a compression suffix set aside), or None."""
-    name = path.lower()
-    for suffix in COMPRESSED:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return FORMATS.get(os.path.splitext(name)[1])
 
 
 class Shards(IterableDataset):
@@ -83,7 +58,7 @@ class Shards(IterableDataset):
         storage_options: dict | None = None,
     ) -> None:
         require("text", "ddplab.Shards", ("fsspec", "pyarrow"))
-        self.files = _expand(paths, format, storage_options or {})
+        self.files = expand(paths, format, storage_options or {})
         if not self.files:
             raise UserError(f"Shards: no {format or 'shard'} files at {paths!r}")
         formats = {format or format_of(path) for _, path in self.files}
@@ -160,23 +135,6 @@ class Shards(IterableDataset):
     def _rows(self, epoch: int, shard: int, at: int, n: int) -> np.ndarray:
         """The order of the rows of the window starting at row `at` of `shard`."""
         return np.random.default_rng([self.seed, epoch, shard, at // self.window]).permutation(n)
-
-
-def _expand(paths, format: str | None, storage_options: dict) -> list[tuple[Any, str]]:
-    """(filesystem, path) of every shard, sorted within each of `paths`."""
-    import fsspec  # optional, as pyarrow below: the `text` extra
-
-    files = []
-    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
-        fs, root = fsspec.core.url_to_fs(os.fspath(path), **storage_options)
-        if fs.isdir(root):  # its files of the format (given, or any the names say)
-            found = [p for p in fs.find(root) if format_of(p) is not None and format_of(p) == (format or format_of(p))]
-        elif any(c in root for c in "*?["):
-            found = fs.glob(root)
-        else:
-            found = [root]
-        files += [(fs, p) for p in sorted(found)]
-    return files
 
 
 # ---------------------------------------------------------------------------- formats

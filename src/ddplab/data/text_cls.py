@@ -1,22 +1,24 @@
-"""Text classification data: any source -> token cache -> memory-mapped datasets
-(assembled into ddplab.Data by ddplab/workloads/text_classification.py).
+"""Text classification data: any source -> token cache -> memory-mapped datasets, or shards tokenised as
+they are read (data.stream); assembled into ddplab.Data by ddplab/workloads/text_classification.py.
 
 Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset), text_files
-(the user's CSV / TSV / JSON / JSONL / Parquet) and synthetic_reviews (generated). Tokenizers
-(data.tokenizer): hash for the scratch Transformer, hf (the pretrained model's own) for model.name=hf.
+(the user's CSV / TSV / JSON / JSONL / Parquet, or shards of JSON lines / Parquet / Arrow) and
+synthetic_reviews (generated). Tokenizers (data.tokenizer): hash for the scratch Transformer, hf (the
+pretrained model's own) for model.name=hf.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddplab.data import text_cache, text_sources, text_synthetic
+from ddplab.data import streamed, text_cache, text_sources, text_synthetic
 from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer
+from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
 from ddplab.errors import UserError
 
 # data.name -> (source reader, cheap description for the cache key)
@@ -102,3 +104,63 @@ def splits(cfg, cache: text_cache.TokenCache):
             if split is not None:
                 split.rows = split.rows[: d.limit]
     return TokenizedTexts(cache, "train", rows), val, test
+
+
+# ---------------------------------------------------------------------------- tokenised as read
+
+
+class Encoder:
+    """A raw text -> the token ids the model reads (`ddplab predict`, and streamed rows)."""
+
+    def __init__(self, meta: dict) -> None:
+        self.meta = meta
+        self.tokenizer: Any = None  # loaded at the first call (a pretrained one takes seconds), in the process calling
+
+    def __call__(self, text: str) -> dict:
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer_from_meta(self.meta)
+        ids, lengths = self.tokenizer.encode_batch([text])
+        return {"input_ids": torch.from_numpy(ids[0, : lengths[0]].astype(np.int64))}
+
+
+class TextRows:
+    """data.stream: a shard row -> ({input_ids}, label id), tokenised where it is read."""
+
+    def __init__(self, meta: dict, text: str, label: str, mapping: dict | None, classes: int, read: int) -> None:
+        self.encode, self.text, self.label = Encoder(meta), text, label
+        self.mapping, self.classes, self.read = mapping, classes, read  # read: the rows the labels came from
+
+    def __call__(self, row: dict):
+        value = row[self.label]
+        label = self.mapping.get(str(value)) if self.mapping is not None else value
+        if not isinstance(label, int) or not 0 <= label < self.classes:
+            known = f"{len(self.mapping)} labels" if self.mapping is not None else f"class ids 0..{self.classes - 1}"
+            raise ValueError(
+                f"data.label_column '{self.label}': label {value!r} is not one of the {known} learned from the "
+                f"first {self.read} rows of data.train (set data.num_classes for integer labels)"
+            )
+        text = row[self.text]
+        return self.encode("" if text is None else str(text)), label
+
+
+def stream_splits(cfg, meta: dict) -> tuple[list[str], Any, Any, Any]:
+    """data.stream: (label names, train, val, test) of Shards tokenised as read; the labels are learned from
+    the first streamed.PREFIX rows of data.train in file order."""
+    import pandas as pd  # the text extra
+
+    d = cfg.data
+    train, val, test = streamed.split_shards(cfg)
+    streamed.check_columns(train, d.train, {"text_column": d.text_column, "label_column": d.label_column})
+    rows = streamed.first_items(train, streamed.PREFIX, columns=[d.label_column])
+    labels = pd.Series([row[d.label_column] for row in rows])
+    try:
+        names, mapping = text_sources.label_mapping([labels], d.num_classes, d.label_column)
+    except UserError as err:
+        raise UserError(
+            f"{err} (in the first {len(rows)} rows of data.train, where data.stream learns the labels)"
+        ) from None
+    rows_to_items = TextRows(meta, d.text_column, d.label_column, mapping, d.num_classes or len(names), len(rows))
+    for split in (train, val, test):
+        if split is not None:
+            split.transform = rows_to_items
+    return names, train, val, test

@@ -1,5 +1,6 @@
 """Image classification data: torchvision's MNIST / FashionMNIST / CIFAR-10, any ImageFolder
-tree, and scikit-learn's 8x8 handwritten digits (shipped with scikit-learn, so always offline).
+tree or WebDataset tar shards (data.stream), and scikit-learn's 8x8 handwritten digits (shipped
+with scikit-learn, so always offline).
 
 Every split yields `(image (C, S, S) float tensor, label)`. Images stay uint8 (or files on
 disk) until an item is read, and go through one transform pipeline built from `meta`, the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import io
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -23,8 +25,8 @@ from torch.utils.data import Dataset, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
-from ddplab.data import image_cache
-from ddplab.data.checks import TORCHVISION, ImageSpec, default_root, expected_files, folder_layout
+from ddplab.data import image_cache, streamed
+from ddplab.data.checks import IMAGE_EXTENSIONS, TORCHVISION, ImageSpec, default_root, expected_files, folder_layout
 from ddplab.data.image_cache import ImageBatch, decode_steps, on_the_fly, pil_mode
 from ddplab.errors import UserError
 
@@ -164,6 +166,33 @@ class EncodedFiles(Dataset):
         )
 
 
+class TarImages:
+    """data.stream: a WebDataset sample ({"__key__": ..., "jpg" | "png" | ...: bytes, "cls": b"3"}) -> (image,
+    class id), decoded where it is read, under the validation transform (training's augmented)."""
+
+    def __init__(self, meta: dict, classes: int, augment: bool = False) -> None:
+        self.mode, self.classes = pil_mode(meta), classes
+        self.transform = v2.Compose([transform(meta), augmentation(meta)]) if augment else transform(meta)
+
+    def __call__(self, sample: dict) -> tuple[torch.Tensor, int]:
+        key = sample["__key__"]
+        ext = next((e for e in sample if f".{e.lower()}" in IMAGE_EXTENSIONS), None)
+        if ext is None or "cls" not in sample:
+            has = ", ".join(f".{e}" for e in sample if e != "__key__")
+            raise ValueError(f"shard sample {key} holds {has}: an image sample needs an image file and a .cls")
+        label = int(sample["cls"])
+        if not 0 <= label < self.classes:
+            raise ValueError(
+                f"shard sample {key}: class {label} is not one of 0..{self.classes - 1} (data.num_classes)"
+            )
+        try:
+            with Image.open(io.BytesIO(sample[ext])) as img:
+                image = img.convert(self.mode)
+        except (OSError, SyntaxError, ValueError) as err:
+            raise ValueError(f"cannot read image {key}.{ext}: {err}") from None
+        return self.transform(image).as_subclass(torch.Tensor), label
+
+
 def image_tensors(images: torch.Tensor, labels: torch.Tensor, meta: dict) -> ImageTensors:
     """uint8 images under the validation transform: applied once to the whole set when the result
     is small (a per-item transform costs more than a small model's step), else item by item."""
@@ -271,6 +300,8 @@ def torchvision_set(cfg, dist, spec: ImageSpec) -> ImageSplits:
 def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
     """An ImageFolder tree: train/ (+ val/, test/) or one tree split by seed; decoded once into the
     image cache (data.cache=raw|jpeg), or every epoch (on the GPU with data.decode=gpu)."""
+    if cfg.data.stream:
+        return image_shards(cfg, spec)
     layout = folder_layout(Path(cfg.data.root))
     meta = image_meta(spec, [], *FOLDER_STATS[spec.channels])
     loader = partial(read_image, mode=pil_mode(meta))
@@ -307,3 +338,16 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
     return _splits(
         cfg, meta, Subset(full, train), fixed.get("val", Subset(full, val)), fixed.get("test", Subset(full, test))
     )
+
+
+def image_shards(cfg, spec: ImageSpec) -> ImageSplits:
+    """data.stream: WebDataset tar shards of data.train (+ val, test), decoded as they are read; the classes
+    are data.num_classes (each sample's .cls an id), not read ahead."""
+    k = cfg.data.num_classes
+    meta = image_meta(spec, [str(i) for i in range(k)], *FOLDER_STATS[spec.channels])
+    train, val, test = streamed.split_shards(cfg)
+    train.transform = TarImages(meta, k, cfg.data.augment)
+    for split in (val, test):
+        if split is not None:
+            split.transform = TarImages(meta, k)
+    return ImageSplits(train, val, test, meta)

@@ -5,24 +5,31 @@ sequence classifier fine-tuned with its own tokenizer.
     ddplab train data.name=text_files data.train=train.csv model.name=hf model.pretrained=<hub name or folder>
 
 Sources: imdb, amazon_polarity (datasets.load_dataset), text_files (CSV / TSV / JSON / JSONL /
-Parquet) and synthetic_reviews (generated); every one is tokenised once into a token cache.
+Parquet) and synthetic_reviews (generated); every one is tokenised once into a token cache, or, with
+data.stream=true, text_files shards are tokenised as they are read:
+
+    ddplab train data.name=text_files data.stream=true data.train='shards/*.parquet' model.name=transformer
 """
 
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import torch
 from torch import nn
 
 import ddplab
 from ddplab.data import text_cache
 from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_cls import SOURCES, make_tokenizer, pad_collate, splits, tokenizer_description
-from ddplab.data.text_tokenize import tokenizer_from_meta
+from ddplab.data.text_cls import (
+    SOURCES,
+    Encoder,
+    make_tokenizer,
+    pad_collate,
+    splits,
+    stream_splits,
+    tokenizer_description,
+)
 from ddplab.errors import UserError, first_line
 from ddplab.models.checks import check_pretrained, looks_like_path
 from ddplab.models.transformer import TransformerClassifier, TransformerConfig
@@ -33,6 +40,31 @@ def data(cfg) -> ddplab.Data:
         meta = cfg.assets.meta
         collate = partial(pad_collate, pad_id=meta.get("pad_id", 0))
         return ddplab.Data(train=None, meta=meta, collate_fn=collate, preprocess=Encoder(meta))
+    c = cfg.config
+    if c.data.stream:  # shards tokenised as they are read
+        meta = {"input": "text", **make_tokenizer(c).describe()}
+        names, train, val, test = stream_splits(c, meta)
+    else:
+        meta, names, (train, val, test) = _cached(cfg)
+    k = c.data.num_classes or len(names)
+    if k < len(names):
+        raise UserError(
+            f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})"
+        )
+    meta["label_names"] = names = names + [str(i) for i in range(len(names), k)]
+    return ddplab.Data(
+        train=train,
+        val=val,
+        test=test,
+        task=ddplab.Classification(k, names),
+        meta=meta,
+        collate_fn=partial(pad_collate, pad_id=meta["pad_id"]),
+        preprocess=Encoder(meta),
+    )
+
+
+def _cached(cfg) -> tuple[dict, list[str], tuple]:
+    """The source tokenised once into the token cache (by one rank a node), then memory-mapped."""
     c = cfg.config
     read, describe = SOURCES[c.data.name]
     description = {"source": describe(c), "tokenizer": tokenizer_description(c)}
@@ -45,38 +77,8 @@ def data(cfg) -> ddplab.Data:
 
     text_cache.ensure(cfg.dist, folder, write)
     cache = text_cache.TokenCache(folder)
-    names = list(cache.meta["label_names"])
-    k = c.data.num_classes or len(names)
-    if k < len(names):
-        raise UserError(
-            f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})"
-        )
-    names += [str(i) for i in range(len(names), k)]
-    train, val, test = splits(c, cache)
-    meta = {"input": "text", "label_names": names, **cache.meta["tokenizer"], "cache": str(folder)}
-    return ddplab.Data(
-        train=train,
-        val=val,
-        test=test,
-        task=ddplab.Classification(k, names),
-        meta=meta,
-        collate_fn=partial(pad_collate, pad_id=meta["pad_id"]),
-        preprocess=Encoder(meta),
-    )
-
-
-class Encoder:
-    """`ddplab predict`: a raw text -> the token ids validation fed the model."""
-
-    def __init__(self, meta: dict) -> None:
-        self.meta = meta
-        self.tokenizer: Any = None  # loaded at the first call
-
-    def __call__(self, text: str) -> dict:
-        if self.tokenizer is None:  # a pretrained tokenizer loads in seconds: only when predicting
-            self.tokenizer = tokenizer_from_meta(self.meta)
-        ids, lengths = self.tokenizer.encode_batch([text])
-        return {"input_ids": torch.from_numpy(ids[0, : lengths[0]].astype(np.int64))}
+    meta = {"input": "text", **cache.meta["tokenizer"], "cache": str(folder)}
+    return meta, list(cache.meta["label_names"]), splits(c, cache)
 
 
 def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
