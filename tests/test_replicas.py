@@ -295,3 +295,25 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
         "global batch = 32 per process x 1 accumulation x 2 processes x 3 replica groups = 192 with every group "
         "present;" in lines[0]
     )
+
+
+def test_a_resume_that_keeps_the_global_batch_says_it_is_planned_with_every_group():
+    from types import SimpleNamespace
+
+    from ddplab.engine.trainer import Trainer
+
+    lines: list[str] = []
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(training=SimpleNamespace(batch_size=16, grad_accum_steps=1)),
+        shares=2 * 2,  # 2 processes x 2 groups
+        ctx=SimpleNamespace(world_size=2),
+        replicas=SimpleNamespace(groups=2),
+        run=SimpleNamespace(log=lines.append),
+        feed=SimpleNamespace(size=640),
+    )
+    manifest = {"global_batch": 128, "world_size": 2, "config": {"training": {"batch_size": 32, "grad_accum_steps": 1}}}
+    Trainer._keep_global_batch(trainer, manifest)  # type: ignore[arg-type]
+    assert trainer.cfg.training.grad_accum_steps == 2 and lines == [
+        "training.grad_accum_steps 1 -> 2: the global batch stays 128 on 2 processes x 2 replica groups, "
+        "with every group present"
+    ]
