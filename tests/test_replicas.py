@@ -269,3 +269,51 @@ def test_a_time_budget_stops_every_group_at_the_same_step(tmp_path):
     assert steps[0] == steps[1] and steps[0] % 10 == 0, steps  # a log interval: where stops are agreed
     mine, theirs = (_weights(tmp_path / "experiments" / f"budget-group{i}") for i in (0, 1))
     assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the groups' weights differ"
+
+
+def test_the_start_line_gives_the_global_batch_with_every_group_present():
+    """Each step's own is in replicas.csv and metrics.csv: the start line does not pretend the planned one holds."""
+    from types import SimpleNamespace
+
+    from ddplab.config import batch_arithmetic
+    from ddplab.metrics.callbacks import RunRecorder
+    from ddplab.registry import load_config
+
+    lines: list[str] = []
+    view = SimpleNamespace(
+        run=SimpleNamespace(log=lines.append),
+        batch=batch_arithmetic(32, 1, 2 * 3, 600),  # 2 processes x 3 groups: the shares
+        dist=SimpleNamespace(launch=SimpleNamespace(launcher="torchrun"), backend="gloo"),
+        config=load_config(None, ["distributed.fault_tolerance=replicas", "distributed.replica_groups=3"]),
+        world_size=2,
+        device="cpu",
+        lr=1e-3,
+        data_workers=0,
+    )
+    RunRecorder().on_train_start(view)
+    assert (
+        "global batch = 32 per process x 1 accumulation x 2 processes x 3 replica groups = 192 with every group "
+        "present;" in lines[0]
+    )
+
+
+def test_a_resume_that_keeps_the_global_batch_says_it_is_planned_with_every_group():
+    from types import SimpleNamespace
+
+    from ddplab.engine.trainer import Trainer
+
+    lines: list[str] = []
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(training=SimpleNamespace(batch_size=16, grad_accum_steps=1)),
+        shares=2 * 2,  # 2 processes x 2 groups
+        ctx=SimpleNamespace(world_size=2),
+        replicas=SimpleNamespace(groups=2),
+        run=SimpleNamespace(log=lines.append),
+        feed=SimpleNamespace(size=640),
+    )
+    manifest = {"global_batch": 128, "world_size": 2, "config": {"training": {"batch_size": 32, "grad_accum_steps": 1}}}
+    Trainer._keep_global_batch(trainer, manifest)  # type: ignore[arg-type]
+    assert trainer.cfg.training.grad_accum_steps == 2 and lines == [
+        "training.grad_accum_steps 1 -> 2: the global batch stays 128 on 2 processes x 2 replica groups, "
+        "with every group present"
+    ]

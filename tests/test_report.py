@@ -9,7 +9,7 @@ from conftest import main
 from ddplab.errors import UserError
 from ddplab.report.build import make_report
 from ddplab.report.runs import find_runs
-from ddplab.report.table import build_rows, epochs_within
+from ddplab.report.table import HEAD, TIMING_COLUMNS, build_rows, epochs_within, markdown_table
 
 
 def _run_folder(root, name, world, rate, *, batch=8, lr=1e-3, status="complete", epoch_time=10.0, test=None):
@@ -277,3 +277,80 @@ def test_a_strategy_sweep_shows_memory_per_rank_peak_step_and_overhead(tmp_path)
     summary = json.loads((tmp_path / "fsdp-n2" / "metrics.json").read_text())
     (tmp_path / "fsdp-n2" / "metrics.json").write_text(json.dumps(summary | {"comm": {}}))
     assert {r["point"]: r for r in build_rows(find_runs([tmp_path])[0], None)}["fsdp-n2"]["comm_ms_per_step"] is None
+
+
+def _replica_group_folder(root, name, epochs):
+    """Group 0 of a 2-group job (2 x 1 process, 32 samples per process) as the engine writes it: epoch rows
+    with the columns engine.replicas adds, in metrics.json and metrics.csv. `epochs`: each one's steps, as
+    (groups in the quorum, global batch) per committed step."""
+    from ddplab.config import batch_arithmetic
+    from ddplab.engine.replicas import Replicas
+    from ddplab.engine.run_folder import RunFolder
+    from ddplab.registry import load_config
+
+    cfg = load_config(
+        None, ["distributed.fault_tolerance=replicas", "distributed.replica_groups=2", f"experiment.name={name}"]
+    )
+    tally = Replicas.__new__(Replicas)  # its epoch tally only: no quorum, no torchft manager
+    tally.groups = 2
+    rows, step = [], 0
+    for epoch, steps in enumerate(epochs, 1):
+        tally.load_state_dict({"epoch": [batch for _, batch in steps], "fewest": min(groups for groups, _ in steps)})
+        step += len(steps)
+        row = {"epoch": epoch, "step": step, "train_loss": 2.0 / epoch, "val_loss": 2.1 / epoch}
+        row |= {"epoch_time_s": 5.0, "elapsed_s": 5.0 * epoch, "samples_per_s": 100.0, "lr": 1e-3}
+        rows.append({**row, **tally.epoch_columns()})
+    run = RunFolder(root / cfg.run_name(), is_main=True)
+    run.write_epochs(rows)
+    batch = batch_arithmetic(32, 1, 2, 640)  # world size x groups: the shares the data is split in
+    run.write_json(
+        "metrics.json",
+        {
+            "status": "complete",
+            "config": cfg.to_dict(),
+            "ddp": {**batch, "lr": 1e-3, "lr_scaling": "none", "strategy": "ddp"},
+            "epochs": rows,
+            "steps": [],
+            "aggregates": {"steps": step, "train_time_s": 5.0 * len(epochs), "best_val_loss": 0.7},
+            "test": {},
+        },
+    )
+    run.close()
+    return run.path
+
+
+def test_a_replica_group_run_reports_the_global_batch_it_made_and_the_groups_present(tmp_path):
+    both, alone = (2, 64), (1, 32)
+    folder = _replica_group_folder(
+        tmp_path / "runs",
+        "r",
+        [[both] * 10, [both] * 6 + [alone] * 4, [both] * 5],  # group 1 away 4 steps
+    )
+    with open(folder / "metrics.csv") as f:
+        made = [(int(r["replicas"]), float(r["global_batch"])) for r in csv.DictReader(f)]
+    assert made == [(2, 64.0), (1, 51.2), (2, 64.0)]
+    _run_folder(tmp_path / "runs", "plain", 2, 100.0)
+    runs, _ = find_runs([tmp_path / "runs"])
+    rows = {r["point"]: r for r in build_rows(runs, None)}
+    group = rows["r-group0"]
+    assert group["global_batch"] == pytest.approx((10 * 64 + 6 * 64 + 4 * 32 + 5 * 64) / 25)  # mean per step
+    assert (group["global_batch_planned"], group["replicas_min"], group["replicas_max"]) == (64, 1, 2)
+    table = markdown_table(list(rows.values()))
+    head, _, *lines = table.splitlines()
+    assert "| global batch | replica groups |" in head
+    assert "| 58.9 of 64 | 1–2 of 2 |" in next(line for line in lines if "r-group0" in line)
+    assert "| 16 | — |" in next(line for line in lines if "plain" in line)
+    text = make_report([tmp_path / "runs"], tmp_path / "out").read_text()
+    assert "**global batch** of a replica-group run" in text and "| 58.9 of 64 | 1–2 of 2 |" in text
+    with open(tmp_path / "out" / "report.csv") as f:
+        written = {r["point"]: r for r in csv.DictReader(f)}
+    assert float(written["r-group0"]["global_batch"]) == pytest.approx(58.88) and written["plain"]["replicas_min"] == ""
+
+
+def test_a_report_without_replica_groups_is_unchanged(tmp_path):
+    _run_folder(tmp_path, "a1", 1, 100.0)
+    _run_folder(tmp_path, "a2", 2, 180.0)
+    rows = build_rows(find_runs([tmp_path])[0], None)
+    head, _, _, a2 = markdown_table(rows).splitlines()
+    assert head == "| " + " | ".join(h for _, h in HEAD + TIMING_COLUMNS) + " |" and "| 2 | 8 | 16 | 0.001 |" in a2
+    assert not any(k.startswith("replica") or k == "global_batch_planned" for r in rows for k in r)

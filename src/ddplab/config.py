@@ -263,10 +263,18 @@ class DistributedConfig:
         "fault_tolerance=replicas: the torchft Lighthouse's address (http://host:"
         "port); default $TORCHFT_LIGHTHOUSE (`--replica-groups N` starts one)",
     )
-    replica_group: int = _f(0, "fault_tolerance=replicas: this group's number, 0 to replica_groups - 1", min=0)
-    replica_groups: int = _f(
-        1,
-        "fault_tolerance=replicas: how many groups the job has; the training data is split in as many shares",
+    # Unset (None) until registry.load_config resolves them from the launcher's environment: every reader sees ints.
+    replica_group: int | None = _f(
+        None,
+        "fault_tolerance=replicas: this group's number, 0 to replica_groups - 1; default $REPLICA_GROUP_ID "
+        "(set by torchft's torchx launcher), else the task's place in a SLURM job array ($SLURM_ARRAY_TASK_ID - "
+        "$SLURM_ARRAY_TASK_MIN), else 0",
+        min=0,
+    )
+    replica_groups: int | None = _f(
+        None,
+        "fault_tolerance=replicas: how many groups the job has; the training data is split in as many shares; "
+        "default $NUM_REPLICA_GROUPS, else the SLURM job array's $SLURM_ARRAY_TASK_COUNT, else 1",
         positive=True,
     )
     replica_lr: str = _f(

@@ -10,12 +10,13 @@ else) and names torch-free checks the launcher runs on the config alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddplab.config import Config
+from ddplab.config import INT_MAX, Config
 from ddplab.config_io import read_config
 from ddplab.data.checks import check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
@@ -167,11 +168,6 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
         resolve(d.shard, "distributed.shard")
     if d.fault_tolerance == "replicas":
         require("ft", "distributed.fault_tolerance=replicas")
-        if d.replica_group >= d.replica_groups:
-            raise UserError(
-                f"distributed.replica_group={d.replica_group} is not below distributed.replica_groups="
-                f"{d.replica_groups}"
-            )
     for tracker in cfg.logging.trackers:  # mlflow, wandb: each the module of its own name
         if tracker != "tensorboard":
             require("track", f"logging.trackers={tracker}", (tracker,))
@@ -252,6 +248,7 @@ def load_config(
     Config, then `key=value` overrides; types, ranges, names and pairings checked. Functions
     handed to ddplab.train() take the place of model.name / data.name."""
     cfg = read_config(source, overrides)
+    replica_place(cfg, os.environ)
     if model is not None:
         cfg.model.name = reference_of(model)
     if data is not None:
@@ -259,6 +256,60 @@ def load_config(
     check_config(cfg, tuple(s for s, fn in (("model", model), ("data", data)) if fn is not None))
     absolute_references(cfg)
     return cfg
+
+
+def replica_place(cfg: Config, env: Mapping[str, str]) -> None:
+    """distributed.replica_group and replica_groups where the config leaves them unset: under
+    fault_tolerance=replicas from the environment a cluster's launcher already sets (torchft's
+    REPLICA_GROUP_ID and NUM_REPLICA_GROUPS, else a SLURM job array's task), else 0 of 1; each group's
+    job then needs no setting of its own but the Lighthouse's address. Resolved here, once, so that
+    every reader and the run folder's config.yaml see the numbers the job ran with."""
+    d = cfg.distributed
+    env = env if d.fault_tolerance == "replicas" else {}  # any other job: whatever its environment says
+    # (where the number came from, as a user would write it; the number)
+    group = (
+        _given("distributed.replica_group", d.replica_group)
+        or _from_env(env, "REPLICA_GROUP_ID")
+        or _array_task(env)
+        or ("distributed.replica_group=0 (its default)", 0)
+    )
+    groups = (
+        _given("distributed.replica_groups", d.replica_groups)
+        or _from_env(env, "NUM_REPLICA_GROUPS")
+        or _from_env(env, "SLURM_ARRAY_TASK_COUNT")
+        or ("distributed.replica_groups=1 (its default)", 1)
+    )
+    if groups[1] < 1:
+        raise UserError(f"{groups[0]}: a job has at least 1 replica group")
+    if group[1] >= groups[1]:
+        hint = "; a SLURM job array of N groups is --array=0-<N-1>" if group[0].startswith("SLURM") else ""
+        raise UserError(f"{group[0]} is not below {groups[0]}{hint}")
+    d.replica_group, d.replica_groups = group[1], groups[1]
+
+
+def _given(dotted: str, value: int | None) -> tuple[str, int] | None:
+    return None if value is None else (f"{dotted}={value}", value)
+
+
+def _from_env(env: Mapping[str, str], name: str) -> tuple[str, int] | None:
+    """(how it reads, the number) of a whole number in the environment; None when unset or empty."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdecimal()) or int(text) > INT_MAX:
+        raise UserError(f"{name}={text!r} in the environment is not a whole number from 0 to 2^63 - 1")
+    return f"{name}={text}", int(text)
+
+
+def _array_task(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """This task's place in its SLURM job array, counted from the array's first task."""
+    task = _from_env(env, "SLURM_ARRAY_TASK_ID")
+    if task is None:
+        return None
+    first = _from_env(env, "SLURM_ARRAY_TASK_MIN") or ("SLURM_ARRAY_TASK_MIN=0", 0)
+    if task[1] < first[1]:
+        raise UserError(f"{task[0]} is below {first[0]}")
+    return (f"{task[0]} - {first[0]}" if first[1] else task[0]), task[1] - first[1]
 
 
 def absolute_references(cfg: Config) -> None:

@@ -20,11 +20,14 @@ from ddplab.registry import check_files, checked_without_torch, load_config, wor
 
 
 def train(ns) -> int:
-    cfg = load_config(*split_args(ns.args))
-    check_files(cfg)
     at_least("--nproc-per-node", ns.nproc_per_node)
     at_least("--max-restarts", ns.max_restarts, 0)
     at_least("--replica-groups", ns.replica_groups)
+    config, overrides = split_args(ns.args)
+    if ns.replica_groups:  # its groups are numbered here (run_workers), whatever the environment says of others
+        overrides += [f"distributed.replica_groups={ns.replica_groups}", "distributed.replica_group=0"]
+    cfg = load_config(config, overrides)
+    check_files(cfg)
     if ns.replica_groups:
         return launch_groups(cfg, ns)
     if ns.nproc_per_node or ns.max_restarts:

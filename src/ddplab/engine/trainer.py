@@ -446,9 +446,14 @@ class Trainer:
         )
         accum = keep_global_batch(global_batch, t.batch_size, self.shares)
         if accum != t.grad_accum_steps:
+            on = f"{self.shares} processes"  # replica groups: planned with all present (each step's: replicas.csv)
+            if self.replicas is not None:
+                on = (
+                    f"{self.ctx.world_size} processes x {self.replicas.groups} replica groups, with every group present"
+                )
             self.run.log(
                 f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
-                f"{global_batch} on {self.shares} processes"
+                f"{global_batch} on {on}"
             )
             t.grad_accum_steps = accum
             self.batch = batch_arithmetic(t.batch_size, accum, self.shares, self.feed.size)

@@ -67,11 +67,18 @@ class RunRecorder(Callback):
     )
 
     def on_train_start(self, view):
-        run, b, dist = view.run, view.batch, view.dist
+        run, b, dist, d = view.run, view.batch, view.dist, view.config.distributed
+        # Replica groups: b["world_size"] counts every group's processes, and a step's batch is what the groups
+        # in its quorum make (replicas.csv, and metrics.csv's global_batch), this only with every group present.
+        across = (
+            f"{view.world_size} processes x {d.replica_groups} replica groups = {b['global']} with every group present"
+            if d.fault_tolerance == "replicas"
+            else f"{b['world_size']} processes = {b['global']}"
+        )
         run.log(
             f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
             f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
-            f"accumulation x {b['world_size']} processes = {b['global']}; lr {view.lr:g}; "
+            f"accumulation x {across}; lr {view.lr:g}; "
             + (f"{b['steps_per_epoch']} steps per epoch" if b["steps_per_epoch"] else "epochs end with the stream")
             + f"; {view.data_workers} data workers per process"
             + "".join(f"; {change}" for change in process_state.in_effect())

@@ -13,6 +13,7 @@ from ddplab.report.runs import find_runs
 from ddplab.report.scaling_table import scaling_tables
 from ddplab.report.table import (
     build_rows,
+    has_replicas,
     is_quality,
     markdown,
     markdown_table,
@@ -77,6 +78,14 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         ),
         "- lr is the learning rate actually used, after `training.lr_scaling`.",
     ]
+    if has_replicas(rows):  # a report without replica groups reads as it always did
+        lines.append(
+            "- **global batch** of a replica-group run (`distributed.fault_tolerance=replicas`, one run folder per "
+            "group): the samples its committed steps actually trained on, mean per step over its epochs "
+            "(metrics.csv's `global_batch`), of the batch planned with every group present; **replica groups**: "
+            "the fewest groups in an epoch's steps (metrics.csv's `replicas`), lowest–highest over the epochs, "
+            "of the groups planned. The step-by-step record is each group's replicas.csv."
+        )
     baselines = {r["baseline"] for r in rows if r["baseline"]}
     if any(r["speedup"] is None for r in rows):
         lines.append("- speedup is blank where no 1-process point of the same experiment is among these runs.")

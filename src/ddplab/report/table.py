@@ -161,6 +161,29 @@ def step_ms(run: Run, epoch_s: float | None, steps_per_epoch: int | None) -> flo
     return 1000 * partial / run.total_steps if partial and run.total_steps else None
 
 
+def replica_columns(run: Run) -> dict:
+    """A replica-group run (distributed.fault_tolerance=replicas, its epoch rows carry `replicas` and
+    `global_batch`): the global batch its steps actually made, mean per step over its epochs (each epoch
+    row's mean weighted by its steps), beside the planned one; the fewest groups in an epoch's steps, lowest
+    and highest over its epochs, of the groups planned. {} for any other run: its row is as it always was."""
+    rows, steps, before = [], [], 0
+    for r in run.epochs:
+        if "replicas" in r and r.get("global_batch") is not None:
+            rows.append(r)
+            steps.append(max(r["step"] - before, 1))
+        before = r["step"]
+    if not rows:
+        return {}
+    present = [r["replicas"] for r in rows if r.get("replicas") is not None]
+    return {
+        "global_batch": sum(r["global_batch"] * n for r, n in zip(rows, steps, strict=True)) / sum(steps),
+        "global_batch_planned": run.ddp.get("global"),
+        "replicas_min": min(present, default=None),
+        "replicas_max": max(present, default=None),
+        "replica_groups": run.summary.get("config", {}).get("distributed", {}).get("replica_groups"),
+    }
+
+
 def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     """One row per run (every repeat), before speedup."""
     rows = []
@@ -227,6 +250,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
                 "gpu_mem_mb": max(
                     (r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None
                 ),
+                **replica_columns(run),
                 "_group": (run.setup, run.experiment_key()),
                 "_experiment": run.experiment_key(),  # repeats share _group
             }
@@ -268,6 +292,16 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         for key in TIMING + quality_keys(rows):
             row[key], row[f"{key}_min"], row[f"{key}_max"] = _spread([r.get(key) for r in rows])
         row["epochs_at_budget_projected"] = any(r["epochs_at_budget_projected"] for r in rows)
+        if "global_batch_planned" in row:  # replica groups: the batch each repeat actually made, and all groups seen
+            row["global_batch"], row["global_batch_min"], row["global_batch_max"] = _spread(
+                [r.get("global_batch") for r in rows]
+            )
+            row["replicas_min"] = min(
+                (r["replicas_min"] for r in rows if r.get("replicas_min") is not None), default=None
+            )
+            row["replicas_max"] = max(
+                (r["replicas_max"] for r in rows if r.get("replicas_max") is not None), default=None
+            )
         out.append(row)
     out.sort(key=sort_key)
     return out
@@ -305,13 +339,25 @@ def fmt(key: str, value) -> str:
 
 def cell(row: dict, key: str) -> str:
     """The median, then its range over repeats when they differ."""
+    if key == "replicas":
+        return _replicas_cell(row)
     text = fmt(key, row.get(key))
     if key == "epochs_at_budget" and row.get("epochs_at_budget_projected") and row.get(key) is not None:
         text = "≈" + text
     lo, hi = row.get(f"{key}_min"), row.get(f"{key}_max")
     if row.get("repeats", 1) > 1 and lo is not None and hi is not None and fmt(key, lo) != fmt(key, hi):
         text += f" ({fmt(key, lo)}–{fmt(key, hi)})"
+    if key == "global_batch" and row.get("global_batch_planned") is not None:  # replica groups: the batch made
+        text += f" of {row['global_batch_planned']}"
     return text
+
+
+def _replicas_cell(row: dict) -> str:
+    """Replica groups present: `1–2 of 2` (the fewest in an epoch's steps, lowest–highest over the epochs)."""
+    lo, hi, of = row.get("replicas_min"), row.get("replicas_max"), row.get("replica_groups")
+    if lo is None:
+        return "—"
+    return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" of {of}" if of is not None else "")
 
 
 def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
@@ -333,7 +379,15 @@ def markdown(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The timing table; GPU columns only where a run measured its GPU."""
     gpu = GPU_COLUMNS if any(r.get("gpu_util") is not None for r in rows) else []
-    return markdown(rows, HEAD + _swept_columns(rows) + TIMING_COLUMNS + gpu)
+    timing = list(TIMING_COLUMNS)
+    if has_replicas(rows):  # after the global batch they made
+        timing.insert(timing.index(("global_batch", "global batch")) + 1, ("replicas", "replica groups"))
+    return markdown(rows, HEAD + _swept_columns(rows) + timing + gpu)
+
+
+def has_replicas(rows: list[dict]) -> bool:
+    """Some row is a replica-group run's (replica_columns)."""
+    return any("global_batch_planned" in r for r in rows)
 
 
 def strategy_table(rows: list[dict]) -> str:
