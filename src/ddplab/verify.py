@@ -34,7 +34,9 @@ LOG_FILE = "verify.log"
 
 
 def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
-    ended = run([torchrun_command(nproc, args)], log=work / LOG_FILE, report_in=work)
+    # The 1-process reference is a plain process, as `ddplab train` without --nproc-per-node: no agent to start.
+    command = torchrun_command(nproc, args) if nproc > 1 else [sys.executable, "-m", "ddplab", *args]
+    ended = run([command], log=work / LOG_FILE, report_in=work)
     if ended.stopped or ended.code == ExitCode.PREEMPTED:
         raise Preempted("verify pre-empted; the same command continues it")
     if ended.error and ended.code == ExitCode.USAGE:
