@@ -7,7 +7,7 @@ import torch
 
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine.checkpoint import Checkpointer, Parts, part
-from ddplab.engine.checkpoint_reader import STATE, load_file, load_snapshot
+from ddplab.engine.checkpoint_reader import STATE, load_file, load_snapshot, step_snapshots
 from ddplab.engine.manifest import MARKER
 from ddplab.errors import UserError
 
@@ -30,7 +30,7 @@ def test_snapshots_are_complete_folders_and_keep_last(tmp_path):
     for step in (1, 2, 3):
         path = _save(ck, step)
         assert (path / MARKER).is_file() and (path / STATE).is_file()
-    assert [p.name for p in ck.snapshots()] == ["step-000000002", "step-000000003"]
+    assert [p.name for p in step_snapshots(tmp_path)] == ["step-000000002", "step-000000003"]
     assert not list(tmp_path.glob(".tmp-*"))
 
 

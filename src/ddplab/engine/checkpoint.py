@@ -172,12 +172,8 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ listing
-    def snapshots(self) -> list[Path]:
-        """Step snapshots with a marker, oldest first (not yet checked against it)."""
-        return step_snapshots(self.root)
-
     def latest(self) -> Path | None:
-        snapshots = self.snapshots()
+        snapshots = step_snapshots(self.root)
         return snapshots[-1] if snapshots else None
 
     def clean_incomplete(self) -> list[str]:
@@ -277,7 +273,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        for old in self.snapshots()[: -self.keep_last]:
+        for old in step_snapshots(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
@@ -325,7 +321,7 @@ class Checkpointer:
     def newest(self, log=print) -> tuple[Path, dict, dict] | None:
         """(folder, manifest, what state.pt holds) of the newest step snapshot that passes its checks;
         each one skipped gets one line."""
-        for folder in reversed(self.snapshots()):
+        for folder in reversed(step_snapshots(self.root)):
             try:
                 return (folder, *open_snapshot(folder, log))
             except Damaged as err:
