@@ -1,7 +1,7 @@
-"""Reading snapshots and checkpoint files back: checked, loaded safely, the model's weights whole.
+"""Snapshots and checkpoint files read back: checked, loaded safely, the model's weights whole.
 
-Engine/checkpoint.py writes snapshots and restores a run's parts from them; what a snapshot holds is
-read here, for a resume and for predict, generate, export and verify alike. Before a snapshot is
+What engine/checkpoint.py writes is read here, for its resume (which loads it into a run's parts) and
+for predict, generate, export and verify alike. Before a snapshot is
 trusted its files are checked against its manifest (engine/manifest.py); one that fails is skipped with
 one line naming the file, and the previous one is used. Everything loads with
 `torch.load(weights_only=True)`: nothing is unpickled unsafely. A sharded snapshot's model is gathered
