@@ -1,4 +1,4 @@
-"""Snapshots: how the run's state is written, checked and read back. This module alone does it.
+"""Snapshots: how the run's state is written and restored. This module alone writes them.
 
 The run's state is a set of named stateful parts (`Parts`): objects with `state_dict()` and
 `load_state_dict(state)`. The Trainer registers its own in one place (model, optimizer, scheduler,
