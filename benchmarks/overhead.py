@@ -127,7 +127,7 @@ def report(times: dict[str, list[float]], workload: str, nproc: int, within: flo
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default="cnn,gpt,transformer", help=f"any of {','.join(WORKLOADS)}")
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--runs", type=int, default=5, help="rounds at least (each contender once per round)")
     p.add_argument(

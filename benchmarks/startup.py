@@ -3,7 +3,7 @@ data and one step in a hand-written DDP loop under plain torchrun.
 
 Both are started as a user would start them, through a launcher: `python -m ddplab train
 --nproc-per-node N` and `python -m torch.distributed.run --standalone --nproc-per-node N
-benchmarks/contenders/handwritten.py cnn 1 OUT --max-steps 1`. ddplab keeps its defaults
+benchmarks/contenders/handwritten.py digits 1 OUT --max-steps 1`. ddplab keeps its defaults
 (validation, snapshot, test evaluation, TensorBoard), so this is the price of one real command.
 Runs alternate, and the wall time of each whole command is taken here. It prints the median
 and range per side, the run-by-run ratios' range, their geometric mean with a 95 % interval
@@ -90,7 +90,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--workload", default="cnn", choices=("cnn", "gpt", "transformer"))
+    p.add_argument("--workload", default="digits", choices=("digits", "cnn", "gpt", "transformer"))
     p.add_argument(
         "--before",
         metavar="SRC",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, ddplab, main
-from ddplab.engine.checkpoint import load_checkpoint
+from ddplab.engine.checkpoint_reader import load_checkpoint
 from ddplab.engine.lock import RunLock
 
 

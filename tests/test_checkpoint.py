@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.engine.checkpoint import MARKER, STATE, Checkpointer, Parts, load_file, part
+from ddplab.engine.checkpoint import Checkpointer, Parts, part
+from ddplab.engine.checkpoint_reader import STATE, load_file, load_snapshot, step_snapshots
+from ddplab.engine.manifest import MARKER
 from ddplab.errors import UserError
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
@@ -28,7 +30,7 @@ def test_snapshots_are_complete_folders_and_keep_last(tmp_path):
     for step in (1, 2, 3):
         path = _save(ck, step)
         assert (path / MARKER).is_file() and (path / STATE).is_file()
-    assert [p.name for p in ck.snapshots()] == ["step-000000002", "step-000000003"]
+    assert [p.name for p in step_snapshots(tmp_path)] == ["step-000000002", "step-000000003"]
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -41,7 +43,7 @@ def test_incomplete_snapshots_are_ignored_then_cleaned(tmp_path):
     torch.save(_state(3), tmp_path / "step-000000003" / STATE)
     assert ck.latest().name == "step-000000001"
     with pytest.raises(UserError, match="incomplete"):
-        ck.load_snapshot(tmp_path / "step-000000003")
+        load_snapshot(tmp_path / "step-000000003")
     ck.clean_incomplete()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
 

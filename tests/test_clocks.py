@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 import ddplab
 from conftest import OneRankCtx
 from ddplab.config import Config, DistributedConfig
-from ddplab.engine.checkpoint import load_file
+from ddplab.engine.checkpoint_reader import load_file
 from ddplab.engine.clock import Stamps
 from ddplab.engine.comm import attach_step_timer, epoch_comm_row, install_comm_hook
 from ddplab.engine.loaders import data_workers

@@ -21,7 +21,7 @@ def _run(script: str, out, *extra: str) -> subprocess.CompletedProcess:
         "--standalone",
         "--nproc-per-node=2",
         str(CONTENDERS / script),
-        "cnn",
+        "digits",
         "1",
         str(out),
         *extra,

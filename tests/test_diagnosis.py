@@ -252,7 +252,7 @@ def test_the_report_names_the_collective_a_flight_recorder_dump_shows_unfinished
     import torch.distributed as dist
 
     from ddplab.engine import flight_recorder
-    from ddplab.engine.heartbeat import compose
+    from ddplab.engine.failure import compose
 
     store, groups = dist.HashStore(), {}
     joins = [

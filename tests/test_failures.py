@@ -22,6 +22,7 @@ from conftest import TINY_GPT, _env, ddplab
 from ddplab.cli import main
 from ddplab.engine import run_folder
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import RunError, write_failed
 
@@ -348,7 +349,7 @@ def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, t
 
 def _final_weights(run: Path) -> dict:
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"]
+    return load_snapshot(ck.latest())["model"]
 
 
 def test_under_the_launcher_a_non_finite_loss_is_one_line_exit_1(corpus, tmp_path):

@@ -17,6 +17,7 @@ from torch.utils.data import DistributedSampler
 
 from conftest import _env, assert_ok, main
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import load_snapshot
 from faults import command
 from references import SAMPLES, corpus, gpt_args, torchrun_gpt
 
@@ -36,7 +37,7 @@ def reference() -> Path:
 
 def _weights(run: Path) -> dict:
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"]
+    return load_snapshot(ck.latest())["model"]
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import TINY_GPT
-from ddplab.engine.checkpoint import load_file
+from ddplab.engine.checkpoint_reader import load_file
 from ddplab.registry import load_config
 from ddplab.run import train
 

@@ -19,6 +19,7 @@ import torch
 
 from conftest import _env, main
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import load_snapshot
 
 WORKLOAD = '''
 import os, time
@@ -89,7 +90,7 @@ def _rows(run: Path) -> list[dict]:
 
 def _weights(run: Path) -> dict:
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"]
+    return load_snapshot(ck.latest())["model"]
 
 
 def _wait(what, timeout: float, proc: subprocess.Popen):

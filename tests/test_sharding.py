@@ -19,6 +19,7 @@ from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  #
 from conftest import TINY_GPT, _env, assert_ok, ddplab, main, torchrun
 from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import step_snapshots
 from faults import command
 
 SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
@@ -280,7 +281,7 @@ def test_a_failed_snapshot_write_names_the_path_and_keeps_the_previous_one(tmp_p
     assert proc.returncode == 1, proc.stderr[-2000:]  # a RunError: a failure at run time, not bad input
     assert f"cannot write snapshot {ckpts}/step-000000004 (OSError: [Errno 27] File too large" in proc.stderr
     assert f"the previous complete snapshot ({ckpts}/step-000000002) is kept" in proc.stderr
-    assert [p.name for p in Checkpointer(tmp_path / ckpts, False).snapshots()] == ["step-000000002"]
+    assert [p.name for p in step_snapshots(tmp_path / ckpts)] == ["step-000000002"]
     assert _weights(tmp_path / "experiments" / "pre")  # and it loads
 
 

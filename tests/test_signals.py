@@ -17,6 +17,7 @@ import torch
 
 from conftest import _env, assert_ok, ddplab
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import load_snapshot
 from references import corpus as text
 from references import launched_args, launched_gpt, launched_job
 
@@ -77,7 +78,7 @@ def launcher(corpus: Path, name: str, *extra: str) -> list[str]:
 
 def _weights(run: Path) -> dict:
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"]
+    return load_snapshot(ck.latest())["model"]
 
 
 def _summary(run: Path) -> dict:

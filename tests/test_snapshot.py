@@ -18,17 +18,9 @@ from conftest import _env, assert_ok, main
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine import manifest
 from ddplab.engine.callbacks import CallbackList
-from ddplab.engine.checkpoint import (
-    MARKER,
-    PER_RANK,
-    STATE,
-    Checkpointer,
-    Parts,
-    load_checkpoint,
-    open_snapshot,
-    part,
-)
-from ddplab.engine.manifest import Damaged
+from ddplab.engine.checkpoint import PER_RANK, Checkpointer, Parts, part
+from ddplab.engine.checkpoint_reader import STATE, load_checkpoint, load_snapshot, open_snapshot
+from ddplab.engine.manifest import MARKER, Damaged
 from ddplab.errors import UserError
 from faults import command
 
@@ -108,7 +100,7 @@ def test_a_manifest_names_every_file_with_its_size_and_checksum(tmp_path):
     size = (folder / STATE).stat().st_size
     assert m["files"] == {STATE: [size, manifest.checksum(folder / STATE)]}
     assert manifest.verify(folder) == m
-    assert torch.equal(ck.load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
+    assert torch.equal(load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
     older = {**m, "checksum": "crc32", "files": {STATE: [size, manifest.checksum(folder / STATE, "crc32")]}}
     (folder / MARKER).write_text(json.dumps(older))  # as written before CRC-32C: still verified
     assert manifest.verify(folder) == older
@@ -308,7 +300,7 @@ def _run(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_re
 def _final(run: Path) -> tuple[dict, dict]:
     """(the last snapshot's weights, its state.pt) of a finished run."""
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"], torch.load(ck.latest() / STATE, weights_only=True)
+    return load_snapshot(ck.latest())["model"], torch.load(ck.latest() / STATE, weights_only=True)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

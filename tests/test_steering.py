@@ -19,6 +19,7 @@ from conftest import _env, assert_ok
 from conftest import ddplab as ddplab_cli
 from ddplab.cli import main
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.registry import load_config
 from ddplab.run import train
 from faults import command
@@ -259,7 +260,7 @@ def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_co
     capfd.readouterr()
     assert main(["status", str(run)]) == 0 and capfd.readouterr().out == "complete\n"
     latest = Checkpointer(run / "checkpoints", is_main=False).latest()
-    assert Checkpointer(run / "checkpoints", is_main=False).load_snapshot(latest)["trainer"]["stop_reason"] == "enough"
+    assert load_snapshot(latest)["trainer"]["stop_reason"] == "enough"
 
 
 # ---------------------------------------------------------------------------- the hooks' timing
@@ -367,7 +368,7 @@ def _own(drift: Path, tmp_path: Path, name: str) -> list[str]:
 
 def _snapshot(run: Path) -> dict:
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())
+    return load_snapshot(ck.latest())
 
 
 def test_a_users_optimizer_with_two_groups_and_schedule_resume_bit_identically_after_a_sigkill(tmp_path, drift):

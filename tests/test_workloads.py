@@ -222,9 +222,10 @@ def test_two_processes_under_slurm_variables(tmp_path):
 
 def _weights(run: Path) -> dict:
     from ddplab.engine.checkpoint import Checkpointer
+    from ddplab.engine.checkpoint_reader import load_snapshot
 
     ck = Checkpointer(run / "checkpoints", is_main=False)
-    return ck.load_snapshot(ck.latest())["model"]
+    return load_snapshot(ck.latest())["model"]
 
 
 def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):

@@ -10,9 +10,15 @@ within seconds of each other in the same processes, so what slows a whole run do
 where its memory landed) slows both. What ddplab sets for the whole process (kept host memory,
 a frozen start-up heap) applies to the hand-written loop too, so this measures the loops, not
 the process settings.
+
+ddplab's clock counts what its callbacks do (epoch_time_s is every second between two rows but
+evaluations and snapshots), so a hand-written epoch run from a hook lands in one of ddplab's rows:
+the same epoch's when it runs at the epoch's start, the next one's when it runs after the row. The
+epoch times reported for ddplab are the rows' less the hand-written epochs inside them.
 """
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,6 +36,8 @@ class HandEpochs(ddplab.Callback):
 
     def __init__(self, args) -> None:
         self.args, self.loop, self.times = args, None, []
+        self.ddplab: list[float] = []  # each of ddplab's rows' epoch_time_s, less the hand-written epochs in it
+        self.inside = 0.0  # seconds of hand-written epochs that the row to come counts
 
     def on_train_start(self, view) -> None:
         self.loop = HandLoop(self.args)  # the process group exists now: its DDP wrapper can sync
@@ -37,13 +45,20 @@ class HandEpochs(ddplab.Callback):
     def first(self, view) -> bool:
         return self.args.alternate and view.epoch % 2 == 1
 
+    def hand_epoch(self) -> None:
+        start = time.perf_counter()
+        self.times.append(self.loop.epoch(len(self.times)))
+        self.inside += time.perf_counter() - start
+
     def on_epoch_start(self, view) -> None:
         if self.first(view):
-            self.times.append(self.loop.epoch(len(self.times)))
+            self.hand_epoch()
 
     def on_epoch_end(self, view, row) -> None:
+        self.ddplab.append(row["epoch_time_s"] - self.inside)
+        self.inside = 0.0
         if not row.get("partial") and not self.first(view):
-            self.times.append(self.loop.epoch(len(self.times)))
+            self.hand_epoch()
 
     def on_train_end(self, view, summary) -> None:
         self.loop.close()
@@ -52,7 +67,8 @@ class HandEpochs(ddplab.Callback):
 def main() -> None:
     args = contender_args()
     hand = HandEpochs(args)
-    train_and_report(args, callbacks=[hand], extra=lambda: {"hand_epoch_times": hand.times})
+    # ddplab's epoch times, less the hand-written epochs, in place of its rows' own
+    train_and_report(args, callbacks=[hand], extra=lambda: {"epoch_times": hand.ddplab, "hand_epoch_times": hand.times})
 
 
 if __name__ == "__main__":

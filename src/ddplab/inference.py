@@ -20,7 +20,7 @@ from ddplab.config import Config
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine import assets
-from ddplab.engine.checkpoint import load_checkpoint
+from ddplab.engine.checkpoint_reader import load_checkpoint
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import UserError, first_line

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ddplab.engine.checkpoint import Checkpointer
+from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
@@ -54,11 +55,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpts = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False)
-    latest = ckpts.latest()
+    latest = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False).latest()
     if latest is None:
         raise RunError(f"verify: {run_dir} holds no snapshot")
-    return ckpts.load_snapshot(latest)["model"]
+    return load_snapshot(latest)["model"]
 
 
 def verify(config: str | None, overrides: list[str], nproc: int, tolerance: float, weight_tolerance: float) -> int:

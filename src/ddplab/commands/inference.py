@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ddplab.commands import at_least, output_file
-from ddplab.engine.checkpoint import load_checkpoint
+from ddplab.engine.checkpoint_reader import load_checkpoint
 from ddplab.engine.files import write_atomic
 from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.inference import load_model, sample

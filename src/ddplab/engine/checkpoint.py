@@ -1,4 +1,4 @@
-"""Snapshots: how the run's state is written, checked and read back. This module alone does it.
+"""Snapshots: how the run's state is written and restored. This module alone writes them.
 
 The run's state is a set of named stateful parts (`Parts`): objects with `state_dict()` and
 `load_state_dict(state)`. The Trainer registers its own in one place (model, optimizer, scheduler,
@@ -22,16 +22,13 @@ moment leaves the previous complete snapshot untouched; incomplete leftovers are
 cleaned. With checkpoint.async_save the shards are written in the background and rank 0 checksums
 the files and writes the marker in a thread of its own, once DCP's save has ended on every rank.
 
-Before a snapshot is trusted (resume, predict, export, generate) its files are checked against the
-manifest; one that fails is skipped with one line naming the file, and the previous one is used.
-Everything loads with `torch.load(weights_only=True)`: nothing is unpickled unsafely.
+A snapshot is read back, checked against its manifest first, by engine/checkpoint_reader.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -46,13 +43,21 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from ddplab.engine.checkpoint_reader import (
+    BEST,
+    SHARDS,
+    STATE,
+    load_shards,
+    open_snapshot,
+    read_state,
+    same_model,
+    shapes,
+    step_snapshots,
+)
 from ddplab.engine.files import NEW_FILE, subfolder
-from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, verify
+from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe
 from ddplab.errors import RunError, UserError, first_line, no_space, write_failed
 
-STATE = "state.pt"
-SHARDS = "shards"
-BEST = "best"
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
 
 
@@ -167,15 +172,8 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ listing
-    def snapshots(self) -> list[Path]:
-        """Step snapshots with a marker, oldest first (not yet checked against it)."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("step-*") if p.is_dir() and (p / MARKER).is_file()]
-        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
     def latest(self) -> Path | None:
-        snapshots = self.snapshots()
+        snapshots = step_snapshots(self.root)
         return snapshots[-1] if snapshots else None
 
     def clean_incomplete(self) -> list[str]:
@@ -275,7 +273,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        for old in self.snapshots()[: -self.keep_last]:
+        for old in step_snapshots(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
@@ -323,7 +321,7 @@ class Checkpointer:
     def newest(self, log=print) -> tuple[Path, dict, dict] | None:
         """(folder, manifest, what state.pt holds) of the newest step snapshot that passes its checks;
         each one skipped gets one line."""
-        for folder in reversed(self.snapshots()):
+        for folder in reversed(step_snapshots(self.root)):
             try:
                 return (folder, *open_snapshot(folder, log))
             except Damaged as err:
@@ -346,170 +344,5 @@ class Checkpointer:
         if chosen is None:
             return None
         folder, manifest = Path(chosen[0]), chosen[1]
-        plain = found[2] if found is not None else _read_state(folder / STATE)  # found: rank 0's choice, read
+        plain = found[2] if found is not None else read_state(folder / STATE)  # found: rank 0's choice, read
         return folder, manifest, parts.load(plain, folder, ctx, manifest["world_size"])
-
-    def load_snapshot(self, path: Path, weights: bool = True) -> dict:
-        """What a snapshot folder (or its state.pt) holds, checked first, the model's weights whole
-        (weights=False, sharded: their shapes only)."""
-        path = Path(path)
-        if path.is_file() and not (path.parent / MARKER).is_file():
-            return load_file(path, weights)  # a file of its own, not a snapshot's: nothing to check it against
-        try:
-            return _contents(path if path.is_dir() else path.parent, print, weights)
-        except Damaged as err:
-            raise UserError(str(err)) from None
-
-
-def open_snapshot(folder: Path, log=print) -> tuple[dict, dict]:
-    """(manifest, what state.pt holds) of a snapshot whose files match its manifest; Damaged otherwise.
-    A snapshot written before manifests is loaded unverified, with one line saying so."""
-    manifest = verify(folder)
-    state = _read_state(folder / STATE)
-    progress = state.get("trainer")
-    if manifest.get("format") is None:
-        log(f"snapshot {folder.name} was written before snapshots had a manifest: loaded unverified")
-        manifest = {"config": state.get("config"), "world_size": state.get("world_size"), **manifest}
-    if isinstance(progress, dict) and "step" in manifest and progress.get("step", manifest["step"]) != manifest["step"]:
-        raise Damaged(f"{folder / STATE}: holds step {progress['step']}, the manifest says step {manifest['step']}")
-    return manifest, state
-
-
-def _contents(folder: Path, log, weights: bool = True) -> dict:
-    """What a checked snapshot holds, its config (the manifest's) and its model's weights: gathered whole
-    from the shards in this process, or (weights=False) only their shapes."""
-    manifest, state = open_snapshot(folder, log)
-    return _whole(folder, {**state, "config": manifest.get("config")}, weights)
-
-
-def _whole(folder: Path, state: dict, weights: bool) -> dict:
-    if "model" not in state and (folder / SHARDS).is_dir():
-        state["model"] = (consolidated if weights else shapes)(folder / SHARDS)
-    return state
-
-
-def _read_state(path: Path) -> dict:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise Damaged(f"{path}: missing") from None
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not ours"
-        raise Damaged(f"{path}: {_why(str(exc))}") from None
-    if not isinstance(state, dict):
-        raise Damaged(f"{path}: not a ddplab checkpoint")
-    return state
-
-
-def load_file(path: str | Path, weights: bool = True) -> dict:
-    """A checkpoint file loaded safely, not checked against a manifest (load_checkpoint does that); a
-    truncated, foreign or code-carrying file is a UserError."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint not found: {path}")
-    try:
-        state = _whole(path.parent, _read_state(path), weights)
-    except Damaged as err:
-        raise UserError(f"cannot load checkpoint {err}") from None
-    if "model" not in state:
-        raise UserError(f"cannot load checkpoint {path}: not a ddplab checkpoint (no model weights)")
-    return state
-
-
-def _warn(message: str) -> None:
-    print(f"ddplab: {message}", file=sys.stderr, flush=True)
-
-
-def load_checkpoint(path: str | Path, log=_warn) -> tuple[Path, dict]:
-    """(where, what it holds: model weights whole, config, meta, task) for predict, generate and export,
-    from a checkpoint file, a snapshot folder, or a run folder: its best model, else its newest snapshot.
-    A snapshot is checked against its manifest first; in a run folder one that fails is skipped with
-    one line, and the next is tried."""
-    p = Path(path)
-    if p.is_file() and not (p.parent / MARKER).is_file():
-        return p, load_file(p)  # a file of its own: a best.pt written before manifests, a user's checkpoint
-    if p.is_file() or (p / MARKER).is_file():  # a snapshot the user named: no other is tried
-        folder = p.parent if p.is_file() else p
-        try:
-            return folder, _contents(folder, log)
-        except Damaged as err:
-            raise UserError(str(err)) from None
-    if not p.is_dir():
-        raise UserError(f"no such run folder or checkpoint: {path}")
-    for root in (p / "checkpoints", p):
-        if (root / "best.pt").is_file() and not (root / BEST / MARKER).is_file():
-            return root / "best.pt", load_file(root / "best.pt")  # written before the best model had a manifest
-        candidates = [root / BEST] * (root / BEST / MARKER).is_file() + Checkpointer(root, False).snapshots()[::-1]
-        for folder in candidates:
-            try:
-                return folder, _contents(folder, log)
-            except Damaged as err:
-                log(f"skipping snapshot {folder.name}: {err}")
-        if candidates:
-            raise UserError(f"no snapshot in {root} passes its checks (each is named above)")
-    raise UserError(f"no checkpoint in {path} (expected checkpoints/{BEST}/ or a complete snapshot)")
-
-
-def _tensors(folder: Path, prefix: str = "model.") -> dict:
-    """DCP's metadata: stored name (without prefix) -> its tensor's metadata, for `prefix` entries."""
-    import torch.distributed.checkpoint as dcp  # sharded snapshots only: see _dcp_error
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:
-        found = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - a missing or foreign folder: say which
-        raise UserError(f"cannot read sharded checkpoint {folder}: {first_line(exc, 160)}") from None
-    return {
-        k[len(prefix) :]: m for k, m in found.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
-    }
-
-
-def shapes(folder: Path) -> dict:
-    """A sharded snapshot's parameters as meta tensors: names and shapes, nothing read."""
-    return {k: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for k, m in _tensors(folder).items()}
-
-
-def consolidated(folder: Path) -> dict:
-    """A sharded snapshot's model, every parameter whole, read in this one process."""
-    state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _tensors(folder).items()}}
-    load_shards(state, folder, distributed=False)
-    return state["model"]
-
-
-def load_shards(state: dict, folder: Path, distributed: bool) -> None:
-    """DCP's load into `state` (its tensors, sharded or whole, say what each rank reads)."""
-    import torch.distributed.checkpoint as dcp  # sharded snapshots only: see _dcp_error
-
-    with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not distributed)
-
-
-def same_model(path, mine: dict, theirs: dict, where: str = "") -> None:
-    """The snapshot at `path` holds this model: the same parameter names and shapes (the first that
-    differs is named)."""
-    missing = [k for k in mine if k not in theirs]
-    extra = [k for k in theirs if k not in mine]
-    if missing or extra:
-        name = (missing or extra)[0]
-        raise UserError(
-            f"{where}{path} holds another model ({'no' if missing else 'an unknown'} "
-            f"parameter {name}); resume with the config it was trained with"
-        )
-    for k, v in mine.items():
-        if tuple(v.shape) != tuple(theirs[k].shape):
-            raise UserError(
-                f"{where}{path} holds another model ({k} is {tuple(theirs[k].shape)}, "
-                f"this config builds {tuple(v.shape)}); resume with the config it was trained with"
-            )
-
-
-def _why(message: str) -> str:
-    """torch.load's long explanations, as a few words."""
-    unsafe = re.search(r"GLOBAL ([\w.]+)", message)
-    if unsafe:
-        return (
-            f"it holds Python objects ({unsafe.group(1)}) that could run code when loaded; refused (weights_only=True)"
-        )
-    if "central directory" in message or "zip archive" in message or "eof" in message.lower():
-        return "the file is truncated or not a torch checkpoint"
-    return "not a torch checkpoint"

@@ -1,24 +1,105 @@
-"""What a failure at run time is, in one line, and its record when it came before the run folder was set up.
+"""What a failure at run time is: in one line, where it happened, the job's report, and its record when it
+came before the run folder was set up.
 
 Once ddplab owns a run folder, every failure ends the same way (exit 1): a `RunError` says its cause
 as it is; bad input that only showed at run time (a `UserError` then), a full disk and a bug (named by
 the file and line that raised it) become one. A failure in training is recorded by the heartbeat
-(engine/heartbeat.py); one while the workload's data or model was built, by `record` here: the
-traceback in logs/rank<N>.log, `status: failed` and the line in metrics.json.
+(engine/heartbeat.py), whose ranks' last beats and errors `compose` turns into the job's report: the
+rank that stalled or failed first, then what each other rank was doing. One while the workload's data
+or model was built is recorded by `record` here: the traceback in logs/rank<N>.log, `status: failed`
+and the line in metrics.json.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import re
 import socket
+import sysconfig
 import time
 import traceback
 from pathlib import Path
 
+import torch
+
 from ddplab.engine.files import open_append
-from ddplab.engine.heartbeat import gist, place_of
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import RunError, UserError, disk_full, no_space, write_failed
+from ddplab.errors import RunError, UserError, disk_full, first_line, no_space, write_failed
+
+_OURS = str(Path(__file__).resolve().parents[1])
+_LIBRARIES = tuple(
+    {
+        str(Path(p).resolve())
+        for p in (
+            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+            str(Path(torch.__file__).parent),
+        )
+    }
+)
+
+
+def _library(filename: str) -> bool:
+    return not filename.startswith(_OURS) and (filename.startswith(_LIBRARIES) or filename.startswith("<"))
+
+
+def _place(frame_or_summary) -> dict:
+    code = getattr(frame_or_summary, "f_code", None)
+    if code is not None:
+        return {"file": code.co_filename, "line": frame_or_summary.f_lineno, "function": code.co_name}
+    return {"file": frame_or_summary.filename, "line": frame_or_summary.lineno, "function": frame_or_summary.name}
+
+
+def where(frame) -> dict | None:
+    """The innermost frame of the user's (or ddplab's) code: a stall inside torch is reported where
+    the user's code called it."""
+    innermost = frame
+    while frame is not None:
+        if not _library(frame.f_code.co_filename):
+            return _place(frame)
+        frame = frame.f_back
+    return _place(innermost) if innermost is not None else None
+
+
+def where_raised(exc: BaseException) -> dict | None:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library(f.filename)]
+    return _place(frames[-1]) if frames else None
+
+
+def place_of(exc: BaseException) -> str:
+    """Where `exc` was raised, as FILE:LINE in FUNCTION: in a workload, the user's line."""
+    return place_text(where_raised(exc))
+
+
+def gist(exc: BaseException) -> str:
+    """An error in one line: a gloo timeout comes wrapped in DDP's callback errors and a C++ source path."""
+    if isinstance(exc, RunError):  # its message says what happened
+        return first_line(exc, 400)
+    text = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(exc).strip())
+    if "Original Traceback" in text:  # raised in a DataLoader worker: its own message, and where in the dataset
+        file, line, function = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)[-1]
+        return f"{text.splitlines()[-1][:200]} (in a DataLoader worker, at {file}:{line} in {function})"
+    line = re.sub(r"^\[[^\]]*:\d+\] ", "", (text.splitlines() or [""])[0])
+    return f"{type(exc).__name__}: {line[:200]}"
+
+
+_PF_EXITING = 0x4  # linux/sched.h: the process is exiting (its sockets close before it turns zombie)
+
+
+def exited(beat: dict) -> bool:
+    """On this host: the process has exited or is exiting (a zombie not yet reaped counts); elsewhere: no
+    beat for 3 s."""
+    if beat["host"] != socket.gethostname():
+        return time.time() - beat.get("at", time.time()) > 3
+    try:
+        fields = Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
+def place_text(place: dict | None) -> str:
+    return f"{place['file']}:{place['line']} in {place['function']}" if place else "an unknown place"
 
 
 def as_run_error(exc: BaseException, run_dir: Path) -> tuple[RunError, bool]:
@@ -34,17 +115,28 @@ def as_run_error(exc: BaseException, run_dir: Path) -> tuple[RunError, bool]:
     return RunError(f"{gist(exc)} at {place_of(exc)}; traceback in {Path(run_dir) / RunFolder.LOGS}"), False
 
 
+def log_traceback(run_dir, rank: int, reason: str, exc: BaseException | None = None, stacks: bool = False) -> None:
+    """In logs/rank<N>.log: why, `exc`'s traceback, and with `stacks` every thread's Python stack (faulthandler:
+    also a thread stuck in C code)."""
+    with open_append(run_dir, Path(RunFolder.LOGS, f"rank{rank}.log")) as f:
+        f.write(
+            f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, host {socket.gethostname()}, "
+            f"pid {os.getpid()}: {reason}\n"
+        )
+        if exc is not None:
+            f.write("".join(traceback.format_exception(exc)))
+        if stacks:
+            f.write("-- Python stacks of every thread (faulthandler):\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+
+
 def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
     """The traceback of a failure before training began in logs/rank<N>.log; rank 0 also marks the run
     failed in metrics.json, with the line. Nothing more is tried on a full disk: the terminal has the line."""
     try:
         logs = Path(run_dir) / RunFolder.LOGS
-        with open_append(run_dir, Path(RunFolder.LOGS, f"rank{rank}.log")) as f:
-            f.write(
-                f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, host {socket.gethostname()}, "
-                f"pid {os.getpid()}: failed before training began\n"
-            )
-            f.write("".join(traceback.format_exception(exc)))
+        log_traceback(run_dir, rank, "failed before training began", exc)
         if rank == 0:
             run = RunFolder(run_dir, is_main=True)
             try:
@@ -58,3 +150,84 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
                 run.close()
     except (OSError, RunError):
         pass
+
+
+def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
+    """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
+    beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
+    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
+    # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
+    gone = [b for r, b in beats.items() if r not in errors and exited(b)] or [
+        {
+            "rank": r,
+            "host": None,
+            "phase": "start",
+            "step": 0,
+            "where": None,
+            "waiting": False,
+        }  # ended before its first beat
+        for r in range(world_size)
+        if r not in beats and r not in errors
+    ]
+    # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
+    # when a peer that has not yet told its own error looks still.
+    known = sorted(r for r, e in errors.items() if e.get("known"))
+    still = sorted(
+        (b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
+        key=lambda b: -b["still_s"],
+    )
+    stalled = [] if known else gone or still
+    if stalled:
+        b = stalled[0]
+        culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
+        head = (
+            f"rank {b['rank']} died or froze before its first heartbeat"
+            if gone and b["host"] is None
+            else f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
+            f"(host {b['host']}): {place_text(b['where'])}"
+            if gone
+            else f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
+            f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
+            f"): {place_text(b['where'])}"
+        )
+    else:
+        rank = known[0] if known else min(errors) if errors else 0
+        e, b = errors.get(rank, {}), beats.get(rank, {})
+        culprit = {
+            "rank": rank,
+            "host": b.get("host"),
+            "phase": b.get("phase"),
+            "step": b.get("step"),
+            "where": e.get("where") or b.get("where"),
+            "error": e.get("error"),
+        }
+        head = (
+            f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
+            f"at {place_text(culprit['where'])}"
+        )
+    waits = {r: b["collective"] for r, b in beats.items() if b["waiting"]}
+    lines = [f"job failed: {head}"]
+    for r in sorted(set(beats) | set(errors)):
+        if r == culprit["rank"]:
+            continue
+        b, e = beats.get(r, {}), errors.get(r, {})
+        said = f"waited in {waits[r]}" if r in waits else f"was in {b.get('phase')} at {place_text(b.get('where'))}"
+        lines.append(f"  rank {r} {said} (step {b.get('step')})" + (f": {e['error']}" if e.get("error") else ""))
+    for r, c in sorted((stuck or {}).items()):  # flight_recorder.unfinished
+        lines.append(
+            f"  rank {r} never completed {c['collective']} #{c['seq']} of process group {c['group']} "
+            f"(sizes {c['sizes']}, {c['state']}; flight recorder)"
+        )
+    logs = Path(run_dir).resolve() / "logs"
+    lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
+    return {
+        "summary": lines[0],
+        "culprit": culprit,
+        "waiting": waits,
+        "errors": {r: e.get("error") for r, e in errors.items()},
+        "ranks_heard": sorted(beats),
+        "world_size": world_size,
+        "logs": str(logs),
+        "report": "\n".join(lines),
+        "unfinished_collectives": stuck or {},
+    }

@@ -99,7 +99,7 @@ def check_resume_path(cfg, model) -> None:
     path = cfg.checkpoint.resume
     if path in ("auto", "never"):
         return
-    from ddplab.engine.checkpoint import Checkpointer, same_model  # torch: only when resuming from a named snapshot
+    from ddplab.engine.checkpoint_reader import load_snapshot, same_model  # torch: only when resuming from a snapshot
 
-    snap = Checkpointer(Path(path).parent, is_main=False).load_snapshot(Path(path), weights=False)
+    snap = load_snapshot(path, weights=False)
     same_model(path, model.state_dict(), snap["model"], "checkpoint.resume: ")

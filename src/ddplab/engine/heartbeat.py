@@ -11,8 +11,9 @@ When a rank fails (a collective timed out, a peer vanished, an exception), it du
 Python stack into logs/rank<N>.log and raises a failure count in the store; every other
 rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
 its rank through the main thread, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
-of the failure, writes the report: train.log, metrics.json's `failure`, the terminal; on NCCL it names the
-collectives each rank never completed, from torch's flight recorder (flight_recorder.py). When rank 0
+of the failure, writes the report that engine/failure.py composes: train.log, metrics.json's `failure`,
+the terminal; on NCCL it names the collectives each rank never completed, from torch's flight recorder
+(flight_recorder.py). When rank 0
 itself died, the first other rank to see it gone writes the report (else the launcher does, launch.py).
 A rank whose beat stops coming (SIGSTOP) is frozen: named as stalled, not the ranks that wait for it.
 
@@ -26,25 +27,21 @@ import contextlib
 import faulthandler
 import json
 import os
-import re
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import TextIO
 
-import torch
 import torch.distributed as dist
 
 from ddplab import process_state
-from ddplab.engine.files import open_append
+from ddplab.engine.failure import compose, exited, gist, log_traceback, place_text, where, where_raised
 from ddplab.engine.flight_recorder import unfinished
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import RunError, first_line
+from ddplab.errors import RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
@@ -73,77 +70,6 @@ def _after_fork() -> None:
         _BEATING.release()
 
 
-_OURS = str(Path(__file__).resolve().parents[1])
-_LIBRARIES = tuple(
-    {
-        str(Path(p).resolve())
-        for p in (
-            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
-            str(Path(torch.__file__).parent),
-        )
-    }
-)
-
-
-def _library(filename: str) -> bool:
-    return not filename.startswith(_OURS) and (filename.startswith(_LIBRARIES) or filename.startswith("<"))
-
-
-def _place(frame_or_summary) -> dict:
-    code = getattr(frame_or_summary, "f_code", None)
-    if code is not None:
-        return {"file": code.co_filename, "line": frame_or_summary.f_lineno, "function": code.co_name}
-    return {"file": frame_or_summary.filename, "line": frame_or_summary.lineno, "function": frame_or_summary.name}
-
-
-def where(frame) -> dict | None:
-    """The innermost frame of the user's (or ddplab's) code: a stall inside torch is reported where
-    the user's code called it."""
-    innermost = frame
-    while frame is not None:
-        if not _library(frame.f_code.co_filename):
-            return _place(frame)
-        frame = frame.f_back
-    return _place(innermost) if innermost is not None else None
-
-
-def where_raised(exc: BaseException) -> dict | None:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library(f.filename)]
-    return _place(frames[-1]) if frames else None
-
-
-def place_of(exc: BaseException) -> str:
-    """Where `exc` was raised, as FILE:LINE in FUNCTION: in a workload, the user's line."""
-    return _at(where_raised(exc))
-
-
-def gist(exc: BaseException) -> str:
-    """An error in one line: a gloo timeout comes wrapped in DDP's callback errors and a C++ source path."""
-    if isinstance(exc, RunError):  # its message says what happened
-        return first_line(exc, 400)
-    text = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(exc).strip())
-    if "Original Traceback" in text:  # raised in a DataLoader worker: its own message, and where in the dataset
-        file, line, function = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)[-1]
-        return f"{text.splitlines()[-1][:200]} (in a DataLoader worker, at {file}:{line} in {function})"
-    line = re.sub(r"^\[[^\]]*:\d+\] ", "", (text.splitlines() or [""])[0])
-    return f"{type(exc).__name__}: {line[:200]}"
-
-
-_PF_EXITING = 0x4  # linux/sched.h: the process is exiting (its sockets close before it turns zombie)
-
-
-def _gone(beat: dict) -> bool:
-    """On this host: the process has exited or is exiting (a zombie not yet reaped counts); elsewhere: no
-    beat for 3 s."""
-    if beat["host"] != socket.gethostname():
-        return time.time() - beat.get("at", time.time()) > 3
-    try:
-        fields = Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
-    except (OSError, IndexError, ValueError):
-        return True
-
-
 # A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
 # debugger, a host that stopped scheduling it). Its heartbeat thread stopped with it, so the `still_s` it
 # last published stopped growing.
@@ -157,10 +83,6 @@ def frozen(beat: dict, now: float) -> dict:
     if late <= _FROZEN_AFTER:
         return beat
     return {**beat, "still_s": round(beat["still_s"] + late, 1), "waiting": False, "frozen": True}
-
-
-def _at(place: dict | None) -> str:
-    return f"{place['file']}:{place['line']} in {place['function']}" if place else "an unknown place"
 
 
 class Heartbeat:
@@ -217,11 +139,8 @@ class Heartbeat:
         if self._trouble is not None or (self._ended and self.store is None):
             return
         self._trouble = exc
-        self._dump(
-            "a heartbeat raised; the beats go on" + (" without the store" if self.store is None else ""),
-            exc,
-            stacks=False,
-        )
+        reason = "a heartbeat raised; the beats go on" + (" without the store" if self.store is None else "")
+        log_traceback(self.run.path, self.ctx.rank, reason, exc)
         message = (
             f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on"
             f"{' without the store' if self.store is None else ''} (traceback in {self.log_path})"
@@ -292,7 +211,7 @@ class Heartbeat:
                 note = " (its heartbeat stopped too: the process is frozen)" if b.get("frozen") else ""
                 self.run.log(
                     f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s{note} "
-                    f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {_at(b['where'])}"
+                    f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {place_text(b['where'])}"
                     + "".join(f"; rank {r} waits in {o['collective']}" for r, o in seen.items() if o["waiting"])
                 )
 
@@ -313,7 +232,9 @@ class Heartbeat:
                 self._report(self._failures())
             else:
                 self._wait_reported()
-            self._dump("another rank failed; this rank's stacks when the job ended")
+            log_traceback(
+                self.run.path, self.ctx.rank, "another rank failed; this rank's stacks when the job ended", stacks=True
+            )
         finally:
             if not self._stopping:
                 self._deadline = open(self.log_path, "a")
@@ -331,7 +252,7 @@ class Heartbeat:
                 return None
             self._ended = True
         with contextlib.suppress(OSError):  # a full disk: the report still goes to the store and the terminal
-            self._dump(f"rank {self.ctx.rank} failed", exc)
+            log_traceback(self.run.path, self.ctx.rank, f"rank {self.ctx.rank} failed", exc, stacks=True)
         # A rank that timed out in a collective is described as it stood while it waited there, any other by
         # where its error was raised (its main thread is here now, in the handler).
         raised = where_raised(exc)
@@ -383,7 +304,7 @@ class Heartbeat:
         if not store.check([key]):
             return False
         beat = json.loads(store.get(key))
-        return _gone(beat) if beat["host"] == socket.gethostname() else time.time() - beat["at"] > 15
+        return exited(beat) if beat["host"] == socket.gethostname() else time.time() - beat["at"] > 15
 
     def _report_for_rank_0(self) -> None:
         """The report, written by this rank into the run folder that rank 0 kept."""
@@ -420,97 +341,3 @@ class Heartbeat:
         if self.store is not None:
             self.store.set(_REPORTED, "1")
         return failure
-
-    def _dump(self, reason: str, exc: BaseException | None = None, stacks: bool = True) -> None:
-        with open_append(self.run.path, Path(self.run.LOGS, self.log_path.name)) as f:
-            f.write(
-                f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.ctx.rank}, host {self._host}, "
-                f"pid {os.getpid()}: {reason}\n"
-            )
-            if exc is not None:
-                f.write("".join(traceback.format_exception(exc)))
-            if stacks:
-                f.write("-- Python stacks of every thread (faulthandler):\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-
-
-def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
-    """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
-    beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
-    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
-    # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
-    gone = [b for r, b in beats.items() if r not in errors and _gone(b)] or [
-        {
-            "rank": r,
-            "host": None,
-            "phase": "start",
-            "step": 0,
-            "where": None,
-            "waiting": False,
-        }  # ended before its first beat
-        for r in range(world_size)
-        if r not in beats and r not in errors
-    ]
-    # A rank that failed of a known cause (a RunError: a non-finite loss, a full disk) is the culprit, even
-    # when a peer that has not yet told its own error looks still.
-    known = sorted(r for r, e in errors.items() if e.get("known"))
-    still = sorted(
-        (b for r, b in beats.items() if not b["waiting"] and r not in errors and b["still_s"] >= 2),
-        key=lambda b: -b["still_s"],
-    )
-    stalled = [] if known else gone or still
-    if stalled:
-        b = stalled[0]
-        culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
-        head = (
-            f"rank {b['rank']} died or froze before its first heartbeat"
-            if gone and b["host"] is None
-            else f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
-            f"(host {b['host']}): {_at(b['where'])}"
-            if gone
-            else f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
-            f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
-            f"): {_at(b['where'])}"
-        )
-    else:
-        rank = known[0] if known else min(errors) if errors else 0
-        e, b = errors.get(rank, {}), beats.get(rank, {})
-        culprit = {
-            "rank": rank,
-            "host": b.get("host"),
-            "phase": b.get("phase"),
-            "step": b.get("step"),
-            "where": e.get("where") or b.get("where"),
-            "error": e.get("error"),
-        }
-        head = (
-            f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
-            f"at {_at(culprit['where'])}"
-        )
-    waits = {r: b["collective"] for r, b in beats.items() if b["waiting"]}
-    lines = [f"job failed: {head}"]
-    for r in sorted(set(beats) | set(errors)):
-        if r == culprit["rank"]:
-            continue
-        b, e = beats.get(r, {}), errors.get(r, {})
-        said = f"waited in {waits[r]}" if r in waits else f"was in {b.get('phase')} at {_at(b.get('where'))}"
-        lines.append(f"  rank {r} {said} (step {b.get('step')})" + (f": {e['error']}" if e.get("error") else ""))
-    for r, c in sorted((stuck or {}).items()):  # flight_recorder.unfinished
-        lines.append(
-            f"  rank {r} never completed {c['collective']} #{c['seq']} of process group {c['group']} "
-            f"(sizes {c['sizes']}, {c['state']}; flight recorder)"
-        )
-    logs = Path(run_dir).resolve() / "logs"
-    lines.append(f"  full logs: {logs.parent / 'train.log'} and {logs}/rank<N>.log (each rank's Python stacks)")
-    return {
-        "summary": lines[0],
-        "culprit": culprit,
-        "waiting": waits,
-        "errors": {r: e.get("error") for r, e in errors.items()},
-        "ranks_heard": sorted(beats),
-        "world_size": world_size,
-        "logs": str(logs),
-        "report": "\n".join(lines),
-        "unfinished_collectives": stuck or {},
-    }

@@ -24,7 +24,7 @@ from ddplab.engine import assets as saved_assets
 from ddplab.engine import fsdp_comm
 from ddplab.engine.clock import InFlight
 from ddplab.engine.comm import install_comm_hook
-from ddplab.engine.heartbeat import place_of
+from ddplab.engine.failure import place_of
 from ddplab.engine.sharding import shard
 from ddplab.errors import RunError, UserError, first_line
 from ddplab.tasks import Task, call_model

@@ -25,7 +25,8 @@ from ddplab.config_io import parse_duration
 from ddplab.data.stream import size
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
-from ddplab.engine.checkpoint import BEST, PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
+from ddplab.engine.checkpoint import PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
+from ddplab.engine.checkpoint_reader import BEST, load_snapshot
 from ddplab.engine.clock import Clock
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
@@ -480,7 +481,7 @@ class Trainer:
             return {}
         self.ctx.barrier()
         if (best := self.checkpoints.root / BEST).is_dir():
-            load_full(self.raw, self.checkpoints.load_snapshot(best)["model"])
+            load_full(self.raw, load_snapshot(best)["model"])
         self.eval_at = "test"
         return self.evaluate(self.data.test, "test")
 
