@@ -14,7 +14,8 @@ the process settings.
 ddplab's clock counts what its callbacks do (epoch_time_s is every second between two rows but
 evaluations and snapshots), so a hand-written epoch run from a hook lands in one of ddplab's rows:
 the same epoch's when it runs at the epoch's start, the next one's when it runs after the row. The
-epoch times reported for ddplab are the rows' less the hand-written epochs inside them.
+epoch times reported for ddplab are the rows' less the hand-written epochs inside them, and its
+tokens/s and MFU are the rows' over those times.
 """
 
 import sys
@@ -37,6 +38,7 @@ class HandEpochs(ddplab.Callback):
     def __init__(self, args) -> None:
         self.args, self.loop, self.times = args, None, []
         self.ddplab: list[float] = []  # each of ddplab's rows' epoch_time_s, less the hand-written epochs in it
+        self.rates: dict[str, list] = {"tokens_per_s": [], "mfu": []}  # the rows' own, over those times
         self.inside = 0.0  # seconds of hand-written epochs that the row to come counts
 
     def on_train_start(self, view) -> None:
@@ -56,6 +58,8 @@ class HandEpochs(ddplab.Callback):
 
     def on_epoch_end(self, view, row) -> None:
         self.ddplab.append(row["epoch_time_s"] - self.inside)
+        for name, rates in self.rates.items():
+            rates.append(row[name] * row["epoch_time_s"] / self.ddplab[-1] if row.get(name) else row.get(name))
         self.inside = 0.0
         if not row.get("partial") and not self.first(view):
             self.hand_epoch()
@@ -67,8 +71,10 @@ class HandEpochs(ddplab.Callback):
 def main() -> None:
     args = contender_args()
     hand = HandEpochs(args)
-    # ddplab's epoch times, less the hand-written epochs, in place of its rows' own
-    train_and_report(args, callbacks=[hand], extra=lambda: {"epoch_times": hand.ddplab, "hand_epoch_times": hand.times})
+    # ddplab's epoch times and rates without the hand-written epochs, in place of its rows' own
+    train_and_report(
+        args, callbacks=[hand], extra=lambda: {"epoch_times": hand.ddplab, **hand.rates, "hand_epoch_times": hand.times}
+    )
 
 
 if __name__ == "__main__":

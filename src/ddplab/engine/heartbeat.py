@@ -139,11 +139,11 @@ class Heartbeat:
         if self._trouble is not None or (self._ended and self.store is None):
             return
         self._trouble = exc
-        reason = "a heartbeat raised; the beats go on" + (" without the store" if self.store is None else "")
-        log_traceback(self.run.path, self.ctx.rank, reason, exc)
+        alone = " without the store" if self.store is None else ""
+        log_traceback(self.run.path, self.ctx.rank, f"a heartbeat raised; the beats go on{alone}", exc)
         message = (
-            f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on"
-            f"{' without the store' if self.store is None else ''} (traceback in {self.log_path})"
+            f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on{alone} "
+            f"(traceback in {self.log_path})"
         )
         if self.ctx.is_main:
             self.run.log(message)
