@@ -16,30 +16,21 @@ import torch
 from safetensors.torch import load_file
 from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab, main, torchrun
+from conftest import _env, assert_ok, ddplab, main, torchrun
 from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import step_snapshots
 from faults import command
-
-SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
+from references import SAMPLES, gpt_args
 
 
 def _args(corpus: Path, name: str, strategy: str = "fsdp") -> list[str]:
+    """references.gpt_args with 2 layers, a validation set ranks split unevenly, and `strategy`."""
     return [
-        "train",
-        f"data.path={corpus}",
-        *TINY_GPT,
+        *gpt_args(corpus, name),
         "model.layers=2",
-        f"data.limit={SAMPLES}",
-        "training.epochs=2",
-        "checkpoint.every=2",
-        "logging.log_every=1",
-        "generate.max_new_tokens=0",
-        "distributed.timeout=60",
         "data.val_fraction=0.08",  # 49 validation chunks: one rank evaluates a batch more than the other
         f"distributed.strategy={strategy}",
-        f"experiment.name={name}",
     ]
 
 
