@@ -29,6 +29,8 @@ from torch.utils.data import TensorDataset
 
 
 def data(cfg):
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        time.sleep(3)  # a restarted group is away longer than the Lighthouse's heartbeat timeout (2 s), however fast
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2112, 8, generator=g)
     y = x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(2112, generator=g)
@@ -64,20 +66,28 @@ def test_refused_without_torchft(monkeypatch, capfd):
     assert "pip install 'ddplab[ft]'" in err[0], err
 
 
+def _cmdline(pid: int | str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def _worker(group: int) -> int | None:
-    """The pid of replica group `group`'s training process (not its torchrun agent)."""
+    """The pid of replica group `group`'s training process: the child of its torchrun agent (forked from it, so
+    with the agent's command line, or exec'd as `python -m ddplab train`)."""
+    found = []
     for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+        cmd = _cmdline(proc.name) if proc.name.isdigit() else []
+        if f"distributed.replica_group={group}".encode() not in cmd or b"train" not in cmd:
             continue
-        if (
-            f"distributed.replica_group={group}".encode() in cmd
-            and b"train" in cmd
-            and not any(b"ddplab.launch" in c for c in cmd)
-        ):
-            return int(proc.name)
-    return None
+        try:
+            parent = (proc / "status").read_text().split("PPid:")[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if any(b"ddplab.launch" in c for c in _cmdline(parent)):
+            found.append(int(proc.name))
+    return min(found, default=None)
 
 
 def _rows(run: Path) -> list[dict]:

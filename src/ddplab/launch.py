@@ -96,7 +96,10 @@ def quick_exit(code: int = 0) -> None:
     TensorBoard loaded; os._exit: 0.08 s), paid by every worker and by the agent, at the end of
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
     writes is closed by then (a file a user's callback leaves open is not flushed: close it in
-    on_train_end). Used only after a run completed, never on an error path."""
+    on_train_end). Used only after a run completed, never on an error path. A worker forked from its agent
+    returns instead: its return value must reach the agent, and multiprocessing ends it with os._exit then."""
+    if _forked:
+        return
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -390,11 +393,77 @@ def lighthouse():
             proc.wait()
 
 
-if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; --exec CMD: CMD likewise
-    import runpy
+# ------------------------------------------------------------------ agent side
+_forked = False  # this process is a worker forked from its agent (_forked_worker)
 
+
+def agent() -> None:
+    """torchrun, whose `-m ddplab` workers are forked from it with torch and ddplab already imported.
+
+    Importing them (torch._dynamo included, which the first optimizer pulls in) costs each worker 3.5 s of CPU on
+    this machine's cores, paid by every worker of every job again; forked, they pay it once per agent. A machine
+    with a GPU device starts its workers as torchrun does (exec'd), so that CUDA is never initialised before a fork.
+    """
+    import torch.distributed.run as torchrun
+
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
+        plain = torchrun.config_from_args
+
+        def config_from_args(args):
+            config, cmd, cmd_args = plain(args)
+            if cmd_args[:3] != ["-u", "-m", "ddplab"]:
+                return config, cmd, cmd_args
+            import torch._dynamo  # noqa: F401 - what every worker imports, imported once
+
+            import ddplab.run  # noqa: F401
+
+            config.start_method = "fork"
+            return config, _forked_worker, cmd_args[3:]
+
+        torchrun.config_from_args = config_from_args
+    torchrun.main()
+
+
+def _forked_worker(*args: str) -> None:
+    """`python -u -m ddplab ARGS` in a process forked from the agent: the agent's exit and signal handlers
+    dropped, unbuffered output, and the interpreter's teardown left to multiprocessing (os._exit after the
+    return value is handed back)."""
+    import io
+    import traceback
+
+    import torch
+
+    global _forked
+    _forked = True
+    atexit._clear()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        raw = io.FileIO(stream.fileno(), "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True))
+    if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit():
+        torch.set_num_threads(int(threads))  # read by the agent's OpenMP when torch loaded, perhaps before it was set
+    sys.argv = [str(Path(__file__).with_name("__main__.py")), *args]
+    from ddplab.cli import main
+
+    try:
+        code = main(list(args))
+    except Exception:  # noqa: BLE001 - as an exec'd worker's interpreter would, then exit 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+    if code:
+        raise SystemExit(code)
+
+
+if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; --exec CMD: CMD likewise
     die_with_parent()
     if sys.argv[1:2] == ["--exec"]:
         os.execvp(sys.argv[2], sys.argv[2:])  # the parent-death signal survives exec
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    from ddplab import launch  # this module under its own name, where the forked workers find _forked
+
+    launch.agent()
     quick_exit(0)  # every worker succeeded (a failure raises above, and exits the usual way)
