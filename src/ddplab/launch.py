@@ -404,7 +404,7 @@ def agent() -> None:
     this machine's cores, paid by every worker of every job again; forked, they pay it once per agent. A machine
     with a GPU device starts its workers as torchrun does (exec'd), so that CUDA is never initialised before a fork.
     """
-    import torch.distributed.run as torchrun
+    import torch.distributed.run as torchrun  # the agent only: the launcher never imports torch
 
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
         plain = torchrun.config_from_args
@@ -428,6 +428,7 @@ def _forked_worker(*args: str) -> None:
     """`python -u -m ddplab ARGS` in a process forked from the agent: the agent's exit and signal handlers
     dropped, unbuffered output, and the interpreter's teardown left to multiprocessing (os._exit after the
     return value is handed back)."""
+    # A worker's own needs, imported where it starts (torch is in memory already, from the agent).
     import io
     import traceback
 
@@ -446,7 +447,7 @@ def _forked_worker(*args: str) -> None:
     if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit():
         torch.set_num_threads(int(threads))  # read by the agent's OpenMP when torch loaded, perhaps before it was set
     sys.argv = [str(Path(__file__).with_name("__main__.py")), *args]
-    from ddplab.cli import main
+    from ddplab.cli import main  # as `python -m ddplab` starts
 
     try:
         code = main(list(args))
