@@ -5,8 +5,9 @@ Both are started as a user would start them, through a launcher: `python -m ddpl
 --nproc-per-node N` and `python -m torch.distributed.run --standalone --nproc-per-node N
 benchmarks/contenders/handwritten.py digits 1 OUT --max-steps 1`. ddplab keeps its defaults
 (validation, snapshot, test evaluation, TensorBoard), so this is the price of one real command.
-Runs alternate, and the wall time of each whole command is taken here. It prints the median
-and range per side, the run-by-run ratios' range, their geometric mean with a 95 % interval
+Runs alternate, and the wall time of each whole command is taken here, with the CPU seconds of
+its whole process tree (user + system, from getrusage). It prints the median and range per side,
+the run-by-run ratios' range, their geometric mean with a 95 % interval
 (benchmarks/common.py: paired_ratio), ddplab's per-phase breakdown (the median of
 each phase in metrics.json, for each ddplab side), the load average, and
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,7 +39,7 @@ from common import WORKLOADS, paired_ratio  # noqa: E402
 
 def run_once(
     side: str, nproc: int, workload: str, folder: Path, before: str | None = None, extra: tuple[str, ...] = ()
-) -> tuple[float, dict]:
+) -> tuple[float, float, dict]:
     out = folder / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     if side == "ddplab-before":  # the same command on another checkout's ddplab
@@ -71,15 +73,16 @@ def run_once(
             "--max-steps",
             "1",
         ]
-    start = time.perf_counter()
+    start, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder)
-    wall = time.perf_counter() - start
+    wall, now = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     if proc.returncode != 0:
         raise RuntimeError(f"{side} nproc={nproc} failed:\n{proc.stderr[-3000:]}")
     phases = {}
     if side.startswith("ddplab"):
         phases = json.loads((folder / "s" / "metrics.json").read_text()).get("phases", {})
-    return wall, phases
+    return wall, cpu, phases
 
 
 def load() -> str:
@@ -113,19 +116,25 @@ def main() -> int:
     )
     for nproc in (int(n) for n in args.nproc.split(",")):
         walls: dict[str, list[float]] = {s: [] for s in sides}
+        cpus: dict[str, list[float]] = {s: [] for s in sides}
         phases: dict[str, list[dict]] = {s: [] for s in sides}
         for i in range(args.runs):
             for side in sides if i % 2 == 0 else sides[::-1]:
                 with tempfile.TemporaryDirectory() as tmp:
-                    wall, ph = run_once(side, nproc, args.workload, Path(tmp), args.before, tuple(args.extra))
+                    wall, cpu, ph = run_once(side, nproc, args.workload, Path(tmp), args.before, tuple(args.extra))
                 walls[side].append(wall)
+                cpus[side].append(cpu)
                 if ph:
                     phases[side].append(ph)
-                print(f"  run {i + 1} {side} nproc={nproc}: {wall:.2f} s (load {os.getloadavg()[0]:.2f})", flush=True)
+                load1 = os.getloadavg()[0]
+                print(f"  run {i + 1} {side} nproc={nproc}: {wall:.2f} s, cpu {cpu:.2f} s (load {load1:.2f})")
         print(f"\nnproc={nproc}: median wall seconds per command ({args.runs} runs each); load average {load()}")
         for side in sides:
-            v = walls[side]
-            print(f"  {side:14s} {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f})")
+            v, c = walls[side], cpus[side]
+            print(
+                f"  {side:14s} {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f}); "
+                f"cpu {statistics.median(c):.2f} (min {min(c):.2f}, max {max(c):.2f})"
+            )
         pairs = [a / b for a, b in zip(walls["ddplab"], walls["torchrun-hand"], strict=True)]
         for side, runs in phases.items():
             if runs:
