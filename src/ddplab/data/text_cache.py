@@ -119,17 +119,20 @@ def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
     return n
 
 
-def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cache") -> None:
+def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "token cache") -> None:
     """Rank 0 builds a cache folder (complete once its meta.json exists) if it is missing while
     the others wait; errors reach every rank. Without a filesystem shared across nodes, each
-    other node's first rank then builds its own copy. The image cache uses it too."""
+    other node's first rank then builds its own copy. The image cache uses it too. folder=None:
+    every rank runs `build`, one rank a node first, the others after it (reusing what it cached)."""
+    done = (lambda: is_complete(folder)) if folder is not None else (lambda: False)
     if ctx is None:  # built outside a job (tests, predict): no one to wait for
-        if not is_complete(folder):
+        if not done():
             build()
         return
-    for builder in (ctx.is_main, not ctx.is_main and ctx.local_rank == 0):
+    builders = (ctx.is_main, not ctx.is_main and ctx.local_rank == 0)
+    for builder in builders:
         error, failure = None, None
-        if builder and not is_complete(folder):
+        if builder and not done():
             try:
                 build()
             except UserError as exc:
@@ -142,7 +145,11 @@ def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cach
             raise failure  # a bug keeps its traceback where it happened
         if errors:
             raise UserError(errors[0])
-    blind = [r for r in ctx.gather_objects(None if is_complete(folder) else ctx.rank) if r is not None]
+    if folder is None:
+        if not any(builders):
+            build()
+        return
+    blind = [r for r in ctx.gather_objects(None if done() else ctx.rank) if r is not None]
     if blind:
         raise UserError(
             f"{what} {folder} was built but rank(s) {blind} cannot see it: the processes of a "
