@@ -303,3 +303,25 @@ def test_a_run_on_a_hub_source_trains_and_predicts(tmp_path, monkeypatch, capfd)
     assert main("predict", str(out / "hub"), "a good plot", "bad") == 0
     printed = capfd.readouterr().out
     assert "a good plot" in printed and ("neg" in printed or "pos" in printed)
+
+
+@pytest.mark.parametrize(
+    "rank, local, order",
+    [
+        (0, 0, ["build", "barrier", "barrier"]),
+        (1, 1, ["barrier", "barrier", "build"]),
+        (2, 0, ["barrier", "build", "barrier"]),  # the first rank of the second node
+    ],
+)
+def test_without_a_folder_every_rank_builds_one_rank_a_node_first(rank, local, order):
+    """ensure(folder=None), the hub path: one rank a node maps first, the others after it (reusing HF's cache)."""
+    import types
+
+    from ddplab.data.text_cache import ensure
+
+    seen: list = []
+    ctx = types.SimpleNamespace(
+        rank=rank, local_rank=local, is_main=rank == 0, gather_objects=lambda obj: seen.append("barrier") or [obj]
+    )
+    ensure(ctx, None, build=lambda: seen.append("build"))
+    assert seen == order

@@ -1,4 +1,4 @@
-"""The on-disk token cache: tokenise a dataset once, then every rank memory-maps it read-only.
+"""The on-disk token cache (text_files, synthetic_reviews): tokenise once, every rank memory-maps it read-only.
 
 A cache is a folder `text-<key>/` whose key hashes the data source and the tokenizer
 settings. Per split it holds `<split>.ids.npy` (N, max_len) padded ids, `<split>.lengths.npy`
@@ -124,13 +124,12 @@ def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "tok
     the others wait; errors reach every rank. Without a filesystem shared across nodes, each
     other node's first rank then builds its own copy. The image cache uses it too. folder=None:
     every rank runs `build`, one rank a node first, the others after it (reusing what it cached)."""
-    done = (lambda: is_complete(folder)) if folder is not None else (lambda: False)
+    done = lambda: folder is not None and is_complete(folder)  # noqa: E731
     if ctx is None:  # built outside a job (tests, predict): no one to wait for
         if not done():
             build()
         return
-    builders = (ctx.is_main, not ctx.is_main and ctx.local_rank == 0)
-    for builder in builders:
+    for builder in (ctx.is_main, not ctx.is_main and ctx.local_rank == 0):
         error, failure = None, None
         if builder and not done():
             try:
@@ -146,9 +145,7 @@ def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "tok
         if errors:
             raise UserError(errors[0])
     if folder is None:
-        if not any(builders):
-            build()
-        return
+        return None if ctx.is_main or ctx.local_rank == 0 else build()
     blind = [r for r in ctx.gather_objects(None if done() else ctx.rank) if r is not None]
     if blind:
         raise UserError(

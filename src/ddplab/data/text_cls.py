@@ -76,38 +76,35 @@ class TokenizedTexts(Dataset):
         return {"input_ids": ids}, int(self.cache.array(self.split, "labels")[r])
 
 
-def hub_splits(cfg, dist) -> tuple[dict, list[str], dict[str, Any]]:
-    """imdb / amazon_polarity: (tokenizer meta, label names, {split: datasets.Dataset of {input_ids, label}}).
+def hub_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
+    """imdb / amazon_polarity: (meta, label names, (train, val, test) datasets.Dataset of {input_ids, label}).
 
-    `Dataset.map` writes the ids into HF's Arrow cache beside the download, memory-mapped by every rank;
-    its fingerprint comes from the source and tokenizer, so every rank and rerun finds that file, and one
-    rank a node maps first while the others wait (text_cache.ensure)."""
-    _, fields = text_sources.HUB[cfg.data.name]
+    `Dataset.map` writes the ids into HF's Arrow cache beside the download, memory-mapped by every rank,
+    under a fingerprint of the source and tokenizer that every rank and rerun finds again; one rank a
+    node maps first while the others wait (text_cache.ensure)."""
+    fields, out = text_sources.HUB[cfg.data.name][1], dict[str, Any]()
     key = {"source": text_sources.hub_describe(cfg), "tokenizer": tokenizer_description(cfg)}
     key_hash = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    out: dict = {}
 
     def encode(batch: dict, tokenizer) -> dict:
-        texts = batch[fields[0]] if len(fields) == 1 else ["\n".join(p) for p in zip(*(batch[f] for f in fields))]
-        ids, lengths = tokenizer.encode_batch(texts)
+        ids, lengths = tokenizer.encode_batch(["\n".join(p) for p in zip(*(batch[f] for f in fields), strict=True)])
         return {"input_ids": [row[:n].tolist() for row, n in zip(ids, lengths, strict=True)]}
 
     def tokenise() -> None:
         raw, out["names"] = text_sources.hub_source(cfg)
         tokenizer = make_tokenizer(cfg)
-        out["meta"] = tokenizer.describe()
+        out["meta"] = {"input": "text", **tokenizer.describe()}
         for split, ds in raw.items():
+            drop = [c for c in ds.column_names if c != "label"]
+            fingerprint = f"ddplab-{key_hash}-{split}"
             out[split] = ds.map(
-                partial(encode, tokenizer=tokenizer),
-                batched=True,
-                remove_columns=[c for c in ds.column_names if c != "label"],
-                new_fingerprint=f"ddplab-{key_hash}-{split}",
-                desc=f"tokenising {cfg.data.name} {split}",
-            ).with_format("torch")
+                partial(encode, tokenizer=tokenizer), batched=True, remove_columns=drop, new_fingerprint=fingerprint
+            )
+            out[split].set_format("torch")
 
     text_cache.ensure(dist, None, tokenise, f"tokenised {cfg.data.name}")
-    meta, names = out.pop("meta"), out.pop("names")
-    return meta, names, out
+    sizes = {s: len(out[s]) for s in ("train", "val", "test") if s in out}
+    return out["meta"], out["names"], splits(cfg, sizes, lambda s, rows: out[s].select(rows))
 
 
 def pad_collate(items, pad_id: int):
@@ -124,7 +121,7 @@ def pad_collate(items, pad_id: int):
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
-def splits(cfg, sizes: dict[str, int], pick: Callable[[str, np.ndarray], Any]):
+def splits(cfg, sizes: dict, pick: Callable[[str, np.ndarray], Any]):
     """(train, val, test) by picking rows of each split: train rows shuffled with the seed (so data.limit
     takes a random subset of label-sorted data such as IMDB's), validation from the data or carved from
     train, validation and test capped by data.limit."""

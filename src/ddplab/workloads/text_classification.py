@@ -48,10 +48,8 @@ def data(cfg) -> ddplab.Data:
     if c.data.stream:  # shards tokenised as they are read
         meta = {"input": "text", **make_tokenizer(c).describe()}
         names, train, val, test = stream_splits(c, meta)
-    elif c.data.name in HUB:
-        tokenizer, names, hub = hub_splits(c, cfg.dist)
-        meta = {"input": "text", **tokenizer}
-        train, val, test = splits(c, {s: len(d) for s, d in hub.items()}, lambda s, rows: hub[s].select(rows))
+    elif c.data.name in HUB:  # datasets.Dataset splits, as a user's HF data
+        meta, names, (train, val, test) = hub_splits(c, cfg.dist)
     else:
         meta, names, (train, val, test) = _cached(cfg)
     k = c.data.num_classes or len(names)
