@@ -218,3 +218,110 @@ def test_a_rank_that_cannot_see_the_built_cache_says_so(tmp_path):
     )  # rank 0 built and sees its copy
     with pytest.raises(UserError, match=r"rank\(s\) \[1\] cannot see it.*experiment.output_dir"):
         ensure(rank1, tmp_path / "not-here", build=lambda: None)
+
+
+# ---------------------------------------------------------------------------- hub datasets through Dataset.map
+
+
+def _fake_hub(tmp_path, monkeypatch, name: str) -> list:
+    """A small on-disk DatasetDict shaped like the hub's `name`, returned by datasets.load_dataset; its
+    Arrow files let Dataset.map cache beside them as beside a download. Returns the texts mapped."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    labels = datasets.ClassLabel(names=["neg", "pos"])
+
+    def split(n: int, label: bool = True) -> datasets.Dataset:
+        words = [" ".join(rng.choice(["good", "bad", "fine", "plot"], size=int(rng.integers(2, 12)))) for _ in range(n)]
+        cols = {"text": words} if name == "imdb" else {"title": [w[:4] for w in words], "content": words}
+        cols["label"] = [int(x) for x in rng.integers(0, 2, n)] if label else [-1] * n
+        features = {k: datasets.Value("string") for k in cols if k != "label"}
+        return datasets.Dataset.from_dict(cols, features=datasets.Features({**features, "label": labels}))
+
+    parts = {"train": split(40), "test": split(12)} | ({"unsupervised": split(5, False)} if name == "imdb" else {})
+    datasets.DatasetDict(parts).save_to_disk(tmp_path / "hub")
+    loaded = datasets.load_from_disk(str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: loaded)
+    calls: list = []
+    real_map = datasets.Dataset.map
+    monkeypatch.setattr(datasets.Dataset, "map", lambda self, *a, **k: calls.append(k) or real_map(self, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["imdb", "amazon_polarity"])
+def test_hub_sources_are_hf_datasets_tokenised_once_by_map(tmp_path, monkeypatch, name):
+    import datasets
+
+    from ddplab.engine.setup import build_model
+    from ddplab.tasks import call_model
+
+    calls = _fake_hub(tmp_path, monkeypatch, name)
+    args = (f"data.name={name}", "data.val_fraction=0.25", "model.layers=1", "model.dim=16", "model.heads=2")
+    data = bundle_for(tmp_path / "run", *args)
+    train, val, test = data.train, data.val, data.test
+    assert all(isinstance(s, datasets.Dataset) for s in (train, val, test)) and len(test) == 12
+    assert data.meta["label_names"] == ["neg", "pos"]
+    item = train[0]
+    assert set(item) == {"input_ids", "label"} and item["input_ids"][0] == HashTokenizer.CLS
+
+    # train and val split the hub's train: together its tokenised texts, each text once
+    hub = datasets.load_dataset(name)["train"]
+    texts = hub["text"] if name == "imdb" else [f"{t}\n{c}" for t, c in zip(hub["title"], hub["content"], strict=True)]
+    tok = HashTokenizer(data.meta["vocab_size"], data.meta["max_len"])
+    rows = lambda split: [(tuple(r["input_ids"].tolist()), int(r["label"])) for r in split]  # noqa: E731
+    assert len(val) == 10 and len(train) == 30
+    assert sorted(rows(train) + rows(val)) == sorted(zip(map(tuple, map(tok.encode, texts)), hub["label"], strict=True))
+
+    mapped = [k["new_fingerprint"] for k in calls]  # IMDB's unlabelled "unsupervised" split is not read
+    assert len(mapped) == 2 and all(f.startswith("ddplab-") for f in mapped)
+    written = {f: f.stat().st_mtime_ns for f in (tmp_path / "hub").rglob("cache-*.arrow")}
+    assert len(written) == 2 and {f["filename"] for f in train.cache_files} & set(map(str, written))
+    again = bundle_for(tmp_path / "run2", *args).train  # another run: the same cache files, no re-tokenising
+    assert [k["new_fingerprint"] for k in calls[len(mapped) :]] == mapped
+    assert {f: f.stat().st_mtime_ns for f in (tmp_path / "hub").rglob("cache-*.arrow")} == written
+    assert again.cache_files == train.cache_files
+
+    batch = data.collate_fn([train[i] for i in range(4)])
+    assert set(batch) == {"input_ids", "attention_mask", "labels"} and batch["labels"].shape == (4,)
+    cfg = load_config(None, ["model.name=transformer", f"experiment.output_dir={tmp_path}", *args])
+    output = call_model(build_model(cfg, ONE, workload(cfg), data), batch)
+    assert output.shape == (4, 2) and torch.isfinite(data.task.loss(output, batch["labels"]))
+
+
+def test_a_run_on_a_hub_source_trains_and_predicts(tmp_path, monkeypatch, capfd):
+    """The fake IMDB through ddplab.train in this process, then `ddplab predict` rebuilding its preprocessing."""
+    import ddplab
+    from conftest import main
+
+    _fake_hub(tmp_path, monkeypatch, "imdb")
+    tiny = ("model.layers=1", "model.dim=16", "model.heads=2", "data.max_len=16", "training.batch_size=8")
+    out = tmp_path / "runs"
+    args = ["data.name=imdb", "model.name=transformer", *tiny, "training.max_steps=3", f"experiment.output_dir={out}"]
+    summary = ddplab.train(None, [*args, "experiment.name=hub"])
+    assert summary["status"] == "complete"
+    capfd.readouterr()
+    assert main("predict", str(out / "hub"), "a good plot", "bad") == 0
+    printed = capfd.readouterr().out
+    assert "a good plot" in printed and ("neg" in printed or "pos" in printed)
+
+
+@pytest.mark.parametrize(
+    "rank, local, order",
+    [
+        (0, 0, ["build", "barrier", "barrier"]),
+        (1, 1, ["barrier", "barrier", "build"]),
+        (2, 0, ["barrier", "build", "barrier"]),  # the first rank of the second node
+    ],
+)
+def test_without_a_folder_every_rank_builds_one_rank_a_node_first(rank, local, order):
+    """ensure(folder=None), the hub path: one rank a node maps first, the others after it (reusing HF's cache)."""
+    import types
+
+    from ddplab.data.text_cache import ensure
+
+    seen: list = []
+    ctx = types.SimpleNamespace(
+        rank=rank, local_rank=local, is_main=rank == 0, gather_objects=lambda obj: seen.append("barrier") or [obj]
+    )
+    ensure(ctx, None, build=lambda: seen.append("build"))
+    assert seen == order

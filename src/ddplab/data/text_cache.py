@@ -1,4 +1,4 @@
-"""The on-disk token cache: tokenise a dataset once, then every rank memory-maps it read-only.
+"""The on-disk token cache (text_files, synthetic_reviews): tokenise once, every rank memory-maps it read-only.
 
 A cache is a folder `text-<key>/` whose key hashes the data source and the tokenizer
 settings. Per split it holds `<split>.ids.npy` (N, max_len) padded ids, `<split>.lengths.npy`
@@ -119,17 +119,19 @@ def _write_split(folder: Path, name: str, split: TextSplit, tokenizer) -> int:
     return n
 
 
-def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cache") -> None:
+def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "token cache") -> None:
     """Rank 0 builds a cache folder (complete once its meta.json exists) if it is missing while
     the others wait; errors reach every rank. Without a filesystem shared across nodes, each
-    other node's first rank then builds its own copy. The image cache uses it too."""
+    other node's first rank then builds its own copy. The image cache uses it too. folder=None:
+    every rank runs `build`, one rank a node first, the others after it (reusing what it cached)."""
+    done = lambda: folder is not None and is_complete(folder)  # noqa: E731
     if ctx is None:  # built outside a job (tests, predict): no one to wait for
-        if not is_complete(folder):
+        if not done():
             build()
         return
     for builder in (ctx.is_main, not ctx.is_main and ctx.local_rank == 0):
         error, failure = None, None
-        if builder and not is_complete(folder):
+        if builder and not done():
             try:
                 build()
             except UserError as exc:
@@ -142,7 +144,9 @@ def ensure(ctx, folder: Path, build: Callable[[], None], what: str = "token cach
             raise failure  # a bug keeps its traceback where it happened
         if errors:
             raise UserError(errors[0])
-    blind = [r for r in ctx.gather_objects(None if is_complete(folder) else ctx.rank) if r is not None]
+    if folder is None:
+        return None if ctx.is_main or ctx.local_rank == 0 else build()
+    blind = [r for r in ctx.gather_objects(None if done() else ctx.rank) if r is not None]
     if blind:
         raise UserError(
             f"{what} {folder} was built but rank(s) {blind} cannot see it: the processes of a "

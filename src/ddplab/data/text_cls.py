@@ -1,14 +1,19 @@
-"""Text classification data: any source -> token cache -> memory-mapped datasets, or shards tokenised as
-they are read (data.stream); assembled into ddplab.Data by ddplab/workloads/text_classification.py.
+"""Text classification data, assembled into ddplab.Data by ddplab/workloads/text_classification.py.
 
-Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset), text_files
-(the user's CSV / TSV / JSON / JSONL / Parquet, or shards of JSON lines / Parquet / Arrow) and
-synthetic_reviews (generated). Tokenizers (data.tokenizer): hash for the scratch Transformer, hf (the
+Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset, tokenised by
+`Dataset.map` into HF's own Arrow cache: items are dicts {input_ids, label}, as a user's HF data),
+text_files (the user's CSV / TSV / JSON / JSONL / Parquet: token cache -> memory-mapped datasets, or
+shards of JSON lines / Parquet / Arrow tokenised as they are read, data.stream) and synthetic_reviews
+(generated, token cache). Tokenizers (data.tokenizer): hash for the scratch Transformer, hf (the
 pretrained model's own) for model.name=hf.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +26,8 @@ from ddplab.data.checks import tokenizer_kind
 from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
 from ddplab.errors import UserError
 
-# data.name -> (source reader, cheap description for the cache key)
+# data.name -> (source reader, cheap description for the cache key): the token cache's sources
 SOURCES = {
-    "imdb": (text_sources.hub_source, text_sources.hub_describe),
-    "amazon_polarity": (text_sources.hub_source, text_sources.hub_describe),
     "text_files": (text_sources.files_source, text_sources.files_describe),
     "synthetic_reviews": (text_synthetic.source, text_synthetic.describe),
 }
@@ -73,37 +76,70 @@ class TokenizedTexts(Dataset):
         return {"input_ids": ids}, int(self.cache.array(self.split, "labels")[r])
 
 
+def hub_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
+    """imdb / amazon_polarity: (meta, label names, (train, val, test) datasets.Dataset of {input_ids, label}).
+
+    `Dataset.map` writes the ids into HF's Arrow cache beside the download, memory-mapped by every rank,
+    under a fingerprint of the source and tokenizer that every rank and rerun finds again; one rank a
+    node maps first while the others wait (text_cache.ensure)."""
+    fields, out = text_sources.HUB[cfg.data.name][1], dict[str, Any]()
+    key = {"source": text_sources.hub_describe(cfg), "tokenizer": tokenizer_description(cfg)}
+    key_hash = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+    def encode(batch: dict, tokenizer) -> dict:
+        ids, lengths = tokenizer.encode_batch(["\n".join(p) for p in zip(*(batch[f] for f in fields), strict=True)])
+        return {"input_ids": [row[:n].tolist() for row, n in zip(ids, lengths, strict=True)]}
+
+    def tokenise() -> None:
+        raw, out["names"] = text_sources.hub_source(cfg)
+        tokenizer = make_tokenizer(cfg)
+        out["meta"] = {"input": "text", **tokenizer.describe()}
+        for split, ds in raw.items():
+            drop = [c for c in ds.column_names if c != "label"]
+            fingerprint = f"ddplab-{key_hash}-{split}"
+            out[split] = ds.map(
+                partial(encode, tokenizer=tokenizer), batched=True, remove_columns=drop, new_fingerprint=fingerprint
+            )
+            out[split].set_format("torch")
+
+    text_cache.ensure(dist, None, tokenise, f"tokenised {cfg.data.name}")
+    sizes = {s: len(out[s]) for s in ("train", "val", "test") if s in out}
+    return out["meta"], out["names"], splits(cfg, sizes, lambda s, rows: out[s].select(rows))
+
+
 def pad_collate(items, pad_id: int):
-    """Pads a batch to its longest text (not max_len): short reviews cost short sequences."""
-    seqs = [inputs["input_ids"] for inputs, _ in items]
+    """Pads a batch to its longest text (not max_len): short reviews cost short sequences. Dict items
+    ({input_ids, label or labels}, the hub's) give one dict with `labels`; pairs give (inputs, labels)."""
+    pairs = [(it, it.get("labels", it.get("label"))) if isinstance(it, Mapping) else it for it in items]
+    seqs = [inputs["input_ids"] for inputs, _ in pairs]
     ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
     lengths = torch.tensor([len(s) for s in seqs])
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask}, torch.tensor([t for _, t in items], dtype=torch.long)
+    labels = torch.tensor([int(t) for _, t in pairs], dtype=torch.long)
+    if isinstance(items[0], Mapping):
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids, "attention_mask": mask}, labels
 
 
-def splits(cfg, cache: text_cache.TokenCache):
-    """Train rows shuffled with the seed (so data.limit takes a random subset of label-sorted data
-    such as IMDB's), validation from the data or carved from train, everything capped by data.limit."""
+def splits(cfg, sizes: dict, pick: Callable[[str, np.ndarray], Any]):
+    """(train, val, test) by picking rows of each split: train rows shuffled with the seed (so data.limit
+    takes a random subset of label-sorted data such as IMDB's), validation from the data or carved from
+    train, validation and test capped by data.limit."""
     d = cfg.data
-    rows = np.random.default_rng(cfg.experiment.seed).permutation(cache.size("train"))
-    if cache.size("val"):
-        val = TokenizedTexts(cache, "val", np.arange(cache.size("val")))
+    rows = np.random.default_rng(cfg.experiment.seed).permutation(sizes["train"])
+    val = test = None
+    if sizes.get("val"):
+        val = pick("val", np.arange(sizes["val"])[: d.limit])
     elif d.val_fraction > 0:
         n_val = max(int(len(rows) * d.val_fraction), 1)
-        val, rows = TokenizedTexts(cache, "train", np.sort(rows[:n_val])), rows[n_val:]
-    else:
-        val = None
-    test = TokenizedTexts(cache, "test", np.arange(cache.size("test"))) if cache.size("test") else None
+        val, rows = pick("train", np.sort(rows[:n_val])[: d.limit]), rows[n_val:]
+    if sizes.get("test"):
+        test = pick("test", np.arange(sizes["test"])[: d.limit])
     if len(rows) == 0:
         raise UserError(
             f"data.name={d.name}: no training samples left after carving data.val_fraction={d.val_fraction}"
         )
-    if d.limit is not None:
-        for split in (val, test):
-            if split is not None:
-                split.rows = split.rows[: d.limit]
-    return TokenizedTexts(cache, "train", rows), val, test
+    return pick("train", rows), val, test
 
 
 # ---------------------------------------------------------------------------- tokenised as read

@@ -1,6 +1,7 @@
 """Where labelled texts come from: the HF hub datasets (IMDB, Amazon Polarity) and the user's files.
 
-Each source is read only by the rank that builds the token cache, in chunks of (texts, label ids).
+A hub dataset comes back as its `datasets.Dataset` splits (text_cls tokenises them with `Dataset.map`);
+the user's files are read only by the rank that builds the token cache, in chunks of (texts, label ids).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _offline():
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
 
 
-def hub_source(cfg) -> TextSource:
+def hub_source(cfg) -> tuple[dict, list[str]]:
+    """The hub's labelled splits under our names (train, val, test), and the label names (its ClassLabel's)."""
     import datasets  # the text extra, only when a hub dataset is read
 
     name, fields = HUB[cfg.data.name]
@@ -60,19 +62,7 @@ def hub_source(cfg) -> TextSource:
             f"or use data.name=text_files data.train=<csv/json/parquet>"
         ) from None
     names = list(ds["train"].features["label"].names)
-    splits = {ours: _hub_split(ds[theirs], fields) for theirs, ours in HUB_SPLITS.items() if theirs in ds}
-    return TextSource(splits=splits, label_names=names)
-
-
-def _hub_split(split, fields: tuple[str, ...]) -> TextSplit:
-    def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
-        for start in range(0, len(split), size):
-            batch = split[start : start + size]  # Arrow-backed: only this chunk is materialised
-            columns = [batch[f] for f in fields]
-            texts = [c[0] if len(c) == 1 else "\n".join(c) for c in zip(*columns, strict=True)]
-            yield texts, np.asarray(batch["label"], dtype=np.int64)
-
-    return TextSplit(len(split), chunks)
+    return {ours: ds[theirs] for theirs, ours in HUB_SPLITS.items() if theirs in ds}, names
 
 
 def hub_describe(cfg) -> dict:

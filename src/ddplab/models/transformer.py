@@ -50,8 +50,11 @@ class TransformerClassifier(nn.Module):
         self.head = nn.Linear(c.dim, c.num_classes)
         self.scale = math.sqrt(c.dim)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (B, T), attention_mask (B, T) with 1 on real tokens -> logits (B, num_classes)."""
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids (B, T), attention_mask (B, T) with 1 on real tokens -> logits (B, num_classes).
+        `labels` (a batch of dict items passes its target too) is ignored: the task computes the loss."""
         if attention_mask is None:
             attention_mask = (input_ids != self.config.pad_id).long()
         T = input_ids.shape[1]

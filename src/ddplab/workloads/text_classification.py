@@ -4,9 +4,10 @@ sequence classifier fine-tuned with its own tokenizer.
     ddplab train data.name=imdb model.name=transformer
     ddplab train data.name=text_files data.train=train.csv model.name=hf model.pretrained=<hub name or folder>
 
-Sources: imdb, amazon_polarity (datasets.load_dataset), text_files (CSV / TSV / JSON / JSONL /
-Parquet) and synthetic_reviews (generated); every one is tokenised once into a token cache, or, with
-data.stream=true, text_files shards are tokenised as they are read:
+Sources: imdb, amazon_polarity (datasets.load_dataset, tokenised once by Dataset.map into HF's
+Arrow cache: `datasets.Dataset` splits of dict items, the path a user's HF data takes), text_files
+(CSV / TSV / JSON / JSONL / Parquet) and synthetic_reviews (generated), tokenised once into ddplab's
+token cache, or, with data.stream=true, text_files shards tokenised as they are read:
 
     ddplab train data.name=text_files data.stream=true data.train='shards/*.parquet' model.name=transformer
 """
@@ -24,12 +25,15 @@ from ddplab.data.checks import tokenizer_kind
 from ddplab.data.text_cls import (
     SOURCES,
     Encoder,
+    TokenizedTexts,
+    hub_splits,
     make_tokenizer,
     pad_collate,
     splits,
     stream_splits,
     tokenizer_description,
 )
+from ddplab.data.text_sources import HUB
 from ddplab.errors import UserError, first_line
 from ddplab.models.checks import check_pretrained, looks_like_path
 from ddplab.models.transformer import TransformerClassifier, TransformerConfig
@@ -44,6 +48,8 @@ def data(cfg) -> ddplab.Data:
     if c.data.stream:  # shards tokenised as they are read
         meta = {"input": "text", **make_tokenizer(c).describe()}
         names, train, val, test = stream_splits(c, meta)
+    elif c.data.name in HUB:  # datasets.Dataset splits, as a user's HF data
+        meta, names, (train, val, test) = hub_splits(c, cfg.dist)
     else:
         meta, names, (train, val, test) = _cached(cfg)
     k = c.data.num_classes or len(names)
@@ -78,7 +84,8 @@ def _cached(cfg) -> tuple[dict, list[str], tuple]:
     text_cache.ensure(cfg.dist, folder, write)
     cache = text_cache.TokenCache(folder)
     meta = {"input": "text", **cache.meta["tokenizer"], "cache": str(folder)}
-    return meta, list(cache.meta["label_names"]), splits(c, cache)
+    sizes = {s: cache.size(s) for s in ("train", "val", "test")}
+    return meta, list(cache.meta["label_names"]), splits(c, sizes, partial(TokenizedTexts, cache))
 
 
 def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
