@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_ok, torchrun
+from conftest import assert_ok, ddplab, torchrun
 from ddplab.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -23,9 +23,10 @@ def _metrics(run: Path) -> dict:
 
 
 def test_hf_dataset_with_collator_and_the_models_own_loss_on_2_processes(tmp_path, monkeypatch, capfd):
-    proc = torchrun(
-        2,
+    proc = ddplab(
         "train",
+        "--nproc-per-node",
+        "2",
         f"model.name={WORK}:bert",
         f"data.name={WORK}:hf_data",
         "training.epochs=3",
@@ -106,9 +107,10 @@ def test_other_data_is_refused_in_one_line_before_a_run_folder(options, phrase, 
 
 def test_uneven_shards_end_each_epoch_together(tmp_path):
     """Rank 0's shard holds 10 items, rank 1's 17: with batches of 4, each epoch is 3 steps on both."""
-    proc = torchrun(
-        2,
+    proc = ddplab(
         "train",
+        "--nproc-per-node",
+        "2",
         f"model.name={WORK}:recorder",
         f"data.name={WORK}:stream_data",
         "data.options.kind=uneven",
@@ -142,9 +144,9 @@ def _records(log: Path, keep: Path) -> dict[int, list[list[int]]]:
 
 def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str, workers: int = 0):
     log.mkdir(exist_ok=True)
-    return torchrun(
-        nproc,
+    return ddplab(
         "train",
+        *(["--nproc-per-node", str(nproc)] if nproc > 1 else []),
         f"model.name={WORK}:recorder",
         f"data.name={WORK}:stream_data",
         f"data.options.kind={kind}",
@@ -193,6 +195,8 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
 
 
 def test_data_that_differs_between_ranks_is_refused_before_training(tmp_path):
+    # Plain torchrun: its workers are exec'd, each with its own string-hash salt; the workers ddplab's launcher
+    # forks share their parent's, so their vocabularies would agree.
     proc = torchrun(
         2,
         "train",

@@ -9,7 +9,7 @@ import torch
 from test_vision_data import QUIET, build_data, image_tree
 from torch.utils.data import DataLoader
 
-from conftest import assert_ok, torchrun
+from conftest import assert_ok, ddplab
 from ddplab.data.image_cache import CachedImages
 from ddplab.errors import UserError
 from ddplab.registry import load_config
@@ -100,11 +100,12 @@ def test_an_unreadable_image_is_one_error_and_leaves_no_cache(tmp_path):
 
 
 def test_two_ranks_share_one_cache_built_once(tmp_path):
-    """Under torchrun, rank 0 decodes each split once while rank 1 waits, and both train on it."""
+    """On 2 processes, rank 0 decodes each split once while rank 1 waits, and both train on it."""
     image_tree(tmp_path / "tree")
-    proc = torchrun(
-        2,
+    proc = ddplab(
         "train",
+        "--nproc-per-node",
+        "2",
         "model.name=cnn",
         "data.name=image_folder",
         f"data.root={tmp_path / 'tree'}",

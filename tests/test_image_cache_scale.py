@@ -181,9 +181,13 @@ def _run(tmp_path, name, *extra, spec=None):
         *QUIET,
         *extra,
     ]
-    proc = subprocess.run(
-        command(spec or "none=0", args, 2, 1), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240
-    )
+    # Uninterrupted: launched as a user would; with a fault: tests/faults.py under torchrun, restarted once.
+    if spec is None:
+        proc = ddplab(args[0], "--nproc-per-node", "2", *args[1:], cwd=tmp_path, timeout=240)
+    else:
+        proc = subprocess.run(
+            command(spec, args, 2, 1), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240
+        )
     assert_ok(proc)
     run = tmp_path / "experiments" / name
     return json.loads((run / "metrics.json").read_text()), run

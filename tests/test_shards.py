@@ -20,6 +20,7 @@ import torch
 
 import ddplab
 from conftest import _env, assert_ok
+from conftest import ddplab as run_ddplab
 from ddplab.data.stream import Stream, owns
 from faults import command
 
@@ -133,7 +134,9 @@ def test_a_folder_without_shards_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- a run killed and resumed
 
 
-def _run(cwd: Path, data: Path, log: Path, name: str, nproc: int, spec: str = "none", workers: int = 0):
+def _run(cwd: Path, data: Path, log: Path, name: str, nproc: int, spec: str | None = None, workers: int = 0):
+    """The job launched as a user would (`ddplab train`, with --nproc-per-node above 1 process), or with a
+    fault (`spec`, tests/faults.py) under plain torchrun."""
     log.mkdir(exist_ok=True)
     args = [
         "train",
@@ -152,6 +155,8 @@ def _run(cwd: Path, data: Path, log: Path, name: str, nproc: int, spec: str = "n
         f"data.num_workers={workers}",
         f"experiment.name={name}",
     ]
+    if spec is None:
+        return run_ddplab(args[0], *(["--nproc-per-node", str(nproc)] if nproc > 1 else []), *args[1:], cwd=cwd)
     return subprocess.run(
         command(spec, args, nproc=nproc), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_ok, torchrun
+from conftest import assert_ok, ddplab
 from ddplab.errors import UserError
 from ddplab.registry import load_config
 from ddplab.workload import BuildConfig, Options
@@ -115,9 +115,10 @@ def test_fashion_mnist_reads_idx_files(tmp_path):
 
 def test_fashion_mnist_trains_under_ddp_with_workers(tmp_path):
     fashion_mnist_root(tmp_path / "data", n_train=400, n_test=100)
-    proc = torchrun(
-        2,
+    proc = ddplab(
         "train",
+        "--nproc-per-node",
+        "2",
         "model.name=cnn",
         "data.name=fashion_mnist",
         "data.root=data",

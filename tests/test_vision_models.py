@@ -10,7 +10,8 @@ from PIL import Image
 from test_vision_data import image_tree
 
 import ddplab
-from conftest import assert_ok, main, torchrun
+from conftest import assert_ok, main
+from conftest import ddplab as run_ddplab
 from ddplab.errors import UserError
 from ddplab.models.vision import CNN, compact
 from ddplab.registry import load_config
@@ -130,9 +131,10 @@ def test_wrong_architecture_weights_is_one_line_exit_2(tmp_path, resnet18_weight
 
 
 def test_cnn_on_digits_under_ddp_then_predict(tmp_path, capfd):
-    proc = torchrun(
-        2,
+    proc = run_ddplab(
         "train",
+        "--nproc-per-node",
+        "2",
         "model.name=cnn",
         "data.name=digits",
         "training.epochs=6",
@@ -185,7 +187,16 @@ def test_image_folder_resnet18_and_vgg11_under_ddp_from_weights(tmp_path, resnet
         "vgg11": [f"model.weights={tmp_path / 'vgg11.pth'}", "model.freeze=true"],
     }
     for name, extra in runs.items():
-        proc = torchrun(2, "train", f"model.name={name}", *common, *extra, f"experiment.name={name}", cwd=tmp_path)
+        proc = run_ddplab(
+            "train",
+            "--nproc-per-node",
+            "2",
+            f"model.name={name}",
+            *common,
+            *extra,
+            f"experiment.name={name}",
+            cwd=tmp_path,
+        )
         assert_ok(proc)
         summary = json.loads((tmp_path / "experiments" / name / "metrics.json").read_text())
         assert summary["aggregates"]["steps"] == 2 and summary["ddp"]["ranks_identical"]
