@@ -315,12 +315,14 @@ def _tmpfs(folder: Path, size: str) -> bool:
     )
 
 
-def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, tmp_path):
+def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, tmp_path, monkeypatch, capfd):
     """End to end on a 1 MB tmpfs (where the machine lets us mount one): snapshots fill it. Given room,
-    the same command continues from the last complete snapshot and ends as a run never interrupted."""
+    the same command continues from the last complete snapshot and ends as a run never interrupted. Each run
+    is one process, this one."""
     disk = tmp_path / "disk"
     if not _tmpfs(disk, "1m"):
         pytest.skip("cannot mount a tmpfs here (needs root and mount)")
+    monkeypatch.chdir(tmp_path)
     args = [
         "train",
         f"data.path={corpus}",
@@ -332,17 +334,19 @@ def test_a_real_full_disk_ends_in_one_line_and_a_later_resume_is_exact(corpus, t
         "experiment.name=full",
     ]  # a few snapshots fit in 1 MB
     try:
-        proc = ddplab(*args, f"experiment.output_dir={disk}", cwd=tmp_path, timeout=300)
-        line = _one_failure_line(proc.returncode, proc.stderr)
-        assert "no space left on device writing" in line and "Traceback" not in proc.stderr
+        code = _run_here([*args, f"experiment.output_dir={disk}"])
+        err = capfd.readouterr().err
+        line = _one_failure_line(code, err)
+        assert "no space left on device writing" in line and "Traceback" not in err
         assert json.loads((disk / "full" / RunFolder.METRICS_JSON).read_text())["status"] == "failed"
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
-        resumed = ddplab(*args, f"experiment.output_dir={disk}", cwd=tmp_path, timeout=300)
-        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-2000:]
+        code = _run_here([*args, f"experiment.output_dir={disk}"])
+        out, err = capfd.readouterr()
+        assert code == 0 and "resumed from" in out, (out[-2000:], err[-2000:])
         weights = _final_weights(disk / "full")
     finally:
         subprocess.run(["umount", str(disk)], check=False)
-    assert ddplab(*args, f"experiment.output_dir={tmp_path / 'ref'}", cwd=tmp_path, timeout=300).returncode == 0
+    assert _run_here([*args, f"experiment.output_dir={tmp_path / 'ref'}"]) == 0, capfd.readouterr().err[-2000:]
     reference = _final_weights(tmp_path / "ref" / "full")
     assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
-from conftest import _env, assert_ok, ddplab, main, torchrun
+from conftest import _env, assert_ok, ddplab, main
 from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import step_snapshots
@@ -38,7 +38,8 @@ def _args(corpus: Path, name: str, strategy: str = "fsdp") -> list[str]:
 def reference(tmp_path_factory, data) -> Path:
     """An fsdp job of 2 processes, never interrupted."""
     cwd = tmp_path_factory.mktemp("reference")
-    assert_ok(torchrun(2, *_args(data, "ref"), cwd=cwd))
+    args = _args(data, "ref")
+    assert_ok(ddplab(args[0], "--nproc-per-node", "2", *args[1:], cwd=cwd))
     return cwd / "experiments" / "ref"
 
 
@@ -117,7 +118,7 @@ def test_a_resume_on_more_processes_reshards_or_says_what_to_set(tmp_path, data,
     assert "set training.batch_size=4" in refused
     _run("signal_rank=1,step=6", [*args, "training.batch_size=4"], tmp_path, nproc=2)  # 1 -> 2, resharded
     assert _summary(tmp_path / "experiments" / "pre")["aggregates"]["steps"] == 6
-    assert_ok(torchrun(4, *args, "training.batch_size=2", cwd=tmp_path))  # 2 -> 4
+    assert_ok(ddplab(args[0], "--nproc-per-node", "4", *args[1:], "training.batch_size=2", cwd=tmp_path))  # 2 -> 4
     summary = _summary(tmp_path / "experiments" / "pre")
     assert (
         summary["aggregates"]["steps"] == 24 and summary["ddp"]["global"] == 8 and summary["aggregates"]["resumes"] == 2
@@ -226,11 +227,16 @@ def test_bad_sharding_inputs_say_one_line(tmp_path, data, monkeypatch, capfd):
         code, err = main(*_args(data, "bad"), *extra), capfd.readouterr().err  # found before any process starts
         assert code == 2 and err.count("\n") == 1 and says in err, err
     (tmp_path / "lazy.py").write_text("def shard(model, mesh):\n    pass\n")
-    proc = torchrun(2, *_args(data, "lazy"), f"distributed.shard={tmp_path}/lazy.py:shard", cwd=tmp_path)
-    assert proc.returncode != 0 and "lazy.py:shard sharded nothing" in proc.stderr + proc.stdout
+    args = _args(data, "lazy")
+    proc = ddplab(
+        args[0], "--nproc-per-node", "2", *args[1:], f"distributed.shard={tmp_path}/lazy.py:shard", cwd=tmp_path
+    )
+    # found by the workers, once the model is built: the launcher says it once, in one line
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("ddplab: failed: rank 0: ") and "lazy.py:shard sharded nothing" in proc.stderr
 
     args = [*_args(data, "one"), "training.max_steps=2"]
-    assert_ok(_run("", args, tmp_path))  # one process: the snapshot is still written with DCP
+    assert main(*args) == 0, capfd.readouterr().err[-3000:]  # one process, this one: the snapshot is still DCP
     snap = Checkpointer(tmp_path / "experiments" / "one" / "checkpoints", False).latest()
     capfd.readouterr()
     code, err = main(*_args(data, "other"), "model.dim=16", f"checkpoint.resume={snap}"), capfd.readouterr().err

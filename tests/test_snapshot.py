@@ -5,6 +5,7 @@ made against the snapshot's own config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -319,26 +320,32 @@ def test_a_workloads_own_part_is_restored_exactly_after_sigkill(tmp_path, strate
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """One workload; per strategy, a run never interrupted and one pre-empted after step 6 (snapshots of
-    steps 4 and 6 kept), all in one process (an fsdp run of one process still writes DCP shards)."""
+    """One workload; per strategy, a run never interrupted (in this process: one adds nothing) and one
+    pre-empted after step 6 (snapshots of steps 4 and 6 kept), all of one process (an fsdp run of one process
+    still writes DCP shards)."""
     root = tmp_path_factory.mktemp("runs")
     wl = _workload(root)
     out = {"root": root, "wl": wl}
     for strategy in ("ddp", "fsdp"):
-        assert_ok(_run("", _args(wl, f"ref-{strategy}", strategy), root))
+        with contextlib.chdir(root):
+            assert main(*_args(wl, f"ref-{strategy}", strategy)) == 0
         stopped = _run("signal_rank=0,step=6", _args(wl, f"stop-{strategy}", strategy), root)
         assert stopped.returncode == 75, stopped.stderr[-2000:]
     return out
 
 
-def _damaged_resume(runs: dict, tmp_path: Path, strategy: str, damage) -> tuple[subprocess.CompletedProcess, Path]:
-    """The pre-empted run copied, its newest snapshot damaged, then continued."""
+def _damaged_resume(runs: dict, tmp_path: Path, strategy: str, damage, capfd) -> tuple[str, str, Path]:
+    """The pre-empted run copied, its newest snapshot damaged, then continued in this process: (what it
+    printed to stdout, to stderr, the run)."""
     run = tmp_path / "experiments" / "stop"
     shutil.copytree(runs["root"] / "experiments" / f"stop-{strategy}", run)
     damage(run / "checkpoints" / "step-000000006")
-    proc = _run("", _args(runs["wl"], "stop", strategy), tmp_path)
-    assert_ok(proc)
-    return proc, run
+    capfd.readouterr()
+    with contextlib.chdir(tmp_path):
+        code = main(*_args(runs["wl"], "stop", strategy))
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    return out, err, run
 
 
 def _shard(folder: Path) -> Path:
@@ -359,12 +366,12 @@ def _older_state(folder: Path) -> None:
         ("fsdp", _older_state, "step-000000006/state.pt: "),  # step 4's state.pt beside step 6's shards
     ],
 )
-def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_path, strategy, damage, names):
-    proc, run = _damaged_resume(runs, tmp_path, strategy, damage)
-    skipped = [line for line in proc.stdout.splitlines() if "skipping snapshot" in line]
-    assert len(skipped) == 1 and "step-000000006" in skipped[0] and names in skipped[0], proc.stdout[-3000:]
-    assert "resumed from" in proc.stdout and "step-000000004 (epoch 1, step 4" in proc.stdout
-    assert "Traceback" not in proc.stderr
+def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_path, strategy, damage, names, capfd):
+    out, err, run = _damaged_resume(runs, tmp_path, strategy, damage, capfd)
+    skipped = [line for line in out.splitlines() if "skipping snapshot" in line]
+    assert len(skipped) == 1 and "step-000000006" in skipped[0] and names in skipped[0], out[-3000:]
+    assert "resumed from" in out and "step-000000004 (epoch 1, step 4" in out
+    assert "Traceback" not in err
     mine, state = _final(run)
     theirs, ref = _final(runs["root"] / "experiments" / f"ref-{strategy}")
     assert state["trainer"]["step"] == ref["trainer"]["step"] == 16

@@ -401,21 +401,30 @@ def test_a_users_optimizer_with_two_groups_and_schedule_resume_bit_identically_a
 
 
 def test_under_fsdp_a_users_optimizer_and_schedule_resume_exactly_after_a_sigkill(tmp_path, drift):
-    def job(spec, name):
+    def job(name, fault=None):
+        """2 processes: launched by `ddplab train --nproc-per-node 2`, or with `fault` under torchrun."""
         args = [
-            "train",
             *_own(drift, tmp_path, name),
             "training.batch_size=4",
             "distributed.strategy=fsdp",
             "distributed.timeout=60",
         ]
+        if fault is None:
+            return ddplab_cli("train", "--nproc-per-node", "2", *args, cwd=tmp_path)
         return subprocess.run(
-            command(spec, args, nproc=2), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+            command(fault, ["train", *args], nproc=2),
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
 
-    assert_ok(job("none=0", "ref"))
-    assert job("kill_rank=1,step=7", "kill").returncode != 0
-    assert_ok(job("none=0", "kill"))
+    assert_ok(job("ref"))
+    assert job("kill", "kill_rank=1,step=7").returncode != 0
+    resumed = job("kill")
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout, resumed.stdout[-2000:]
     ref, resumed = _summary(tmp_path / "ref"), _summary(tmp_path / "kill")
     assert resumed["aggregates"]["resumes"] == 1 and resumed["aggregates"]["steps"] == 12
     assert [(r["step"], r["loss"], r["lr"]) for r in resumed["steps"]] == [

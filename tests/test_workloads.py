@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_ok, ddplab, main, torchrun
+from conftest import ROOT, _env, assert_ok, ddplab, main
 from faults import command
 
 EXAMPLES = ROOT / "examples"
@@ -114,7 +114,7 @@ def test_regression_example_reaches_its_r2(tmp_path, monkeypatch, capfd):
     assert f"importing model.name code from {wl}" in err
 
 
-def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path, monkeypatch, capfd):
+def test_image_folder_example_with_its_own_loss_on_two_processes(tmp_path, monkeypatch, capfd):
     sys.path.insert(0, str(EXAMPLES))
     try:
         from image_folder_label_smoothing import write_digits_tree
@@ -122,9 +122,10 @@ def test_image_folder_example_with_its_own_loss_under_torchrun(tmp_path, monkeyp
         sys.path.remove(str(EXAMPLES))
     write_digits_tree(tmp_path / "tree", per_class=40)
     wl = Path(shutil.copy(EXAMPLES / "image_folder_label_smoothing.py", tmp_path))
-    proc = torchrun(
-        2,
+    proc = ddplab(
         "train",
+        "--nproc-per-node",
+        "2",
         *_names(wl),
         f"data.options.root={tmp_path / 'tree'}",
         "training.epochs=4",
@@ -239,7 +240,7 @@ def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):
         "logging.log_every=1",
         *FAST,
     ]
-    assert_ok(torchrun(2, *args, "experiment.name=ref", cwd=tmp_path))
+    assert_ok(ddplab(args[0], "--nproc-per-node", "2", *args[1:], "experiment.name=ref", cwd=tmp_path))
     # 6 steps per epoch: killed mid-epoch 2
     assert_ok(
         subprocess.run(
