@@ -52,10 +52,9 @@ from ddplab.engine.checkpoint_reader import (
     read_state,
     same_model,
     shapes,
-    step_snapshots,
 )
 from ddplab.engine.files import subfolder, write_atomic
-from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe
+from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, step_snapshots
 from ddplab.errors import RunError, UserError, first_line, no_space, write_failed
 
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
