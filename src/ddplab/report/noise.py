@@ -25,15 +25,8 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
         return f"{head}: not measured"
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
         return f"{head}: a single run on a side, noise not measured (use --repeat 3)"
-    lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
-    if (
-        lo_a is not None
-        and hi_a is not None
-        and lo_b is not None
-        and hi_b is not None
-        and lo_a <= hi_b
-        and lo_b <= hi_a
-    ):
+    # build_rows gives every measured median its range over the repeats
+    if a[f"{key}_min"] <= b[f"{key}_max"] and b[f"{key}_min"] <= a[f"{key}_max"]:
         return f"{head}: **within noise** (ranges overlap)"
     faster, slower = (a, b) if va > vb else (b, a)
     return f"{head}: {faster['label']} is {max(va, vb) / min(va, vb):.2f}x {slower['label']} (ranges apart)"
