@@ -172,13 +172,10 @@ class _Job(StopSignals):
 
     def _stop_agents(self) -> None:
         for proc in self.procs:
-            self._ask(proc)
+            if proc.poll() is None and proc.pid not in self._asked:
+                self._asked.add(proc.pid)
+                proc.send_signal(signal.SIGTERM)
         (self.report / STOPPING).touch()
-
-    def _ask(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None and proc.pid not in self._asked:
-            self._asked.add(proc.pid)
-            proc.send_signal(signal.SIGTERM)
 
     def wait(self, independent: bool = False) -> int:
         """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
