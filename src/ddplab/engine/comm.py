@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from ddplab.config import link_delay_s
 from ddplab.engine.clock import InFlight, Stamps
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
@@ -27,16 +28,6 @@ _HOOKS = {
     "powersgd": (powerSGD_hook.powerSGD_hook, None),
 }
 POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
-
-
-def link_delay_s(nbytes: int, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
-    """Seconds a wide-area link adds to one all-reduce of `nbytes` per rank: a propagation delay per
-    message, plus serialisation of what a ring all-reduce sends per rank (2 (N - 1) / N times the payload)."""
-    delay = latency_ms / 1000.0
-    if bandwidth_mbps:
-        sent = 2 * (world_size - 1) / world_size * nbytes
-        delay += sent * 8 / (bandwidth_mbps * 1e6)
-    return delay
 
 
 class CommMonitor(InFlight):
