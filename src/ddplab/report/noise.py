@@ -7,20 +7,13 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import pairwise
 
-from ddplab.report.table import fmt
-
-
-def _range(row: dict, key: str) -> str:
-    text = fmt(key, row.get(key))
-    if row.get("repeats", 1) > 1:
-        text += f" ({fmt(key, row.get(f'{key}_min'))}–{fmt(key, row.get(f'{key}_max'))})"
-    return text
+from ddplab.report.table import cell
 
 
 def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
     """One sentence on two points' medians: a ratio only when their ranges are apart."""
     va, vb = a.get(key), b.get(key)
-    head = f"{a['label']} {_range(a, key)} vs {b['label']} {_range(b, key)}"
+    head = f"{a['label']} {cell(a, key)} vs {b['label']} {cell(b, key)}"
     if not va or not vb:
         return f"{head}: not measured"
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
@@ -56,10 +49,10 @@ def efficiency_notes(rows: list[dict]) -> list[str]:
         eff, lo = row.get("efficiency"), row.get("efficiency_min")
         if eff is not None and eff > 1.0 and row.get("processes", 1) > 1:
             if row.get("repeats", 1) > 1 and lo is not None and lo <= 1.0:
-                notes.append(f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 is within noise")
+                notes.append(f"{row['label']}: efficiency {cell(row, 'efficiency')} above 1 is within noise")
             else:
                 notes.append(
-                    f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 (superlinear, or the "
+                    f"{row['label']}: efficiency {cell(row, 'efficiency')} above 1 (superlinear, or the "
                     f"1-process baseline ran slow; repeat to tell)"
                 )
     return notes
