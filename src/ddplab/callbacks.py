@@ -63,11 +63,6 @@ class EarlyStopping(Callback):
         self.wait = 0  # whole epochs since the last improvement
         self.stopped_epoch: int | None = None
 
-    def _improves(self, value: float) -> bool:
-        if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
-
     def on_epoch_end(self, view, row: dict) -> None:
         if row.get("partial"):  # part of an epoch is not an epoch of patience
             return
@@ -78,21 +73,19 @@ class EarlyStopping(Callback):
                 f"EarlyStopping: epoch {row['epoch']}'s row has no {self.monitor} (no validation split?); "
                 f"monitor one of: {columns}"
             )
-        epoch, sign = row["epoch"], "<" if self.mode == "min" else ">"
-        bound = self.best - self.min_delta if self.mode == "min" else self.best + self.min_delta
-        if self._improves(value):
-            view.run.log(
-                f"early stopping: epoch {epoch} {self.monitor} {value:.6g} {sign} {bound:.6g} "
-                f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): improved"
-            )
+        epoch, lower = row["epoch"], self.mode == "min"
+        bound = self.best - self.min_delta if lower else self.best + self.min_delta
+        said = f"early stopping: epoch {epoch} {self.monitor} {value:.6g}"
+        compared = (
+            f"{'<' if lower else '>'} {bound:.6g} (best {self.best:.6g} of epoch {self.best_epoch}, "
+            f"min_delta {self.min_delta:g})"
+        )
+        if value < bound if lower else value > bound:
+            view.run.log(f"{said} {compared}: improved")
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return
         self.wait += 1
-        view.run.log(
-            f"early stopping: epoch {epoch} {self.monitor} {value:.6g} is not {sign} {bound:.6g} "
-            f"(best {self.best:.6g} of epoch {self.best_epoch}, min_delta {self.min_delta:g}): "
-            f"{self.wait}/{self.patience} epochs without improvement"
-        )
+        view.run.log(f"{said} is not {compared}: {self.wait}/{self.patience} epochs without improvement")
         if self.wait >= self.patience:
             self.stopped_epoch = epoch
             view.run.log(

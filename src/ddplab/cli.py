@@ -34,6 +34,7 @@ def _config_help() -> str:
 
 
 TRUST = "import the run's own code although this machine has not trained with it (see 'Your own workload')"
+FORCE = "let --output replace an existing file, or write inside a run folder"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,16 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--top-k", type=int, help="classifiers: the K most probable labels and their probabilities")
     pr.add_argument("--output", help="also write every row with its input to this .csv or .jsonl file")
     pr.add_argument("--trust-code", action="store_true", help=TRUST)
-    pr.add_argument(
-        "--force", action="store_true", help="let --output replace an existing file, or write inside a run folder"
-    )
+    pr.add_argument("--force", action="store_true", help=FORCE)
 
     ex = sub.add_parser("export", help="the best (else last) model as one safetensors file, loadable without ddplab")
     ex.add_argument("run", help="run folder, snapshot folder or checkpoint file")
     ex.add_argument("--output", help="file to write (default: RUN/model.safetensors)")
-    ex.add_argument(
-        "--force", action="store_true", help="let --output replace an existing file, or write inside a run folder"
-    )
+    ex.add_argument("--force", action="store_true", help=FORCE)
 
     v = sub.add_parser("verify", help="check that N-process DDP matches one process with N x the batch")
     v.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")

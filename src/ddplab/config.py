@@ -384,6 +384,18 @@ def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, tr
     return out
 
 
+def link_delay_s(nbytes: float, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
+    """What distributed.simulated_latency_ms and simulated_bandwidth_mbps mean, for the comm hook that sleeps
+    it and the forecast that models it: the seconds a wide-area link adds to one all-reduce of `nbytes` per
+    rank, a propagation delay per message plus serialisation of what a ring all-reduce sends per rank
+    (2 (N - 1) / N times the payload)."""
+    delay = latency_ms / 1000.0
+    if bandwidth_mbps:
+        sent = 2 * (world_size - 1) / world_size * nbytes
+        delay += sent * 8 / (bandwidth_mbps * 1e6)
+    return delay
+
+
 def keep_global_batch(global_batch: int, batch_size: int, world_size: int) -> int:
     """The training.grad_accum_steps that keeps a run's global batch on `world_size` processes."""
     accum, rest = divmod(global_batch, batch_size * world_size)

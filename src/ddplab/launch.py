@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import json
 import os
 import re
 import shutil
@@ -32,15 +31,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.engine.files import open_append, write_atomic
+from ddplab.engine.files import open_append, read_json
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.reports import STOPPING
-from ddplab.errors import ExitCode, Preempted, UserError
+from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.handoff import Handoff
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -173,13 +172,10 @@ class _Job(StopSignals):
 
     def _stop_agents(self) -> None:
         for proc in self.procs:
-            self._ask(proc)
+            if proc.poll() is None and proc.pid not in self._asked:
+                self._asked.add(proc.pid)
+                proc.send_signal(signal.SIGTERM)
         (self.report / STOPPING).touch()
-
-    def _ask(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None and proc.pid not in self._asked:
-            self._asked.add(proc.pid)
-            proc.send_signal(signal.SIGTERM)
 
     def wait(self, independent: bool = False) -> int:
         """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
@@ -266,14 +262,16 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
     the launcher marks the run failed with what torchrun saw, so that `ddplab status` does not guess."""
     rank, said = cause or (None, "a worker died")
     summary = f"job failed: {said}; no rank could report (see {run_dir / 'train.log'} and {run_dir / 'logs'})"
-    path = run_dir / "metrics.json"
-    with contextlib.suppress(OSError, ValueError):
-        record = json.loads(path.read_text())
-        if record.get("status") == "running":
-            record.update(status="failed", failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"})
-            write_atomic(run_dir, "metrics.json", json.dumps(record, indent=2) + "\n")
-            with open_append(run_dir, "train.log") as log:
-                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {summary}\n")
+    if read_json(run_dir / RunFolder.METRICS_JSON).get("status") == "running":
+        with contextlib.suppress(OSError, RunError):
+            run = RunFolder(run_dir, is_main=True)
+            run.update_json(
+                RunFolder.METRICS_JSON,
+                status="failed",
+                failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"},
+            )
+            run.log(summary, echo=False)
+            run.close()
     return summary
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ddplab.commands import at_least, split_args
 from ddplab.config import keep_global_batch
 from ddplab.config_io import format_duration
+from ddplab.engine.files import read_json
 from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.phases import note_launch
@@ -177,9 +178,8 @@ def _quorum(run: Path) -> str:
 
 def _progress(run: Path) -> str:
     """The last step and its age, elapsed time and ETA, from rank 0's heartbeat.json."""
-    try:
-        beat = json.loads((run / "heartbeat.json").read_text())
-    except (OSError, ValueError):
+    beat = read_json(run / RunFolder.HEARTBEAT)
+    if not beat:
         return "starting (no heartbeat yet)"
     now, first = time.time(), beat["ranks"].get("0", {})
     text = f"step {first.get('step')} ({format_duration(now - beat['time'] + first.get('still_s', 0))} ago)"

@@ -14,7 +14,6 @@ checkpoint (the weights' own); assets.json holds them too, for a reader of the f
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from ddplab.data.stream import is_stream
-from ddplab.engine.files import write_atomic
+from ddplab.engine.files import read_json, write_atomic
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import UserError, write_failed
 from ddplab.workload import Assets, Data
@@ -125,8 +124,5 @@ def load(found: Path, meta: dict, task) -> tuple[Assets, dict]:
         (p / RunFolder.INFERENCE for p in (start, *start.parents)[:3] if (p / RunFolder.INFERENCE / INDEX).is_file()),
         None,
     )
-    try:
-        saved = json.loads((folder / INDEX).read_text()) if folder else {}
-    except (OSError, ValueError):
-        saved = {}
+    saved = read_json(folder / INDEX) if folder else {}
     return Assets(meta=meta, task=task, folder=folder, files=saved.get("files", {})), saved.get("example", {})

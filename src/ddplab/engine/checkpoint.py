@@ -52,10 +52,9 @@ from ddplab.engine.checkpoint_reader import (
     read_state,
     same_model,
     shapes,
-    step_snapshots,
 )
-from ddplab.engine.files import NEW_FILE, subfolder
-from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe
+from ddplab.engine.files import subfolder, write_atomic
+from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, step_snapshots
 from ddplab.errors import RunError, UserError, first_line, no_space, write_failed
 
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
@@ -134,18 +133,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, write) -> None:
-    """`write(file)` into a new file whose data is on disk when this returns. The file is created
-    exclusively, never through a link (engine/files.py): a snapshot is built in a folder made afresh."""
-    with os.fdopen(os.open(path, NEW_FILE, 0o644), "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_marker(folder: Path, manifest: dict) -> None:
     """The COMPLETE marker, its content the manifest, written last, once the snapshot's data is on disk."""
-    _write_synced(folder / MARKER, lambda f: f.write(json.dumps(manifest).encode()))
+    write_atomic(folder, MARKER, json.dumps(manifest), sync=True)
 
 
 def _remove(path: Path) -> None:
@@ -216,7 +206,7 @@ class Checkpointer:
                     for theirs in ctx.gather_objects(describe(tmp, self.checksums, files=mine)):
                         known.update(theirs)
             if self.is_main:
-                _write_synced(tmp / STATE, lambda f: torch.save(plain, f))
+                write_atomic(tmp, STATE, lambda f: torch.save(plain, f), sync=True)
                 if not (sharded and background):
                     self._finish(tmp, final, manifest, known)
         except (Exception, *_dcp_error()) as exc:  # noqa: BLE001 - disk full, permissions: one line naming the path
@@ -265,7 +255,6 @@ class Checkpointer:
         crc = self.checksums
         files = describe(tmp, crc, known)
         write_marker(tmp, {**manifest, "checksum": CHECKSUM if crc else None, "files": files})
-        _fsync_dir(tmp)
         if final.exists():  # the same name saved again: the best model, or a step snapshot that ends an epoch
             old = self.root / f".old-{final.name}"
             shutil.rmtree(old, ignore_errors=True)

@@ -17,20 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ddplab.engine.manifest import MARKER, Damaged, verify
+from ddplab.engine.manifest import MARKER, Damaged, step_snapshots, verify
 from ddplab.errors import UserError, first_line
 
 STATE = "state.pt"
 SHARDS = "shards"
 BEST = "best"
-
-
-def step_snapshots(root: Path) -> list[Path]:
-    """The step snapshots under `root` with a marker, oldest first (not yet checked against it)."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 def open_snapshot(folder: Path, log=print) -> tuple[dict, dict]:

@@ -88,11 +88,15 @@ def covered_s(pairs) -> float:
 
 class InFlight:
     """Seconds during which a collective was in flight on this rank, read per epoch: what the epoch row, the
-    straggler check and the step timer read of engine/comm.py's CommMonitor (DDP) and engine/fsdp_comm.py's
-    ShardedCommMonitor (FSDP) alike; each settles its own intervals (_settle) into _comm_s."""
+    straggler check and the step timer read of engine/comm.py's CommMonitor (DDP's gradient all-reduce) and
+    engine/fsdp_comm.py's ShardedCommMonitor (FSDP's collectives) alike. Each collective is an interval from
+    begin() to end(); the time counted is the union of the intervals, never their sum: collectives overlap one
+    another and the compute they hide behind. Those begun during evaluation, a snapshot or the end are left out,
+    as the epoch's training clock leaves them out."""
 
     layout: list  # DDP's gradient buckets as the reducer handed them over (metrics.json's comm section)
     collectives: str  # what it times, in metrics.json's comm section
+    label: str  # what the heartbeat calls its collectives: "<label> <what>"
 
     def __init__(self, device: torch.device, beat=None) -> None:
         self.clock, self.beat = Stamps(device), beat  # beat: the rank's heartbeat (distributed.Beat)
@@ -101,10 +105,52 @@ class InFlight:
         self.buckets = 0  # collectives called, since the last take_epoch
         self.done_count = 0  # collectives completed
         self.last_done: Any = None  # the Stamps moment the latest of them completed at
+        self._open: list[list] = []  # [begin, end or None] in the order begun, not yet counted
+        self._reach = None  # the stamp where the intervals counted so far end
+        self._in_flight = 0
 
     def _settle(self) -> None:
-        """Add the intervals that have finished to _comm_s."""
-        raise NotImplementedError
+        """Count the leading intervals that are done (on CUDA: whose events have completed), their union with
+        what was counted before: an interval that began before the last counted end adds only what lies past it."""
+        with self._lock:
+            n = 0
+            while n < len(self._open) and self._open[n][1] is not None and self.clock.ready(*self._open[n]):
+                n += 1
+            if not n:
+                return
+            done, self._open = self._open[:n], self._open[n:]
+            offsets = self.clock.seconds(
+                done[0][0] if self._reach is None else self._reach, *(t for pair in done for t in pair)
+            )
+            floor = 0.0 if self._reach is not None else float("-inf")
+            pairs = [(max(b, floor), max(e, floor)) for b, e in zip(offsets[::2], offsets[1::2], strict=True)]
+            self._comm_s += covered_s(pairs)
+            last = max(range(n), key=lambda i: pairs[i][1])
+            if pairs[last][1] > floor:
+                self._reach = done[last][1]
+
+    def begin(self, what: str, at=None) -> list:
+        """A collective called now (or at the Stamps moment `at`); its interval, for end()."""
+        interval = [at if at is not None else self.clock.now(), None]
+        with self._lock:
+            if self.beat is None or self.beat.phase not in ("evaluation", "snapshot", "end"):
+                self._open.append(interval)
+                self.buckets += 1
+            if self.beat is not None:
+                self.beat.collective, self.beat.waiting = f"{self.label} {what}", True
+            self._in_flight += 1
+        if len(self._open) > 64:  # unread for a while (no straggler check each log): keep the events few
+            self._settle()
+        return interval
+
+    def end(self, interval: list) -> None:
+        stamp = self.clock.now()
+        with self._lock:
+            interval[1] = self.last_done = stamp
+            self.done_count += 1
+            self._in_flight -= 1
+            if self.beat is not None and not self._in_flight:
+                self.beat.waiting = False
 
     @property
     def comm_s(self) -> float:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from ddplab.engine.clock import InFlight, Stamps, covered_s
+from ddplab.config import link_delay_s
+from ddplab.engine.clock import InFlight, Stamps
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
@@ -29,27 +30,15 @@ _HOOKS = {
 POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
-def link_delay_s(nbytes: int, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
-    """Seconds a wide-area link adds to one all-reduce of `nbytes` per rank: a propagation delay per
-    message, plus serialisation of what a ring all-reduce sends per rank (2 (N - 1) / N times the payload)."""
-    delay = latency_ms / 1000.0
-    if bandwidth_mbps:
-        sent = 2 * (world_size - 1) / world_size * nbytes
-        delay += sent * 8 / (bandwidth_mbps * 1e6)
-    return delay
-
-
 class CommMonitor(InFlight):
-    """The hook state: time during which at least one gradient all-reduce was in flight.
-
-    A bucket is in flight from the moment DDP hands it over (including any simulated
-    delay) until its future completes. Buckets overlap one another and the backward pass
-    of earlier layers, so the union of these intervals is counted, never their sum: it is
-    the wall time spent communicating, whether or not compute hid part of it. On CUDA both
-    ends are events (engine/clock.py's Stamps): the hand-over in the backward pass's stream,
-    the completion in the stream the future's callback runs on, which waits for the collective."""
+    """The hook state: time during which at least one gradient all-reduce was in flight (engine/clock.py's
+    InFlight). A bucket is in flight from the moment DDP hands it over (including any simulated delay) until
+    its future completes. On CUDA both ends are events (engine/clock.py's Stamps): the hand-over in the
+    backward pass's stream, the completion in the stream the future's callback runs on, which waits for the
+    collective."""
 
     collectives = "all_reduce"  # what it times, in metrics.json's comm section
+    label = "DDP gradient"
 
     def __init__(self, dcfg, world_size: int, inner, inner_state, device=torch.device("cpu")) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
@@ -61,40 +50,6 @@ class CommMonitor(InFlight):
         self.layout: list[dict] = []  # the buckets of the last recorded step, in the order DDP hands them over
         self._recording: list[dict] = []
         self._recorded_steps = 0
-        # [start, end or None] per bucket, a list per step: DDP waits for a step's all-reduces before the
-        # next step, so intervals of different steps never overlap and a step's union is settled on its own.
-        self._steps: list[list[list]] = [[]]
-        self._in_flight = 0
-
-    def _settle(self) -> None:
-        """Add the union of every finished step's intervals (on CUDA: whose events have completed)."""
-        with self._lock:
-            while len(self._steps) > 1 and all(e is not None and self.clock.ready(b, e) for b, e in self._steps[0]):
-                bucket_times = self._steps.pop(0)
-                offsets = self.clock.seconds(bucket_times[0][0], *(t for pair in bucket_times for t in pair))
-                self._comm_s += covered_s(zip(offsets[::2], offsets[1::2], strict=True))
-
-    def _begin(self, bucket: dist.GradBucket) -> list:
-        interval = [self.clock.now(), None]
-        with self._lock:
-            self._steps[-1].append(interval)
-            if bucket.is_last():
-                self._steps.append([])
-            if self._in_flight == 0 and self.beat is not None:
-                self.beat.collective, self.beat.waiting = "DDP gradient all_reduce", True
-            self._in_flight += 1
-        return interval
-
-    def _end(self, interval: list, delay: float) -> None:
-        stamp = self.clock.now()
-        with self._lock:
-            interval[1] = self.last_done = stamp
-            self._in_flight -= 1
-            if self._in_flight == 0 and self.beat is not None:
-                self.beat.waiting = False
-            self.done_count += 1
-            self.delay_s += delay
-            self.buckets += 1
 
     def _record(self, bucket: dist.GradBucket) -> None:
         """Keep the bucket layout of the first few steps: DDP rebuilds its buckets in gradient
@@ -116,22 +71,20 @@ class CommMonitor(InFlight):
             self._recorded_steps += 1
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        interval = self._begin(bucket)
-        if len(self._steps) > 32:  # unread for a while (no straggler check each log): keep the events few
-            self._settle()
+        interval = self.begin("all_reduce")
         self._record(bucket)
-        delay = 0.0
         if self.latency_ms or self.bandwidth_mbps:
             buffer = bucket.buffer()
             nbytes = buffer.numel() * (self.wire_bytes or buffer.element_size())
             delay = link_delay_s(nbytes, self.world_size, self.latency_ms, self.bandwidth_mbps)
+            self.delay_s += delay
             # Sleeping on the backward thread holds back this bucket and every later one, as
             # a link that delivers messages in order would; every rank sleeps the same time.
             time.sleep(delay)
         fut = self.inner(self.inner_state, bucket)
 
         def done(f: torch.futures.Future) -> torch.Tensor:
-            self._end(interval, delay)
+            self.end(interval)
             return f.value()
 
         return fut.then(done)

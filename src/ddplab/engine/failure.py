@@ -86,11 +86,11 @@ def gist(exc: BaseException) -> str:
 _PF_EXITING = 0x4  # linux/sched.h: the process is exiting (its sockets close before it turns zombie)
 
 
-def exited(beat: dict) -> bool:
+def exited(beat: dict, patience: float = 3) -> bool:
     """On this host: the process has exited or is exiting (a zombie not yet reaped counts); elsewhere: no
-    beat for 3 s."""
+    beat for `patience` seconds."""
     if beat["host"] != socket.gethostname():
-        return time.time() - beat.get("at", time.time()) > 3
+        return time.time() - beat.get("at", time.time()) > patience
     try:
         fields = Path(f"/proc/{beat['pid']}/stat").read_text().rsplit(")", 1)[1].split()
         return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)

@@ -13,6 +13,7 @@ reader sees the old content or the new, never half of it. The folder itself is t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import stat
@@ -111,6 +112,14 @@ def open_append(folder: str | Path, name: str | Path):
     finally:
         os.close(fd)
     return os.fdopen(out, "a", buffering=1)
+
+
+def read_json(path: str | Path) -> dict:
+    """A JSON file's content; {} when it is missing or unreadable (not yet written, or written by another version)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def subfolder(folder: str | Path, name: str | Path) -> Path:

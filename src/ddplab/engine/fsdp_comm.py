@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ddplab.engine.clock import InFlight, covered_s
+from ddplab.engine.clock import InFlight
 
 if TYPE_CHECKING:  # FSDP's comm interfaces, from a private module: named for the checker only
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -30,51 +30,7 @@ class ShardedCommMonitor(InFlight):
 
     layout: list = []  # no DDP buckets: metrics.json's comm section computes them, comm.units has FSDP's
     collectives = "all_gather, reduce_scatter"  # what it times, in metrics.json's comm section
-
-    def __init__(self, device: torch.device, beat=None) -> None:
-        super().__init__(device, beat)
-        self._open: list[list] = []  # [begin, end or None] in the order begun, not yet counted
-        self._reach = None  # the stamp where the intervals counted so far end
-
-    def _settle(self) -> None:
-        """Count the leading intervals that are done (on CUDA: whose events have completed), their union with
-        what was counted before: an interval that began before the last counted end adds only what lies past it."""
-        with self._lock:
-            n = 0
-            while n < len(self._open) and self._open[n][1] is not None and self.clock.ready(*self._open[n]):
-                n += 1
-            if not n:
-                return
-            done, self._open = self._open[:n], self._open[n:]
-            offsets = self.clock.seconds(
-                done[0][0] if self._reach is None else self._reach, *(t for pair in done for t in pair)
-            )
-            floor = 0.0 if self._reach is not None else float("-inf")
-            pairs = [(max(b, floor), max(e, floor)) for b, e in zip(offsets[::2], offsets[1::2], strict=True)]
-            self._comm_s += covered_s(pairs)
-            last = max(range(n), key=lambda i: pairs[i][1])
-            if pairs[last][1] > floor:
-                self._reach = done[last][1]
-
-    def begin(self, what: str, at=None) -> list:
-        interval = [at if at is not None else self.clock.now(), None]
-        with self._lock:
-            if self.beat is None or self.beat.phase not in ("evaluation", "snapshot", "end"):
-                self._open.append(interval)
-                self.buckets += 1
-            if self.beat is not None:
-                self.beat.collective, self.beat.waiting = f"FSDP {what}", True
-        if len(self._open) > 64:  # unread for a while: keep the events few
-            self._settle()
-        return interval
-
-    def end(self, interval: list) -> None:
-        stamp = self.clock.now()
-        with self._lock:
-            interval[1] = self.last_done = stamp
-            self.done_count += 1
-            if self.beat is not None:
-                self.beat.waiting = False
+    label = "FSDP"
 
 
 class _Timed:

@@ -84,12 +84,10 @@ class TrainFeed:
     state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
     """
 
-    def __init__(
-        self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int] | None = None
-    ) -> None:
-        """`share`: (this process's share, shares) of each epoch's order; default (rank, world size)."""
+    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
+        """`share`: (this process's share, shares) of each epoch's order (replica groups: engine/parts.py)."""
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
-        rank, world = share or (ctx.rank, ctx.world_size)
+        rank, world = share
         self.seed = cfg.experiment.seed
         self.stream = is_stream(dataset)
         self.size = size(dataset)  # None: a stream that does not know its length

@@ -23,7 +23,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from ddplab.engine.files import write_atomic
+from ddplab.engine.files import read_json, write_atomic
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import UserError
 from ddplab.handoff import Handoff
@@ -34,10 +34,7 @@ LOCKED_ENV = Handoff.variable("locked_run")  # what a refusal names
 
 def finished(run_dir: Path) -> bool:
     """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
-    try:
-        return json.loads((run_dir / RunFolder.METRICS_JSON).read_text()).get("status") == "complete"
-    except (OSError, ValueError):
-        return False
+    return read_json(run_dir / RunFolder.METRICS_JSON).get("status") == "complete"
 
 
 def resolve_run_dir(cfg) -> tuple[Path, str | None]:

@@ -106,20 +106,19 @@ def verify(folder: Path, checksums: bool = True) -> dict:
     return manifest
 
 
+def step_snapshots(root: Path) -> list[Path]:
+    """The step snapshots under `root` with a marker, oldest first (not yet checked against it)."""
+    found = [p for p in Path(root).glob("step-*") if p.name[5:].isdigit() and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def newest(root: Path) -> dict | None:
     """The manifest of the newest snapshot under `root` whose files are all there at their recorded
     sizes: the launcher's look, before any worker verifies the checksums too (reading every byte once
     is the workers' part; a snapshot they then skip was written by the same run, under the same config)."""
-    for folder in sorted(Path(root).glob("step-*"), key=_step, reverse=True):
+    for folder in reversed(step_snapshots(root)):
         try:
             return verify(folder, checksums=False)
         except Damaged:
             continue
     return None
-
-
-def _step(folder: Path) -> int:
-    try:
-        return int(folder.name.split("-")[1])
-    except (IndexError, ValueError):
-        return -1

@@ -10,14 +10,13 @@ under training.compile the time torch.compile spends compiling (dynamo's frames,
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.run_folder import RunFolder
+from ddplab.errors import RunError
 from ddplab.handoff import Handoff
 
 if TYPE_CHECKING:
@@ -97,13 +96,11 @@ class Phases:
     def add_teardown(self, run_dir: Path) -> None:
         """After the process group is gone: the teardown phase, appended to train.log and metrics.json."""
         self.mark("teardown")
-        metrics = Path(run_dir) / RunFolder.METRICS_JSON
-        with contextlib.suppress(OSError, ValueError):  # the run itself is recorded; only the breakdown is missing
-            with open_append(run_dir, RunFolder.LOG) as f:
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.line()}\n")
-            summary = json.loads(metrics.read_text())
-            summary["phases"] = self.as_dict()
-            write_atomic(run_dir, RunFolder.METRICS_JSON, json.dumps(summary, indent=2) + "\n")
+        with contextlib.suppress(OSError, RunError):  # the run itself is recorded; only the breakdown is missing
+            run = RunFolder(run_dir, is_main=True)
+            run.log(self.line(), echo=False)
+            run.update_json(RunFolder.METRICS_JSON, phases=self.as_dict())
+            run.close()
 
 
 class CompileClock:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddplab.engine.files import open_append, write_atomic
+from ddplab.engine.files import open_append, read_json, write_atomic
 from ddplab.errors import write_failed
 
 EPOCH_COLUMNS = [
@@ -108,11 +108,7 @@ class RunFolder:
         self.write_text(name, json.dumps(_clean(obj), indent=2, default=default) + "\n")
 
     def update_json(self, name: str, **fields) -> None:
-        try:
-            obj = json.loads((self.path / name).read_text())
-        except (OSError, ValueError):
-            obj = {}
-        self.write_json(name, {**obj, **fields})
+        self.write_json(name, {**read_json(self.path / name), **fields})
 
     def write_epochs(self, rows: list[dict]) -> None:
         """Rewrite metrics.csv from the full history (so a resumed run never duplicates rows)."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddplab.config import link_delay_s
 from ddplab.errors import UserError
 from ddplab.forecast.links import Link, allreduce_s, wire_messages
 from ddplab.forecast.sharded import sent_bytes, sharded_step
@@ -169,14 +170,6 @@ class Comm:
         self.units = self.units or self.buckets[::-1]
 
 
-def simulated_delay_s(nbytes: float, processes: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
-    """The delay ddplab's simulated link adds before a bucket's all-reduce (engine/comm.py)."""
-    delay = latency_ms / 1000.0
-    if bandwidth_mbps:
-        delay += 2 * (processes - 1) / processes * nbytes * 8 / (bandwidth_mbps * 1e6)
-    return delay
-
-
 def overlapped_backward(
     backward_s: float, buckets: list[dict], messages: list[list[float]], cost, delays: list[float] | None = None
 ) -> tuple[float, float, float]:
@@ -240,7 +233,7 @@ def predict_step(
     messages = [wire_messages(b, comm.hook, comm.rank) for b in comm.buckets]
     # The simulated link delays the bucket's wire size (the uncompressed size under PowerSGD).
     sizes = [b["bytes"] if comm.hook == "powersgd" else sum(m) for b, m in zip(comm.buckets, messages, strict=True)]
-    delays = [simulated_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]
+    delays = [link_delay_s(n, p, latency_ms, bandwidth_mbps) for n in sizes]
     end, comm_s, exposed = overlapped_backward(
         backward, comm.buckets, messages, lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays
     )

@@ -11,6 +11,7 @@ Each epoch row gains the slowest rank and the spread ((slowest - fastest) / medi
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 
 import torch
@@ -18,12 +19,6 @@ import torch
 from ddplab.callbacks import Callback
 
 STREAK = 3  # log intervals in a row: one slow interval (a page fault, a GC pause) is not a straggler
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Stragglers(Callback):
@@ -60,7 +55,7 @@ class Stragglers(Callback):
         threshold = view.config.logging.straggler_threshold
         for rank, t in enumerate(own):
             # The others' median: with two ranks, a median that included the slow one would halve its lead.
-            median = _median(own[:rank] + own[rank + 1 :])
+            median = statistics.median(own[:rank] + own[rank + 1 :])
             if median <= 0:
                 continue
             self.streak[rank] = self.streak[rank] + 1 if t > median * (1 + threshold) else 0
@@ -70,7 +65,8 @@ class Stragglers(Callback):
                 others = torch.cat([every[:rank], every[rank + 1 :]])
                 loses = (
                     "data loading"
-                    if data - _median(others[:, 1].tolist()) > compute - _median(others[:, 0].tolist())
+                    if data - statistics.median(others[:, 1].tolist())
+                    > compute - statistics.median(others[:, 0].tolist())
                     else "compute"
                 )
                 view.run.log(
@@ -82,7 +78,7 @@ class Stragglers(Callback):
     def on_epoch_end(self, view, row):
         if view.world_size > 1 and self.epoch.sum() > 0:
             own = (self.epoch[:, 0] + self.epoch[:, 1]).tolist()
-            median = _median(own)
+            median = statistics.median(own)
             row["slowest_rank"] = max(range(len(own)), key=own.__getitem__)
             row["rank_spread"] = (max(own) - min(own)) / median if median else None
         self._reset(view)

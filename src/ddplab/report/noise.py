@@ -7,33 +7,19 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import pairwise
 
-from ddplab.report.table import fmt
-
-
-def _range(row: dict, key: str) -> str:
-    text = fmt(key, row.get(key))
-    if row.get("repeats", 1) > 1:
-        text += f" ({fmt(key, row.get(f'{key}_min'))}–{fmt(key, row.get(f'{key}_max'))})"
-    return text
+from ddplab.report.table import cell
 
 
 def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
     """One sentence on two points' medians: a ratio only when their ranges are apart."""
     va, vb = a.get(key), b.get(key)
-    head = f"{a['label']} {_range(a, key)} vs {b['label']} {_range(b, key)}"
+    head = f"{a['label']} {cell(a, key)} vs {b['label']} {cell(b, key)}"
     if not va or not vb:
         return f"{head}: not measured"
     if min(a.get("repeats", 1), b.get("repeats", 1)) < 2:
         return f"{head}: a single run on a side, noise not measured (use --repeat 3)"
-    lo_a, hi_a, lo_b, hi_b = a.get(f"{key}_min"), a.get(f"{key}_max"), b.get(f"{key}_min"), b.get(f"{key}_max")
-    if (
-        lo_a is not None
-        and hi_a is not None
-        and lo_b is not None
-        and hi_b is not None
-        and lo_a <= hi_b
-        and lo_b <= hi_a
-    ):
+    # build_rows gives every measured median its range over the repeats
+    if a[f"{key}_min"] <= b[f"{key}_max"] and b[f"{key}_min"] <= a[f"{key}_max"]:
         return f"{head}: **within noise** (ranges overlap)"
     faster, slower = (a, b) if va > vb else (b, a)
     return f"{head}: {faster['label']} is {max(va, vb) / min(va, vb):.2f}x {slower['label']} (ranges apart)"
@@ -63,10 +49,10 @@ def efficiency_notes(rows: list[dict]) -> list[str]:
         eff, lo = row.get("efficiency"), row.get("efficiency_min")
         if eff is not None and eff > 1.0 and row.get("processes", 1) > 1:
             if row.get("repeats", 1) > 1 and lo is not None and lo <= 1.0:
-                notes.append(f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 is within noise")
+                notes.append(f"{row['label']}: efficiency {cell(row, 'efficiency')} above 1 is within noise")
             else:
                 notes.append(
-                    f"{row['label']}: efficiency {_range(row, 'efficiency')} above 1 (superlinear, or the "
+                    f"{row['label']}: efficiency {cell(row, 'efficiency')} above 1 (superlinear, or the "
                     f"1-process baseline ran slow; repeat to tell)"
                 )
     return notes

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddplab.engine.files import read_json
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import UserError
 
@@ -96,15 +97,11 @@ def find_runs(dirs: Sequence[str | Path], command: str = "report") -> tuple[list
             if folder.resolve() in seen or "checkpoints" in folder.parts:
                 continue
             seen.add(folder.resolve())
-            try:
-                summary = json.loads(metrics.read_text())
-            except ValueError:
-                summary = {}
+            summary = read_json(metrics)
             if summary.get("status") != "complete":
                 unfinished.append(folder)
                 continue
-            point = json.loads((folder / RunFolder.POINT).read_text()) if (folder / RunFolder.POINT).is_file() else {}
-            runs.append(Run(folder, summary, point))
+            runs.append(Run(folder, summary, read_json(folder / RunFolder.POINT)))
     if not runs:
         where = ", ".join(str(d) for d in dirs)
         raise UserError(f"{command}: no finished run folders (metrics.json with status complete) under {where}")

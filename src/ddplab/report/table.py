@@ -239,17 +239,13 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
                     f"{k}_mb": state[n] / 2**20 if n in state else None
                     for k, n in (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"))
                 },
-                "peak_mem_mb": max(
-                    (r["peak_mem_mb"] for r in run.epochs if r.get("peak_mem_mb") is not None), default=None
-                ),
+                "peak_mem_mb": _spread([r.get("peak_mem_mb") for r in run.epochs])[2],
                 "train_time_s": run.summary.get("aggregates", {}).get("train_time_s"),
                 "best_val_loss": run.summary.get("aggregates", {}).get("best_val_loss"),
                 **{f"val_{k}": last.get(f"val_{k}") for k in scores},
                 **{f"test_{k}": test.get(k) for k in scores},
                 "gpu_util": _mean(r.get("gpu_util") for r in run.epochs),
-                "gpu_mem_mb": max(
-                    (r["gpu_mem_mb"] for r in run.epochs if r.get("gpu_mem_mb") is not None), default=None
-                ),
+                "gpu_mem_mb": _spread([r.get("gpu_mem_mb") for r in run.epochs])[2],
                 **replica_columns(run),
                 "_group": (run.setup, run.experiment_key()),
                 "_experiment": run.experiment_key(),  # repeats share _group
@@ -296,12 +292,8 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
             row["global_batch"], row["global_batch_min"], row["global_batch_max"] = _spread(
                 [r.get("global_batch") for r in rows]
             )
-            row["replicas_min"] = min(
-                (r["replicas_min"] for r in rows if r.get("replicas_min") is not None), default=None
-            )
-            row["replicas_max"] = max(
-                (r["replicas_max"] for r in rows if r.get("replicas_max") is not None), default=None
-            )
+            row["replicas_min"] = _spread([r.get("replicas_min") for r in rows])[1]
+            row["replicas_max"] = _spread([r.get("replicas_max") for r in rows])[2]
         out.append(row)
     out.sort(key=sort_key)
     return out

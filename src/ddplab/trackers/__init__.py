@@ -13,8 +13,9 @@ from __future__ import annotations
 from itertools import takewhile
 
 from ddplab.callbacks import Callback
+from ddplab.engine.files import read_json
 from ddplab.engine.run_folder import RunFolder
-from ddplab.trackers.base import LOG_ROW_SKIP, TensorBoard, numbers, read_json
+from ddplab.trackers.base import LOG_ROW_SKIP, TensorBoard, numbers
 from ddplab.trackers.mlflow_run import MLflow, finish_study
 from ddplab.trackers.wandb_run import WandB
 

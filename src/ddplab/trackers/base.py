@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 from ddplab.engine.files import subfolder
 from ddplab.engine.run_folder import RunFolder
 
 LOG_ROW_SKIP = ("step", "epoch", "elapsed_s")  # a log row's bookkeeping, not a training metric
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def numbers(row: dict, skip=()) -> dict:

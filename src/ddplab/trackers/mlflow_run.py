@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from ddplab import process_state
-from ddplab.engine.files import write_atomic
+from ddplab.engine.files import read_json, write_atomic
 from ddplab.engine.fingerprint import flatten
 from ddplab.engine.run_folder import RunFolder
-from ddplab.trackers.base import Tracker, read_json
+from ddplab.trackers.base import Tracker
 
 
 def mlflow_uri(cfg, run_dir: Path, study: dict | None) -> str:
