@@ -32,7 +32,7 @@ def cache_root(cfg) -> Path:
 @contextlib.contextmanager
 def building(folder: Path) -> Iterator[Path]:
     """A temporary folder that becomes `folder` once written (meta.json last), so a half-written
-    cache is never read. The image cache builds through it too."""
+    cache is never read."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -57,8 +57,8 @@ def npy_offset(path: Path, dtype, shape: tuple) -> int:
 def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "cache") -> None:
     """Rank 0 builds a cache folder (complete once its meta.json exists) if it is missing while
     the others wait; errors reach every rank. Without a filesystem shared across nodes, each
-    other node's first rank then builds its own copy. The image cache uses it too. folder=None:
-    every rank runs `build`, one rank a node first, the others after it (reusing what it cached)."""
+    other node's first rank then builds its own copy. folder=None (tokenised text): every rank runs
+    `build`, one rank a node first, the others after it (reusing what it cached)."""
     done = lambda: folder is not None and is_complete(folder)  # noqa: E731
     if ctx is None:  # built outside a job (tests, predict): no one to wait for
         if not done():
