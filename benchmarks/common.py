@@ -149,6 +149,14 @@ def move(obj, device: torch.device):
     return obj.to(device)
 
 
+def unpack(batch):
+    """(inputs, target) of a batch: a pair, or a dict of the text workloads whose `labels` is the target."""
+    if isinstance(batch, dict):
+        inputs = dict(batch)
+        return inputs, inputs.pop("labels")
+    return batch
+
+
 def autocast(args: argparse.Namespace, device: torch.device):
     if args.amp == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -1,14 +1,16 @@
-"""Peak memory per rank with the memory-mapped token cache, against token lists held in memory.
+"""Peak memory per rank with text tokenised into HF's memory-mapped Arrow cache, against token lists
+held in memory.
 
     python benchmarks/text_cache_memory.py [--rows 1000000] [--nproc 2] [--cache-dir DIR]
 
 Cache: `torchrun --nproc-per-node=N` workers each call ddplab's own data builder for
-`synthetic_reviews` (rank 0 tokenises into the cache while the others wait; a second run
-finds it built), then read their whole shard of one epoch through a DataLoader, as training
-does. Baseline: one process tokenises the same rows into Python lists of ids, as a loader
-without a cache would on every rank. Printed per process: peak RSS (ru_maxrss) and, at the
-end, private (RssAnon) and file-backed (RssFile) resident memory: memory-mapped cache pages
-are file-backed, shared between ranks and dropped by the kernel under pressure.
+`synthetic_reviews` (rank 0 generates the reviews with `Dataset.from_generator` and tokenises them
+with `Dataset.map` into the Arrow cache while the others wait; a second run finds both built), then
+read their whole shard of one epoch through a DataLoader, as training does. Baseline: one process
+tokenises the same rows into Python lists of ids, as a loader without a cache would on every rank.
+Printed per process: peak RSS (ru_maxrss) and, at the end, private (RssAnon) and file-backed
+(RssFile) resident memory: memory-mapped cache pages are file-backed, shared between ranks and
+dropped by the kernel under pressure.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def worker(a) -> None:
             sampler=DistributedSampler(bundle.train, ctx.world_size, ctx.rank, seed=0),
         )
         start, tokens = time.perf_counter(), 0
-        for inputs, _ in loader:
-            tokens += int(inputs["attention_mask"].sum())
+        for batch in loader:
+            tokens += int(batch["attention_mask"].sum())
         read = time.perf_counter() - start
         result = {
             "rank": ctx.rank,

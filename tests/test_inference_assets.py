@@ -81,7 +81,7 @@ def _same_rows(before: list[dict], after: list[dict]) -> None:
     assert [r["probability"] for r in after] == pytest.approx([r["probability"] for r in before], abs=1e-6)
 
 
-def test_text_classification_predicts_after_its_csv_and_token_cache_are_deleted(tmp_path, monkeypatch):
+def test_text_classification_predicts_after_its_csv_and_cache_are_deleted(tmp_path, monkeypatch):
     rows = [("a wonderful film, loved it", "pos"), ("dull and far too long", "neg")] * 40
     (tmp_path / "train.csv").write_text("text,label\n" + "".join(f'"{t}",{y}\n' for t, y in rows))
     run = _train(
@@ -102,7 +102,8 @@ def test_text_classification_predicts_after_its_csv_and_token_cache_are_deleted(
     )
     saved = json.loads((run / "inference" / "assets.json").read_text())
     assert saved["task"]["class_names"] == ["neg", "pos"] and saved["meta"]["tokenizer"] == "hash"
-    assert saved["example"] == {"kind": "pair", "field": None, "target": 0, "input_dtype": None}
+    target = {"dtype": "int64", "shape": []}
+    assert saved["example"] == {"kind": "dict", "field": "label", "target": target, "input_dtype": None}
     inputs = ["a wonderful film", "far too long", "an unknown word"]
     before = predict(str(run), inputs)
 

@@ -1,4 +1,4 @@
-"""Text classification data: hash tokenizer, token cache, sources, pre-launch checks."""
+"""Text classification data: hash tokenizer, sources tokenised into HF's Arrow cache, pre-launch checks."""
 
 import json
 import os
@@ -36,9 +36,8 @@ def test_hash_tokenizer_splits_lowercases_and_truncates():
     assert a[0] == HashTokenizer.CLS and len(a) == 1 + 7
     assert all(HashTokenizer.RESERVED <= i < 1000 for i in a[1:])
     assert tok.encode("good") != tok.encode("bad")
-    ids, lengths = tok.encode_batch(["one two", "word " * 500, ""])
-    assert ids.shape == (3, 8) and lengths.tolist() == [3, 8, 1]
-    assert (ids[0, 3:] == HashTokenizer.PAD).all() and ids[2, 0] == HashTokenizer.CLS
+    ids = tok.encode_batch(["one two", "word " * 500, ""])
+    assert list(map(len, ids)) == [3, 8, 1] and ids[2] == [HashTokenizer.CLS]
 
 
 def test_hash_ids_are_the_same_in_every_process():
@@ -67,31 +66,42 @@ def test_synthetic_reviews_are_reproducible_in_any_chunking():
     assert 0.4 < labels.mean() < 0.6 and all(40 <= len(t.split()) <= 170 for t in texts[:50])
 
 
-def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
-    b = bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=32")
-    folder = tmp_path / ".cache"
-    (cache,) = list(folder.iterdir())  # one folder, no temporary leftovers
-    assert cache.name.startswith("text-") and (cache / "meta.json").is_file()
-    assert isinstance(b.train.cache.array("train", "ids"), np.memmap)
-    assert len(pickle.dumps(b.train)) < 20_000  # DataLoader workers get the path and row order, not the arrays
-    assert len(b.train) == 270 and len(b.val) == 30 and b.test is None
-    assert set(b.train.rows) | set(b.val.rows) == set(range(300))  # a disjoint carve of one split
-    stamp = (cache / "meta.json").stat().st_mtime_ns
-    bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=32")
-    assert (cache / "meta.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
-    bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=64")
-    assert len(list(folder.iterdir())) == 2  # other tokenizer settings, other cache
+def test_generated_reviews_are_tokenised_once_into_hf_cache(tmp_path):
+    import datasets
 
-    inputs, label = b.train[0]
-    assert inputs["input_ids"].dtype == torch.long and inputs["input_ids"][0] == HashTokenizer.CLS
-    batch, target = b.collate_fn([b.train[i] for i in range(4)])
-    width = max(len(b.train[i][0]["input_ids"]) for i in range(4))
+    args = ("data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=32")
+    b = bundle_for(tmp_path, *args)
+    assert isinstance(b.train, datasets.Dataset) and isinstance(b.val, datasets.Dataset)
+    assert len(b.train) == 270 and len(b.val) == 30 and b.test is None
+    files = {f["filename"] for f in b.train.cache_files}
+    assert files and all(f.startswith(str(tmp_path / ".cache")) for f in files)  # memory-mapped Arrow files
+    assert len(pickle.dumps(b.train)) < 20_000  # DataLoader workers get the paths and row order, not the data
+    written = {f: f.stat().st_mtime_ns for f in (tmp_path / ".cache").rglob("*.arrow")}
+    again = bundle_for(tmp_path, *args)
+    assert {f: f.stat().st_mtime_ns for f in (tmp_path / ".cache").rglob("*.arrow")} == written  # reused
+    assert [again.train[i]["input_ids"].tolist() for i in range(5)] == [
+        b.train[i]["input_ids"].tolist() for i in range(5)
+    ]
+    bundle_for(tmp_path, "data.name=synthetic_reviews", "data.num_samples=300", "data.max_len=64")
+    assert len(list((tmp_path / ".cache").rglob("cache-ddplab-*.arrow"))) > len(
+        [f for f in written if f.name.startswith("cache-ddplab-")]
+    )  # other tokenizer settings, other cache files
+
+    item = b.train[0]
+    assert item["input_ids"].dtype == torch.long and item["input_ids"][0] == HashTokenizer.CLS
+    batch = b.collate_fn([b.train[i] for i in range(4)])
+    width = max(len(b.train[i]["input_ids"]) for i in range(4))
     assert batch["input_ids"].shape == (4, width) == batch["attention_mask"].shape
-    assert batch["attention_mask"].sum().item() == sum(len(b.train[i][0]["input_ids"]) for i in range(4))
+    assert batch["attention_mask"].sum().item() == sum(len(b.train[i]["input_ids"]) for i in range(4))
     assert b.meta["input"] == "text" and b.meta["label_names"] == ["negative", "positive"]
-    # Inference encodes a raw text exactly as the cache did.
-    text, _ = generate(1337, int(b.train.rows[0]), 1, 2)  # the default experiment.seed
-    assert torch.equal(b.preprocess(text[0])["input_ids"], inputs["input_ids"])
+    # Inference encodes a raw text exactly as training did; train and val split the generated rows.
+    texts, labels = generate(1337, 0, 300, 2)  # the default experiment.seed
+    tok = HashTokenizer(b.meta["vocab_size"], b.meta["max_len"])
+    rows = lambda split: [(tuple(r["input_ids"].tolist()), int(r["label"])) for r in split]  # noqa: E731
+    assert sorted(rows(b.train) + rows(b.val)) == sorted(
+        zip(map(tuple, map(tok.encode, texts)), labels.tolist(), strict=True)
+    )
+    assert torch.equal(b.preprocess(texts[0])["input_ids"], torch.tensor(tok.encode(texts[0])))
 
 
 @pytest.fixture
@@ -118,10 +128,10 @@ def test_text_files_read_csv_json_parquet_with_string_labels(reviews):
     )
     assert (len(b.train), len(b.val), len(b.test)) == (60, 25, 20) and b.num_classes == 2
     assert b.meta["label_names"] == ["bad", "good"]
-    labels = [b.test[i][1] for i in range(20)]
+    labels = [int(b.test[i]["label"]) for i in range(20)]
     assert labels == [int(s == "good") for s in frame["stars"][:20]]
     # A Parquet row is read as the text it holds.
-    assert torch.equal(b.val[0][0]["input_ids"], b.preprocess(frame["review"][20])["input_ids"])
+    assert torch.equal(b.val[0]["input_ids"], b.preprocess(frame["review"][20])["input_ids"])
 
 
 def test_data_limit_caps_every_split(reviews):

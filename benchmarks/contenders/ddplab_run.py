@@ -19,7 +19,7 @@ from ddplab.run import train  # noqa: E402
 
 def train_and_report(args, callbacks=(), extra=dict) -> None:
     """Train through ddplab's entry and write the result file; `extra()` adds fields to it."""
-    # Beside the result file: one folder for every rank (they share the run folder and token cache).
+    # Beside the result file: one folder for every rank (they share the run folder and the data cache).
     runs = Path(args.out).resolve().parent / "ddplab-runs"
     cfg = load_config(None, overrides(args) + [f"experiment.output_dir={runs}", "experiment.name=b"])
     summary = train(cfg, callbacks=callbacks)

@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import call, contender_args, loss_fn, make_optimizer, report, setup, sync  # noqa: E402
+from common import call, contender_args, loss_fn, make_optimizer, report, setup, sync, unpack  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,8 @@ def main() -> None:
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         start = time.perf_counter()
-        for inputs, target in loader:
+        for batch in loader:
+            inputs, target = unpack(batch)
             loss = loss_fn(call(model, inputs), target)
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)

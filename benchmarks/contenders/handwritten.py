@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import autocast, call, contender_args, loss_fn, make_optimizer, move, report, setup, sync  # noqa: E402
+from common import autocast, call, contender_args, loss_fn, make_optimizer, move, report, setup, sync, unpack  # noqa: E402
 
 
 class HandLoop:
@@ -51,7 +51,8 @@ class HandLoop:
         """Train one epoch; its wall time in seconds."""
         self.sampler.set_epoch(epoch)
         start = time.perf_counter()
-        for inputs, target in self.loader:
+        for batch in self.loader:
+            inputs, target = unpack(batch)
             if self.steps == self.args.max_steps:
                 break
             self.steps += 1

@@ -10,7 +10,7 @@ re-encoded at quality 90 into `images.bin` (`offsets.npy` says where each starts
 disk or less, decoded again per epoch by the loader workers (or on the GPU, `data.decode=gpu`).
 Both hold `labels.npy` and `meta.json`. The key hashes every file's path, size and modification
 time, and the transform settings and format, so an edited, added or removed image, or another
-size, gives a new cache. Like the token cache, the folder is written under a temporary name and
+size, gives a new cache. The folder is written under a temporary name and
 renamed into place (`meta.json` last), built by one rank per node while the others wait.
 What stays per epoch: conversion to float, normalisation, and the random augmentations.
 """

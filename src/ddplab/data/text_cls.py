@@ -1,11 +1,11 @@
 """Text classification data, assembled into ddplab.Data by ddplab/workloads/text_classification.py.
 
-Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset, tokenised by
-`Dataset.map` into HF's own Arrow cache: items are dicts {input_ids, label}, as a user's HF data),
-text_files (the user's CSV / TSV / JSON / JSONL / Parquet: token cache -> memory-mapped datasets, or
-shards of JSON lines / Parquet / Arrow tokenised as they are read, data.stream) and synthetic_reviews
-(generated, token cache). Tokenizers (data.tokenizer): hash for the scratch Transformer, hf (the
-pretrained model's own) for model.name=hf.
+Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset), text_files (the
+user's CSV / TSV / JSON / JSONL / Parquet, or shards of JSON lines / Parquet / Arrow tokenised as they
+are read, data.stream) and synthetic_reviews (generated). Each but a stream is a set of `datasets.Dataset`
+splits tokenised by `Dataset.map` into HF's own Arrow cache: items are dicts {input_ids, label}, as a
+user's HF data. Tokenizers (data.tokenizer): hash for the scratch Transformer, hf (the pretrained
+model's own) for model.name=hf.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from ddplab.data import streamed, text_cache, text_sources, text_synthetic
 from ddplab.data.checks import tokenizer_kind
 from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
 from ddplab.errors import UserError
 
-# data.name -> (source reader, cheap description for the cache key): the token cache's sources
+# data.name -> (its splits as datasets.Dataset, label names and label mapping; cheap description for the
+# fingerprint)
 SOURCES = {
+    "imdb": (text_sources.hub_source, text_sources.hub_describe),
+    "amazon_polarity": (text_sources.hub_source, text_sources.hub_describe),
     "text_files": (text_sources.files_source, text_sources.files_describe),
     "synthetic_reviews": (text_synthetic.source, text_synthetic.describe),
 }
@@ -60,45 +62,35 @@ def tokenizer_description(cfg) -> dict:
 # ---------------------------------------------------------------------------- datasets
 
 
-class TokenizedTexts(Dataset):
-    """Rows of one cached split, in the order `rows` gives; items are ({input_ids}, label)."""
+def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
+    """(meta, label names, (train, val, test) datasets.Dataset of {input_ids, label}).
 
-    def __init__(self, cache: text_cache.TokenCache, split: str, rows: np.ndarray) -> None:
-        self.cache, self.split, self.rows = cache, split, rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int):
-        r = self.rows[i]
-        n = int(self.cache.array(self.split, "lengths")[r])
-        ids = torch.from_numpy(self.cache.array(self.split, "ids")[r, :n].astype(np.int64))
-        return {"input_ids": ids}, int(self.cache.array(self.split, "labels")[r])
-
-
-def hub_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
-    """imdb / amazon_polarity: (meta, label names, (train, val, test) datasets.Dataset of {input_ids, label}).
-
-    `Dataset.map` writes the ids into HF's Arrow cache beside the download, memory-mapped by every rank,
-    under a fingerprint of the source and tokenizer that every rank and rerun finds again; one rank a
-    node maps first while the others wait (text_cache.ensure)."""
-    fields, out = text_sources.HUB[cfg.data.name][1], dict[str, Any]()
-    key = {"source": text_sources.hub_describe(cfg), "tokenizer": tokenizer_description(cfg)}
+    `Dataset.map` writes the ids into HF's Arrow cache beside the source's own (a hub download, or what
+    `Dataset.from_generator` wrote), memory-mapped by every rank, under a fingerprint of the source and
+    tokenizer that every rank and rerun finds again; one rank a node reads and maps first while the others
+    wait (text_cache.ensure), then finds both in the cache."""
+    read, describe = SOURCES[cfg.data.name]
+    fields = text_sources.HUB[cfg.data.name][1] if cfg.data.name in text_sources.HUB else ("text",)
+    key = {"source": describe(cfg), "tokenizer": tokenizer_description(cfg)}
     key_hash = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    out = dict[str, Any]()
 
-    def encode(batch: dict, tokenizer) -> dict:
-        ids, lengths = tokenizer.encode_batch(["\n".join(p) for p in zip(*(batch[f] for f in fields), strict=True)])
-        return {"input_ids": [row[:n].tolist() for row, n in zip(ids, lengths, strict=True)]}
+    def encode(batch: dict, tokenizer, mapping: dict | None) -> dict:
+        ids = tokenizer.encode_batch(["\n".join(p) for p in zip(*(batch[f] for f in fields), strict=True)])
+        return {"input_ids": ids} | ({"label": [mapping[y] for y in batch["label"]]} if mapping else {})
 
     def tokenise() -> None:
-        raw, out["names"] = text_sources.hub_source(cfg)
+        raw, out["names"], mapping = read(cfg)
         tokenizer = make_tokenizer(cfg)
         out["meta"] = {"input": "text", **tokenizer.describe()}
         for split, ds in raw.items():
             drop = [c for c in ds.column_names if c != "label"]
             fingerprint = f"ddplab-{key_hash}-{split}"
             out[split] = ds.map(
-                partial(encode, tokenizer=tokenizer), batched=True, remove_columns=drop, new_fingerprint=fingerprint
+                partial(encode, tokenizer=tokenizer, mapping=mapping),
+                batched=True,
+                remove_columns=drop,
+                new_fingerprint=fingerprint,
             )
             out[split].set_format("torch")
 
@@ -109,7 +101,8 @@ def hub_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
 
 def pad_collate(items, pad_id: int):
     """Pads a batch to its longest text (not max_len): short reviews cost short sequences. Dict items
-    ({input_ids, label or labels}, the hub's) give one dict with `labels`; pairs give (inputs, labels)."""
+    ({input_ids, label or labels}, the tokenised splits') give one dict with `labels`; pairs (streamed rows,
+    and predict on run folders that trained on pairs) give (inputs, labels)."""
     pairs = [(it, it.get("labels", it.get("label"))) if isinstance(it, Mapping) else it for it in items]
     seqs = [inputs["input_ids"] for inputs, _ in pairs]
     ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
@@ -155,8 +148,7 @@ class Encoder:
     def __call__(self, text: str) -> dict:
         if self.tokenizer is None:
             self.tokenizer = tokenizer_from_meta(self.meta)
-        ids, lengths = self.tokenizer.encode_batch([text])
-        return {"input_ids": torch.from_numpy(ids[0, : lengths[0]].astype(np.int64))}
+        return {"input_ids": torch.tensor(self.tokenizer.encode_batch([text])[0], dtype=torch.long)}
 
 
 class TextRows:

@@ -1,7 +1,8 @@
 """Where labelled texts come from: the HF hub datasets (IMDB, Amazon Polarity) and the user's files.
 
-A hub dataset comes back as its `datasets.Dataset` splits (text_cls tokenises them with `Dataset.map`);
-the user's files are read only by the rank that builds the token cache, in chunks of (texts, label ids).
+Each comes back as `datasets.Dataset` splits (text_cls tokenises them with `Dataset.map`): a hub dataset's
+own, and the user's files written once into HF's Arrow cache by `Dataset.from_generator` (keyed by their
+paths, sizes and times), read only by the rank that builds it; the other ranks memory-map its copy.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
-from ddplab.data.text_cache import TextSource, TextSplit
+from ddplab.data.text_cache import cache_root
 from ddplab.errors import UserError, first_line
 
 # data.name -> (hub name, text fields joined into one text)
@@ -45,8 +44,9 @@ def _offline():
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
 
 
-def hub_source(cfg) -> tuple[dict, list[str]]:
-    """The hub's labelled splits under our names (train, val, test), and the label names (its ClassLabel's)."""
+def hub_source(cfg) -> tuple[dict, list[str], None]:
+    """The hub's labelled splits under our names (train, val, test), the label names (its ClassLabel's), and
+    no label mapping (the labels are class ids)."""
     import datasets  # the text extra, only when a hub dataset is read
 
     name, fields = HUB[cfg.data.name]
@@ -62,7 +62,7 @@ def hub_source(cfg) -> tuple[dict, list[str]]:
             f"or use data.name=text_files data.train=<csv/json/parquet>"
         ) from None
     names = list(ds["train"].features["label"].names)
-    return {ours: ds[theirs] for theirs, ours in HUB_SPLITS.items() if theirs in ds}, names
+    return {ours: ds[theirs] for theirs, ours in HUB_SPLITS.items() if theirs in ds}, names, None
 
 
 def hub_describe(cfg) -> dict:
@@ -159,9 +159,7 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
 
     labels = pd.concat(parts)
     if labels.isna().any():
-        raise UserError(
-            f"data.label_column '{column}' has empty values (row {int(np.flatnonzero(labels.isna().to_numpy())[0])})"
-        )
+        raise UserError(f"data.label_column '{column}' has empty values; every row needs a label")
     if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
         low, high = int(labels.min()), int(labels.max())
         k = num_classes or high + 1
@@ -190,24 +188,40 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
     return names, {name: i for i, name in enumerate(names)}
 
 
-def files_source(cfg) -> TextSource:
+def _rows(path: str, text: str, label: str, stamp: tuple) -> Iterator[dict]:
+    """A file's rows as {text, label}: labels as read where they are integers (class ids), else as strings.
+    `stamp` (the file's size and time) only keys the cache."""
+    import pandas as pd  # the text extra, only when a table is read
+
+    frame = read_table(path, [text, label])
+    labels = frame[label]
+    if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
+        values = labels.tolist()
+    else:
+        values = [None if pd.isna(y) else str(y) for y in labels]
+    for t, y in zip(frame[text].fillna("").astype(str), values, strict=True):
+        yield {"text": t, "label": y}
+
+
+def files_source(cfg) -> tuple[dict, list[str], dict | None]:
+    """data.train (+ val, test) as `datasets.Dataset`s of {text, label}, the label names, and the mapping of
+    non-integer labels to class ids (None: the labels are the ids), learned from each split's distinct labels."""
+    import datasets  # the text extra
+    import pandas as pd
+
     d = cfg.data
     check_files(cfg)
-    frames = {split: read_table(path, [d.text_column, d.label_column]) for split, path in _files(cfg).items()}
-    names, mapping = label_mapping([f[d.label_column] for f in frames.values()], d.num_classes, d.label_column)
-
-    def split_of(frame) -> TextSplit:
-        def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
-            for start in range(0, len(frame), size):
-                part = frame.iloc[start : start + size]
-                texts = part[d.text_column].fillna("").astype(str).tolist()
-                raw = part[d.label_column]
-                labels = raw.astype(str).map(mapping).to_numpy() if mapping else raw.to_numpy()
-                yield texts, np.asarray(labels, dtype=np.int64)
-
-        return TextSplit(len(frame), chunks)
-
-    return TextSource(splits={split: split_of(f) for split, f in frames.items()}, label_names=names)
+    splits = {
+        split: datasets.Dataset.from_generator(
+            _rows,
+            gen_kwargs={"path": path, "text": d.text_column, "label": d.label_column, "stamp": tuple(stamp)},
+            cache_dir=str(cache_root(cfg)),
+        )
+        for split, (path, *stamp) in files_describe(cfg)["files"].items()
+    }
+    distinct = [pd.Series(s.unique("label")) for s in splits.values() if len(s)]
+    names, mapping = label_mapping(distinct, d.num_classes, d.label_column)
+    return splits, names, mapping
 
 
 def files_describe(cfg) -> dict:

@@ -4,7 +4,8 @@ Each review is 40-160 words of neutral film vocabulary with sentences and commas
 its words come from its class's sentiment lexicon and 2.5 % from another class's, so the label
 is learnable from the words (a bag-of-words naive Bayes classifier scores about 97.7 % on two
 classes), short reviews are ambiguous now and then, and the texts tokenise like IMDB's.
-Generation is chunked and seeded per chunk: any size streams with flat memory, the same every time.
+Generation is chunked and seeded per chunk: any size streams with flat memory, the same every time,
+into HF's Arrow cache (`Dataset.from_generator`), keyed by `describe`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ddplab.data.text_cache import TextSource, TextSplit
+from ddplab.data.text_cache import cache_root
 
 POSITIVE = (
     "great excellent wonderful superb brilliant enjoyable moving delightful masterpiece fantastic "
@@ -44,6 +45,8 @@ NEUTRAL = (
 ).split()
 
 P_SIGNAL, P_NOISE = 0.10, 0.025
+VERSION = 1  # in the cache key: bump when the generated texts change
+CHUNK = 10_000  # reviews generated at a time
 
 
 def lexicons(num_classes: int) -> list[list[str]]:
@@ -100,15 +103,27 @@ def _block(seed: int, b: int, num_classes: int, size: int = 1000) -> tuple[list[
     return texts, labels
 
 
-def source(cfg) -> TextSource:
+def _rows(seed: int, num_samples: int, num_classes: int, key: dict) -> Iterator[dict]:
+    """The reviews as {text, label}; `key` (describe's) only keys the cache."""
+    for start in range(0, num_samples, CHUNK):
+        texts, labels = generate(seed, start, min(CHUNK, num_samples - start), num_classes)
+        yield from ({"text": t, "label": int(y)} for t, y in zip(texts, labels, strict=True))
+
+
+def source(cfg) -> tuple[dict, list[str], None]:
+    """One train split as a `datasets.Dataset` of {text, label}, the label names, no label mapping."""
+    import datasets  # the text extra
+
     n, seed, k = cfg.data.num_samples, cfg.experiment.seed, cfg.data.num_classes or 2
-
-    def chunks(size: int) -> Iterator[tuple[list[str], np.ndarray]]:
-        for start in range(0, n, size):
-            yield generate(seed, start, min(size, n - start), k)
-
     names = ["negative", "positive"] if k == 2 else [f"rating_{c + 1}" for c in range(k)]
-    return TextSource(splits={"train": TextSplit(n, chunks)}, label_names=names)
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=names)})
+    train = datasets.Dataset.from_generator(
+        _rows,
+        features=features,
+        gen_kwargs={"seed": seed, "num_samples": n, "num_classes": k, "key": describe(cfg)},
+        cache_dir=str(cache_root(cfg)),
+    )
+    return {"train": train}, names, None
 
 
 def describe(cfg) -> dict:
@@ -119,4 +134,5 @@ def describe(cfg) -> dict:
         "num_classes": cfg.data.num_classes or 2,
         "p_signal": P_SIGNAL,
         "p_noise": P_NOISE,
+        "version": VERSION,
     }

@@ -1,8 +1,8 @@
 """Tokenizers for text classification: the vocabulary-free hash tokenizer and a model's own HF one.
 
-Both encode a batch of texts into a fixed-width id matrix plus true lengths, the layout of the
-on-disk token cache; both can be rebuilt from the plain dict they describe themselves with,
-which runs and checkpoints keep for inference.
+Both encode a batch of texts into lists of token ids (`Dataset.map` stores them in an Arrow file);
+both can be rebuilt from the plain dict they describe themselves with, which runs and checkpoints
+keep for inference.
 """
 
 from __future__ import annotations
@@ -10,27 +10,10 @@ from __future__ import annotations
 import re
 import zlib
 
-import numpy as np
-
 from ddplab.errors import UserError, first_line
 
 # Words (letters, digits, underscore; any script) and single punctuation marks.
 _TOKEN = re.compile(r"\w+|[^\w\s]")
-
-
-def id_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned type that holds every id: halves the cache for vocabularies < 65,536."""
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
-
-
-def padded(seqs: list, width: int, pad_id: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(ids (N, width) padded with pad_id, lengths (N,)): the token cache's layout."""
-    ids = np.full((len(seqs), width), pad_id, dtype=dtype)
-    lengths = np.empty(len(seqs), dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        ids[i, : len(seq)] = seq
-        lengths[i] = len(seq)
-    return ids, lengths
 
 
 class HashTokenizer:
@@ -50,7 +33,7 @@ class HashTokenizer:
         if max_len < 2:
             raise UserError(f"data.max_len must be >= 2 (one [CLS] position plus words), got {max_len}")
         self.vocab_size, self.max_len, self.lowercase = vocab_size, max_len, lowercase
-        self.pad_id, self.dtype = self.PAD, id_dtype(vocab_size)
+        self.pad_id = self.PAD
         self._memo: dict[str, int] = {}
 
     def describe(self) -> dict:
@@ -85,8 +68,8 @@ class HashTokenizer:
         memo, bucket = self._memo, self._bucket
         return [self.CLS] + [memo[w] if w in memo else bucket(w) for w in self.words(text)]
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        return padded([self.encode(text) for text in texts], self.max_len, self.PAD, self.dtype)
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
 
 
 class HFTokenizer:
@@ -110,7 +93,6 @@ class HFTokenizer:
         self.max_len = min(max_len, limit)
         self.vocab_size = len(self.tok)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
-        self.dtype = id_dtype(self.vocab_size)
 
     def describe(self) -> dict:
         return {
@@ -122,9 +104,8 @@ class HFTokenizer:
             "class": type(self.tok).__name__,
         }
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        encoded = self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
-        return padded(encoded, self.max_len, self.pad_id, self.dtype)
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
 
 
 def tokenizer_from_meta(meta: dict):

@@ -4,10 +4,10 @@ sequence classifier fine-tuned with its own tokenizer.
     ddplab train data.name=imdb model.name=transformer
     ddplab train data.name=text_files data.train=train.csv model.name=hf model.pretrained=<hub name or folder>
 
-Sources: imdb, amazon_polarity (datasets.load_dataset, tokenised once by Dataset.map into HF's
-Arrow cache: `datasets.Dataset` splits of dict items, the path a user's HF data takes), text_files
-(CSV / TSV / JSON / JSONL / Parquet) and synthetic_reviews (generated), tokenised once into ddplab's
-token cache, or, with data.stream=true, text_files shards tokenised as they are read:
+Sources: imdb, amazon_polarity (datasets.load_dataset), text_files (CSV / TSV / JSON / JSONL / Parquet)
+and synthetic_reviews (generated), tokenised once by Dataset.map into HF's Arrow cache: `datasets.Dataset`
+splits of dict items, the path a user's HF data takes; or, with data.stream=true, text_files shards
+tokenised as they are read:
 
     ddplab train data.name=text_files data.stream=true data.train='shards/*.parquet' model.name=transformer
 """
@@ -20,20 +20,7 @@ from pathlib import Path
 from torch import nn
 
 import ddplab
-from ddplab.data import text_cache
-from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_cls import (
-    SOURCES,
-    Encoder,
-    TokenizedTexts,
-    hub_splits,
-    make_tokenizer,
-    pad_collate,
-    splits,
-    stream_splits,
-    tokenizer_description,
-)
-from ddplab.data.text_sources import HUB
+from ddplab.data.text_cls import Encoder, make_tokenizer, pad_collate, stream_splits, tokenised_splits
 from ddplab.errors import UserError, first_line
 from ddplab.models.checks import check_pretrained, looks_like_path
 from ddplab.models.transformer import TransformerClassifier, TransformerConfig
@@ -48,10 +35,8 @@ def data(cfg) -> ddplab.Data:
     if c.data.stream:  # shards tokenised as they are read
         meta = {"input": "text", **make_tokenizer(c).describe()}
         names, train, val, test = stream_splits(c, meta)
-    elif c.data.name in HUB:  # datasets.Dataset splits, as a user's HF data
-        meta, names, (train, val, test) = hub_splits(c, cfg.dist)
-    else:
-        meta, names, (train, val, test) = _cached(cfg)
+    else:  # datasets.Dataset splits, as a user's HF data
+        meta, names, (train, val, test) = tokenised_splits(c, cfg.dist)
     k = c.data.num_classes or len(names)
     if k < len(names):
         raise UserError(
@@ -67,25 +52,6 @@ def data(cfg) -> ddplab.Data:
         collate_fn=partial(pad_collate, pad_id=meta["pad_id"]),
         preprocess=Encoder(meta),
     )
-
-
-def _cached(cfg) -> tuple[dict, list[str], tuple]:
-    """The source tokenised once into the token cache (by one rank a node), then memory-mapped."""
-    c = cfg.config
-    read, describe = SOURCES[c.data.name]
-    description = {"source": describe(c), "tokenizer": tokenizer_description(c)}
-    folder = text_cache.cache_folder(text_cache.cache_root(c), description)
-
-    def write() -> None:
-        tokenizer = make_tokenizer(c)
-        print(f"token cache: tokenising {c.data.name} with the {tokenizer_kind(c)} tokenizer into {folder}", flush=True)
-        text_cache.write(folder, read(c), tokenizer, description)
-
-    text_cache.ensure(cfg.dist, folder, write)
-    cache = text_cache.TokenCache(folder)
-    meta = {"input": "text", **cache.meta["tokenizer"], "cache": str(folder)}
-    sizes = {s: cache.size(s) for s in ("train", "val", "test")}
-    return meta, list(cache.meta["label_names"]), splits(c, sizes, partial(TokenizedTexts, cache))
 
 
 def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
