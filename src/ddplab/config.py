@@ -90,7 +90,7 @@ class DataConfig:
         "the transform draws from them)",
     )
     download: bool = _f(False, "let torchvision / HF datasets download when files are missing")
-    cache_dir: str | None = _f(None, "cache folder for HF datasets, token caches and image caches")
+    cache_dir: str | None = _f(None, "cache folder for HF datasets (tokenised splits included) and image caches")
     cache: str = _f(
         "raw",
         "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
