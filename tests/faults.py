@@ -1,11 +1,13 @@
 """Fault injection for the fault-tolerance tests: a callback, and a script that trains with it.
 
     python tests/faults.py SPEC train [CONFIG.yaml] [key=value ...]
-    torchrun --nproc-per-node=2 --max-restarts=1 tests/faults.py SPEC train ...
+    python tests/faults.py --agent --standalone --nproc-per-node=2 --max-restarts=1 tests/faults.py SPEC train ...
 
 The script does what `ddplab train` does in one process of the job (through `ddplab.train`),
-with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. SPEC is
-comma-separated `key=value` items; `step=S` says when (after optimizer step S of the run):
+with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. With --agent it
+is torchrun (the rest of the line is torchrun's), whose workers run the script forked from it, as
+`ddplab train --nproc-per-node` starts its own (ddplab.launch.agent): a worker then costs no import
+of torch. SPEC is comma-separated `key=value` items; `step=S` says when (after optimizer step S of the run):
 
   kill_rank=R,step=S      rank R sends itself SIGKILL (a worker that dies without a word)
   raise_rank=R,step=S     rank R raises RuntimeError (an ordinary crash)
@@ -35,21 +37,45 @@ import ddplab
 SCRIPT = Path(__file__).resolve()
 
 
-def command(spec: str, args: list[str], nproc: int | None = None, max_restarts: int = 0) -> list[str]:
-    """The command line of a faulty run: one process, or `nproc` under torchrun."""
+def command(
+    spec: str, args: list[str], nproc: int | None = None, max_restarts: int = 0, exec_workers: bool = False
+) -> list[str]:
+    """The command line of a faulty run: one process, or `nproc` under torchrun: the agent below, or with
+    `exec_workers` plain torchrun (whose failure summary then records every worker's end, a SIGKILL included;
+    the forked workers' summary, multiprocessing's, holds the first failure it sees)."""
     if nproc is None:
         return [sys.executable, str(SCRIPT), spec, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        str(SCRIPT),
-        spec,
-        *args,
-    ]
+    torchrun = [f"--nproc-per-node={nproc}", "--standalone", f"--max-restarts={max_restarts}"]
+    if exec_workers:
+        return [sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT), spec, *args]
+    return agent_command(torchrun, spec, args)
+
+
+def agent_command(torchrun_args: list[str], spec: str, args: list[str]) -> list[str]:
+    """torchrun with `torchrun_args`, its workers this script's main() forked from it."""
+    return [sys.executable, str(SCRIPT), "--agent", *torchrun_args, str(SCRIPT), spec, *args]
+
+
+def agent(argv: list[str]) -> None:
+    """torchrun (argv: its command line), whose workers are forked from it, as ddplab's own agent forks its
+    `ddplab` workers: ddplab's forked-worker entry, with this script's main() where it calls the CLI's."""
+    import torch._dynamo  # noqa: F401 - what every worker imports, imported once
+    import torch.distributed.run as torchrun
+
+    import ddplab.cli
+    import ddplab.run  # noqa: F401
+    from ddplab import launch
+
+    ddplab.cli.main = main
+    plain = torchrun.config_from_args
+
+    def config_from_args(args):
+        config, _, cmd_args = plain(args)  # cmd_args: ["-u", this script, SPEC, ...]
+        config.start_method = "fork"
+        return config, launch._forked_worker, cmd_args[2:]
+
+    torchrun.config_from_args = config_from_args
+    torchrun.main(argv)
 
 
 class Faults(ddplab.Callback):
@@ -134,4 +160,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    if sys.argv[1:2] == ["--agent"]:
+        agent(sys.argv[2:])
+    else:
+        sys.exit(main(sys.argv[1:]))

@@ -55,9 +55,14 @@ def _same_as_reference(run: Path, reference: Path) -> None:
     assert [r["epoch"] for r in csv.DictReader(open(run / "metrics.csv"))] == ["1", "2"]  # no duplicated rows
 
 
-def _faulty(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0):
+def _faulty(spec: str, args: list[str], cwd: Path, nproc: int | None = None, max_restarts: int = 0, **how):
     return subprocess.run(
-        command(spec, args, nproc, max_restarts), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+        command(spec, args, nproc, max_restarts, **how),
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -79,7 +84,7 @@ def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, 
 
 
 def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
-    proc = _faulty("kill_rank=1,step=3", _args(data, "dead"), tmp_path, 2)
+    proc = _faulty("kill_rank=1,step=3", _args(data, "dead"), tmp_path, 2, exec_workers=True)  # torchrun's summary
     ended = datetime.now()
     assert proc.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", proc.stderr), proc.stderr[-2000:]

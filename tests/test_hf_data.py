@@ -142,11 +142,10 @@ def _records(log: Path, keep: Path) -> dict[int, list[list[int]]]:
     return out
 
 
-def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str, workers: int = 0):
+def _stream_args(name: str, log: Path, kind: str, workers: int = 0) -> list[str]:
     log.mkdir(exist_ok=True)
-    return ddplab(
+    return [
         "train",
-        *(["--nproc-per-node", str(nproc)] if nproc > 1 else []),
         f"model.name={WORK}:recorder",
         f"data.name={WORK}:stream_data",
         f"data.options.kind={kind}",
@@ -159,9 +158,13 @@ def _stream_run(cwd: Path, name: str, log: Path, nproc: int, kind: str, workers:
         f"data.num_workers={workers}",
         f"experiment.name={name}",
         *COMMON,
-        cwd=cwd,
-        timeout=240,
-    )
+    ]
+
+
+def _stream_run(cwd: Path, name: str, log: Path, kind: str, workers: int = 0):
+    """The job on 2 processes, `ddplab train --nproc-per-node 2`."""
+    args = _stream_args(name, log, kind, workers)
+    return ddplab(args[0], "--nproc-per-node", "2", *args[1:], cwd=cwd, timeout=240)
 
 
 @pytest.mark.parametrize("kind", ["torch", "hf"])
@@ -171,25 +174,26 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
     of it on 1. torch: a stream without state, skipped forward; hf: its own state_dict(). The 2-process
     resume reads with 2 loader workers a rank (the uninterrupted run with none): the order is the same."""
     log, every = tmp_path / "log", Counter(list(range(96)) * 2)
-    assert_ok(_stream_run(tmp_path, "whole", log, 2, kind))
+    assert_ok(_stream_run(tmp_path, "whole", log, kind))
     whole = _records(log, tmp_path / "whole")
     assert Counter(i for batch in whole[0] + whole[1] for i in batch) == every
 
     monkeypatch.setenv("DIE_AT", "17")
-    assert _stream_run(tmp_path, "cut", log, 2, kind).returncode != 0
+    assert _stream_run(tmp_path, "cut", log, kind).returncode != 0
     monkeypatch.delenv("DIE_AT")
     before = {r: steps[:15] for r, steps in _records(log, tmp_path / "cut").items()}  # up to the snapshot
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(tmp_path / "experiments" / "cut", elsewhere / "experiments" / "cut")
 
-    resumed = _stream_run(tmp_path, "cut", log, 2, kind, workers=2)
+    resumed = _stream_run(tmp_path, "cut", log, kind, workers=2)
     assert_ok(resumed)
     said = "skipping forward past the first 24 samples" if kind == "torch" else "resumes from its own state_dict()"
     assert said in resumed.stdout, resumed.stdout[-2000:]
     again = _records(log, tmp_path / "again")
     assert {r: before[r] + again[r] for r in (0, 1)} == whole  # the same samples in the same order on each rank
 
-    assert_ok(_stream_run(elsewhere, "cut", log, 1, kind))  # the same run resumed on 1 process
+    # the same run resumed on 1 process: this one (a process adds nothing)
+    assert _run_here(_stream_args("cut", log, kind), monkeypatch, elsewhere) == 0
     seen = before[0] + before[1] + _records(log, tmp_path / "one")[0]
     assert Counter(i for batch in seen for i in batch) == every
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from conftest import _env, assert_ok, ddplab, main
 from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import step_snapshots
-from faults import command
+from faults import agent_command, command
 from references import SAMPLES, gpt_args
 
 
@@ -130,17 +129,17 @@ def _two_nodes(spec: str, args: list[str], cwd: Path) -> list[subprocess.Complet
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc-per-node=2",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=t{port}",
-                *command(spec, args)[1:],
-            ],
+            agent_command(
+                [
+                    "--nnodes=2",
+                    "--nproc-per-node=2",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    f"--rdzv-id=t{port}",
+                ],
+                spec,
+                args,
+            ),
             cwd=cwd,
             env=_env(),
             stdout=subprocess.PIPE,

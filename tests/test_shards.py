@@ -3,6 +3,7 @@ loader workers, and a streamed run SIGKILLed mid-epoch resumed at 2 and at 1 pro
 samples of an uninterrupted run (tests/shards_workloads.py holds the workload); the built-in text, text_files
 and image_folder data streamed through it (data.stream)."""
 
+import contextlib
 import gzip
 import io
 import json
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import _env, assert_ok
+from conftest import _env, assert_ok, main
 from conftest import ddplab as run_ddplab
 from ddplab.data.stream import Stream, owns
 from faults import command
@@ -134,11 +135,9 @@ def test_a_folder_without_shards_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- a run killed and resumed
 
 
-def _run(cwd: Path, data: Path, log: Path, name: str, nproc: int, spec: str | None = None, workers: int = 0):
-    """The job launched as a user would (`ddplab train`, with --nproc-per-node above 1 process), or with a
-    fault (`spec`, tests/faults.py) under plain torchrun."""
+def _args(data: Path, log: Path, name: str, workers: int = 0) -> list[str]:
     log.mkdir(exist_ok=True)
-    args = [
+    return [
         "train",
         f"model.name={WORK}:recorder",
         f"data.name={WORK}:shards_data",
@@ -155,10 +154,16 @@ def _run(cwd: Path, data: Path, log: Path, name: str, nproc: int, spec: str | No
         f"data.num_workers={workers}",
         f"experiment.name={name}",
     ]
+
+
+def _run(cwd: Path, data: Path, log: Path, name: str, spec: str | None = None, workers: int = 0):
+    """The job on 2 processes, launched as a user would (`ddplab train --nproc-per-node 2`), or with a
+    fault (`spec`, tests/faults.py) under torchrun."""
+    args = _args(data, log, name, workers)
     if spec is None:
-        return run_ddplab(args[0], *(["--nproc-per-node", str(nproc)] if nproc > 1 else []), *args[1:], cwd=cwd)
+        return run_ddplab(args[0], "--nproc-per-node", "2", *args[1:], cwd=cwd)
     return subprocess.run(
-        command(spec, args, nproc=nproc), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+        command(spec, args, nproc=2), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
     )
 
 
@@ -178,21 +183,22 @@ def test_a_streamed_run_killed_mid_epoch_resumes_at_the_next_global_sample_at_2_
     of step 15 is 24 samples into epoch 2); the run resumes on 2 processes with 2 loader workers each,
     and a copy of it on 1 process: both go on with the uninterrupted run's next global sample."""
     data, log = _parquet(tmp_path / "data"), tmp_path / "log"
-    assert_ok(_run(tmp_path, data, log, "whole", 2))
+    assert_ok(_run(tmp_path, data, log, "whole"))
     whole = _order(log, tmp_path / "whole")
     assert Counter(whole) == Counter(list(range(96)) * 2)
 
-    assert _run(tmp_path, data, log, "cut", 2, spec="kill_rank=1,step=17").returncode != 0
+    assert _run(tmp_path, data, log, "cut", spec="kill_rank=1,step=17").returncode != 0
     before = _order(log, tmp_path / "cut", steps=15)  # up to the snapshot
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(tmp_path / "experiments" / "cut", elsewhere / "experiments" / "cut")
 
-    resumed = _run(tmp_path, data, log, "cut", 2, workers=2)
+    resumed = _run(tmp_path, data, log, "cut", workers=2)
     assert_ok(resumed)
     assert "seeks to sample 24 of epoch 2" in resumed.stdout, resumed.stdout[-2000:]
     assert before + _order(log, tmp_path / "again") == whole
 
-    assert_ok(_run(elsewhere, data, log, "cut", 1))
+    with contextlib.chdir(elsewhere):  # the copy resumed on 1 process: this one (a process adds nothing)
+        assert main(*_args(data, log, "cut")) == 0
     assert before + _order(log, tmp_path / "one") == whole
 
 
@@ -290,7 +296,6 @@ def test_image_folder_streams_webdataset_tar_shards(tmp_path):
 
 
 def test_a_streamed_builtin_trains_and_predicts_from_its_run_folder(tmp_path, monkeypatch, capfd):
-    from conftest import main
 
     monkeypatch.chdir(tmp_path)
     shards = _reviews(tmp_path / "reviews")
@@ -321,7 +326,6 @@ def test_a_streamed_builtin_trains_and_predicts_from_its_run_folder(tmp_path, mo
     ],
 )
 def test_a_streamed_builtin_that_cannot_work_is_refused_in_one_line(tmp_path, monkeypatch, capfd, overrides, words):
-    from conftest import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t").mkdir()
