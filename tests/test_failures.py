@@ -463,3 +463,40 @@ def test_when_rank_0_dies_rank_1_writes_the_report(corpus, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+_STUCK_LOADER = """
+import os, signal, sys, threading, time
+import torch
+from ddplab.engine.loaders import {init}
+
+class Stuck(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        open(sys.argv[1], "w").write(str(os.getpid()))
+        threading.Event().wait()  # a worker stuck for good: in a lock, a read that never returns
+
+loader = torch.utils.data.DataLoader(Stuck(), num_workers=1, worker_init_fn={init})
+it = iter(loader)
+while not (os.path.exists(sys.argv[1]) and os.path.getsize(sys.argv[1])):
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)  # the rank dies, as a SIGKILLed or faulthandler-ended one does
+"""
+
+
+def test_a_loader_worker_stuck_for_good_dies_with_its_rank(tmp_path):
+    """A DataLoader worker notices its rank's end only while it waits for work; one stuck in __getitem__ would
+    outlive it (and hold the job's output pipes). ddplab's loaders end their workers with their rank."""
+    pid_file = tmp_path / "worker.pid"
+    script = _STUCK_LOADER.format(init="_end_with_rank")
+    proc = subprocess.run([sys.executable, "-c", script, str(pid_file)], env=_env(), timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    worker = int(pid_file.read_text())
+    for _ in range(100):  # the kernel's signal is immediate; the worker's exit takes a moment
+        if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError(f"loader worker {worker} outlived its rank")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import re
 import shutil
@@ -41,9 +40,9 @@ from ddplab.engine.reports import STOPPING
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.handoff import Handoff
+from ddplab.process_state import die_with_parent
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
@@ -70,22 +69,6 @@ def torchrun_command(
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     return cmd + ["-m", "ddplab"] + args
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere).
-
-    If the parent is already gone (re-parented before the call), exit now."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent or parent == 1:
-        os._exit(128 + int(sig))
 
 
 def quick_exit(code: int = 0) -> None:

@@ -176,3 +176,22 @@ def keep_freed_memory() -> int:
     kept = next((t for t in (KEEP, CAPPED) if mallopt(M_MMAP_THRESHOLD, t)), 0)
     _record(f"glibc keeps freed memory below {kept >> 20} MiB (training.keep_host_memory)", undo)
     return kept
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere).
+
+    If the parent is already gone (re-parented before the call), exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:
+        os._exit(128 + int(sig))

@@ -16,7 +16,8 @@ from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.phases import note_launch
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, RunError, UserError
-from ddplab.launch import die_with_parent, quick_exit, run_workers, under_agent
+from ddplab.launch import quick_exit, run_workers, under_agent
+from ddplab.process_state import die_with_parent
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
 
 

@@ -11,6 +11,7 @@ from itertools import islice
 import torch
 from torch.utils.data import DataLoader
 
+from ddplab import process_state
 from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
 from ddplab.data.stream import Stream, is_stateful, is_stream, size
@@ -26,6 +27,13 @@ def data_workers(requested: int | None, device: torch.device, processes_per_node
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, cores // processes_per_node - 1)
+
+
+def _end_with_rank(worker_id: int) -> None:
+    """A loader worker dies with its rank. An idle worker notices its rank's end within 5 s (the DataLoader's
+    watchdog), but one stuck in a lock or a read would outlive it: holding its memory and the job's output
+    pipes, so that whoever waits for the job's output waits for ever."""
+    process_state.die_with_parent()
 
 
 class Loaders:
@@ -44,6 +52,7 @@ class Loaders:
             num_workers=workers,
             persistent_workers=persistent and workers > 0,
             pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
+            worker_init_fn=_end_with_rank if workers > 0 else None,
             **extra,
         )
 
