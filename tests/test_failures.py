@@ -437,6 +437,10 @@ def test_a_rank_stopped_with_sigstop_is_named_as_stalled(corpus, tmp_path):
         failure = _failed_within(run, timeout + 10)["failure"]
         assert failure["culprit"]["rank"] == 1 and "frozen" in failure["summary"], failure["summary"]
         assert "WARNING: rank 1" in (run / "train.log").read_text()  # the stall warning, while the job still ran
+        # The agent asks the frozen rank to end and kills it 30 s later; a rank let go (a debugger detaching)
+        # acts on the request at once. The same end, sooner.
+        _until_pending(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
         err = proc.communicate(timeout=120)[1]
         assert proc.returncode == 1 and "rank 1 stalled" in err, err[-3000:]
     finally:
@@ -445,6 +449,17 @@ def test_a_rank_stopped_with_sigstop_is_named_as_stalled(corpus, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _until_pending(pid: int, sig: int, within: float = 60) -> None:
+    """Until `sig` is pending for process `pid` (sent to the process, not yet acted on: it is stopped)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        if int(status["ShdPnd"], 16) & 1 << (sig - 1):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"signal {sig} never sent to process {pid}")
 
 
 def test_when_rank_0_dies_rank_1_writes_the_report(corpus, tmp_path):

@@ -47,6 +47,7 @@ def test_fp16_with_grad_scaler_learns_and_snapshots_the_scale(tmp_path, corpus):
     assert scaler["scale"] > 0  # an enabled GradScaler's state, restored on resume
 
 
+@pytest.mark.multiproc  # torch.compile's inductor starts its compile workers
 def test_bf16_compile_records_throughput_mfu_and_gpu_columns(tmp_path, corpus):
     _, summary = _run(
         tmp_path, corpus, "training.amp=bf16", "training.compile=true", "training.epochs=2", "experiment.name=bf16"

@@ -73,6 +73,27 @@ def test_train_twice_in_one_process_leaves_it_as_it_was(tmp_path, monkeypatch):
     assert "objects frozen" in first and f"sys.path + {tmp_path}" in first, first  # the start line shows them
 
 
+def _children() -> set[int]:
+    return {
+        int(pid)
+        for task in os.listdir("/proc/self/task")
+        for pid in open(f"/proc/self/task/{task}/children").read().split()
+    }
+
+
+@pytest.mark.multiproc  # its loader workers are processes
+def test_train_returns_with_no_loader_worker_left(tmp_path, monkeypatch):
+    """Persistent workers (training and evaluation loaders) are stopped by the run, not left to the garbage
+    collector: before, the user's process kept all of them after `ddplab.train()` returned."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "workload.py").write_text(WORKLOAD)
+    before = _children()
+    summary = ddplab.train(None, [*FAST, "data.num_workers=2", "experiment.name=w"])
+    assert summary["status"] == "complete" and summary["epochs"][0]["val_loss"] > 0
+    assert "2 data workers per process" in (tmp_path / "experiments" / "w" / "train.log").read_text()
+    assert _children() - before == set()
+
+
 def test_each_change_is_undone_last_first_and_a_users_variable_wins(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "1234")
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)

@@ -180,16 +180,15 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
         "study",
         f"data.path={corpus}",
         *FAST,
-        "training.max_steps=4",
         "--nproc",
         "1",
         "--set",
-        "training.batch_size=4,8",
+        "training.max_steps=4,60",  # the second point lasts long enough to be interrupted on a loaded machine
         "--name",
         "cut",
     ]
     study = tmp_path / "experiments" / "cut"
-    first, second = study / "n1-batch_size_4", study / "n1-batch_size_8"
+    first, second = study / "n1-max_steps_4", study / "n1-max_steps_60"
     proc = subprocess.Popen(
         args,
         cwd=tmp_path,
@@ -200,7 +199,7 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
         start_new_session=True,
     )
     deadline = time.time() + 240
-    while not (second / "study_point.json").exists() and proc.poll() is None and time.time() < deadline:
+    while not (second / "train.log").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     assert proc.poll() is None, proc.stdout.read()
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C while the second point runs
@@ -216,8 +215,8 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
 
     again = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert_ok(again)
-    assert "[1/2] n1-batch_size_4 (1 processes): complete, skipped" in again.stdout
-    assert "[2/2] n1-batch_size_8 (1 processes): done" in again.stdout
+    assert "[1/2] n1-max_steps_4 (1 processes): complete, skipped" in again.stdout
+    assert "[2/2] n1-max_steps_60 (1 processes): done" in again.stdout
     assert (first / "metrics.json").stat().st_mtime_ns == stamp
     assert json.loads((second / "metrics.json").read_text())["status"] == "complete"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from itertools import islice
 
@@ -41,10 +42,11 @@ class Loaders:
         self.cfg, self.ctx, self.collate_fn = cfg, ctx, collate_fn
         self.workers = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
         self._eval: dict[int, DataLoader] = {}
+        self._made: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
     def _make(self, dataset, sampler=None, workers: int | None = None, persistent: bool = True, **extra) -> DataLoader:
         workers = self.workers if workers is None else workers
-        return DataLoader(
+        loader = DataLoader(
             dataset,
             batch_size=self.cfg.training.batch_size,
             sampler=sampler,
@@ -55,6 +57,18 @@ class Loaders:
             worker_init_fn=_end_with_rank if workers > 0 else None,
             **extra,
         )
+        self._made.add(loader)
+        return loader
+
+    def close(self) -> None:
+        """Stop the persistent workers of every loader made here, now. Torch stops them only when nothing holds
+        their loader any more (the run's parts outlive the trainer), so they outlived `ddplab.train()` in a
+        user's process; and at exit torch 2.11 joins each for 5 s before killing it, with pinned memory on CUDA:
+        a 16-core GPU host's 30 workers held a finished run for over 2 minutes."""
+        for loader in list(self._made):
+            iterator, loader._iterator = loader._iterator, None  # torch keeps persistent workers' iterator there
+            if iterator is not None:
+                iterator._shutdown_workers()  # type: ignore[attr-defined]  # a multi-process iterator's
 
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run

@@ -490,9 +490,11 @@ class Trainer:
         self.callbacks.on_train_end(self.view, summary)
 
     def close(self) -> None:
-        """Drop the DDP model and optimizer before the process group goes (gloo aborts otherwise)."""
+        """Stop the loaders' workers; drop the DDP model and optimizer before the process group goes (gloo aborts
+        otherwise)."""
         if self.replicas is not None:
             self.replicas.close()
+        self.loaders.close()
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
             delattr(self, name)
         gc.collect()
