@@ -18,12 +18,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/ddplab train --nproc-per-node 2
 
-# The whole suite: on every core (pytest-xdist; a test file's tests share one worker, so a run trained once
-# per file is trained once, and one that several files read is trained once per session: tests/references.py),
-# then the tests that check wall-clock time or race a loaded machine, alone. Tiers: tests/tiers.py.
-PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+# The whole suite: one pytest-xdist worker per core and one more, as the multi-process tests spend part of their
+# time waiting (start-up, rendezvous, timeouts); on 2 cores this pass took 558 s with 3 workers, 587 s with 4 and
+# 623 s with 2. A test file's tests share one worker, so a run trained once per file is trained once, and one
+# that several files read is trained once per session (tests/references.py). Then the tests that check
+# wall-clock time or race a loaded machine, alone. Tiers: tests/tiers.py.
+PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
 test: lint
-	$(PYTEST) -n auto --dist loadscope -m "not serial"
+	$(PYTEST) -n $(WORKERS) --dist loadscope -m "not serial"
 	$(PYTEST) -m serial || [ $$? -eq 5 ]  # 5: no such test
 
 # The unit and in-process tiers: no test starts a process.
