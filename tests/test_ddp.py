@@ -44,15 +44,17 @@ def test_verify_passes_on_the_default_workload(tmp_path):
 
 
 def test_repeated_runs_never_abort_at_exit():
-    """A short form of scripts/teardown_stress.py (which runs 30)."""
+    """A short form of scripts/teardown_stress.py (which runs 30): one run of plain torchrun. An abort at exit
+    (about one run in four, unfixed) would also fail any of the suite's other 2-process jobs, which check their
+    exit code."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/teardown_stress.py"), "--runs", "3"],
+        [sys.executable, str(ROOT / "scripts/teardown_stress.py"), "--runs", "1"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "3 passed, 0 failed" in proc.stdout
+    assert "1 passed, 0 failed" in proc.stdout
 
 
 def test_verify_fails_when_ddp_changes_the_maths(tmp_path, corpus):
