@@ -76,7 +76,6 @@ def _runs(client) -> list:
     return client.search_runs([experiment.experiment_id])
 
 
-@pytest.mark.serial  # beside another worker the killed attempt's wandb-core can hold the run's ID for minutes
 def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(tmp_path, corpus, wandb_offline):
     args = ["train", f"data.path={corpus}", *ARGS, "experiment.name=k", "logging.trackers=[mlflow, wandb]"]
     killed = subprocess.run(
