@@ -139,7 +139,12 @@ def test_wandb_writes_under_the_users_wandb_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "mine").mkdir()
-    summary = ddplab.train(None, [*FAST, "logging.trackers=[wandb]", "experiment.name=w"])
+    try:
+        summary = ddplab.train(None, [*FAST, "logging.trackers=[wandb]", "experiment.name=w"])
+    finally:
+        import wandb
+
+        wandb.teardown()  # the W&B service this worker started, and WANDB_SERVICE, end with the test
     assert summary["status"] == "complete"
     assert list((tmp_path / "mine" / "wandb").glob("offline-run-*"))
     assert not (tmp_path / "experiments" / "w" / "wandb").exists()
