@@ -57,13 +57,10 @@ def report(ns) -> int:
 def forecast(ns) -> int:
     require("report", "ddplab forecast")
     at_least("--batch-size", ns.batch_size)
-    from ddplab.forecast import Options, make_forecast  # scipy and matplotlib: the report extra
+    from ddplab.forecast import make_forecast  # scipy and matplotlib: the report extra
 
-    opts = Options(
-        ns.setups, ns.bandwidth, ns.latency, ns.intra_bandwidth, ns.budget, ns.batch_size, ns.comm_hook, ns.strategy
-    )
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
     output_folder("--output", out)
-    path = make_forecast(ns.dirs, out, opts)
+    path = make_forecast(ns.dirs, out, ns)
     print(f"{path.read_text()}forecast: {path}")
     return ExitCode.OK

@@ -3,6 +3,7 @@ that were never run, from run folders that were. See docs/forecast.md for the mo
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -19,18 +20,6 @@ from ddplab.forecast.sharded import STRATEGIES
 from ddplab.forecast.write import write_all
 from ddplab.report.runs import find_runs
 from ddplab.study.grid import parse_setups
-
-
-@dataclass
-class Options:
-    setups: str = "1x1,2x1,4x1,8x1"
-    bandwidth: str | None = None
-    latency: str | None = None
-    intra_bandwidth: str | None = None
-    budget: str | None = None
-    batch_size: int | None = None
-    comm_hook: str | None = None
-    strategy: str | None = None  # comma-separated; default: the runs' own
 
 
 @dataclass
@@ -62,7 +51,8 @@ def load(dirs: list[str]):
     return _label(runs[0]), measured
 
 
-def forecast(dirs: list[str], opts: Options) -> Forecast:
+def forecast(dirs: list[str], opts: argparse.Namespace) -> Forecast:
+    """`opts`: the command's options (ddplab.cli), as typed."""
     # Check every option before reading anything.
     setups = parse_setups(opts.setups, option="--setups")
     bandwidth = parse_bandwidth(opts.bandwidth) if opts.bandwidth is not None else None
@@ -190,5 +180,5 @@ def forecast(dirs: list[str], opts: Options) -> Forecast:
     return Forecast(label, rows, notes, fit, budget)
 
 
-def make_forecast(dirs: list[str], output: str | Path, opts: Options) -> Path:
+def make_forecast(dirs: list[str], output: str | Path, opts: argparse.Namespace) -> Path:
     return write_all(forecast(dirs, opts), Path(output))
