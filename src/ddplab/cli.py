@@ -142,17 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# command -> its function; a command's module is imported only when it is asked for (ddplab.commands).
-COMMANDS = {
-    "train": "train",
-    "verify": "train",
-    "status": "train",
-    "generate": "inference",
-    "predict": "inference",
-    "export": "inference",
-    "study": "scaling",
-    "report": "scaling",
-    "forecast": "scaling",
+# Each module of ddplab.commands, with its commands (functions of the same name); a module is imported only when
+# one of its commands is asked for.
+MODULES = {
+    "train": ("train", "verify", "status"),
+    "inference": ("generate", "predict", "export"),
+    "scaling": ("study", "report", "forecast"),
 }
 
 
@@ -166,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         with process_state.changes():  # called in a Python process of the user's: it is left as it was
-            return getattr(importlib.import_module(f"ddplab.commands.{COMMANDS[ns.command]}"), ns.command)(ns)
+            module = next(m for m, commands in MODULES.items() if ns.command in commands)
+            return getattr(importlib.import_module(f"ddplab.commands.{module}"), ns.command)(ns)
     except UserError as err:
         if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
             print(f"ddplab: error: {err}", file=sys.stderr)
