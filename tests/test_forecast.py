@@ -128,7 +128,6 @@ def test_compute_from_two_batch_sizes_is_a_fixed_part_plus_a_part_per_sample():
             forward=forward,
             backward=backward,
             data_wait=0.0,
-            comm_exposed=0.0,
             latency_ms=0.0,
             bandwidth_mbps=None,
             hook="none",

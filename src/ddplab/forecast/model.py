@@ -36,7 +36,6 @@ class Measured:
     forward: float | None  # per micro-step
     backward: float | None
     data_wait: float
-    comm_exposed: float | None
     latency_ms: float
     bandwidth_mbps: float | None
     hook: str
@@ -84,7 +83,6 @@ def measure(run: Run) -> Measured | None:
         forward=per_micro("forward_time_s"),
         backward=per_micro("backward_time_s"),
         data_wait=sum(r.get("data_wait_s") or 0.0 for r in rows) / (steps * len(rows)),
-        comm_exposed=per_micro("comm_exposed_s") if run.processes > 1 else 0.0,
         latency_ms=float(dist_cfg.get("simulated_latency_ms") or 0.0),
         bandwidth_mbps=dist_cfg.get("simulated_bandwidth_mbps"),
         hook=comm.get("comm_hook") or dist_cfg.get("comm_hook") or "none",
