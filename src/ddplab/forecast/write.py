@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
+from ddplab.engine.files import write_atomic
 from ddplab.report.plots import _pyplot, _save
+from ddplab.report.table import write_csv
 
 COLUMNS = [
     ("strategy", "strategy", "{}"),
@@ -94,10 +95,7 @@ def plot(result, path: Path) -> None:
 
 def write_all(result, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "forecast.md").write_text(markdown(result))
-    with open(out / "forecast.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[c[0] for c in COLUMNS], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(result.rows)
+    write_atomic(out, "forecast.md", markdown(result))
+    write_csv([{key: row[key] for key, _, _ in COLUMNS} for row in result.rows], out / "forecast.csv")
     plot(result, out / "forecast.png")
     return out / "forecast.md"
