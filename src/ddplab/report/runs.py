@@ -17,63 +17,30 @@ _NOT_THE_EXPERIMENT = ("experiment", "logging", "checkpoint", "generate")
 
 @dataclass
 class Run:
+    """A finished run folder: its metrics.json (`summary`) and, for a study point, its study_point.json (`point`)."""
+
     path: Path
     summary: dict
     point: dict = field(default_factory=dict)
 
-    @property
-    def name(self) -> str:
-        """The grid point (shared by its repeats), or the folder of a run outside a study."""
-        return self.point.get("point") or self.path.name
-
-    @property
-    def run_name(self) -> str:
-        return self.point.get("run") or self.path.name
-
-    @property
-    def repeat(self) -> int:
-        return int(self.point.get("repeat", 1))
-
-    @property
-    def ddp(self) -> dict:
-        return self.summary.get("ddp", {})
-
-    @property
-    def processes(self) -> int:
-        return int(self.ddp.get("world_size", 1))
-
-    @property
-    def nodes(self) -> int:
-        return int(self.point.get("nodes", 1))
-
-    @property
-    def setup(self) -> str:
-        return self.point.get("setup") or f"{self.nodes}x{self.processes // self.nodes}"
-
-    @property
-    def swept(self) -> dict:
-        return self.point.get("swept", {})
-
-    @property
-    def epochs(self) -> list[dict]:
-        return self.summary.get("epochs", [])
-
-    @property
-    def full_epochs(self) -> list[dict]:
-        return [r for r in self.epochs if not r.get("partial")]
-
-    @property
-    def steps(self) -> list[dict]:
-        return self.summary.get("steps", [])
-
-    @property
-    def total_steps(self) -> int:
-        return int(self.summary.get("aggregates", {}).get("steps") or (self.epochs[-1]["step"] if self.epochs else 0))
-
-    @property
-    def label(self) -> str:
-        """Setup and swept values: what a reader tells points apart by."""
-        return " ".join([self.setup, *(f"{k.split('.')[-1]}={v}" for k, v in self.swept.items())])
+    def __post_init__(self) -> None:
+        # The grid point (shared by its repeats), or the folder of a run outside a study.
+        self.name: str = self.point.get("point") or self.path.name
+        self.run_name: str = self.point.get("run") or self.path.name
+        self.repeat = int(self.point.get("repeat", 1))
+        self.ddp: dict = self.summary.get("ddp", {})
+        self.processes = int(self.ddp.get("world_size", 1))
+        self.nodes = int(self.point.get("nodes", 1))
+        self.setup: str = self.point.get("setup") or f"{self.nodes}x{self.processes // self.nodes}"
+        self.swept: dict = self.point.get("swept", {})
+        self.epochs: list[dict] = self.summary.get("epochs", [])
+        self.full_epochs = [r for r in self.epochs if not r.get("partial")]
+        self.steps: list[dict] = self.summary.get("steps", [])
+        self.total_steps = int(
+            self.summary.get("aggregates", {}).get("steps") or (self.epochs[-1]["step"] if self.epochs else 0)
+        )
+        # Setup and swept values: what a reader tells points apart by.
+        self.label = " ".join([self.setup, *(f"{k.split('.')[-1]}={v}" for k, v in self.swept.items())])
 
     def experiment_key(self) -> str:
         """The config without naming and presentation: runs with equal keys differ only in processes."""
