@@ -49,16 +49,14 @@ def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
         raise RunError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
+def _result(run_dir: Path) -> tuple[dict[int, float], dict[str, torch.Tensor], dict]:
+    """(loss per step, final weights, the stochastic parts of model and data) one of the two runs recorded."""
     summary = json.loads((run_dir / RunFolder.METRICS_JSON).read_text())
-    return {row["step"]: row["loss"] for row in summary["steps"]}
-
-
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     latest = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False).latest()
     if latest is None:
         raise RunError(f"verify: {run_dir} holds no snapshot")
-    return load_snapshot(latest)["model"]
+    losses = {row["step"]: row["loss"] for row in summary["steps"]}
+    return losses, load_snapshot(latest)["model"], summary["model"].get("stochastic", {})
 
 
 def verify(config: str | None, overrides: list[str], nproc: int, tolerance: float, weight_tolerance: float) -> int:
@@ -97,14 +95,12 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
         ):
             if not finished(work / name):  # done before a pre-emption: kept
                 _run(procs, ["train", *base, f"experiment.name={name}", *extra], work, label)
-        a, b = _losses(work / "ddp"), _losses(work / "single")
+        (a, wa, _), (b, wb, found) = _result(work / "ddp"), _result(work / "single")
         common = sorted(set(a) & set(b))
         if not common:
             raise UserError("verify: the two runs recorded no common steps")
         loss_diff = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in common)
-        wa, wb = _weights(work / "ddp"), _weights(work / "single")
         weight_diff = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
-        found = json.loads((work / "single" / RunFolder.METRICS_JSON).read_text())["model"].get("stochastic", {})
     except Preempted:
         keep = True
         raise
@@ -121,12 +117,9 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
         found["seeded_transforms"] = found.pop("random_transforms", [])
     for line in _randomness(found, nproc, batch):
         print(line)
-    print("PASS" if ok else "FAIL" + (" (see the randomness named above)" if _remaining(found) else ""))
+    remaining = any(found.get(k) for k in ("batchnorm_modules", "random_transforms", "dropout_modules"))
+    print("PASS" if ok else "FAIL" + (" (see the randomness named above)" if remaining else ""))
     return ExitCode.OK if ok else ExitCode.FAILED
-
-
-def _remaining(found: dict) -> bool:
-    return bool(found.get("batchnorm_modules") or found.get("random_transforms") or found.get("dropout_modules"))
 
 
 def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
