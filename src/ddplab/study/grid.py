@@ -121,14 +121,8 @@ def expand(
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
     # machine then spreads over all points instead of landing on the repeats of one.
     return [
-        Point(
-            repeat_name(p.name, r),
-            p.setup,
-            p.swept,
-            [*p.overrides, f"experiment.name={repeat_name(p.name, r)}"],
-            r,
-            p.name,
-        )
+        Point(run, p.setup, p.swept, [*p.overrides, f"experiment.name={run}"], r, p.point)
         for r in range(1, repeat + 1)
         for p in points
+        for run in [repeat_name(p.point, r)]
     ]
