@@ -26,10 +26,6 @@ from ddplab.study.grid import Point, Setup
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 
 
-class PointFailed(RunError):
-    """A point's job ended badly: the study stops (exit 1); finished points are kept."""
-
-
 def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]]:
     """One torchrun agent per node; several nodes meet on loopback through c10d rendezvous,
     which assigns node ranks itself (a fixed --node-rank is ignored by c10d)."""
@@ -123,7 +119,7 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
             if code != 0 or not finished(folder):
                 if tail := log_tail(folder / LOG_FILE):
                     print(tail, file=sys.stderr)
-                raise PointFailed(
+                raise RunError(
                     f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
                     f"finished points are kept and the same command resumes the study"
                 )
