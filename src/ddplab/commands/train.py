@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import time
 from pathlib import Path
@@ -168,13 +169,10 @@ def _quorum(run: Path) -> str:
         return ""
     if not rows:
         return ""
-    since = rows[-1]
-    for row in reversed(rows):
-        if row["replicas"] != rows[-1]["replicas"]:
-            break
-        since = row
-    which = f" (groups {rows[-1]['groups'].replace(' ', ', ')})" if rows[-1].get("groups") else ""
-    return f"; {rows[-1]['replicas']} replica group(s){which} in the quorum since step {since['step']}"
+    last = rows[-1]
+    *_, since = itertools.takewhile(lambda row: row["replicas"] == last["replicas"], reversed(rows))
+    which = f" (groups {last['groups'].replace(' ', ', ')})" if last.get("groups") else ""
+    return f"; {last['replicas']} replica group(s){which} in the quorum since step {since['step']}"
 
 
 def _progress(run: Path) -> str:
