@@ -314,8 +314,6 @@ def _number_or_text(value) -> tuple:
 def fmt(key: str, value) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "—"
-    if isinstance(value, bool):
-        return str(value)
     if isinstance(value, float):
         if key == "lr":
             return f"{value:.3g}"
