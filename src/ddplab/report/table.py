@@ -285,13 +285,12 @@ def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         row["repeats"] = len(rows)
         row["runs"] = " ".join(sorted((r["run"] for r in rows), key=lambda n: (len(n), n)))
         row["baseline"] = ref[0] if ref else None
-        for key in TIMING + quality_keys(rows):
+        # Replica groups: the batch each repeat actually made, and all groups seen.
+        made = ["global_batch"] if "global_batch_planned" in row else []
+        for key in TIMING + quality_keys(rows) + made:
             row[key], row[f"{key}_min"], row[f"{key}_max"] = _spread([r.get(key) for r in rows])
         row["epochs_at_budget_projected"] = any(r["epochs_at_budget_projected"] for r in rows)
-        if "global_batch_planned" in row:  # replica groups: the batch each repeat actually made, and all groups seen
-            row["global_batch"], row["global_batch_min"], row["global_batch_max"] = _spread(
-                [r.get("global_batch") for r in rows]
-            )
+        if made:
             row["replicas_min"] = _spread([r.get("replicas_min") for r in rows])[1]
             row["replicas_max"] = _spread([r.get("replicas_max") for r in rows])[2]
         out.append(row)
