@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ddplab.report.plots import setup_order
-from ddplab.report.table import SCORE_HEADERS, cell, fmt, quality_keys
+from ddplab.report.table import cell, fmt, quality_keys, score_header
 
 ROWS = [
     ("lr", "Learning rate"),
@@ -25,11 +25,7 @@ ROWS = [
 def _score_rows(items: list[dict]) -> list[tuple[str, str]]:
     """The task's other test scores that some point holds (R², MAE, RMSE for regression; a Task's own)."""
     keys = [k for k in quality_keys(items) if k.startswith("test_") and k not in dict(ROWS)]
-    return [
-        (k, f"Test {SCORE_HEADERS.get(k[5:], k[5:].replace('_', ' '))}")
-        for k in keys
-        if any(r.get(k) is not None for r in items)
-    ]
+    return [(k, "T" + score_header(k)[1:]) for k in keys if any(r.get(k) is not None for r in items)]
 
 
 def _with_efficiency(items: list[dict]) -> list[dict]:

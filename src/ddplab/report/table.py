@@ -101,7 +101,8 @@ def quality_keys(rows: list[dict]) -> list[str]:
     return ["best_val_loss", *(f"{split}_{name}" for split in ("val", "test") for name in scores)]
 
 
-def _header(key: str) -> str:
+def score_header(key: str) -> str:
+    """val_f1 -> 'val F1', best_val_loss -> 'best val loss'."""
     split, name = key.split("_", 1)
     return f"{split} {SCORE_HEADERS.get(name, name.replace('_', ' '))}"
 
@@ -356,7 +357,7 @@ def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
 def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
     """The task's scores that some row holds. The last epoch's val loss is left out: the best one is there."""
     keys = [k for k in quality_keys(rows) if k != "val_loss" and any(r.get(k) is not None for r in rows)]
-    return HEAD + _swept_columns(rows) + [(k, "best val loss" if k == "best_val_loss" else _header(k)) for k in keys]
+    return HEAD + _swept_columns(rows) + [(k, score_header(k)) for k in keys]
 
 
 def markdown(rows: list[dict], cols: list[tuple[str, str]]) -> str:
