@@ -146,8 +146,6 @@ def forecast(dirs: list[str], opts: argparse.Namespace) -> Forecast:
             {
                 "strategy": strategy,
                 "setup": s.label,
-                "nodes": s.nodes,
-                "per_node": s.per_node,
                 "processes": s.processes,
                 "sent_mb": step.sent_bytes / 1e6,
                 "global_batch": counts["global"],
