@@ -133,16 +133,13 @@ def fit_compute(singles: list[Measured]) -> Compute:
         )
     xs = [m.batch for m in singles]
     timed = all(m.forward is not None and m.backward is not None for m in singles)
-    fwd: list[float] = []
-    bwd: list[float] = []
-    rest: list[float] = []
+    parts = []  # (forward, backward, the rest) of each run's step
     for m in singles:
         model_s = m.step_s - m.data_wait
         untimed = ((1 - _BACKWARD_SHARE) * model_s / m.accum, _BACKWARD_SHARE * model_s / m.accum)
         f, b = (m.forward, m.backward) if timed and m.forward is not None and m.backward is not None else untimed
-        fwd.append(f)
-        bwd.append(b)
-        rest.append(max(model_s - m.accum * (f + b), 0.0))
+        parts.append((f, b, max(model_s - m.accum * (f + b), 0.0)))
+    fwd, bwd, rest = zip(*parts, strict=True)
     return Compute(
         forward=_linear(xs, fwd, True),
         backward=_linear(xs, bwd, True),
