@@ -75,12 +75,8 @@ GPU_COLUMNS = [("gpu_util", "GPU util %"), ("gpu_mem_mb", "GPU mem (MiB)")]
 PERCENT = {"val_accuracy", "test_accuracy", "val_top5_accuracy", "test_top5_accuracy", "rank_spread"}
 
 
-def task_scores(run: Run) -> list[str]:
-    """The names of the scores this run's task reported: its last epoch's val_<name>, its test split's <name>."""
-    last = run.epochs[-1] if run.epochs else {}
-    test = run.summary.get("test", {}) or {}
-    names = {k[4:] for k in last if k.startswith("val_")} | {k for k in test if k != "samples"}
-    return sorted(names, key=lambda n: (SCORES.index(n) if n in SCORES else len(SCORES), n))
+def _score_order(name: str) -> tuple:
+    return SCORES.index(name) if name in SCORES else len(SCORES), name
 
 
 def is_quality(key: str) -> bool:
@@ -89,15 +85,15 @@ def is_quality(key: str) -> bool:
 
 def quality_keys(rows: list[dict]) -> list[str]:
     """best_val_loss, then every split's scores that some row holds, val before test, in SCORES order."""
-    scores = list(
-        dict.fromkeys(
+    scores = sorted(
+        {
             k.split("_", 1)[1]
             for r in rows
-            for k in r
+            for k in r  # not a point's range
             if k.startswith(("val_", "test_")) and not (k.endswith(("_min", "_max")) and k[:-4] in r)
-        )
-    )  # a point's range
-    scores.sort(key=lambda n: (SCORES.index(n) if n in SCORES else len(SCORES), n))
+        },
+        key=_score_order,
+    )
     return ["best_val_loss", *(f"{split}_{name}" for split in ("val", "test") for name in scores)]
 
 
@@ -204,7 +200,9 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         epoch_s, steps_per_epoch = _mean(r.get("epoch_time_s") for r in run.full_epochs), run.ddp.get("steps_per_epoch")
         test = run.summary.get("test", {}) or {}
         last = run.epochs[-1] if run.epochs else {}
-        scores = task_scores(run)
+        # The scores the run's task reported: its last epoch's val_<name>, its test split's <name>.
+        names = {k[4:] for k in last if k.startswith("val_")} | {k for k in test if k != "samples"}
+        scores = sorted(names, key=_score_order)
         at_budget, projected = epochs_at_budget(run, budget_s) if budget_s else (None, False)
         rows.append(
             {
