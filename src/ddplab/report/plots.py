@@ -37,12 +37,6 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _integer_ticks(axis) -> None:
-    from matplotlib.ticker import MaxNLocator  # the report extra; imported only to draw
-
-    axis.set_major_locator(MaxNLocator(integer=True))
-
-
 def setup_order(rows: list[dict]) -> list[str]:
     """Setups by process count, then by nodes: 1x1, 1x2, 2x1, 1x4, 2x2."""
     seen = {r["setup"]: (r["processes"], r["nodes"]) for r in rows}
@@ -228,7 +222,7 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
                 _errorbar(
                     ax, [c["epoch"] for c in curve], curve, key, marker=marker, linestyle=line, color=color, label=label
                 )
-        _integer_ticks(ax.xaxis)
+        ax.locator_params(axis="x", integer=True)
         name = {"val_accuracy": "validation accuracy", "val_f1": "validation F1 (macro)"}[key]
         ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
         ax.grid(alpha=0.3)
@@ -258,7 +252,7 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
             if val:
                 ax.plot(*zip(*val, strict=True), marker="o", linestyle="--", color=color, label=f"{name} val")
         if axis == "epoch":
-            _integer_ticks(ax.xaxis)
+            ax.locator_params(axis="x", integer=True)
         ax.set(xlabel=xlabel, ylabel="loss", title=f"Loss vs {xlabel} (first repeat of each point)")
         ax.grid(alpha=0.3)
         _legend(ax, fontsize=7, ncol=2)
