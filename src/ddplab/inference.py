@@ -19,7 +19,6 @@ from ddplab.callbacks import Callback
 from ddplab.config import Config
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
-from ddplab.engine import assets
 from ddplab.engine.checkpoint_reader import load_checkpoint
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
@@ -42,12 +41,6 @@ def recorded_task(ckpt: dict):
     """The task the checkpoint describes."""
     meta = ckpt.get("meta", {})
     return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
-
-
-def saved_assets(checkpoint: tuple) -> tuple[Assets, dict]:
-    """(cfg.assets for the data function, the form of one training item) of what read_checkpoint gave."""
-    ckpt, _, found = checkpoint
-    return assets.load(found, ckpt.get("meta", {}), recorded_task(ckpt))
 
 
 def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, saved: Assets | None = None):

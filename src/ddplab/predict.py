@@ -31,7 +31,7 @@ import torch
 from ddplab.engine import assets
 from ddplab.engine.files import write_atomic
 from ddplab.errors import UserError, first_line
-from ddplab.inference import load_model, read_checkpoint, recorded_task, saved_assets
+from ddplab.inference import load_model, read_checkpoint, recorded_task
 from ddplab.tasks import CONTINUES_TEXT, call_model
 
 
@@ -134,9 +134,12 @@ def predict(
 ) -> list[dict]:
     """One dict per input: {"input": the input, then what the run's Task.predict gives}."""
     checkpoint = read_checkpoint(run)
-    if recorded_task(checkpoint[0]).kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
+    ckpt, _, found = checkpoint
+    recorded = recorded_task(ckpt)
+    if recorded.kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
         raise UserError(CONTINUES_TEXT)
-    saved, example = saved_assets(checkpoint)
+    # cfg.assets for the data function, and the form of one training item
+    saved, example = assets.load(found, ckpt.get("meta", {}), recorded)
     model, _, data = load_model(run, trust_code, checkpoint=checkpoint, saved=saved)
     example = example or _example(data)  # a run folder saved before inference/ was: the rebuilt data's
     encode, task = encoder(data, example), data.task
