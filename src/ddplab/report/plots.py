@@ -57,13 +57,10 @@ def _errorbar(ax, xs, rows, key, **kw):
 
 def _series(rows: list[dict], key: str, where: dict[str, int]) -> dict[str, list[dict]]:
     """The rows that have `key`, one list per combination of swept values, in setup order."""
-    series: dict[str, list[dict]] = defaultdict(list)
-    for row in rows:
-        series[_swept_label(row)].append(row)
-    series = {
-        label: sorted((r for r in items if r.get(key)), key=lambda r: where[r["setup"]])
-        for label, items in series.items()
-    }
+    series: dict[str, list[dict]] = {_swept_label(r): [] for r in rows}
+    for row in sorted(rows, key=lambda r: where[r["setup"]]):
+        if row.get(key):
+            series[_swept_label(row)].append(row)
     return {label: items for label, items in series.items() if items}
 
 
