@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import pairwise
 
-from ddplab.report.table import cell
+from ddplab.report.table import cell, swept_keys
 
 
 def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
@@ -29,8 +29,7 @@ def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
     """Neighbouring points along each factor they vary in (the setup, then each swept key), the
     other factors held equal."""
     lines = []
-    swept = dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
-    factors = [f for f in ["setup", *swept] if len({r.get(f) for r in rows}) > 1]
+    factors = [f for f in ["setup", *swept_keys(rows)] if len({r.get(f) for r in rows}) > 1]
     for factor in factors:
         others = [f for f in factors if f != factor]
         held: dict[tuple, list[dict]] = defaultdict(list)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddplab.engine.files import write_atomic
 from ddplab.report.runs import Run
+from ddplab.report.table import swept_keys
 
 
 def _pyplot():
@@ -126,11 +127,7 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     communicated) the communication share of a step against the swept value, one line per
     setup and combination of the other swept values."""
     plt = _pyplot()
-    keys = [
-        k
-        for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))
-        if len({r.get(k) for r in rows}) > 1
-    ]
+    keys = [k for k in swept_keys(rows) if len({r.get(k) for r in rows}) > 1]
     paths = []
     for key in keys:
         leaf = key.split(":", 1)[1]

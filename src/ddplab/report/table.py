@@ -349,7 +349,12 @@ def _replicas_cell(row: dict) -> str:
 
 
 def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    return [(k, k.split(".")[-1]) for k in dict.fromkeys(k for r in rows for k in r if k.startswith("swept:"))]
+    return [(k, k.split(".")[-1]) for k in swept_keys(rows)]
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
+    """The swept config keys of the rows (`swept:<dotted key>`), in the order met."""
+    return list(dict.fromkeys(k for r in rows for k in r if k.startswith("swept:")))
 
 
 def quality_columns_for(rows: list[dict]) -> list[tuple[str, str]]:
