@@ -145,14 +145,8 @@ def status(ns) -> int:
     if status in ("running", "failed") and held(run):
         print(f"running: {_progress(run)}{_quorum(run)}")
     elif status in ("running", "failed"):
-        failure = summary.get("failure") or {}
-        print(
-            "failed: "
-            + (
-                failure.get("summary", "").removeprefix("job failed: ")
-                or "the job ended without a report (killed?); see train.log"
-            )
-        )
+        why = (summary.get("failure") or {}).get("summary", "").removeprefix("job failed: ")
+        print(f"failed: {why or 'the job ended without a report (killed?); see train.log'}")
         status = "failed"
     else:
         print(status)
