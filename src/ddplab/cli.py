@@ -48,12 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_config_help(),
     )
     t.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
-    t.add_argument("--nproc-per-node", type=int, default=None, help="launch N local processes (torch.distributed.run)")
+    t.add_argument("--nproc-per-node", type=int, help="launch N local processes (torch.distributed.run)")
     t.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times after a failure")
     t.add_argument(
         "--replica-groups",
         type=int,
-        default=None,
         help="run N replica groups with a torchft Lighthouse (distributed.fault_tolerance=replicas)",
     )
 
