@@ -232,11 +232,5 @@ def predict_step(
     end, comm_s, exposed = overlapped_backward(
         backward, comm.buckets, messages, lambda n: allreduce_s(n, nodes, per_node, inter, intra), delays
     )
-    step = base - backward + end
-    return StepForecast(
-        step,
-        base,
-        comm_s + sum(delays),
-        exposed,
-        sent_bytes("ddp", sum(sum(m) for m in messages), nodes, per_node, accum),
-    )
+    sent = sent_bytes("ddp", sum(sum(m) for m in messages), nodes, per_node, accum)
+    return StepForecast(base - backward + end, base, comm_s + sum(delays), exposed, sent)
