@@ -11,6 +11,7 @@ from ddplab.data import streamed
 from ddplab.data.text_lm import ByteLines, CharTokenizer, TokenChunks, read_corpus
 from ddplab.errors import UserError
 from ddplab.models.gpt import GPT, GPTConfig
+from ddplab.workloads import sized_by_config
 
 
 def data(cfg) -> ddplab.Data:
@@ -45,16 +46,4 @@ def _streamed(c) -> ddplab.Data:
 
 
 def gpt(cfg, data: ddplab.Data) -> GPT:
-    m = cfg.config.model
-    return GPT(
-        GPTConfig(
-            vocab_size=data.vocab_size,
-            context=m.context,
-            layers=m.layers,
-            heads=m.heads,
-            dim=m.dim,
-            ff_dim=m.ff_dim,
-            dropout=m.dropout,
-            bias=m.bias,
-        )
-    )
+    return GPT(sized_by_config(GPTConfig, cfg.config.model, vocab_size=data.vocab_size))

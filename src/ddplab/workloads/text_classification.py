@@ -24,6 +24,7 @@ from ddplab.data.text_cls import Encoder, make_tokenizer, pad_collate, stream_sp
 from ddplab.errors import UserError, first_line
 from ddplab.models.checks import check_pretrained, looks_like_path
 from ddplab.models.transformer import TransformerClassifier, TransformerConfig
+from ddplab.workloads import sized_by_config
 
 
 def data(cfg) -> ddplab.Data:
@@ -55,18 +56,14 @@ def data(cfg) -> ddplab.Data:
 
 
 def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
-    m, meta = cfg.config.model, data.meta
+    meta = data.meta
     return TransformerClassifier(
-        TransformerConfig(
+        sized_by_config(
+            TransformerConfig,
+            cfg.config.model,
             vocab_size=data.vocab_size,
             num_classes=data.num_classes,
             max_len=meta.get("max_len", cfg.config.data.max_len),
-            layers=m.layers,
-            heads=m.heads,
-            dim=m.dim,
-            ff_dim=m.ff_dim,
-            dropout=m.dropout,
-            pooling=m.pooling,
             pad_id=meta.get("pad_id", 0),
         )
     )
