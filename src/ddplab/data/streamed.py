@@ -12,7 +12,7 @@ data.num_classes.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ddplab.data.shards import Shards
 from ddplab.errors import UserError
@@ -20,13 +20,13 @@ from ddplab.errors import UserError
 PREFIX = 10_000  # rows of the training shards a text classifier's labels are learned from
 
 
-def split_shards(cfg) -> tuple[Shards, Shards | None, Shards | None]:
-    """(train, val, test): training in the order of (experiment.seed, epoch), the others in file order; no
-    transform yet (the caller sets one per split)."""
+def split_shards(cfg, transform: Callable | None = None) -> tuple[Shards, Shards | None, Shards | None]:
+    """(train, val, test): training in the order of (experiment.seed, epoch), the others in file order; each
+    item through `transform` (a split's own may replace it)."""
     d = cfg.data
 
     def shards(path: str | None, train: bool) -> Shards | None:
-        return None if path is None else Shards(path, seed=cfg.experiment.seed, shuffle=train)
+        return None if path is None else Shards(path, seed=cfg.experiment.seed, shuffle=train, transform=transform)
 
     train = shards(d.train, True)
     assert train is not None  # checks.check_stream: data.stream needs data.train

@@ -345,9 +345,7 @@ def image_shards(cfg, spec: ImageSpec) -> ImageSplits:
     are data.num_classes (each sample's .cls an id), not read ahead."""
     k = cfg.data.num_classes
     meta = image_meta(spec, [str(i) for i in range(k)], *FOLDER_STATS[spec.channels])
-    train, val, test = streamed.split_shards(cfg)
-    train.transform = TarImages(meta, k, cfg.data.augment)
-    for split in (val, test):
-        if split is not None:
-            split.transform = TarImages(meta, k)
+    train, val, test = streamed.split_shards(cfg, TarImages(meta, k))
+    if cfg.data.augment:
+        train.transform = TarImages(meta, k, augment=True)
     return ImageSplits(train, val, test, meta)

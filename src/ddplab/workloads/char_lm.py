@@ -34,11 +34,8 @@ def data(cfg) -> ddplab.Data:
 
 def _streamed(c) -> ddplab.Data:
     """data.stream: each line of the shards (or a row's data.text_column) one sample of bytes, read as streamed."""
-    train, val, test = streamed.split_shards(c)
+    train, val, test = streamed.split_shards(c, ByteLines(c.model.context, c.data.text_column))
     streamed.check_columns(train, c.data.train, {"text_column": c.data.text_column})
-    for split in (train, val, test):
-        if split is not None:
-            split.transform = ByteLines(c.model.context, c.data.text_column)
     tokenizer = CharTokenizer("byte")
     return ddplab.Data(
         train=train, val=val, test=test, task=ddplab.LanguageModeling(tokenizer.vocab_size), meta=tokenizer.meta()
