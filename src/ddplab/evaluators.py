@@ -18,11 +18,7 @@ import torch.nn.functional as F
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        scored: Callable = lambda output, target: (output.float().flatten(0, 1), target.flatten()),
-    ) -> None:
+    def __init__(self, device: torch.device, scored: Callable) -> None:
         self.scored = scored  # (output, target) -> flat logits and their next tokens (LanguageModeling.scored)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
