@@ -114,8 +114,9 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in obj.items()}  # saved from a DDP-wrapped model
 
 
-def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, name: str) -> None:
-    """`weights` load into `model` strictly, or a UserError says why in a few words."""
+def fitting_weights(model: nn.Module, path: str, name: str) -> dict[str, torch.Tensor]:
+    """The state dict in `path`, which loads into `model` strictly, or a UserError says why in a few words."""
+    weights = read_weights(path)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
@@ -129,6 +130,7 @@ def check_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: str, nam
     ]
     if missing or unexpected or shapes:
         raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(p for p in parts if p)}")
+    return weights
 
 
 # ---------------------------------------------------------------------------- builders
@@ -148,10 +150,9 @@ def _torchvision(name: str, side: int) -> nn.Module:
 def _pretrained(name: str, side: int, path: str) -> nn.Module:
     """Built on the meta device and given the file's tensors: random init of 100M+ parameters
     (VGG) costs seconds and would be overwritten anyway."""
-    weights = read_weights(path)
     with torch.device("meta"):
         model = _torchvision(name, side)
-    check_fit(model, weights, path, name)
+    weights = fitting_weights(model, path, name)
     model.load_state_dict(weights, assign=True)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
         model = _torchvision(name, side)
@@ -226,9 +227,7 @@ def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
 
 def _own_weights(m, model: nn.Module, head: nn.Module) -> None:
     if m.weights:
-        weights = read_weights(m.weights)
-        check_fit(model, weights, m.weights, m.name)
-        model.load_state_dict(weights)
+        model.load_state_dict(fitting_weights(model, m.weights, m.name))
     if m.freeze:
         _freeze_all_but(model, head)
 
@@ -254,7 +253,6 @@ def check_files(cfg) -> None:
     """Before launch: the weights file exists and fits the architecture."""
     if not cfg.model.weights or not is_torchvision(cfg.model.name):
         return
-    weights = read_weights(cfg.model.weights)
     with torch.device("meta"):  # shapes without memory or init time
         model = _torchvision(cfg.model.name, cfg.data.image_size or IMAGENET_SIDE)
-    check_fit(model, weights, cfg.model.weights, cfg.model.name)
+    fitting_weights(model, cfg.model.weights, cfg.model.name)
