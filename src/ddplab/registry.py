@@ -152,7 +152,11 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
                 require(entry.extra, f"{section}.name={getattr(cfg, section).name}")
             entry.call("check", cfg)
     check_decode(cfg)
-    check_sync_batchnorm(cfg)
+    if cfg.distributed.sync_batchnorm:
+        _need_cuda(
+            "distributed.sync_batchnorm=true needs CUDA (torch's SyncBatchNorm runs on GPUs only) and "
+            "this machine has none; leave it false on CPU"
+        )
     t = cfg.training
     if t.optimizer not in ("adamw", "sgd") or t.optimizer_options or t.schedule not in ("cosine", "linear", "constant"):
         from ddplab.engine.optim import check_names  # imports torch: only for a name that is none of ddplab's own
@@ -184,25 +188,14 @@ def check_decode(cfg: Config) -> None:
         raise UserError(f"data.decode=gpu decodes the JPEG files of data.name=image_folder; {cfg.data.name} has none")
     if cfg.data.cache == "raw":
         raise UserError("data.decode=gpu needs data.cache=jpeg or data.cache=false: a raw cache holds decoded pixels")
-    import torch  # only for data.decode=gpu: whether this machine has a GPU to decode on
+    _need_cuda("data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; use data.decode=cpu")
+
+
+def _need_cuda(message: str) -> None:
+    import torch  # only for a setting that runs on GPUs: whether this machine has one
 
     if not torch.cuda.is_available():
-        raise UserError(
-            "data.decode=gpu needs CUDA (nvJPEG on each rank's GPU) and this machine has none; use data.decode=cpu"
-        )
-
-
-def check_sync_batchnorm(cfg: Config) -> None:
-    """distributed.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only."""
-    if not cfg.distributed.sync_batchnorm:
-        return
-    import torch  # only for distributed.sync_batchnorm: whether this machine has a GPU to run it on
-
-    if not torch.cuda.is_available():
-        raise UserError(
-            "distributed.sync_batchnorm=true needs CUDA (torch's SyncBatchNorm runs on GPUs only) and "
-            "this machine has none; leave it false on CPU"
-        )
+        raise UserError(message)
 
 
 def checked_without_torch(cfg: Config) -> bool:
