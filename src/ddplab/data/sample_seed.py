@@ -23,6 +23,7 @@ draws.
 from __future__ import annotations
 
 import ctypes
+import pickle
 import random
 import sys
 from collections.abc import Callable
@@ -92,17 +93,6 @@ def keeping(names: list[str]):
             put(state)
 
 
-def _same(a, b) -> bool:
-    """Two states of one generator are equal (numpy's hold an array, torch's a tensor)."""
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, tuple) and len(a) == len(b):
-        return all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, np.ndarray):
-        return np.array_equal(a, b)
-    return a == b
-
-
 class PerSampleSeed(Dataset):
     """`dataset[i]`, read under a seed of (seed, epoch, i); keys are `(epoch, i)`, a bare `i` reads epoch 0.
 
@@ -119,13 +109,14 @@ class PerSampleSeed(Dataset):
         (read by their own getters here: `_numpy_state` draws, so it cannot watch for a draw)."""
         n, moved = len(self.dataset), set()
         probes = min(PROBES, n)
-        watched: dict[str, Callable[[], Any]] = {"random": random.getstate, "numpy": np.random.get_state}
+        # numpy's state holds an array, so it is compared as its pickled bytes.
+        watched = {"random": random.getstate, "numpy": lambda: pickle.dumps(np.random.get_state())}
         with keeping(list(GENERATORS)):
             for index in (i * n // probes for i in range(probes)):
                 torch.default_generator.manual_seed(sample_seed(self.seed, 0, index))
                 before = {name: state() for name, state in watched.items()}
                 self.dataset[index]
-                moved |= {name for name, state in watched.items() if not _same(before[name], state())}
+                moved |= {name for name, state in watched.items() if before[name] != state()}
         return [name for name in watched if name in moved]
 
     def __len__(self) -> int:
