@@ -152,14 +152,10 @@ def _count(fmt: str, fs, path: str) -> int:
 
         with fs.open(path, "rb") as f:
             return pq.ParquetFile(f).metadata.num_rows
-    if fmt == "arrow":
-        with _open(fs, path) as f:
-            return sum(batch.num_rows for batch in _arrow_batches(f, None))
-    if fmt == "tar":
-        with _open(fs, path) as f:
-            return sum(1 for _ in _tar_samples(f))
     with _open(fs, path) as f:
-        return sum(1 for _ in _lines(f))
+        if fmt == "arrow":
+            return sum(batch.num_rows for batch in _arrow_batches(f, None))
+        return sum(1 for _ in (_tar_samples(f) if fmt == "tar" else _lines(f)))
 
 
 def _windows(fmt: str, fs, path: str, at: int, size: int, columns) -> Iterator:
