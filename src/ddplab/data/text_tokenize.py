@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 import zlib
 
-from ddplab.errors import UserError, first_line
+from ddplab.errors import UserError
+from ddplab.models.checks import cannot_load
 
 # Words (letters, digits, underscore; any script) and single punctuation marks.
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -81,11 +82,7 @@ class HFTokenizer:
         try:
             self.tok = AutoTokenizer.from_pretrained(pretrained)
         except (OSError, ValueError) as exc:
-            raise UserError(
-                f"model.pretrained: cannot load a tokenizer from '{pretrained}' "
-                f"({first_line(exc, 160) or type(exc).__name__}); "
-                "give a local model folder, or a hub name on a connected machine"
-            ) from None
+            raise cannot_load(f"a tokenizer from '{pretrained}'", exc) from None
         self.pretrained = pretrained
         limit = (
             self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddplab.errors import UserError
+from ddplab.errors import UserError, first_line
 
 CNN_MIN_SIDE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one pixel
 
@@ -32,8 +32,9 @@ def looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
 
 
-def check_pretrained(pretrained: str | None) -> None:
+def check_hf(cfg) -> None:
     """Cheap, before launch: a local folder must hold a model's config.json (hub names are checked on load)."""
+    pretrained = cfg.model.pretrained
     if not pretrained:
         raise UserError(
             "model.name=hf needs model.pretrained=<hub name, e.g. distilbert-base-uncased, or local folder>"
@@ -53,5 +54,9 @@ def check_pretrained(pretrained: str | None) -> None:
         raise UserError(f"model.pretrained: {pretrained}/config.json names no model_type; not a transformers model")
 
 
-def check_hf(cfg) -> None:
-    check_pretrained(cfg.model.pretrained)
+def cannot_load(what: str, exc: Exception) -> UserError:
+    """model.pretrained: what transformers could not load (`what`, e.g. "a tokenizer from 'x'"), and why."""
+    return UserError(
+        f"model.pretrained: cannot load {what} ({first_line(exc, 160) or type(exc).__name__}); "
+        "give a local model folder, or a hub name on a connected machine"
+    )

@@ -21,8 +21,8 @@ from torch import nn
 
 import ddplab
 from ddplab.data.text_cls import Encoder, make_tokenizer, pad_collate, stream_splits, tokenised_splits
-from ddplab.errors import UserError, first_line
-from ddplab.models.checks import check_pretrained, looks_like_path
+from ddplab.errors import UserError
+from ddplab.models.checks import cannot_load, check_hf, looks_like_path
 from ddplab.models.transformer import TransformerClassifier, TransformerConfig
 from ddplab.workloads import sized_by_config
 
@@ -74,7 +74,7 @@ def hf(cfg, data: ddplab.Data) -> nn.Module:
     from transformers import AutoModelForSequenceClassification  # seconds to import: only for model.name=hf
 
     m = cfg.config.model
-    check_pretrained(m.pretrained)
+    check_hf(cfg.config)
     names = data.meta.get("label_names") or [str(i) for i in range(data.num_classes)]
     source = str(Path(m.pretrained).expanduser()) if looks_like_path(m.pretrained) else m.pretrained
     try:
@@ -86,11 +86,7 @@ def hf(cfg, data: ddplab.Data) -> nn.Module:
             ignore_mismatched_sizes=True,
         )
     except (OSError, ValueError) as exc:
-        raise UserError(
-            f"model.pretrained: cannot load '{m.pretrained}' as a sequence classifier "
-            f"({first_line(exc, 160) or type(exc).__name__}); "
-            f"give a local model folder, or a hub name on a connected machine"
-        ) from None
+        raise cannot_load(f"'{m.pretrained}' as a sequence classifier", exc) from None
     if m.freeze:
         model.base_model.requires_grad_(False)
     return model
