@@ -28,12 +28,12 @@ class HashTokenizer:
     # Bound on the word -> id memo; real corpora are Zipfian, so a modest memo hits almost always.
     MEMO = 1_000_000
 
-    def __init__(self, vocab_size: int, max_len: int, lowercase: bool = True) -> None:
+    def __init__(self, vocab_size: int, max_len: int) -> None:
         if vocab_size <= self.RESERVED:
             raise UserError(f"data.vocab_size must be > {self.RESERVED} for the hash tokenizer, got {vocab_size}")
         if max_len < 2:
             raise UserError(f"data.max_len must be >= 2 (one [CLS] position plus words), got {max_len}")
-        self.vocab_size, self.max_len, self.lowercase = vocab_size, max_len, lowercase
+        self.vocab_size, self.max_len = vocab_size, max_len
         self.pad_id = self.PAD
         self._memo: dict[str, int] = {}
 
@@ -42,7 +42,7 @@ class HashTokenizer:
             "tokenizer": "hash",
             "vocab_size": self.vocab_size,
             "max_len": self.max_len,
-            "lowercase": self.lowercase,
+            "lowercase": True,
             "split": _TOKEN.pattern,
             "hash": "crc32",
             "pad_id": self.PAD,
@@ -52,10 +52,10 @@ class HashTokenizer:
     def words(self, text: str) -> list[str]:
         keep = self.max_len - 1
         # Scan only a prefix long enough for `keep` words; fall back to the whole text if it was not.
-        prefix = text[: keep * 24].lower() if self.lowercase else text[: keep * 24]
+        prefix = text[: keep * 24].lower()
         words = _TOKEN.findall(prefix)
         if len(words) < keep and len(prefix) < len(text):
-            words = _TOKEN.findall(text.lower() if self.lowercase else text)
+            words = _TOKEN.findall(text.lower())
         return words[:keep]
 
     def _bucket(self, word: str) -> int:
@@ -108,5 +108,5 @@ class HFTokenizer:
 def tokenizer_from_meta(meta: dict):
     """The tokenizer that `describe()` gave this meta."""
     if meta["tokenizer"] == "hash":
-        return HashTokenizer(meta["vocab_size"], meta["max_len"], meta.get("lowercase", True))
+        return HashTokenizer(meta["vocab_size"], meta["max_len"])
     return HFTokenizer(meta["pretrained"], meta["max_len"])
