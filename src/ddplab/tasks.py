@@ -63,13 +63,11 @@ def _kind(output) -> str:
 
 
 def to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=device.type == "cuda")
     if isinstance(obj, Mapping):  # a dict, HF's BatchEncoding
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
-    if callable(getattr(obj, "to", None)):  # a batch that moves itself, e.g. JPEG bytes decoded on the GPU
+    if callable(getattr(obj, "to", None)):  # a tensor, or a batch that moves itself (JPEGs decoded on the GPU)
         return obj.to(device, non_blocking=device.type == "cuda")
     return obj
 
