@@ -28,27 +28,20 @@ SOURCES = {
 
 def data(cfg: ddplab.BuildConfig) -> ddplab.Data:
     if cfg.assets is not None:  # `ddplab predict`: the transform and labels from the saved meta; no image is read
-        meta = cfg.assets.meta
-        return ddplab.Data(
-            train=None,
-            meta=meta,
-            collate_fn=images.stack_images,
-            input_shape=tuple(meta["input_shape"]),
-            preprocess=images.ImageFile(meta),
-        )
+        return _data(cfg.assets.meta, train=None)
     config = cfg.config
     spec = image_spec(config, *image_needs(config.model.name), log=_say if cfg.is_main else None)
     splits = SOURCES[config.data.name](config, cfg.dist, spec)
-    meta = splits.meta
+    names = splits.meta["label_names"]
+    task = ddplab.Classification(len(names), names)
+    return _data(splits.meta, train=splits.train, val=splits.val, test=splits.test, task=task)
+
+
+def _data(meta: dict, **splits) -> ddplab.Data:
+    """Training's Data and predict's alike: batches stacked, and a file read, as `meta` says."""
+    shape = tuple(meta["input_shape"])
     return ddplab.Data(
-        train=splits.train,
-        val=splits.val,
-        test=splits.test,
-        task=ddplab.Classification(len(meta["label_names"]), meta["label_names"]),
-        collate_fn=images.stack_images,
-        meta=meta,
-        input_shape=tuple(meta["input_shape"]),
-        preprocess=images.ImageFile(meta),
+        meta=meta, collate_fn=images.stack_images, input_shape=shape, preprocess=images.ImageFile(meta), **splits
     )
 
 
