@@ -29,9 +29,7 @@ from ddplab.workloads import sized_by_config
 
 def data(cfg) -> ddplab.Data:
     if cfg.assets is not None:  # `ddplab predict`: the tokenizer the run saved in meta; no text is read
-        meta = cfg.assets.meta
-        collate = partial(pad_collate, pad_id=meta.get("pad_id", 0))
-        return ddplab.Data(train=None, meta=meta, collate_fn=collate, preprocess=Encoder(meta))
+        return _data(cfg.assets.meta, train=None)
     c = cfg.config
     if c.data.stream:  # shards tokenised as they are read
         meta = {"input": "text", **make_tokenizer(c).describe()}
@@ -44,15 +42,13 @@ def data(cfg) -> ddplab.Data:
             f"data.num_classes={k} but data.name={c.data.name} has {len(names)} labels ({', '.join(names)})"
         )
     meta["label_names"] = names = names + [str(i) for i in range(len(names), k)]
-    return ddplab.Data(
-        train=train,
-        val=val,
-        test=test,
-        task=ddplab.Classification(k, names),
-        meta=meta,
-        collate_fn=partial(pad_collate, pad_id=meta["pad_id"]),
-        preprocess=Encoder(meta),
-    )
+    return _data(meta, train=train, val=val, test=test, task=ddplab.Classification(k, names))
+
+
+def _data(meta: dict, **splits) -> ddplab.Data:
+    """Training's Data and predict's alike: texts encoded, and batches padded, as `meta` says."""
+    collate = partial(pad_collate, pad_id=meta.get("pad_id", 0))
+    return ddplab.Data(meta=meta, collate_fn=collate, preprocess=Encoder(meta), **splits)
 
 
 def transformer(cfg, data: ddplab.Data) -> TransformerClassifier:
