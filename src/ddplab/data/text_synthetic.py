@@ -47,6 +47,7 @@ NEUTRAL = (
 P_SIGNAL, P_NOISE = 0.10, 0.025
 VERSION = 1  # in the cache key: bump when the generated texts change
 CHUNK = 10_000  # reviews generated at a time
+BLOCK = 1000  # rows share a random stream per block, so any row range is reproducible
 
 
 def lexicons(num_classes: int) -> list[list[str]]:
@@ -61,18 +62,13 @@ def lexicons(num_classes: int) -> list[list[str]]:
 
 def generate(seed: int, start: int, count: int, num_classes: int) -> tuple[list[str], np.ndarray]:
     """Reviews start .. start+count-1; chunk-aligned calls give the same rows whatever the chunking."""
-    texts: list[str] = []
-    labels = np.empty(count, dtype=np.int64)
-    block = 1000  # rows share a random stream per block of 1000, so any row range is reproducible
-    for b in range(start // block, (start + count - 1) // block + 1):
-        rows = _block(seed, b, num_classes)
-        lo, hi = max(start, b * block) - b * block, min(start + count, (b + 1) * block) - b * block
-        texts += rows[0][lo:hi]
-        labels[len(texts) - (hi - lo) : len(texts)] = rows[1][lo:hi]
-    return texts, labels
+    first = start // BLOCK
+    blocks = [_block(seed, b, num_classes) for b in range(first, (start + count - 1) // BLOCK + 1)]
+    at = slice(start - first * BLOCK, start - first * BLOCK + count)
+    return [t for texts, _ in blocks for t in texts][at], np.concatenate([labels for _, labels in blocks])[at]
 
 
-def _block(seed: int, b: int, num_classes: int, size: int = 1000) -> tuple[list[str], np.ndarray]:
+def _block(seed: int, b: int, num_classes: int, size: int = BLOCK) -> tuple[list[str], np.ndarray]:
     rng = np.random.default_rng([seed, b])
     lex = lexicons(num_classes)
     vocab = np.array(NEUTRAL + [w for words in lex for w in words] + [".", ","], dtype=object)
