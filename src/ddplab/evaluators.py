@@ -72,10 +72,9 @@ class ClassificationEvaluator:
 def _per_class(confusion: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Precision, recall, F1 of each class, predicted and actual counts (zero_division=0)."""
     tp, predicted, actual = confusion.diag(), confusion.sum(0), confusion.sum(1)
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
-    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
-    denom = precision + recall
-    f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-12), torch.zeros_like(tp))
+    # A zero denominator has a zero numerator: 0/0 is NaN, and zero_division=0 makes it 0.
+    precision, recall = (tp / predicted).nan_to_num(), (tp / actual).nan_to_num()
+    f1 = (2 * precision * recall / (precision + recall)).nan_to_num()
     return precision, recall, f1, predicted, actual
 
 
