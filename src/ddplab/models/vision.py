@@ -173,9 +173,12 @@ def find_head(model: nn.Module) -> str:
     return heads[-1]
 
 
-def _freeze_all_but(model: nn.Module, head: nn.Module) -> None:
-    model.requires_grad_(False)
-    head.requires_grad_(True)
+def _frozen(m, model: nn.Module, head: nn.Module) -> nn.Module:
+    """With model.freeze, only the head trains."""
+    if m.freeze:
+        model.requires_grad_(False)
+        head.requires_grad_(True)
+    return model
 
 
 def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
@@ -190,15 +193,12 @@ def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
         assert isinstance(old, nn.Conv2d)  # find_head returns a Linear or a Conv2d
         head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
     model.set_submodule(head_name, head)
-    if m.freeze:
-        _freeze_all_but(model, head)
-    return model
+    return _frozen(m, model, head)
 
 
 def build_cnn(m, channels: int, side: int, num_classes: int) -> nn.Module:
     model = CNN(channels, num_classes, side, dropout=m.dropout)
-    _own_weights(m, model, model.fc2)
-    return model
+    return _own_weights(m, model, model.fc2)
 
 
 def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
@@ -221,15 +221,13 @@ def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
         fan_in = channels * m.patch_size**2  # torchvision's own initialisation of this layer
         nn.init.trunc_normal_(model.conv_proj.weight, std=(1 / fan_in) ** 0.5)
         nn.init.zeros_(model.conv_proj.bias)
-    _own_weights(m, model, model.heads)
-    return model
+    return _own_weights(m, model, model.heads)
 
 
-def _own_weights(m, model: nn.Module, head: nn.Module) -> None:
+def _own_weights(m, model: nn.Module, head: nn.Module) -> nn.Module:
     if m.weights:
         model.load_state_dict(fitting_weights(model, m.weights, m.name))
-    if m.freeze:
-        _freeze_all_but(model, head)
+    return _frozen(m, model, head)
 
 
 # ---------------------------------------------------------------------------- checks
