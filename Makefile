@@ -21,14 +21,15 @@ demo: $(STAMP)
 # The whole suite: one pytest-xdist worker per core and one more, as the multi-process tests spend part of their
 # time waiting (start-up, rendezvous, timeouts); on 2 cores this pass took 558 s with 3 workers, 587 s with 4 and
 # 623 s with 2. A test file's tests share one worker, so a run trained once per file is trained once, and one
-# that several files read is trained once per session (tests/references.py). Then the tests that check
-# wall-clock time or race a loaded machine, alone. Tiers: tests/tiers.py.
+# that several files read is trained once per session (tests/references.py); the pass ends with its 15 slowest
+# tests (those over 10 s). Then the tests that check wall-clock time or race a loaded machine, alone.
+# Tiers: tests/tiers.py.
 PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
 # The serial tests' files only: collecting them takes 3 s, collecting every file 7 s.
 SERIAL  := $(shell grep -l "mark.serial" tests/test_*.py)
 test: lint
-	$(PYTEST) -n $(WORKERS) --dist loadscope -m "not serial"
+	$(PYTEST) -n $(WORKERS) --dist loadscope -m "not serial" --durations=15 --durations-min=10
 	$(PYTEST) -m serial $(SERIAL) || [ $$? -eq 5 ]  # 5: no such test
 
 # The unit and in-process tiers: no test starts a process.
