@@ -94,17 +94,14 @@ class EarlyStopping(Callback):
             )
             view.request_stop("early_stopping")
 
+    STATE = ("best", "best_epoch", "wait", "stopped_epoch")  # what a snapshot keeps
+
     def state_dict(self) -> dict:
-        return {
-            "best": self.best,
-            "best_epoch": self.best_epoch,
-            "wait": self.wait,
-            "stopped_epoch": self.stopped_epoch,
-        }
+        return {name: getattr(self, name) for name in self.STATE}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.best_epoch = state["best"], state["best_epoch"]
-        self.wait, self.stopped_epoch = state["wait"], state["stopped_epoch"]
+        for name in self.STATE:
+            setattr(self, name, state[name])
 
 
 def configured(cfg) -> list[Callback]:
