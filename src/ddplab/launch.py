@@ -173,19 +173,13 @@ class _Job(StopSignals):
                 return failed[0]  # run() stops the others
             if None not in codes:
                 return 0
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.procs[codes.index(None)].wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
 
     def stop(self, grace: float = 30) -> None:
         self._stop_agents()
         for proc in self.procs:
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _end(proc, grace)
         for pump in self.pumps:
             pump.join(timeout=10)
 
@@ -303,23 +297,9 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups:
     if groups:
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}  # torchft's lines per step: RUST_LOG=info
         with lighthouse() as address:
-            ended = run(
-                [
-                    torchrun_command(
-                        nproc,
-                        [
-                            *args,
-                            f"distributed.replica_group={i}",
-                            f"distributed.replica_groups={groups}",
-                            f"distributed.lighthouse={address}",
-                        ],
-                        **kwargs,
-                    )
-                    for i in range(groups)
-                ],
-                env=env,
-                independent=True,
-            )
+            group = [f"distributed.replica_groups={groups}", f"distributed.lighthouse={address}"]
+            overrides = [[*args, f"distributed.replica_group={i}", *group] for i in range(groups)]
+            ended = run([torchrun_command(nproc, o, **kwargs) for o in overrides], env=env, independent=True)
     else:
         ended = run([torchrun_command(nproc, args, **kwargs)], env=env)
     if ended.error and ended.code == ExitCode.USAGE:
@@ -367,11 +347,16 @@ def lighthouse():
         yield f"http://localhost:{port}"
     finally:
         proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _end(proc, 10)
+
+
+def _end(proc: subprocess.Popen, grace: float) -> None:
+    """Wait `grace` seconds for a process asked to stop, then kill it."""
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # ------------------------------------------------------------------ agent side
