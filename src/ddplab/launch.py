@@ -52,7 +52,6 @@ def torchrun_command(
     *,
     max_restarts: int = 0,
     nnodes: int = 1,
-    node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
 ) -> list[str]:
@@ -64,8 +63,6 @@ def torchrun_command(
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         if run_id:
             cmd.append(f"--rdzv-id={run_id}")
-        if node_rank is not None:
-            cmd.append(f"--node-rank={node_rank}")
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     return cmd + ["-m", "ddplab"] + args
