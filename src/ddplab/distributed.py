@@ -131,9 +131,7 @@ class DistContext:
         """In place, and returned; a no-op with one process."""
         if self.is_distributed:
             with self.beat.inside(f"all_reduce ({op})"):
-                dist.all_reduce(
-                    tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-                )
+                dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()))  # sum, max, min
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -202,8 +200,7 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
             process_state.env_default("MASTER_ADDR", launch.master_addr or "localhost")
             process_state.env_default("MASTER_PORT", str(launch.master_port))
         kwargs: dict[str, Any] = {"device_id": device} if chosen == "nccl" else {}
-        store = attempt_store(launch, timeout_s)
-        if store is not None:
+        if (store := attempt_store(launch, timeout_s)) is not None:
             kwargs["store"] = store
         dist.init_process_group(
             backend=chosen,
