@@ -40,15 +40,11 @@ class WandB(Tracker):
             config=None if "id" in mine else config,
             settings=wandb.Settings(console="off"),
         )
-        record[self.name] = {
-            "id": run_id,
-            "project": cfg.logging.wandb_project,
-            "train": mine.get("train", 0),
-            "epoch": mine.get("epoch", 0),
-        }
+        train, epoch = mine.get("train", 0), mine.get("epoch", 0)
+        record[self.name] = {"id": run_id, "project": cfg.logging.wandb_project, "train": train, "epoch": epoch}
         # Online, a resumed run knows its last step; offline, trackers.json does.
         held = max(self.run.starting_step - 1, 0) if self.run.resumed else 0
-        return max(mine.get("train", 0), held), max(mine.get("epoch", 0), held)
+        return max(train, held), max(epoch, held)
 
     def log(self, values, step):
         self.run.log(values, step=step)
