@@ -109,18 +109,13 @@ def tf32(on: bool) -> None:
     if not torch.cuda.is_available():
         return
     matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    wanted = "high" if on else "highest"
+    wanted, said = ("high", "on") if on else ("highest", "off")
     if matmul != wanted:
         torch.set_float32_matmul_precision(wanted)
-        _record(
-            f"TF32 matmuls {'on' if on else 'off'} (training.tf32)", lambda: torch.set_float32_matmul_precision(matmul)
-        )
+        _record(f"TF32 matmuls {said} (training.tf32)", lambda: torch.set_float32_matmul_precision(matmul))
     if conv != on:
         torch.backends.cudnn.allow_tf32 = on
-        _record(
-            f"TF32 convolutions {'on' if on else 'off'} (training.tf32)",
-            lambda: setattr(torch.backends.cudnn, "allow_tf32", conv),
-        )
+        _record(f"TF32 convolutions {said} (training.tf32)", lambda: setattr(torch.backends.cudnn, "allow_tf32", conv))
 
 
 def freeze_gc() -> None:
