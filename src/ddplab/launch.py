@@ -205,8 +205,7 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
     history, which train.log keeps."""
     if agent_code == 0 and not stopped:
         return ExitCode.OK, None
-    errors = sorted(report.glob("error-rank*"))
-    if errors:
+    if errors := sorted(report.glob("error-rank*")):
         return ExitCode.USAGE, errors[0].read_text().strip()
     if any(report.glob("preempted-rank*")):
         return ExitCode.PREEMPTED, None
