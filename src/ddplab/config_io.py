@@ -90,13 +90,9 @@ def _expanded_size(node: yaml.Node, sizes: dict) -> int:
         raise _TooBig("holds itself (an alias inside its own anchor)", node.start_mark)
     if id(node) not in sizes:
         sizes[id(node)] = None  # being counted
-        children = (
-            [c for pair in node.value for c in pair]
-            if isinstance(node, yaml.MappingNode)
-            else node.value
-            if isinstance(node, yaml.SequenceNode)
-            else []
-        )
+        children = node.value if isinstance(node, yaml.CollectionNode) else []  # a scalar's value is its text
+        if isinstance(node, yaml.MappingNode):
+            children = [c for pair in children for c in pair]
         sizes[id(node)] = min(1 + sum(_expanded_size(c, sizes) for c in children), MAX_YAML_NODES + 1)
     return sizes[id(node)]
 
