@@ -56,16 +56,7 @@ class CommMonitor(InFlight):
         order after the first step, so the last recorded step holds the layout it settles on."""
         if self._recorded_steps >= 3:
             return
-        buffer = bucket.buffer()
-        self._recording.append(
-            _bucket_info(
-                bucket.index(),
-                bucket.parameters(),
-                buffer.numel(),
-                buffer.numel() * buffer.element_size(),
-                buffer.dtype,
-            )
-        )
+        self._recording.append(_bucket_info(bucket.index(), bucket.parameters(), [bucket.buffer()]))
         if bucket.is_last():
             self.layout, self._recording = self._recording, []
             self._recorded_steps += 1
@@ -90,14 +81,15 @@ class CommMonitor(InFlight):
         return fut.then(done)
 
 
-def _bucket_info(index: int, params, numel: int, nbytes: int, dtype: torch.dtype) -> dict:
+def _bucket_info(index: int, params, tensors: list[torch.Tensor]) -> dict:
+    """A bucket of `params` whose gradients `tensors` hold (DDP's flat buffer, or the parameters themselves)."""
     # PowerSGD views each gradient as (rows, rest) and compresses it when it is a matrix.
     matrices = [[int(p.shape[0]), int(p.numel() // p.shape[0])] for p in params if p.dim() > 1]
     return {
         "index": index,
-        "numel": numel,
-        "bytes": nbytes,
-        "dtype": str(dtype).replace("torch.", ""),
+        "numel": sum(t.numel() for t in tensors),
+        "bytes": sum(t.nbytes for t in tensors),
+        "dtype": str(tensors[0].dtype).replace("torch.", ""),
         "params": len(params),
         "matrices": matrices,
     }
@@ -245,11 +237,7 @@ def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]
         return []
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
     groups, _ = dist._compute_bucket_assignment_by_size(params, limits)
-    members = [[params[j] for j in group] for group in groups]
-    return [
-        _bucket_info(i, ps, sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps), ps[0].dtype)
-        for i, ps in enumerate(members)
-    ]
+    return [_bucket_info(i, ps, ps) for i, ps in enumerate([params[j] for j in group] for group in groups)]
 
 
 def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:
