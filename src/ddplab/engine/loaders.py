@@ -133,12 +133,8 @@ class TrainFeed:
 
     def epoch(self, epoch: int, consumed: int) -> Iterator:
         """The batches of `epoch` after its first `consumed` samples (all ranks together)."""
-        if self.loader is None:
-            self.loader = (
-                self.loaders.train(self.dataset, self.sampler)
-                if self.sampler is not None
-                else self.loaders.train(self.source)
-            )
+        if self.loader is None:  # map-style data with their sampler; a stream (no sampler) through its Stream
+            self.loader = self.loaders.train(self.dataset if self.source is None else self.source, self.sampler)
         # Worker seeds come from the loader's own generator: a function of the epoch only,
         # so a resumed epoch hands its workers the same seeds.
         self.loader.generator.manual_seed(self.seed + epoch)
