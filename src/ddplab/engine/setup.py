@@ -78,15 +78,12 @@ def _each_tensor(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
 
 def _inputs_channels_last(module, args, kwargs):
     """Image batches (4-D float tensors) in the weights' format, converted where they already are (the device)."""
-    return _each_tensor(
-        args,
-        kwargs,
-        lambda t: (
-            t.contiguous(memory_format=torch.channels_last)
-            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
-            else t
-        ),
-    )
+
+    def convert(t):
+        image = isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+        return t.contiguous(memory_format=torch.channels_last) if image else t
+
+    return _each_tensor(args, kwargs, convert)
 
 
 def _batch_dynamic(module, args, kwargs):
