@@ -426,10 +426,10 @@ class Trainer:
                 f"epoch {s.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample repeated "
                 f"or lost); dropout streams are reseeded, so the run is no longer bit-identical"
             )
-        if [name for name in left if name != "rng"]:
+        if as_built := [name for name in left if name != "rng"]:
             self.run.log(
                 f"not restored from the snapshot (absent, or per rank at another world size), left as "
-                f"built: {', '.join(name for name in left if name != 'rng')}"
+                f"built: {', '.join(as_built)}"
             )
         if s.stop_reason in ("epochs", "max_steps", "time_budget", "preempted"):  # the loop checks these again
             s.stop_reason = None  # a callback's request stays: the run ended there
