@@ -50,15 +50,13 @@ def _place(frame_or_summary) -> dict:
     return {"file": frame_or_summary.filename, "line": frame_or_summary.lineno, "function": frame_or_summary.name}
 
 
-def where(frame) -> dict | None:
+def where(frame) -> dict:
     """The innermost frame of the user's (or ddplab's) code: a stall inside torch is reported where
     the user's code called it."""
-    innermost = frame
-    while frame is not None:
-        if not _library(frame.f_code.co_filename):
-            return _place(frame)
-        frame = frame.f_back
-    return _place(innermost) if innermost is not None else None
+    for f, _ in traceback.walk_stack(frame):
+        if not _library(f.f_code.co_filename):
+            return _place(f)
+    return _place(frame)
 
 
 def where_raised(exc: BaseException) -> dict | None:
