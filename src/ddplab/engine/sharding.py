@@ -164,7 +164,7 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict:
 
     def local(t):
         t = t.to_local() if tensor is not None and isinstance(t, tensor.DTensor) else t
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        return t.nbytes if isinstance(t, torch.Tensor) else 0
 
     return {
         "parameters": sum(local(p) for p in model.parameters()),
@@ -183,5 +183,5 @@ def fsdp_units(model: torch.nn.Module, min_params: int) -> list[dict]:
     for unit in reversed(units):  # innermost first: a parameter belongs to the innermost unit holding it
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
-        out.append({"bytes": sum(p.numel() * p.element_size() for p in own), "params": len(own)})
+        out.append({"bytes": sum(p.nbytes for p in own), "params": len(own)})
     return [u for u in out[::-1] if u["params"]]
