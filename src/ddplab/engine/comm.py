@@ -11,6 +11,7 @@ model itself) records forward and backward time per step: what `ddplab forecast`
 """
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from ddplab.engine.clock import InFlight, Stamps
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
-_HOOKS = {
+_HOOKS: dict[str, tuple[Callable, int | None]] = {
     "none": (default_hooks.allreduce_hook, None),
     "fp16": (default_hooks.fp16_compress_hook, 2),
     "bf16": (default_hooks.bf16_compress_hook, 2),
@@ -40,13 +41,12 @@ class CommMonitor(InFlight):
     collectives = "all_reduce"  # what it times, in metrics.json's comm section
     label = "DDP gradient"
 
-    def __init__(self, dcfg, world_size: int, inner, inner_state, device=torch.device("cpu")) -> None:
+    def __init__(self, dcfg, world_size: int, inner_state, device=torch.device("cpu"), beat=None) -> None:
         self.latency_ms = dcfg.simulated_latency_ms
         self.bandwidth_mbps = dcfg.simulated_bandwidth_mbps
-        self.wire_bytes = _HOOKS[dcfg.comm_hook][1]
-        self.world_size = world_size
-        self.inner, self.inner_state = inner, inner_state
-        super().__init__(device)
+        self.inner, self.wire_bytes = _HOOKS[dcfg.comm_hook]
+        self.world_size, self.inner_state = world_size, inner_state
+        super().__init__(device, beat)
         self.layout: list[dict] = []  # the buckets of the last recorded step, in the order DDP hands them over
         self._recording: list[dict] = []
         self._recorded_steps = 0
@@ -108,8 +108,7 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
             min_compression_rate=2,
             random_seed=0,
         )
-    monitor = CommMonitor(dcfg, ctx.world_size, _HOOKS[dcfg.comm_hook][0], state, ctx.device)
-    monitor.beat = getattr(ctx, "beat", None)
+    monitor = CommMonitor(dcfg, ctx.world_size, state, ctx.device, getattr(ctx, "beat", None))
     model.register_comm_hook(monitor, CommMonitor.__call__)
     return monitor
 
