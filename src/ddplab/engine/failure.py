@@ -12,6 +12,7 @@ and the line in metrics.json.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
@@ -132,7 +133,7 @@ def log_traceback(run_dir, rank: int, reason: str, exc: BaseException | None = N
 def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
     """The traceback of a failure before training began in logs/rank<N>.log; rank 0 also marks the run
     failed in metrics.json, with the line. Nothing more is tried on a full disk: the terminal has the line."""
-    try:
+    with contextlib.suppress(OSError, RunError):
         logs = Path(run_dir) / RunFolder.LOGS
         log_traceback(run_dir, rank, "failed before training began", exc)
         if rank == 0:
@@ -146,8 +147,6 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
                 )
             finally:
                 run.close()
-    except (OSError, RunError):
-        pass
 
 
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:

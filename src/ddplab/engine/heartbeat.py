@@ -262,14 +262,12 @@ class Heartbeat:
         error = {"error": gist(exc), "where": raised, "line": line, "known": known, "beat": beat}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
-        try:
+        with contextlib.suppress(Exception):  # the store is gone with rank 0: nothing more to tell
             self.store.set(f"{_FAILED}/{self.ctx.rank}", json.dumps(error))
             self.store.add(_FAILED, 1)
             if self.ctx.is_main:
                 return self._report(self._failures())
             self._wait_reported()
-        except Exception:  # the store is gone with rank 0: nothing more to tell
-            pass
         return None
 
     def _store(self) -> dist.Store:
@@ -287,7 +285,7 @@ class Heartbeat:
         """Until rank 0 has written the report (`patience` seconds at most). When rank 0's process is gone,
         the first other rank to see it writes the report instead: the torchrun agent's store outlives rank 0."""
         deadline = time.monotonic() + patience
-        try:
+        with contextlib.suppress(Exception):  # the store went with rank 0 (it held it: no agent): nothing more to tell
             store = self._store()
             while not store.check([_REPORTED]) and time.monotonic() < deadline:
                 if self._main_gone():
@@ -295,8 +293,6 @@ class Heartbeat:
                         self._report_for_rank_0()
                     return
                 time.sleep(0.2)
-        except Exception:  # the store went with rank 0 (it held it: no agent): nothing more to tell
-            pass
 
     def _main_gone(self) -> bool:
         """Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes)."""
