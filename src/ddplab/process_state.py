@@ -63,6 +63,12 @@ def env_default(names: str | tuple[str, ...], value: str) -> bool:
     return True
 
 
+def env_unset(name: str, why: str) -> None:
+    """Remove an environment variable this process inherited (`why`: what keeping it would do)."""
+    if (before := os.environ.pop(name, None)) is not None:
+        _record(f"{name} unset ({why})", lambda: os.environ.__setitem__(name, before))
+
+
 def import_path(folder: str) -> None:
     """Put `folder` first on sys.path (a workload file imports its neighbours, as under `python file.py`)."""
     if folder in sys.path:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import re
 import uuid
 
+from ddplab import process_state
 from ddplab.trackers.base import Tracker
 
 
@@ -21,12 +21,10 @@ class WandB(Tracker):
 
         # A W&B service started by another process (a parent that used wandb put it in WANDB_SERVICE) outlives
         # this one: were this process killed, it would hold the run ("run ID ... is in use") and the next attempt
-        # could not continue it. This process starts its own, which ends with it; the user's value comes back.
-        self.inherited = os.environ.get("WANDB_SERVICE")
-        if self.inherited and re.match(rf"\d+-{os.getpid()}-", self.inherited) is None:
-            del os.environ["WANDB_SERVICE"]
-        else:
-            self.inherited = None
+        # could not continue it. This process starts its own, which ends with it.
+        # (Its value reads "<version>-<pid of the process that started it>-...".)
+        if (service := os.environ.get("WANDB_SERVICE")) and service.split("-")[1:2] != [str(os.getpid())]:
+            process_state.env_unset("WANDB_SERVICE", "a parent's W&B service would outlive a killed run")
         cfg, mine = view.config, record.get(self.name, {})
         run_id = mine.get("id") or uuid.uuid4().hex[:12]
         config = {**cfg.to_dict(), **({"study_point": study} if study else {})}
@@ -53,5 +51,3 @@ class WandB(Tracker):
         if status == "preempted":
             self.run.mark_preempting()
         self.run.finish(exit_code=1 if status == "failed" else 0)
-        if self.inherited:
-            os.environ["WANDB_SERVICE"] = self.inherited
