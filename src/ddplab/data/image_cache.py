@@ -22,7 +22,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 from torchvision.transforms import v2
 
 from ddplab.data import text_cache
-from ddplab.errors import UserError
+from ddplab.errors import UserError, free_space, size_text
 
 VERSION = 2  # bump when the layout or the decode steps change
 QUALITY = 90  # data.cache=jpeg: visually lossless, about 0.1-0.2x raw on photographs
@@ -75,11 +74,6 @@ def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict, kind:
     }
 
 
-def cache_folder(cache_dir: str | Path, description: dict) -> Path:
-    blob = json.dumps(description, sort_keys=True)
-    return Path(cache_dir) / f"images-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
-
-
 def pil_mode(meta: dict) -> str:
     """Images are read as stored: grey stays one channel (a model that needs RGB repeats it later)."""
     return "L" if meta["source_channels"] == 1 else "RGB"
@@ -100,10 +94,6 @@ def on_the_fly(meta: dict):
     )
 
 
-def free_space(path: Path) -> int:
-    return shutil.disk_usage(path).free
-
-
 def write(
     folder: Path,
     samples: list[tuple[str, int]],
@@ -118,11 +108,11 @@ def write(
     n, side = len(samples), meta["image_size"]
     channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
-    raw, free = n * channels * side * side + 8 * n, free_space(folder.parent)
+    raw, free = n * channels * side * side + 8 * n, free_space(folder.parent) or 0
     if kind == "raw" and raw * MARGIN > free:
         raise UserError(
-            f"data.cache=raw: {n} images need about {_size(raw)} at {channels}x{side}x{side} but "
-            f"{folder.parent} has {_size(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
+            f"data.cache=raw: {n} images need about {size_text(raw)} at {channels}x{side}x{side} but "
+            f"{folder.parent} has {size_text(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
             f"the size or less) or data.cache_dir=<bigger disk>"
         )
     workers = workers or host_cores()
@@ -130,8 +120,8 @@ def write(
     chunks = [(i, [path for path, _ in samples[i : i + chunk]]) for i in range(0, n, chunk)]
     workers = max(1, min(workers, len(chunks)))
     log(
-        f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {_size(raw)}; "
-        f"{_size(free)} free) with {workers} processes, into {folder}"
+        f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {size_text(raw)}; "
+        f"{size_text(free)} free) with {workers} processes, into {folder}"
     )
     began = time.perf_counter()
     with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
@@ -168,7 +158,7 @@ def write(
             )
         )
     log(
-        f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {_size(size)}"
+        f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {size_text(size)}"
         + (f", {size / raw:.2f}x raw" if kind == "jpeg" else "")
     )
 
@@ -222,14 +212,6 @@ def _bar(total: int) -> Progress:
     )
     bar.add_task("decode", total=total)
     return bar
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def read_mode(meta: dict) -> ImageReadMode:
@@ -287,8 +269,7 @@ class CachedImages(Dataset):
 
     def blob(self, i: int) -> torch.Tensor:
         """Image i's JPEG bytes (a jpeg cache), copied out of the map."""
-        images = self.images
-        offsets = self._offsets
+        images, offsets = self.images, self._offsets
         assert offsets is not None  # a jpeg cache: loaded with its images
         return torch.from_numpy(np.array(images[offsets[i] : offsets[i + 1]]))
 
@@ -329,7 +310,8 @@ def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
     of each node, over the host's cores, while the others wait (`dist`, the job), or here and now
     outside a job (dist=None, e.g. predict)."""
     kind = cfg.data.cache
-    folder = cache_folder(text_cache.cache_root(cfg), describe(dataset.samples, dataset.root, meta, kind))
+    key = json.dumps(describe(dataset.samples, dataset.root, meta, kind), sort_keys=True)
+    folder = text_cache.cache_root(cfg) / f"images-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
     text_cache.ensure(
         dist,
         folder,

@@ -135,9 +135,9 @@ class ImageTensors(Dataset):
         return ImageBatch(self.images[at], self.labels[at])
 
 
-class EncodedFiles(Dataset):
-    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as
-    `EncodedImages`, decoded and transformed on the rank's GPU; single items decode here."""
+class EncodedFiles(image_cache.CachedImages):
+    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as a jpeg
+    cache's do, as `EncodedImages`, decoded and transformed on the rank's GPU; single items decode here."""
 
     def __init__(self, folder: ImageFolder, meta: dict) -> None:
         other = next((p for p, _ in folder.samples if Path(p).suffix.lower() not in (".jpg", ".jpeg")), None)
@@ -146,24 +146,16 @@ class EncodedFiles(Dataset):
                 f"data.decode=gpu decodes JPEG files only, and {other} is not one; set "
                 f"data.cache=jpeg (the tree re-encoded once) or data.decode=cpu"
             )
-        self.samples, self.meta = folder.samples, meta
+        self.samples, self.meta, self.encoded = folder.samples, meta, True
+        self.labels = torch.tensor([label for _, label in folder.samples])
         self.transform = self.batch_transform = on_the_fly(meta)
-        self.batched = True  # augmented on the device, after the loader (data.sample_seed does not reach it)
 
-    def __len__(self) -> int:
-        return len(self.samples)
+    def blob(self, i: int) -> torch.Tensor:
+        return torchvision.io.read_file(self.samples[i][0])
 
     def __getitem__(self, i: int):
         x, y = self.__getitems__([i])
         return x.to("cpu")[0], int(y[0])
-
-    def __getitems__(self, indices: list[int]):
-        batched = self.transform is self.batch_transform
-        blobs = [torchvision.io.read_file(self.samples[i][0]) for i in indices]
-        return ImageBatch(
-            image_cache.EncodedImages(blobs, self.meta, self.transform, batched),
-            torch.tensor([self.samples[i][1] for i in indices]),
-        )
 
 
 class TarImages:
