@@ -90,13 +90,8 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
         line = _errorbar(left, xs, items, "samples_per_s", label=label)
         base = next((r for r in items if r["processes"] == 1), None)
         if base:
-            left.plot(
-                xs,
-                [base["samples_per_s"] * r["processes"] for r in items],
-                linestyle="--",
-                color=line.get_color(),
-                alpha=0.6,
-            )
+            ideal = [base["samples_per_s"] * r["processes"] for r in items]
+            left.plot(xs, ideal, linestyle="--", color=line.get_color(), alpha=0.6)
         eff = [r for r in items if r.get("efficiency") is not None]
         if eff:
             _errorbar(right, [where[r["setup"]] for r in eff], eff, "efficiency", color=line.get_color(), label=label)

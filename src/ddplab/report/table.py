@@ -327,8 +327,11 @@ def fmt(key: str, value) -> str:
 
 def cell(row: dict, key: str) -> str:
     """The median, then its range over repeats when they differ."""
-    if key == "replicas":
-        return _replicas_cell(row)
+    if key == "replicas":  # groups present: `1–2 of 2` (the fewest in an epoch's steps, lowest–highest over epochs)
+        lo, hi, of = row.get("replicas_min"), row.get("replicas_max"), row.get("replica_groups")
+        if lo is None:
+            return "—"
+        return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" of {of}" if of is not None else "")
     text = fmt(key, row.get(key))
     if key == "epochs_at_budget" and row.get("epochs_at_budget_projected") and row.get(key) is not None:
         text = "≈" + text
@@ -338,14 +341,6 @@ def cell(row: dict, key: str) -> str:
     if key == "global_batch" and row.get("global_batch_planned") is not None:  # replica groups: the batch made
         text += f" of {row['global_batch_planned']}"
     return text
-
-
-def _replicas_cell(row: dict) -> str:
-    """Replica groups present: `1–2 of 2` (the fewest in an epoch's steps, lowest–highest over the epochs)."""
-    lo, hi, of = row.get("replicas_min"), row.get("replicas_max"), row.get("replica_groups")
-    if lo is None:
-        return "—"
-    return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" of {of}" if of is not None else "")
 
 
 def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:

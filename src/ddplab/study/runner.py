@@ -81,25 +81,18 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                 continue
             progress.update(task, description=label)
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(
-                folder,
-                RunFolder.POINT,
-                json.dumps(
-                    {
-                        "study": study_dir.name,
-                        "point": point.point,
-                        "run": point.name,
-                        "repeat": point.repeat,
-                        "nodes": point.setup.nodes,
-                        "per_node": point.setup.per_node,
-                        "processes": point.setup.processes,
-                        "setup": point.setup.label,
-                        "swept": point.swept,
-                    },
-                    indent=2,
-                )
-                + "\n",
-            )
+            record = {
+                "study": study_dir.name,
+                "point": point.point,
+                "run": point.name,
+                "repeat": point.repeat,
+                "nodes": point.setup.nodes,
+                "per_node": point.setup.per_node,
+                "processes": point.setup.processes,
+                "setup": point.setup.label,
+                "swept": point.swept,
+            }
+            write_atomic(folder, RunFolder.POINT, json.dumps(record, indent=2) + "\n")
             args = ["train", *([config] if config else []), *point.overrides]
             run_id = f"{study_dir.name}-{point.name}"
             commands = (
