@@ -253,7 +253,12 @@ def validate(cfg: Config) -> None:
     cfg.data.cache = {"true": "raw"}.get(cfg.data.cache, cfg.data.cache)  # data.cache=true: as before jpeg existed
     _check_fields(cfg, "")
     parse_duration(cfg.training.time_budget, "training.time_budget")
-    _plain_name(cfg.experiment.name, "experiment.name")
+    name = cfg.experiment.name  # one folder inside output_dir: no path of its own, nothing a terminal would act on
+    if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable()):
+        raise UserError(
+            f"experiment.name: {name!r} is not a plain folder name (one path component: no '/', no '..' "
+            f"or '.', no control characters)"
+        )
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
         raise UserError(f"checkpoint.resume: '{cfg.checkpoint.resume}' is neither auto, never nor an existing snapshot")
     if cfg.model.dim % cfg.model.heads:
@@ -263,18 +268,6 @@ def validate(cfg: Config) -> None:
     for name in ("val_fraction", "test_fraction"):
         if not 0 <= getattr(cfg.data, name) < 1:
             raise UserError(f"data.{name} must be in [0, 1), got {getattr(cfg.data, name)}")
-
-
-def _plain_name(name: str | None, dotted: str) -> None:
-    """A run folder's name is one folder inside output_dir: no path of its own, nothing a terminal would act on."""
-    if name is None:
-        return
-    name = str(name)
-    if name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable():
-        raise UserError(
-            f"{dotted}: {name!r} is not a plain folder name (one path component: no '/', no '..' "
-            f"or '.', no control characters)"
-        )
 
 
 def _check_fields(node: Any, prefix: str) -> None:

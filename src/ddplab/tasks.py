@@ -174,14 +174,11 @@ class Classification(Task):
             raise UserError(f"--top-k {top_k}: this classifier has {self.num_classes} classes")
         names = self.class_names or [str(i) for i in range(self.num_classes)]
         probs, idx = torch.softmax(self.logits(output).float(), dim=-1).topk(top_k, dim=-1)
-        if top_k == 1:
-            return [
-                {"label": names[i[0]], "probability": p[0]} for p, i in zip(probs.tolist(), idx.tolist(), strict=True)
-            ]
         rows: list[dict] = [{} for _ in idx]
         for row, p, i in zip(rows, probs.tolist(), idx.tolist(), strict=True):
             for r in range(top_k):
-                row[f"label_{r + 1}"], row[f"probability_{r + 1}"] = names[i[r]], p[r]
+                suffix = f"_{r + 1}" if top_k > 1 else ""
+                row[f"label{suffix}"], row[f"probability{suffix}"] = names[i[r]], p[r]
         return rows
 
     def describe(self):
