@@ -127,9 +127,10 @@ def write(
     with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
         rows = None  # a raw cache: each worker writes its rows into the file itself, no pixels cross a pipe
-        if kind == "raw":
+        if kind == "raw":  # the rows go through plain file handles: no process keeps the whole array resident
             shape = (n, channels, side, side)
-            rows = (str(tmp / "images.npy"), text_cache.npy_offset(tmp / "images.npy", np.uint8, shape))
+            offset = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=shape).offset
+            rows = (str(tmp / "images.npy"), offset)
         lengths: list[int] = []
         with open(tmp / "images.bin", "wb") if kind == "jpeg" else contextlib.nullcontext() as f:
             decode = partial(decode_chunk, meta=meta, rows=rows)
