@@ -83,13 +83,9 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
         return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
     if len(found.sizes) == 1:
         ((w, h),) = found.sizes
-        if w == h:
-            return w, f"every image is {w}x{h}: kept at {w}x{h}"
         side = min(w, h)
-        return (
-            side,
-            f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}",
-        )
+        how = f"resized to {side} on the shorter side and centre-cropped to" if w != h else "kept at"
+        return side, f"every image is {w}x{h}: {how} {side}x{side}"
     shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
     return FOLDER_SIDE, (
         f"images differ in size ({shown}): resized and centre-cropped to "

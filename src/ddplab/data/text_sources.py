@@ -87,14 +87,8 @@ def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | 
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        return pd.read_csv(
-            p,
-            sep="\t" if suffix == ".tsv" else ",",
-            usecols=columns,
-            keep_default_na=False,
-            na_values=[""],
-            nrows=nrows,
-        )
+        sep = "\t" if suffix == ".tsv" else ","
+        return pd.read_csv(p, sep=sep, usecols=columns, keep_default_na=False, na_values=[""], nrows=nrows)
     if suffix in (".parquet", ".pq"):
         return pd.read_parquet(p, columns=columns)
     try:

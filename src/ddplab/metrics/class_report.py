@@ -81,11 +81,8 @@ class ClassReports(Callback):
 
     def on_train_end(self, view, summary) -> None:
         if self.evaluators:
+            names = view.data.meta.get("label_names")
             summary["classes"] = class_reports(
-                self.evaluators,
-                view.run.path,
-                view.data.meta.get("label_names"),
-                view.is_main,
-                view.config.logging.plots,
+                self.evaluators, view.run.path, names, view.is_main, view.config.logging.plots
             )
             view.run.write_json(view.run.METRICS_JSON, summary)
