@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddplab.engine.files import write_atomic
-from ddplab.report.plots import _pyplot, _save
+from ddplab.report.plots import _save, _subplots
 from ddplab.report.table import write_csv
 
 COLUMNS = [
@@ -65,7 +65,7 @@ def plot(result, path: Path) -> None:
     rows = result.rows
     several = len({r["strategy"] for r in rows}) > 1
     labels = [f"{r['setup']} {r['strategy']}" if several else r["setup"] for r in rows]
-    fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = _subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
     exposed = [r["exposed_comm_ms"] for r in rows]
     left.bar(labels, compute, label="compute (and hidden communication)", color="#4c72b0")
