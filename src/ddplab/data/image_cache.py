@@ -102,9 +102,8 @@ def write(
     workers: int | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over
-    `workers` processes (default: this process's cores). A raw cache's rows are written by the
-    workers at their place; a jpeg cache's JPEGs here, in order as they come back."""
+    """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over `workers`
+    processes (default: this process's cores), a jpeg cache's JPEGs written here in order as they come back."""
     n, side = len(samples), meta["image_size"]
     channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
