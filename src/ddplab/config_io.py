@@ -199,12 +199,10 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
     if hint is list:  # names: `[a, b]` (YAML), `a,b` or `[]` on the command line
-        if isinstance(value, str):
-            value = (
-                _yaml_value(value, dotted)
-                if value.strip().startswith("[")
-                else [v.strip() for v in value.split(",") if v.strip()]
-            )
+        if isinstance(value, str) and value.strip().startswith("["):
+            value = _yaml_value(value, dotted)
+        elif isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return list(dict.fromkeys(value))
         raise UserError(f"'{dotted}' must be a list of names like [a, b], got {value!r}")
@@ -224,11 +222,10 @@ def _number(value: Any, text: str | None, hint: type, dotted: str) -> int | floa
         number = int(text) if hint is int and text.lstrip("+-").isdigit() else float(text)
     if not isinstance(number, (int, float)) or isinstance(number, bool):
         raise UserError(f"'{dotted}' must be {kind}, got {value!r}")
-    if isinstance(number, float) and not math.isfinite(number):
+    # 1e300: a YAML integer of 400 digits, which float() would overflow
+    if (isinstance(number, float) and not math.isfinite(number)) or (hint is float and abs(number) > 1e300):
         raise UserError(f"'{dotted}' must be a finite number, got {_shown(value)}")
     if hint is float:
-        if abs(number) > 1e300:  # a YAML integer of 400 digits: float() would overflow
-            raise UserError(f"'{dotted}' must be a finite number, got {_shown(value)}")
         return float(number)
     if isinstance(number, float):
         if not number.is_integer():

@@ -15,7 +15,6 @@ import importlib.util
 import io
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,14 +41,9 @@ FOLDER_STATS = {3: ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]), 1: ([0.449], 
 PRECOMPUTE_BYTES = 512 * 2**20  # transformed tensor sets up to this size are built once, not per item
 
 
-class ImageSplits(NamedTuple):
-    """What a builder returns: datasets under the validation transform (training's augmented when
-    data.augment is set) and the meta that rebuilds that transform."""
-
-    train: Dataset
-    val: Dataset | None
-    test: Dataset | None
-    meta: dict
+# What a builder returns: (train, val, test) datasets under the validation transform (training's augmented
+# when data.augment is set; val and test may be None) and the meta that rebuilds that transform.
+ImageSplits = tuple[Dataset, Dataset | None, Dataset | None, dict]
 
 
 # ---------------------------------------------------------------------------- transforms
@@ -216,7 +210,7 @@ def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
     """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
     val, test = (s if s is not None and len(s) else None for s in (val, test))
-    return ImageSplits(train_view, val, test, meta)
+    return train_view, val, test, meta
 
 
 def _augmented(dataset, augment):
@@ -340,4 +334,4 @@ def image_shards(cfg, spec: ImageSpec) -> ImageSplits:
     train, val, test = streamed.split_shards(cfg, TarImages(meta, k))
     if cfg.data.augment:
         train.transform = TarImages(meta, k, augment=True)
-    return ImageSplits(train, val, test, meta)
+    return train, val, test, meta
