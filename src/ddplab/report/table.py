@@ -262,9 +262,8 @@ def _spread(values: list) -> tuple:
 
 def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     """One row per point: medians over its repeats, with `<key>_min` / `<key>_max`."""
-    per_run = run_rows(runs, budget_s)
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for row in per_run:
+    for row in run_rows(runs, budget_s):
         groups[row["_group"]].append(row)
     # The baseline of an experiment: its 1-process point (median throughput over repeats).
     base: dict[str, tuple[str, float, float | None]] = {}

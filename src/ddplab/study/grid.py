@@ -108,9 +108,8 @@ def expand(
             swept = dict(zip(sweeps, values, strict=True))
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
-            load_config(
-                config, [*overrides, f"experiment.name={name}"]
-            )  # one line naming the field, before any process starts
+            # A bad value is one line naming the field, before any process starts.
+            load_config(config, [*overrides, f"experiment.name={name}"])
             points.append(Point(name, setup, swept, overrides, point=name))
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
     # machine then spreads over all points instead of landing on the repeats of one. The first
