@@ -257,14 +257,11 @@ class CachedImages(Dataset):
 
     @property
     def images(self) -> np.ndarray:
-        if self._images is None:
-            raw = self.format == "raw"
-            self._images = (
-                np.load(self.folder / "images.npy", mmap_mode="r")
-                if raw
-                else np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
-            )
-            self._offsets = None if raw else np.load(self.folder / "offsets.npy")
+        if self._images is None and self.format == "raw":
+            self._images, self._offsets = np.load(self.folder / "images.npy", mmap_mode="r"), None
+        elif self._images is None:
+            self._images = np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
+            self._offsets = np.load(self.folder / "offsets.npy")
         return self._images
 
     def blob(self, i: int) -> torch.Tensor:
