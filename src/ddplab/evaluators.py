@@ -81,12 +81,8 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
     """Precision, recall and F1 of each class and its support, as scikit-learn's
     precision_recall_fscore_support(average=None, zero_division=0) gives them."""
     precision, recall, f1, _, actual = _per_class(confusion.double())
-    return {
-        "precision": precision.tolist(),
-        "recall": recall.tolist(),
-        "f1": f1.tolist(),
-        "support": [int(x) for x in actual.tolist()],
-    }
+    scores = {"precision": precision, "recall": recall, "f1": f1, "support": actual.long()}
+    return {name: s.tolist() for name, s in scores.items()}
 
 
 def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:
