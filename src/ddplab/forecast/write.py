@@ -75,16 +75,10 @@ def plot(result, path: Path) -> None:
     left.tick_params(axis="x", labelrotation=45 if several else 0)
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         ordered = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["processes"])
-        right.plot(
-            [r["processes"] for r in ordered],
-            [r["speedup"] for r in ordered],
-            "o-",
-            label=f"forecast, {strategy}" if several else "forecast",
-        )
-        for r in ordered:
-            right.annotate(
-                r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8
-            )
+        processes, speedups = [r["processes"] for r in ordered], [r["speedup"] for r in ordered]
+        right.plot(processes, speedups, "o-", label=f"forecast, {strategy}" if several else "forecast")
+        for r, x, y in zip(ordered, processes, speedups, strict=True):
+            right.annotate(r["setup"], (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
     top = max(r["processes"] for r in rows)
     right.plot([1, top], [1, top], "--", color="grey", label="ideal")
     right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")
