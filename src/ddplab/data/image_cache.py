@@ -309,10 +309,6 @@ def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
     kind = cfg.data.cache
     key = json.dumps(describe(dataset.samples, dataset.root, meta, kind), sort_keys=True)
     folder = text_cache.cache_root(cfg) / f"images-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
-    text_cache.ensure(
-        dist,
-        folder,
-        lambda: write(folder, dataset.samples, meta, kind, log=partial(print, flush=True)),
-        what="image cache",
-    )
+    build = partial(write, folder, dataset.samples, meta, kind, log=partial(print, flush=True))
+    text_cache.ensure(dist, folder, build, what="image cache")
     return CachedImages(folder, meta, encoded=cfg.data.decode == "gpu")

@@ -74,11 +74,8 @@ def hub_describe(cfg) -> dict:
 
 
 def _files(cfg) -> dict[str, str]:
-    return {
-        split: path
-        for split, path in (("train", cfg.data.train), ("val", cfg.data.val), ("test", cfg.data.test))
-        if path is not None
-    }
+    d = cfg.data
+    return {split: path for split, path in (("train", d.train), ("val", d.val), ("test", d.test)) if path is not None}
 
 
 def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | None = None):

@@ -95,11 +95,8 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
     right.axhline(1.0, linestyle="--", color="grey", label="ideal")
     left.plot([], [], linestyle="--", color="grey", label="ideal (linear in processes)")
     left.set(ylabel="training samples/s", title="Throughput per setup")
-    right.set(
-        ylabel="scaling efficiency (speedup / processes)",
-        title="Efficiency per setup",
-        ylim=(0, max(1.1, right.get_ylim()[1])),
-    )
+    top = max(1.1, right.get_ylim()[1])
+    right.set(ylabel="scaling efficiency (speedup / processes)", title="Efficiency per setup", ylim=(0, top))
     for ax in (left, right):
         _categories(ax, order)
         _legend(ax, fontsize=8)
@@ -217,10 +214,8 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
     """Train (solid) and validation (dashed) loss of each point's first repeat, over epochs and
     over training time."""
     paths = []
-    for axis, xlabel, fname in (
-        ("epoch", "epoch", "loss_epochs.png"),
-        ("elapsed_s", "training time (s)", "loss_time.png"),
-    ):
+    views = (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png"))
+    for axis, xlabel, fname in views:
         fig, ax = _subplots(figsize=(7, 4.4))
         for name, run in _firsts(runs).items():
             if axis == "elapsed_s" and run.steps:  # per log interval: finer than per epoch
