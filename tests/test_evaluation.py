@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ddplab.evaluators import ClassificationEvaluator, scores_from_confusion
+from ddplab.tasks import Classification
 
 
 class OneProcess:
@@ -20,7 +21,7 @@ def test_scores_equal_scikit_learn(seed):
     y = rng.integers(0, 5, 97)
     p = np.where(rng.random(97) < 0.6, y, rng.integers(0, 5, 97))
     p[p == 4] = 3  # a class never predicted: zero_division behaviour matters
-    ev = ClassificationEvaluator(5, torch.device("cpu"))
+    ev = Classification(5).evaluator(torch.device("cpu"))
     logits = torch.nn.functional.one_hot(torch.tensor(p), 5).float()
     ev.update(logits, torch.tensor(y))
     got = ev.compute(OneProcess())
@@ -60,7 +61,7 @@ def test_global_confusion_matrix_and_per_class_scores_equal_scikit_learn(seed, t
     shards = [(torch.tensor(p[:70]), torch.tensor(y[:70])), (torch.tensor(p[70:]), torch.tensor(y[70:]))]
     evs = []
     for pred, target in shards:  # each rank sees its own shard only
-        ev = ClassificationEvaluator(6, torch.device("cpu"))
+        ev = Classification(6).evaluator(torch.device("cpu"))
         ev.update(torch.nn.functional.one_hot(pred, 6).float(), target)
         evs.append(ev)
     ev = evs[0]
@@ -96,7 +97,7 @@ def test_plots_off_keeps_the_csv_and_draws_no_png(tmp_path):
         def all_reduce(self, t, op="sum"):
             return t
 
-    ev = ClassificationEvaluator(3, torch.device("cpu"))
+    ev = Classification(3).evaluator(torch.device("cpu"))
     ev.update(torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 2]), 3).float(), torch.tensor([0, 1, 1, 2]))
     ev.compute(Alone())
     report = class_reports({"test": ev}, tmp_path, None, write=True, plots=False)

@@ -178,7 +178,6 @@ def test_setups_are_categories_in_the_plots(tmp_path, monkeypatch):
             {c.get_label(): [float(x) for x in c.lines[0].get_xdata()] for c in ax.containers},
             ax.get_xlabel(),
         )
-        plots._pyplot().close(fig)
         return path
 
     monkeypatch.setattr(plots, "_save", keep)

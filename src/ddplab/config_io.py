@@ -199,12 +199,10 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
     if hint is list:  # names: `[a, b]` (YAML), `a,b` or `[]` on the command line
-        if isinstance(value, str):
-            value = (
-                _yaml_value(value, dotted)
-                if value.strip().startswith("[")
-                else [v.strip() for v in value.split(",") if v.strip()]
-            )
+        if isinstance(value, str) and value.strip().startswith("["):
+            value = _yaml_value(value, dotted)
+        elif isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return list(dict.fromkeys(value))
         raise UserError(f"'{dotted}' must be a list of names like [a, b], got {value!r}")
@@ -224,11 +222,10 @@ def _number(value: Any, text: str | None, hint: type, dotted: str) -> int | floa
         number = int(text) if hint is int and text.lstrip("+-").isdigit() else float(text)
     if not isinstance(number, (int, float)) or isinstance(number, bool):
         raise UserError(f"'{dotted}' must be {kind}, got {value!r}")
-    if isinstance(number, float) and not math.isfinite(number):
+    # 1e300: a YAML integer of 400 digits, which float() would overflow
+    if (isinstance(number, float) and not math.isfinite(number)) or (hint is float and abs(number) > 1e300):
         raise UserError(f"'{dotted}' must be a finite number, got {_shown(value)}")
     if hint is float:
-        if abs(number) > 1e300:  # a YAML integer of 400 digits: float() would overflow
-            raise UserError(f"'{dotted}' must be a finite number, got {_shown(value)}")
         return float(number)
     if isinstance(number, float):
         if not number.is_integer():
@@ -253,7 +250,12 @@ def validate(cfg: Config) -> None:
     cfg.data.cache = {"true": "raw"}.get(cfg.data.cache, cfg.data.cache)  # data.cache=true: as before jpeg existed
     _check_fields(cfg, "")
     parse_duration(cfg.training.time_budget, "training.time_budget")
-    _plain_name(cfg.experiment.name, "experiment.name")
+    name = cfg.experiment.name  # one folder inside output_dir: no path of its own, nothing a terminal would act on
+    if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable()):
+        raise UserError(
+            f"experiment.name: {name!r} is not a plain folder name (one path component: no '/', no '..' "
+            f"or '.', no control characters)"
+        )
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
         raise UserError(f"checkpoint.resume: '{cfg.checkpoint.resume}' is neither auto, never nor an existing snapshot")
     if cfg.model.dim % cfg.model.heads:
@@ -263,18 +265,6 @@ def validate(cfg: Config) -> None:
     for name in ("val_fraction", "test_fraction"):
         if not 0 <= getattr(cfg.data, name) < 1:
             raise UserError(f"data.{name} must be in [0, 1), got {getattr(cfg.data, name)}")
-
-
-def _plain_name(name: str | None, dotted: str) -> None:
-    """A run folder's name is one folder inside output_dir: no path of its own, nothing a terminal would act on."""
-    if name is None:
-        return
-    name = str(name)
-    if name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable():
-        raise UserError(
-            f"{dotted}: {name!r} is not a plain folder name (one path component: no '/', no '..' "
-            f"or '.', no control characters)"
-        )
 
 
 def _check_fields(node: Any, prefix: str) -> None:

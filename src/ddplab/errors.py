@@ -81,12 +81,13 @@ def write_failed(path: str | Path, exc: BaseException) -> RunError:
     """The one line for a file ddplab could not write: "no space left on device writing <file> (<free> free)"
     when the disk is full, else the reason. Raise it `from exc`: the traceback stays in logs/."""
     if no_space(exc, path):
-        return RunError(f"no space left on device writing {path} ({_size(free_space(path))} free)")
+        return RunError(f"no space left on device writing {path} ({size_text(free_space(path))} free)")
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {first_line(exc)}"
     return RunError(f"cannot write {path}: {reason}")
 
 
-def _size(n: int | None) -> str:
+def size_text(n: int | None) -> str:
+    """Bytes as people read them: 512 B, 4.0 KiB, 1.5 GiB."""
     if n is None:
         return "unknown space"
     if n < 1024:

@@ -9,7 +9,6 @@ counts exactly once whatever the world size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +17,8 @@ import torch.nn.functional as F
 class LMEvaluator:
     """Token-level cross-entropy, perplexity and next-token accuracy."""
 
-    def __init__(self, device: torch.device, scored: Callable) -> None:
-        self.scored = scored  # (output, target) -> flat logits and their next tokens (LanguageModeling.scored)
+    def __init__(self, task, device: torch.device) -> None:
+        self.scored = task.scored  # (output, target) -> flat logits and their next tokens (LanguageModeling.scored)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
 
     def update(self, output, target: torch.Tensor) -> None:
@@ -40,9 +39,9 @@ class LMEvaluator:
 class ClassificationEvaluator:
     """Loss, accuracy, top-5 accuracy, macro precision / recall / F1 from a global confusion matrix."""
 
-    def __init__(self, num_classes: int, device: torch.device, logits: Callable = lambda output: output) -> None:
-        self.num_classes = num_classes
-        self.logits = logits  # the model's output -> its logits (Task.logits)
+    def __init__(self, task, device: torch.device) -> None:
+        num_classes = self.num_classes = task.num_classes
+        self.logits = task.logits  # the model's output -> its logits (Task.logits)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, count, top5 correct
         self.global_confusion: torch.Tensor | None = None  # rows: true class, columns: predicted; set by compute()
@@ -82,12 +81,8 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list[float]]:
     """Precision, recall and F1 of each class and its support, as scikit-learn's
     precision_recall_fscore_support(average=None, zero_division=0) gives them."""
     precision, recall, f1, _, actual = _per_class(confusion.double())
-    return {
-        "precision": precision.tolist(),
-        "recall": recall.tolist(),
-        "f1": f1.tolist(),
-        "support": [int(x) for x in actual.tolist()],
-    }
+    scores = {"precision": precision, "recall": recall, "f1": f1, "support": actual.long()}
+    return {name: s.tolist() for name, s in scores.items()}
 
 
 def scores_from_confusion(confusion: torch.Tensor) -> dict[str, float]:

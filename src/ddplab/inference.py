@@ -38,7 +38,6 @@ def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
 
 
 def recorded_task(ckpt: dict):
-    """The task the checkpoint describes."""
     meta = ckpt.get("meta", {})
     return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
 

@@ -19,8 +19,6 @@ joins it.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +30,7 @@ from ddplab.engine import assets
 from ddplab.engine.files import write_atomic
 from ddplab.errors import UserError, first_line
 from ddplab.inference import load_model, read_checkpoint, recorded_task
+from ddplab.report.table import write_csv
 from ddplab.tasks import CONTINUES_TEXT, call_model
 
 
@@ -200,14 +199,9 @@ def output_format(path: str) -> str:
 
 def write(rows: list[dict], path: str) -> None:
     """Every row with its input, as CSV (lists as comma-separated text) or JSON lines."""
-    kind = output_format(path)
-    f = io.StringIO(newline="")
-    if kind == "jsonl":
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    if output_format(path) == "jsonl":
+        write_atomic(Path(path).parent, Path(path).name, "".join(json.dumps(row) + "\n" for row in rows))
     else:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(
-            {k: v if isinstance(v, (str, float, int)) else _shown(v) for k, v in row.items()} for row in rows
+        write_csv(
+            [{k: v if isinstance(v, (str, float, int)) else _shown(v) for k, v in r.items()} for r in rows], Path(path)
         )
-    write_atomic(Path(path).parent, Path(path).name, f.getvalue())

@@ -308,12 +308,8 @@ def _array_task(env: Mapping[str, str]) -> tuple[str, int] | None:
 def absolute_references(cfg: Config) -> None:
     """file.py:function references become absolute, so every rank, a resume, predict and generate
     import the very file this run used, whatever their working directory."""
-    for section, key in (
-        (cfg.model, "name"),
-        (cfg.data, "name"),
-        (cfg.training, "optimizer"),
-        (cfg.training, "schedule"),
-    ):
+    named = ((cfg.model, "name"), (cfg.data, "name"), (cfg.training, "optimizer"), (cfg.training, "schedule"))
+    for section, key in named:
         where, _, name = getattr(section, key).rpartition(":")
         if where.endswith(".py") or "/" in where:
             setattr(section, key, f"{Path(where).expanduser().resolve()}:{name}")

@@ -79,6 +79,7 @@ class Task:
     kind = "custom"
     # Where a mapping batch holds its target; None: `labels`, else `label`.
     target_field: str | None = None
+    scorer: type = MetricsEvaluator  # what `evaluator` makes: (task, device) -> global scores, ddplab/evaluators.py
 
     def unpack(self, batch) -> tuple:
         """(inputs, target, samples) of one collated batch. A mapping is the inputs whole, its target
@@ -128,7 +129,7 @@ class Task:
         checked apart, for every task: engine/setup.check_output)."""
 
     def evaluator(self, device: torch.device):
-        return MetricsEvaluator(self, device)
+        return self.scorer(self, device)
 
     def describe(self) -> dict:
         """Plain values stored in checkpoints, from which `restore` rebuilds the task."""
@@ -137,6 +138,7 @@ class Task:
 
 class Classification(Task):
     kind = "classification"
+    scorer = ClassificationEvaluator
 
     def __init__(self, num_classes: int, class_names: list[str] | None = None) -> None:
         if not isinstance(num_classes, int) or num_classes < 2:
@@ -165,23 +167,17 @@ class Classification(Task):
                 f"needs {expected} (one logit per class)"
             )
 
-    def evaluator(self, device):
-        return ClassificationEvaluator(self.num_classes, device, self.logits)
-
     def predict(self, output, top_k: int = 1):
         """The best label and its probability; with top_k > 1, label_1, probability_1, label_2, ..."""
         if top_k > self.num_classes:
             raise UserError(f"--top-k {top_k}: this classifier has {self.num_classes} classes")
         names = self.class_names or [str(i) for i in range(self.num_classes)]
         probs, idx = torch.softmax(self.logits(output).float(), dim=-1).topk(top_k, dim=-1)
-        if top_k == 1:
-            return [
-                {"label": names[i[0]], "probability": p[0]} for p, i in zip(probs.tolist(), idx.tolist(), strict=True)
-            ]
         rows: list[dict] = [{} for _ in idx]
         for row, p, i in zip(rows, probs.tolist(), idx.tolist(), strict=True):
             for r in range(top_k):
-                row[f"label_{r + 1}"], row[f"probability_{r + 1}"] = names[i[r]], p[r]
+                suffix = f"_{r + 1}" if top_k > 1 else ""
+                row[f"label{suffix}"], row[f"probability{suffix}"] = names[i[r]], p[r]
         return rows
 
     def describe(self):
@@ -198,6 +194,7 @@ class LanguageModeling(Task):
     not scored."""
 
     kind = "lm"
+    scorer = LMEvaluator
 
     def __init__(self, vocab_size: int | None = None, shift: bool = False) -> None:
         self.vocab_size, self.shift = vocab_size, shift
@@ -224,9 +221,6 @@ class LanguageModeling(Task):
                 f"(batch, time, vocab) matching targets of shape {tuple(target.shape)}"
             )
 
-    def evaluator(self, device):
-        return LMEvaluator(device, self.scored)
-
     def predict(self, output, top_k: int = 1):
         raise UserError(CONTINUES_TEXT)
 
@@ -238,6 +232,7 @@ class Regression(Task):
     """Mean squared error; global MAE, RMSE and R² (averaged over outputs) as val_mae, val_rmse, val_r2."""
 
     kind = "regression"
+    scorer = RegressionEvaluator
 
     def __init__(self, outputs: int = 1) -> None:
         if not isinstance(outputs, int) or outputs < 1:
@@ -261,9 +256,6 @@ class Regression(Task):
                 f"targets of shape {tuple(target.shape)} do not hold {self.outputs} value(s) per sample "
                 f"for Regression(outputs={self.outputs})"
             )
-
-    def evaluator(self, device):
-        return RegressionEvaluator(self, device)
 
     def predict(self, output, top_k: int = 1):
         """The predicted value (value_1, value_2, ... for several outputs)."""

@@ -182,11 +182,9 @@ def resolve(reference: str, field_name: str) -> Callable:
     else:
         try:
             module = importlib.import_module(where)
-        except ModuleNotFoundError as exc:
-            if exc.name and where.startswith(exc.name):
-                raise UserError(f"{field_name}: no module named '{where}' (from '{reference}')") from None
-            raise UserError(f"{field_name}: importing {where} raised ModuleNotFoundError: {first_line(exc)}") from None
         except Exception as exc:  # noqa: BLE001 - any failure of user code is the user's to see
+            if isinstance(exc, ModuleNotFoundError) and exc.name and where.startswith(exc.name):
+                raise UserError(f"{field_name}: no module named '{where}' (from '{reference}')") from None
             raise UserError(f"{field_name}: importing {where} raised {type(exc).__name__}: {first_line(exc)}") from None
     target = module
     for part in name.split("."):

@@ -34,8 +34,7 @@ class ImageSpec(NamedTuple):
 
 class FolderImages(NamedTuple):
     channels: int  # 1 when every image is grey, else 3
-    sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN
-    seen: int  # images looked at
+    sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN; () when none was readable
 
 
 SIZES_SHOWN = 3
@@ -64,7 +63,7 @@ def image_spec(
         source, native = NATIVE[cfg.data.name]
         return ImageSpec(source, channels or source, cfg.data.image_size or side or native)
     found = folder_images(cfg.data.root) if cfg.data.root else None
-    source = found.channels if found and found.seen else 3
+    source = found.channels if found and found.sizes else 3
     side = cfg.data.image_size or side
     if side is None:
         side, why = _folder_side(found)
@@ -80,17 +79,13 @@ def image_spec(
 def _folder_side(found: FolderImages | None) -> tuple[int, str]:
     """One shared size is kept (a non-square one as its shorter side, centre-cropped); mixed sizes
     get FOLDER_SIDE, since any one image's size would be arbitrary."""
-    if found is None or not found.seen:
+    if found is None or not found.sizes:
         return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
     if len(found.sizes) == 1:
         ((w, h),) = found.sizes
-        if w == h:
-            return w, f"every image is {w}x{h}: kept at {w}x{h}"
         side = min(w, h)
-        return (
-            side,
-            f"every image is {w}x{h}: resized to {side} on the shorter side and centre-cropped to {side}x{side}",
-        )
+        how = f"resized to {side} on the shorter side and centre-cropped to" if w != h else "kept at"
+        return side, f"every image is {w}x{h}: {how} {side}x{side}"
     shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
     return FOLDER_SIDE, (
         f"images differ in size ({shown}): resized and centre-cropped to "
@@ -105,7 +100,7 @@ def folder_images(root: str) -> FolderImages:
     could change the choice. An unreadable file is skipped here and named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
 
-    grey, count = True, 0
+    grey = True
     sizes: list[tuple[int, int]] = []
     for folder, dirs, files in os.walk(root, followlinks=True):
         dirs.sort()
@@ -117,13 +112,12 @@ def folder_images(root: str) -> FolderImages:
                     mode, size = img.mode, img.size
             except (OSError, SyntaxError, ValueError):
                 continue
-            count += 1
             grey = grey and mode in GREY_MODES
             if size not in sizes and len(sizes) < SIZES_SHOWN:
                 sizes.append(size)
             if len(sizes) > 1 and not grey:
-                return FolderImages(3, tuple(sizes), count)
-    return FolderImages(1 if grey else 3, tuple(sizes), count)
+                return FolderImages(3, tuple(sizes))
+    return FolderImages(1 if grey else 3, tuple(sizes))
 
 
 def check_images(cfg) -> None:

@@ -22,7 +22,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 from torchvision.transforms import v2
 
 from ddplab.data import text_cache
-from ddplab.errors import UserError
+from ddplab.errors import UserError, free_space, size_text
 
 VERSION = 2  # bump when the layout or the decode steps change
 QUALITY = 90  # data.cache=jpeg: visually lossless, about 0.1-0.2x raw on photographs
@@ -75,11 +74,6 @@ def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict, kind:
     }
 
 
-def cache_folder(cache_dir: str | Path, description: dict) -> Path:
-    blob = json.dumps(description, sort_keys=True)
-    return Path(cache_dir) / f"images-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
-
-
 def pil_mode(meta: dict) -> str:
     """Images are read as stored: grey stays one channel (a model that needs RGB repeats it later)."""
     return "L" if meta["source_channels"] == 1 else "RGB"
@@ -100,10 +94,6 @@ def on_the_fly(meta: dict):
     )
 
 
-def free_space(path: Path) -> int:
-    return shutil.disk_usage(path).free
-
-
 def write(
     folder: Path,
     samples: list[tuple[str, int]],
@@ -112,17 +102,16 @@ def write(
     workers: int | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over
-    `workers` processes (default: this process's cores). A raw cache's rows are written by the
-    workers at their place; a jpeg cache's JPEGs here, in order as they come back."""
+    """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over `workers`
+    processes (default: this process's cores), a jpeg cache's JPEGs written here in order as they come back."""
     n, side = len(samples), meta["image_size"]
     channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
-    raw, free = n * channels * side * side + 8 * n, free_space(folder.parent)
+    raw, free = n * channels * side * side + 8 * n, free_space(folder.parent) or 0
     if kind == "raw" and raw * MARGIN > free:
         raise UserError(
-            f"data.cache=raw: {n} images need about {_size(raw)} at {channels}x{side}x{side} but "
-            f"{folder.parent} has {_size(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
+            f"data.cache=raw: {n} images need about {size_text(raw)} at {channels}x{side}x{side} but "
+            f"{folder.parent} has {size_text(free)} free; set data.cache=jpeg (re-encoded, a fifth of "
             f"the size or less) or data.cache_dir=<bigger disk>"
         )
     workers = workers or host_cores()
@@ -130,16 +119,17 @@ def write(
     chunks = [(i, [path for path, _ in samples[i : i + chunk]]) for i in range(0, n, chunk)]
     workers = max(1, min(workers, len(chunks)))
     log(
-        f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {_size(raw)}; "
-        f"{_size(free)} free) with {workers} processes, into {folder}"
+        f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {size_text(raw)}; "
+        f"{size_text(free)} free) with {workers} processes, into {folder}"
     )
     began = time.perf_counter()
     with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
         rows = None  # a raw cache: each worker writes its rows into the file itself, no pixels cross a pipe
-        if kind == "raw":
+        if kind == "raw":  # the rows go through plain file handles: no process keeps the whole array resident
             shape = (n, channels, side, side)
-            rows = (str(tmp / "images.npy"), text_cache.npy_offset(tmp / "images.npy", np.uint8, shape))
+            offset = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=shape).offset
+            rows = (str(tmp / "images.npy"), offset)
         lengths: list[int] = []
         with open(tmp / "images.bin", "wb") if kind == "jpeg" else contextlib.nullcontext() as f:
             decode = partial(decode_chunk, meta=meta, rows=rows)
@@ -168,7 +158,7 @@ def write(
             )
         )
     log(
-        f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {_size(size)}"
+        f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {size_text(size)}"
         + (f", {size / raw:.2f}x raw" if kind == "jpeg" else "")
     )
 
@@ -224,14 +214,6 @@ def _bar(total: int) -> Progress:
     return bar
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def read_mode(meta: dict) -> ImageReadMode:
     return ImageReadMode.GRAY if pil_mode(meta) == "L" else ImageReadMode.RGB
 
@@ -275,20 +257,16 @@ class CachedImages(Dataset):
 
     @property
     def images(self) -> np.ndarray:
-        if self._images is None:
-            raw = self.format == "raw"
-            self._images = (
-                np.load(self.folder / "images.npy", mmap_mode="r")
-                if raw
-                else np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
-            )
-            self._offsets = None if raw else np.load(self.folder / "offsets.npy")
+        if self._images is None and self.format == "raw":
+            self._images, self._offsets = np.load(self.folder / "images.npy", mmap_mode="r"), None
+        elif self._images is None:
+            self._images = np.memmap(self.folder / "images.bin", dtype=np.uint8, mode="r")
+            self._offsets = np.load(self.folder / "offsets.npy")
         return self._images
 
     def blob(self, i: int) -> torch.Tensor:
         """Image i's JPEG bytes (a jpeg cache), copied out of the map."""
-        images = self.images
-        offsets = self._offsets
+        images, offsets = self.images, self._offsets
         assert offsets is not None  # a jpeg cache: loaded with its images
         return torch.from_numpy(np.array(images[offsets[i] : offsets[i + 1]]))
 
@@ -329,11 +307,8 @@ def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
     of each node, over the host's cores, while the others wait (`dist`, the job), or here and now
     outside a job (dist=None, e.g. predict)."""
     kind = cfg.data.cache
-    folder = cache_folder(text_cache.cache_root(cfg), describe(dataset.samples, dataset.root, meta, kind))
-    text_cache.ensure(
-        dist,
-        folder,
-        lambda: write(folder, dataset.samples, meta, kind, log=partial(print, flush=True)),
-        what="image cache",
-    )
+    key = json.dumps(describe(dataset.samples, dataset.root, meta, kind), sort_keys=True)
+    folder = text_cache.cache_root(cfg) / f"images-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+    build = partial(write, folder, dataset.samples, meta, kind, log=partial(print, flush=True))
+    text_cache.ensure(dist, folder, build, what="image cache")
     return CachedImages(folder, meta, encoded=cfg.data.decode == "gpu")

@@ -13,8 +13,6 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
-
 from ddplab.errors import UserError
 
 META = "meta.json"
@@ -46,12 +44,6 @@ def building(folder: Path) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def npy_offset(path: Path, dtype, shape: tuple) -> int:
-    """Create an .npy file and return where its rows start. The rows then go through a plain file
-    handle, so the writer does not keep the whole array resident in its own address space."""
-    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).offset
 
 
 def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "cache") -> None:

@@ -83,15 +83,11 @@ def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
         raw, out["names"], mapping = read(cfg)
         tokenizer = make_tokenizer(cfg)
         out["meta"] = {"input": "text", **tokenizer.describe()}
+        encoder = partial(encode, tokenizer=tokenizer, mapping=mapping)
         for split, ds in raw.items():
             drop = [c for c in ds.column_names if c != "label"]
             fingerprint = f"ddplab-{key_hash}-{split}"
-            out[split] = ds.map(
-                partial(encode, tokenizer=tokenizer, mapping=mapping),
-                batched=True,
-                remove_columns=drop,
-                new_fingerprint=fingerprint,
-            )
+            out[split] = ds.map(encoder, batched=True, remove_columns=drop, new_fingerprint=fingerprint)
             out[split].set_format("torch")
 
     text_cache.ensure(dist, None, tokenise, f"tokenised {cfg.data.name}")

@@ -74,11 +74,8 @@ def hub_describe(cfg) -> dict:
 
 
 def _files(cfg) -> dict[str, str]:
-    return {
-        split: path
-        for split, path in (("train", cfg.data.train), ("val", cfg.data.val), ("test", cfg.data.test))
-        if path is not None
-    }
+    d = cfg.data
+    return {split: path for split, path in (("train", d.train), ("val", d.val), ("test", d.test)) if path is not None}
 
 
 def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | None = None):
@@ -87,14 +84,8 @@ def read_table(path: str | Path, columns: list[str] | None = None, nrows: int | 
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        return pd.read_csv(
-            p,
-            sep="\t" if suffix == ".tsv" else ",",
-            usecols=columns,
-            keep_default_na=False,
-            na_values=[""],
-            nrows=nrows,
-        )
+        sep = "\t" if suffix == ".tsv" else ","
+        return pd.read_csv(p, sep=sep, usecols=columns, keep_default_na=False, na_values=[""], nrows=nrows)
     if suffix in (".parquet", ".pq"):
         return pd.read_parquet(p, columns=columns)
     try:

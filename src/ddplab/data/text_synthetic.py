@@ -54,9 +54,7 @@ def lexicons(num_classes: int) -> list[list[str]]:
     if num_classes == 2:
         return [NEGATIVE, POSITIVE]
     pool = NEGATIVE + POSITIVE + EXTRA
-    size = len(pool) // num_classes
-    if size < 3:
-        raise ValueError(f"synthetic_reviews supports at most {len(pool) // 3} classes")
+    size = len(pool) // num_classes  # at least 3: data.checks.check_text_classes bounds data.num_classes
     return [pool[c * size : (c + 1) * size] for c in range(num_classes)]
 
 

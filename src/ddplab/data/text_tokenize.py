@@ -84,10 +84,8 @@ class HFTokenizer:
         except (OSError, ValueError) as exc:
             raise cannot_load(f"a tokenizer from '{pretrained}'", exc) from None
         self.pretrained = pretrained
-        limit = (
-            self.tok.model_max_length if self.tok.model_max_length and self.tok.model_max_length < 10**6 else max_len
-        )
-        self.max_len = min(max_len, limit)
+        longest = self.tok.model_max_length  # a huge sentinel where the tokenizer names no limit
+        self.max_len = min(max_len, longest) if longest and longest < 10**6 else max_len
         self.vocab_size = len(self.tok)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 

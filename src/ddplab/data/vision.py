@@ -15,7 +15,6 @@ import importlib.util
 import io
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,14 +41,9 @@ FOLDER_STATS = {3: ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]), 1: ([0.449], 
 PRECOMPUTE_BYTES = 512 * 2**20  # transformed tensor sets up to this size are built once, not per item
 
 
-class ImageSplits(NamedTuple):
-    """What a builder returns: datasets under the validation transform (training's augmented when
-    data.augment is set) and the meta that rebuilds that transform."""
-
-    train: Dataset
-    val: Dataset | None
-    test: Dataset | None
-    meta: dict
+# What a builder returns: (train, val, test) datasets under the validation transform (training's augmented
+# when data.augment is set; val and test may be None) and the meta that rebuilds that transform.
+ImageSplits = tuple[Dataset, Dataset | None, Dataset | None, dict]
 
 
 # ---------------------------------------------------------------------------- transforms
@@ -135,9 +129,9 @@ class ImageTensors(Dataset):
         return ImageBatch(self.images[at], self.labels[at])
 
 
-class EncodedFiles(Dataset):
-    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as
-    `EncodedImages`, decoded and transformed on the rank's GPU; single items decode here."""
+class EncodedFiles(image_cache.CachedImages):
+    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as a jpeg
+    cache's do, as `EncodedImages`, decoded and transformed on the rank's GPU; single items decode here."""
 
     def __init__(self, folder: ImageFolder, meta: dict) -> None:
         other = next((p for p, _ in folder.samples if Path(p).suffix.lower() not in (".jpg", ".jpeg")), None)
@@ -146,24 +140,16 @@ class EncodedFiles(Dataset):
                 f"data.decode=gpu decodes JPEG files only, and {other} is not one; set "
                 f"data.cache=jpeg (the tree re-encoded once) or data.decode=cpu"
             )
-        self.samples, self.meta = folder.samples, meta
+        self.samples, self.meta, self.encoded = folder.samples, meta, True
+        self.labels = torch.tensor([label for _, label in folder.samples])
         self.transform = self.batch_transform = on_the_fly(meta)
-        self.batched = True  # augmented on the device, after the loader (data.sample_seed does not reach it)
 
-    def __len__(self) -> int:
-        return len(self.samples)
+    def blob(self, i: int) -> torch.Tensor:
+        return torchvision.io.read_file(self.samples[i][0])
 
     def __getitem__(self, i: int):
         x, y = self.__getitems__([i])
         return x.to("cpu")[0], int(y[0])
-
-    def __getitems__(self, indices: list[int]):
-        batched = self.transform is self.batch_transform
-        blobs = [torchvision.io.read_file(self.samples[i][0]) for i in indices]
-        return ImageBatch(
-            image_cache.EncodedImages(blobs, self.meta, self.transform, batched),
-            torch.tensor([self.samples[i][1] for i in indices]),
-        )
 
 
 class TarImages:
@@ -224,7 +210,7 @@ def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
     """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
     val, test = (s if s is not None and len(s) else None for s in (val, test))
-    return ImageSplits(train_view, val, test, meta)
+    return train_view, val, test, meta
 
 
 def _augmented(dataset, augment):
@@ -348,4 +334,4 @@ def image_shards(cfg, spec: ImageSpec) -> ImageSplits:
     train, val, test = streamed.split_shards(cfg, TarImages(meta, k))
     if cfg.data.augment:
         train.transform = TarImages(meta, k, augment=True)
-    return ImageSplits(train, val, test, meta)
+    return train, val, test, meta

@@ -82,16 +82,13 @@ def forecast(dirs: list[str], opts: argparse.Namespace) -> Forecast:
         )
     ]
     batches = sorted({m.batch for m in singles})
-    if len(batches) > 1:
-        notes.append(
-            f"compute per step fitted as a fixed part plus a part per sample, from batch sizes "
-            f"{', '.join(map(str, batches))}"
-        )
-    else:
-        notes.append(
-            f"compute per step taken as proportional to the batch (1-process runs at batch {batches[0]} "
-            f"only); a 1-process run at a second batch size fits its fixed part too"
-        )
+    notes.append(
+        f"compute per step fitted as a fixed part plus a part per sample, from batch sizes "
+        f"{', '.join(map(str, batches))}"
+        if len(batches) > 1
+        else f"compute per step taken as proportional to the batch (1-process runs at batch {batches[0]} "
+        f"only); a 1-process run at a second batch size fits its fixed part too"
+    )
     fit = None
     if bandwidth is None or latency is None:
         if not multi:

@@ -64,13 +64,9 @@ def fit_link(compute: Compute, multi: list[Measured]) -> Fit:
     # The model has kinks (max of compute and communication), so start from a few places: latency,
     # scale, and nanoseconds per byte unlimited or 800 Mbit/s.
     starts = itertools.product((0.0, 0.1, 1.0, 10.0), (1.0, 1.5), (0.0, 10.0))
-    best = min(
-        (
-            least_squares(residuals, np.array(x0)[:free], bounds=(_LOWER[:free], _UPPER[:free]), method="trf")
-            for x0 in starts
-        ),
-        key=lambda result: result.cost,
-    )
+    bounds = (_LOWER[:free], _UPPER[:free])
+    fits = (least_squares(residuals, np.array(x0)[:free], bounds=bounds, method="trf") for x0 in starts)
+    best = min(fits, key=lambda result: result.cost)
     x = np.concatenate([best.x, _DEFAULT[free:]])
     link = _link(x)
     points = [(m, predict_measured(compute, m, link, x[1])) for m in multi]

@@ -59,12 +59,10 @@ class Measured:
 def measure(run: Run) -> Measured | None:
     """None for a run without a full epoch."""
     rows = [r for r in run.full_epochs if r.get("epoch_time_s")]
-    if not rows:
+    steps = int(run.ddp.get("steps_per_epoch") or 0)
+    if not rows or steps < 1:
         return None
     dist_cfg = run.summary.get("config", {}).get("distributed", {})
-    steps = int(run.ddp.get("steps_per_epoch") or 0)
-    if steps < 1:
-        return None
     micro = sum(r.get("timed_micro_steps") or 0 for r in rows)
 
     def per_micro(key):

@@ -19,12 +19,9 @@ def costs(strategy: str, nodes: int, per_node: int, inter: Link, intra: Link):
 
     def gather(n):
         # One of a ring all-reduce's two phases, (p-1)/p of the bytes sent: half its cost. hsdp's stay in the node.
-        whole = (
-            ring_allreduce_s(n, per_node, intra)
-            if strategy == "hsdp"
-            else allreduce_s(n, nodes, per_node, inter, intra)
-        )
-        return whole / 2
+        if strategy == "hsdp":
+            return ring_allreduce_s(n, per_node, intra) / 2
+        return allreduce_s(n, nodes, per_node, inter, intra) / 2
 
     def reduce(n):
         # hsdp: the node's gradient shards are then all-reduced across nodes together, over the node's link.

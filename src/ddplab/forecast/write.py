@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddplab.engine.files import write_atomic
-from ddplab.report.plots import _pyplot, _save
+from ddplab.report.plots import _save, _subplots
 from ddplab.report.table import write_csv
 
 COLUMNS = [
@@ -65,7 +65,7 @@ def plot(result, path: Path) -> None:
     rows = result.rows
     several = len({r["strategy"] for r in rows}) > 1
     labels = [f"{r['setup']} {r['strategy']}" if several else r["setup"] for r in rows]
-    fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = _subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
     exposed = [r["exposed_comm_ms"] for r in rows]
     left.bar(labels, compute, label="compute (and hidden communication)", color="#4c72b0")
@@ -75,16 +75,10 @@ def plot(result, path: Path) -> None:
     left.tick_params(axis="x", labelrotation=45 if several else 0)
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         ordered = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["processes"])
-        right.plot(
-            [r["processes"] for r in ordered],
-            [r["speedup"] for r in ordered],
-            "o-",
-            label=f"forecast, {strategy}" if several else "forecast",
-        )
-        for r in ordered:
-            right.annotate(
-                r["setup"], (r["processes"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=8
-            )
+        processes, speedups = [r["processes"] for r in ordered], [r["speedup"] for r in ordered]
+        right.plot(processes, speedups, "o-", label=f"forecast, {strategy}" if several else "forecast")
+        for r, x, y in zip(ordered, processes, speedups, strict=True):
+            right.annotate(r["setup"], (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
     top = max(r["processes"] for r in rows)
     right.plot([1, top], [1, top], "--", color="grey", label="ideal")
     right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")

@@ -58,15 +58,8 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
     image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     if n <= 30:  # counts stay readable up to about 30 classes
         for i, j in np.ndindex(n, n):
-            ax.text(
-                j,
-                i,
-                f"{int(counts[i, j])}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if share[i, j] > 0.5 else "black",
-            )
+            shade = "white" if share[i, j] > 0.5 else "black"
+            ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=7, color=shade)
     ax.set_xticks(range(n), classes, rotation=90 if n > 10 else 0, fontsize=7)
     ax.set_yticks(range(n), classes, fontsize=7)
     ax.set(xlabel="predicted", ylabel="true", title=f"Confusion matrix, {split} ({int(counts.sum())} samples)")
@@ -88,11 +81,8 @@ class ClassReports(Callback):
 
     def on_train_end(self, view, summary) -> None:
         if self.evaluators:
+            names = view.data.meta.get("label_names")
             summary["classes"] = class_reports(
-                self.evaluators,
-                view.run.path,
-                view.data.meta.get("label_names"),
-                view.is_main,
-                view.config.logging.plots,
+                self.evaluators, view.run.path, names, view.is_main, view.config.logging.plots
             )
             view.run.write_json(view.run.METRICS_JSON, summary)

@@ -48,15 +48,12 @@ class GpuMonitor:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.gate():
-                self._sample()
+                with contextlib.suppress(Exception):  # a failed read skips one sample
+                    util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+                    used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
+                    with self._lock:
+                        self._samples.append((float(util), float(used)))
             self._stop.wait(self.interval_s)
-
-    def _sample(self) -> None:
-        with contextlib.suppress(Exception):  # a failed read skips one sample
-            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20
-            with self._lock:
-                self._samples.append((float(util), float(used)))
 
     def take_epoch(self) -> dict:
         """Mean utilisation (%) and peak memory used (MiB) since the last call; {} when inactive."""

@@ -262,9 +262,8 @@ def _spread(values: list) -> tuple:
 
 def build_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
     """One row per point: medians over its repeats, with `<key>_min` / `<key>_max`."""
-    per_run = run_rows(runs, budget_s)
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for row in per_run:
+    for row in run_rows(runs, budget_s):
         groups[row["_group"]].append(row)
     # The baseline of an experiment: its 1-process point (median throughput over repeats).
     base: dict[str, tuple[str, float, float | None]] = {}
@@ -327,8 +326,11 @@ def fmt(key: str, value) -> str:
 
 def cell(row: dict, key: str) -> str:
     """The median, then its range over repeats when they differ."""
-    if key == "replicas":
-        return _replicas_cell(row)
+    if key == "replicas":  # groups present: `1–2 of 2` (the fewest in an epoch's steps, lowest–highest over epochs)
+        lo, hi, of = row.get("replicas_min"), row.get("replicas_max"), row.get("replica_groups")
+        if lo is None:
+            return "—"
+        return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" of {of}" if of is not None else "")
     text = fmt(key, row.get(key))
     if key == "epochs_at_budget" and row.get("epochs_at_budget_projected") and row.get(key) is not None:
         text = "≈" + text
@@ -338,14 +340,6 @@ def cell(row: dict, key: str) -> str:
     if key == "global_batch" and row.get("global_batch_planned") is not None:  # replica groups: the batch made
         text += f" of {row['global_batch_planned']}"
     return text
-
-
-def _replicas_cell(row: dict) -> str:
-    """Replica groups present: `1–2 of 2` (the fewest in an epoch's steps, lowest–highest over the epochs)."""
-    lo, hi, of = row.get("replicas_min"), row.get("replicas_max"), row.get("replica_groups")
-    if lo is None:
-        return "—"
-    return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" of {of}" if of is not None else "")
 
 
 def _swept_columns(rows: list[dict]) -> list[tuple[str, str]]:

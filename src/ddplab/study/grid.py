@@ -36,12 +36,6 @@ class Point:
     point: str = ""  # the grid point's name, shared by its repeats
 
 
-def repeat_name(point: str, repeat: int) -> str:
-    """The first repeat keeps the point's own folder, so a study first run once and then with
-    --repeat 3 keeps that run and adds two."""
-    return point if repeat == 1 else f"{point}-r{repeat}"
-
-
 _SETUP = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
 
 
@@ -114,15 +108,16 @@ def expand(
             swept = dict(zip(sweeps, values, strict=True))
             name = point_name(setup, swept)
             overrides = [*common, *(f"{k}={v}" for k, v in swept.items()), f"experiment.output_dir={study_dir}"]
-            load_config(
-                config, [*overrides, f"experiment.name={name}"]
-            )  # one line naming the field, before any process starts
+            # A bad value is one line naming the field, before any process starts.
+            load_config(config, [*overrides, f"experiment.name={name}"])
             points.append(Point(name, setup, swept, overrides, point=name))
     # Repeats alternate (every point once, then every point again): a slow spell of a shared
-    # machine then spreads over all points instead of landing on the repeats of one.
+    # machine then spreads over all points instead of landing on the repeats of one. The first
+    # repeat keeps the point's own folder, so a study run once and then with --repeat 3 keeps that
+    # run and adds two.
     return [
         Point(run, p.setup, p.swept, [*p.overrides, f"experiment.name={run}"], r, p.point)
         for r in range(1, repeat + 1)
         for p in points
-        for run in [repeat_name(p.point, r)]
+        for run in [p.point if r == 1 else f"{p.point}-r{r}"]
     ]

@@ -81,25 +81,18 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                 continue
             progress.update(task, description=label)
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(
-                folder,
-                RunFolder.POINT,
-                json.dumps(
-                    {
-                        "study": study_dir.name,
-                        "point": point.point,
-                        "run": point.name,
-                        "repeat": point.repeat,
-                        "nodes": point.setup.nodes,
-                        "per_node": point.setup.per_node,
-                        "processes": point.setup.processes,
-                        "setup": point.setup.label,
-                        "swept": point.swept,
-                    },
-                    indent=2,
-                )
-                + "\n",
-            )
+            record = {
+                "study": study_dir.name,
+                "point": point.point,
+                "run": point.name,
+                "repeat": point.repeat,
+                "nodes": point.setup.nodes,
+                "per_node": point.setup.per_node,
+                "processes": point.setup.processes,
+                "setup": point.setup.label,
+                "swept": point.swept,
+            }
+            write_atomic(folder, RunFolder.POINT, json.dumps(record, indent=2) + "\n")
             args = ["train", *([config] if config else []), *point.overrides]
             run_id = f"{study_dir.name}-{point.name}"
             commands = (
@@ -115,12 +108,11 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                     f"study pre-empted during point {point.name}; finished points are kept and "
                     f"the same command continues the study"
                 )
-            code = ended.code
-            if code != 0 or not finished(folder):
+            if ended.code != 0 or not finished(folder):
                 if tail := log_tail(folder / LOG_FILE):
                     print(tail, file=sys.stderr)
                 raise RunError(
-                    f"study stopped: point {point.name} failed (exit {code}); log {folder / LOG_FILE}; "
+                    f"study stopped: point {point.name} failed (exit {ended.code}); log {folder / LOG_FILE}; "
                     f"finished points are kept and the same command resumes the study"
                 )
             rate = json.loads((folder / "metrics.json").read_text()).get("aggregates", {}).get("mean_samples_per_s")

@@ -31,10 +31,9 @@ def data(cfg: ddplab.BuildConfig) -> ddplab.Data:
         return _data(cfg.assets.meta, train=None)
     config = cfg.config
     spec = image_spec(config, *image_needs(config.model.name), log=_say if cfg.is_main else None)
-    splits = SOURCES[config.data.name](config, cfg.dist, spec)
-    names = splits.meta["label_names"]
-    task = ddplab.Classification(len(names), names)
-    return _data(splits.meta, train=splits.train, val=splits.val, test=splits.test, task=task)
+    train, val, test, meta = SOURCES[config.data.name](config, cfg.dist, spec)
+    names = meta["label_names"]
+    return _data(meta, train=train, val=val, test=test, task=ddplab.Classification(len(names), names))
 
 
 def _data(meta: dict, **splits) -> ddplab.Data:

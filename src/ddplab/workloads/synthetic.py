@@ -34,10 +34,5 @@ def data(cfg) -> ddplab.Data:
         samples = TensorDataset(patterns[labels] + 1.5 * torch.randn(n, channels, side, side, generator=g), labels)
         task = ddplab.Classification(classes, [str(i) for i in range(classes)])
         shape, meta = (channels, side, side), {"input_shape": [channels, side, side]}
-    return ddplab.Data(
-        train=Subset(samples, range(n_train)),
-        val=Subset(samples, range(n_train, n)),
-        task=task,
-        input_shape=shape,
-        meta=meta,
-    )
+    train, val = Subset(samples, range(n_train)), Subset(samples, range(n_train, n))
+    return ddplab.Data(train=train, val=val, task=task, input_shape=shape, meta=meta)

@@ -3,13 +3,9 @@ sequence classifier fine-tuned with its own tokenizer.
 
     ddplab train data.name=imdb model.name=transformer
     ddplab train data.name=text_files data.train=train.csv model.name=hf model.pretrained=<hub name or folder>
-
-Sources: imdb, amazon_polarity (datasets.load_dataset), text_files (CSV / TSV / JSON / JSONL / Parquet)
-and synthetic_reviews (generated), tokenised once by Dataset.map into HF's Arrow cache: `datasets.Dataset`
-splits of dict items, the path a user's HF data takes; or, with data.stream=true, text_files shards
-tokenised as they are read:
-
     ddplab train data.name=text_files data.stream=true data.train='shards/*.parquet' model.name=transformer
+
+The sources (data.name) and how each is tokenised: ddplab/data/text_cls.py.
 """
 
 from __future__ import annotations
