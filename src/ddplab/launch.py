@@ -37,7 +37,7 @@ from typing import NamedTuple
 from ddplab.engine.files import open_append, read_json
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.reports import STOPPING
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder, amend
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.handoff import Handoff
 from ddplab.process_state import die_with_parent
@@ -237,14 +237,12 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
     summary = f"job failed: {said}; no rank could report (see {run_dir / 'train.log'} and {run_dir / 'logs'})"
     if read_json(run_dir / RunFolder.METRICS_JSON).get("status") == "running":
         with contextlib.suppress(OSError, RunError):
-            run = RunFolder(run_dir, is_main=True)
-            run.update_json(
-                RunFolder.METRICS_JSON,
+            amend(
+                run_dir,
+                summary,
                 status="failed",
                 failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"},
             )
-            run.log(summary, echo=False)
-            run.close()
     return summary
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ddplab.engine.files import open_append
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder, amend
 from ddplab.errors import RunError, UserError, disk_full, first_line, no_space, write_failed
 
 _OURS = str(Path(__file__).resolve().parents[1])
@@ -137,16 +137,8 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
         logs = Path(run_dir) / RunFolder.LOGS
         log_traceback(run_dir, rank, "failed before training began", exc)
         if rank == 0:
-            run = RunFolder(run_dir, is_main=True)
-            try:
-                run.log(f"failed: {line}", echo=False)
-                run.update_json(
-                    RunFolder.METRICS_JSON,
-                    status="failed",
-                    failure={"summary": f"job failed: {line}", "error": line, "logs": str(logs)},
-                )
-            finally:
-                run.close()
+            failure = {"summary": f"job failed: {line}", "error": line, "logs": str(logs)}
+            amend(run_dir, f"failed: {line}", status="failed", failure=failure)
 
 
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:

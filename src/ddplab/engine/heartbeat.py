@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ddplab import process_state
 from ddplab.engine.failure import compose, exited, gist, log_traceback, place_text, where, where_raised
 from ddplab.engine.flight_recorder import unfinished
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import amend
 from ddplab.errors import RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
@@ -290,7 +290,7 @@ class Heartbeat:
             while not store.check([_REPORTED]) and time.monotonic() < deadline:
                 if self._main_gone():
                     if store.add(_REPORTER, 1) == 1:
-                        self._report_for_rank_0()
+                        self._report(self._failures())  # into the run folder that rank 0 kept
                     return
                 time.sleep(0.2)
 
@@ -301,15 +301,6 @@ class Heartbeat:
             return False
         return exited(json.loads(store.get(key)), patience=15)
 
-    def _report_for_rank_0(self) -> None:
-        """The report, written by this rank into the run folder that rank 0 kept."""
-        mine, self.run = self.run, RunFolder(self.run.path, is_main=True)
-        try:
-            self._report(self._failures())
-        finally:
-            self.run.close()
-            self.run = mine
-
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
             heard = self._read_all()
@@ -319,8 +310,7 @@ class Heartbeat:
             seen = dict(self.seen)
         failure = compose(seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
         with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
-            self.run.log(failure["report"], echo=False)
-            self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
+            amend(self.run.path, failure["report"], status="failed", failure=failure)
         # A rank's error in one line: of a known cause, as its RunError says it; else (a bug) the report's first
         # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
         # says what every other rank was doing.
