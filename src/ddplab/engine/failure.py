@@ -144,17 +144,11 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
     """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
     beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
-    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
-    # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
+    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about,
+    # else one that ended before its first beat; else a rank still for 2 s while not in a collective is the one
+    # they waited for (a rank still moving is not).
     gone = [b for r, b in beats.items() if r not in errors and exited(b)] or [
-        {
-            "rank": r,
-            "host": None,
-            "phase": "start",
-            "step": 0,
-            "where": None,
-            "waiting": False,
-        }  # ended before its first beat
+        {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}
         for r in range(world_size)
         if r not in beats and r not in errors
     ]

@@ -146,13 +146,10 @@ class Session:
         result["phases"] = self.phases.as_dict()
         run.write_json(RunFolder.METRICS_JSON, result)
         partial = bool(state.history and state.history[-1].get("partial"))
-        epochs = f"{state.epoch} epochs" + (
-            f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
-            if partial and view.steps_per_epoch
-            else " + 1 partial"
-            if partial
-            else ""
-        )
+        epochs = f"{state.epoch} epochs"
+        if partial:
+            data = f" ({state.step / view.steps_per_epoch:.2f} epochs of data)" if view.steps_per_epoch else ""
+            epochs += f" + 1 partial{data}"
         run.log(
             f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
             f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run.path}"
