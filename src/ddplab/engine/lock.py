@@ -166,11 +166,10 @@ def held(path: Path) -> bool:
 
 def holder(path: Path) -> str:
     """'host H, PID P' from the holder's file, or a vaguer phrase while it is still starting."""
-    try:
-        info = json.loads((Path(path) / HOLDER_FILE).read_text())
+    info = read_json(Path(path) / HOLDER_FILE)
+    if "host" in info and "pid" in info:
         return f"another ddplab job (host {info['host']}, PID {info['pid']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another ddplab job that is still starting"
+    return "another ddplab job that is still starting"
 
 
 def _ancestors() -> set[int]:
@@ -194,16 +193,10 @@ def launcher_lock() -> Path | None:
     named = told.locked_run
     if not named:
         return None
-    try:
-        info = json.loads((Path(named) / HOLDER_FILE).read_text())
-        ours = (
-            secrets.compare_digest(str(info["token"]), told.lock_token or "")
-            and info["pid"] in _ancestors()
-            and held(Path(named))
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        ours = False
-    if not ours:
+    info = read_json(Path(named) / HOLDER_FILE)
+    token, told_token = str(info.get("token")).encode(), (told.lock_token or "").encode()
+    ours = told_token and secrets.compare_digest(token, told_token) and info.get("pid") in _ancestors()
+    if not (ours and held(Path(named))):
         raise UserError(
             f"{LOCKED_ENV}={named} is set, but no ddplab launcher above this process holds that run "
             f"folder; unset {LOCKED_ENV} (ddplab's launcher sets it for its own workers)"

@@ -75,8 +75,6 @@ class Phases:
         time torch.compile's compilations too."""
         if compiles:
             self._compiling.start()
-        if not hasattr(optimizer, "register_step_post_hook"):
-            return
 
         def hook(*_):
             if self._first_step_at is None:

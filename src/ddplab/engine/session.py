@@ -125,9 +125,8 @@ class Session:
             run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
             trainer.signals.echoes_from_now()  # the launcher's stop, asked for next, comes back as SIGTERM
             report_preempted()  # now, not after the teardown: a process that aborts at exit has told the launcher
-            trainer.end(result)
-            return result
-        result = self.record(ctx, run, trainer, state, start)
+        else:
+            result = self.record(ctx, run, trainer, state, start)
         trainer.end(result)
         ctx.beat.mark("end")
         return result
