@@ -43,6 +43,7 @@ from ddplab.handoff import Handoff
 from ddplab.process_state import die_with_parent
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_NOT_FAILED = (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED)  # the job's exits that no failure explains
 AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
@@ -300,11 +301,7 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups:
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
-    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in (
-        ExitCode.OK,
-        ExitCode.PREEMPTED,
-        ExitCode.INTERRUPTED,
-    ):
+    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in _NOT_FAILED:
         print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")

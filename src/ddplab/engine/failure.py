@@ -44,20 +44,15 @@ def _library(filename: str) -> bool:
     return not filename.startswith(_OURS) and (filename.startswith(_LIBRARIES) or filename.startswith("<"))
 
 
-def _place(frame_or_summary) -> dict:
-    code = getattr(frame_or_summary, "f_code", None)
-    if code is not None:
-        return {"file": code.co_filename, "line": frame_or_summary.f_lineno, "function": code.co_name}
-    return {"file": frame_or_summary.filename, "line": frame_or_summary.lineno, "function": frame_or_summary.name}
+def _place(f: traceback.FrameSummary) -> dict:
+    return {"file": f.filename, "line": f.lineno, "function": f.name}
 
 
 def where(frame) -> dict:
     """The innermost frame of the user's (or ddplab's) code: a stall inside torch is reported where
     the user's code called it."""
-    for f, _ in traceback.walk_stack(frame):
-        if not _library(f.f_code.co_filename):
-            return _place(f)
-    return _place(frame)
+    stack = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
+    return _place(next((f for f in stack if not _library(f.filename)), stack[0]))
 
 
 def where_raised(exc: BaseException) -> dict | None:
