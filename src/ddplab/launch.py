@@ -269,7 +269,8 @@ def run(
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
             out.write(f"\n$ {' '.join(commands[0])}{more}\n")
             out.flush()
-        job = _Job(report, out).install()
+        job = _Job(report, out)
+        job.install()
         try:
             for cmd in commands:
                 job.start(cmd, env)

@@ -61,15 +61,6 @@ def _peer_failed(signum, frame) -> None:
     raise PeerFailed("another rank failed; rank 0 wrote the job's report")
 
 
-def _before_fork() -> None:
-    _fork_guard["held"] = _BEATING.acquire()
-
-
-def _after_fork() -> None:
-    if _fork_guard.pop("held", False):
-        _BEATING.release()
-
-
 # A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
 # debugger, a host that stopped scheduling it). Its heartbeat thread stopped with it, so the `still_s` it
 # last published stopped growing.
@@ -110,7 +101,8 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
-            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+            release = _BEATING.release
+            os.register_at_fork(before=_BEATING.acquire, after_in_parent=release, after_in_child=release)
             _fork_guard["registered"] = True
         if self.store is not None:  # undone when the run's process_state.changes() ends
             self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
