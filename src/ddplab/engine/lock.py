@@ -83,8 +83,9 @@ class RunLock:
                     f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
                     f"or change {self.names}"
                 ) from None
-            if _same_folder(self.path, fd):
-                break
+            with contextlib.suppress(OSError):  # the lock counts if the path still names the folder locked
+                if os.path.samestat(os.stat(self.path), os.fstat(fd)):
+                    break
             os.close(fd)
         self.fd, self._created = fd, created
         # Who holds it, for the error of a second start and for this holder's workers; removed again at
@@ -136,16 +137,6 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def _same_folder(path: Path, fd: int) -> bool:
-    """`path` still names the folder open as `fd` (not removed, nor replaced, since it was opened)."""
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    opened = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def held(path: Path) -> bool:
