@@ -267,8 +267,7 @@ def run(
         out = stack.enter_context(open_append(log.parent, log.name)) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
-            out.write(f"\n$ {' '.join(commands[0])}{more}\n")
-            out.flush()
+            out.write(f"\n$ {' '.join(commands[0])}{more}\n")  # line-buffered: written before the agents start
         job = _Job(report, out)
         job.install()
         try:

@@ -163,8 +163,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ listing
     def latest(self) -> Path | None:
-        snapshots = step_snapshots(self.root)
-        return snapshots[-1] if snapshots else None
+        return next(reversed(step_snapshots(self.root)), None)
 
     def clean_incomplete(self) -> list[str]:
         """Remove what a kill during a save left behind; returns the names removed."""
