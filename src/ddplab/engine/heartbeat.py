@@ -44,6 +44,7 @@ from ddplab.engine.run_folder import amend
 from ddplab.errors import RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
+_BEAT = "ddplab/beat/"  # + the rank: its last beat
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
 # during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
 # forked mid-beat once hung a loader worker.
@@ -170,7 +171,7 @@ class Heartbeat:
                 self.seen[self.ctx.rank] = mine
         if self.store is not None:
             try:
-                self.store.set(f"ddplab/beat/{self.ctx.rank}", json.dumps(mine))
+                self.store.set(f"{_BEAT}{self.ctx.rank}", json.dumps(mine))
                 heard = self._read_all() if self.ctx.is_main else {}
                 failed = self.store.add(_FAILED, 0)
             except Exception:  # the store went with a dead rank: this rank's own collectives will fail
@@ -193,7 +194,7 @@ class Heartbeat:
     def _read_all(self) -> dict[int, dict]:
         """Every rank's last beat in the store, each marked frozen or not."""
         store = self._store()
-        now, keys = time.time(), {rank: f"ddplab/beat/{rank}" for rank in range(self.ctx.world_size)}
+        now, keys = time.time(), {rank: f"{_BEAT}{rank}" for rank in range(self.ctx.world_size)}
         return {rank: frozen(json.loads(store.get(key)), now) for rank, key in keys.items() if store.check([key])}
 
     def _warn(self, seen: dict[int, dict]) -> None:
@@ -280,18 +281,12 @@ class Heartbeat:
         with contextlib.suppress(Exception):  # the store went with rank 0 (it held it: no agent): nothing more to tell
             store = self._store()
             while not store.check([_REPORTED]) and time.monotonic() < deadline:
-                if self._main_gone():
+                # Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes).
+                if store.check([f"{_BEAT}0"]) and exited(json.loads(store.get(f"{_BEAT}0")), patience=15):
                     if store.add(_REPORTER, 1) == 1:
                         self._report(self._failures())  # into the run folder that rank 0 kept
                     return
                 time.sleep(0.2)
-
-    def _main_gone(self) -> bool:
-        """Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes)."""
-        store, key = self._store(), "ddplab/beat/0"
-        if not store.check([key]):
-            return False
-        return exited(json.loads(store.get(key)), patience=15)
 
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
