@@ -45,11 +45,6 @@ class StopSignals:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
 
-    def echoes_from_now(self) -> None:
-        """The stop is agreed and told to the launcher, whose stop comes back from the agent as one more
-        SIGTERM: an echo, however long the snapshot took."""
-        self._at = time.monotonic()
-
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

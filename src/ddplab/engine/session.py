@@ -123,7 +123,6 @@ class Session:
             result = summary(trainer.view, "preempted", self.code)
             run.write_json(RunFolder.METRICS_JSON, result)
             run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
-            trainer.signals.echoes_from_now()  # the launcher's stop, asked for next, comes back as SIGTERM
             report_preempted()  # now, not after the teardown: a process that aborts at exit has told the launcher
         else:
             result = self.record(ctx, run, trainer, state, start)
