@@ -8,6 +8,7 @@ layer, resolves the workload and the callbacks and calls train().
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import NoReturn
@@ -24,7 +25,7 @@ from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder
 from ddplab.engine.parts import Builders
 from ddplab.engine.phases import Phases
-from ddplab.engine.reports import listened, report_failure, report_preempted
+from ddplab.engine.reports import listened, report_preempted, tell
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
@@ -93,7 +94,7 @@ class Session:
         run = self.run = RunFolder(run_dir, ctx.is_main)
         flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
         # One process alone: its failure reaches the terminal as the exception ddplab.cli prints.
-        announce = _announce if ctx.is_distributed else lambda report: None
+        announce = functools.partial(tell, "failure") if ctx.is_distributed else lambda report: None
         self.beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, announce).start()
         if note:
             run.log(note)
@@ -170,7 +171,7 @@ class Session:
         else:
             failure.record(run_dir, ctx.rank, exc, line)
             if ctx.is_distributed and ctx.is_main:
-                _announce(f"failed: {line}")
+                tell("failure", f"failed: {line}")
         if ctx.is_distributed:
             raise SystemExit(ExitCode.FAILED) from None
         if error is exc:
@@ -189,9 +190,3 @@ class Session:
         self.trainer = None
         if self.run is not None:
             self.run.close()
-
-
-def _announce(report: str) -> None:
-    """The terminal's copy of a failure report: once, by the ddplab launcher when one listens."""
-    if not report_failure(report):
-        print(f"ddplab: {report}", file=sys.stderr, flush=True)
