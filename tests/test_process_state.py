@@ -208,9 +208,9 @@ def test_the_lock_is_not_held_during_a_store_call_and_a_fork_does_not_wait_for_o
         beat.start()
         assert store.calling.wait(5)
         began = time.monotonic()
-        heartbeat._before_fork()  # what os.fork() runs first, here while the beat is in a 0.5 s store call
+        heartbeat._BEATING.acquire()  # what os.fork() runs first, here while the beat is in a 0.5 s store call
         waited = time.monotonic() - began
-        heartbeat._after_fork()
+        heartbeat._BEATING.release()
         beat.stop()
     assert waited < 0.1, waited
     assert store.locked and not any(store.locked)

@@ -9,7 +9,7 @@ import sys
 
 from ddplab import process_state
 from ddplab.config import describe_fields
-from ddplab.engine.reports import report_error, report_failure
+from ddplab.engine.reports import tell
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.registry import builtin_names
 
@@ -163,12 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             module = next(m for m, commands in MODULES.items() if ns.command in commands)
             return getattr(importlib.import_module(f"ddplab.commands.{module}"), ns.command)(ns)
     except UserError as err:
-        if not report_error(str(err)):  # under `ddplab train --nproc-per-node`, the launcher prints it once
-            print(f"ddplab: error: {err}", file=sys.stderr)
+        tell("error", str(err), f"error: {err}")  # under `ddplab train --nproc-per-node`, the launcher prints it
         return err.exit_code
     except RunError as err:  # a failure at run time whose cause is known, recorded in the run folder
-        if not report_failure(f"failed: {err}"):
-            print(f"ddplab: failed: {err}", file=sys.stderr)
+        tell("failure", f"failed: {err}")
         return err.exit_code
     except Preempted as stop:  # a job this command launched saved its snapshot
         print(f"ddplab: {stop}", file=sys.stderr)

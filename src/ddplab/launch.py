@@ -37,12 +37,13 @@ from typing import NamedTuple
 from ddplab.engine.files import open_append, read_json
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.reports import STOPPING
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder, amend
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.handoff import Handoff
 from ddplab.process_state import die_with_parent
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_NOT_FAILED = (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED)  # the job's exits that no failure explains
 AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
@@ -237,14 +238,12 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
     summary = f"job failed: {said}; no rank could report (see {run_dir / 'train.log'} and {run_dir / 'logs'})"
     if read_json(run_dir / RunFolder.METRICS_JSON).get("status") == "running":
         with contextlib.suppress(OSError, RunError):
-            run = RunFolder(run_dir, is_main=True)
-            run.update_json(
-                RunFolder.METRICS_JSON,
+            amend(
+                run_dir,
+                summary,
                 status="failed",
                 failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"},
             )
-            run.log(summary, echo=False)
-            run.close()
     return summary
 
 
@@ -268,9 +267,9 @@ def run(
         out = stack.enter_context(open_append(log.parent, log.name)) if log else None
         if out:
             more = f"   (and {len(commands) - 1} more agents)" if len(commands) > 1 else ""
-            out.write(f"\n$ {' '.join(commands[0])}{more}\n")
-            out.flush()
-        job = _Job(report, out).install()
+            out.write(f"\n$ {' '.join(commands[0])}{more}\n")  # line-buffered: written before the agents start
+        job = _Job(report, out)
+        job.install()
         try:
             for cmd in commands:
                 job.start(cmd, env)
@@ -302,11 +301,7 @@ def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups:
         raise UserError(ended.error)
     if ended.error:
         print(f"ddplab: {ended.error}", file=sys.stderr)
-    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in (
-        ExitCode.OK,
-        ExitCode.PREEMPTED,
-        ExitCode.INTERRUPTED,
-    ):
+    elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in _NOT_FAILED:
         print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
     if ended.code == ExitCode.PREEMPTED:
         raise Preempted("pre-empted; a snapshot was saved and the same command continues")

@@ -51,11 +51,9 @@ def export(ns) -> int:
 
     run = Path(ns.run)
     # The default file is the run's own export, replaced by the next; --output names any other place.
-    out = (
-        output_file(ns.output, ns.force)
-        if ns.output
-        else (run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors"))
-    )
+    out = run / "model.safetensors" if run.is_dir() else run.with_suffix(".safetensors")
+    if ns.output:
+        out = output_file(ns.output, ns.force)
     found, ckpt = load_checkpoint(ns.run)
     # Tied weights (a GPT's embedding and head) share storage, which safetensors refuses: each is stored whole.
     weights = {k: v.detach().contiguous().clone() for k, v in ckpt["model"].items()}

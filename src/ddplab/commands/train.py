@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import itertools
 import json
 import time
@@ -31,9 +32,7 @@ def train(ns) -> int:
         overrides += [f"distributed.replica_groups={ns.replica_groups}", "distributed.replica_group=0"]
     cfg = load_config(config, overrides)
     check_files(cfg)
-    if ns.replica_groups:
-        return launch_groups(cfg, ns)
-    if ns.nproc_per_node or ns.max_restarts:
+    if ns.nproc_per_node or ns.max_restarts or ns.replica_groups:
         return launch(cfg, ns)
     if under_agent():
         die_with_parent()  # a worker never outlives its torchrun agent
@@ -52,7 +51,15 @@ def train(ns) -> int:
 
 
 def launch(cfg, ns) -> int:
-    """Start the job's workers; the launcher owns the run folder for the whole job, restarts included."""
+    """Start the job's workers; the launcher owns the run folder for the whole job, restarts included. With
+    `--replica-groups N`, the job is N replica groups (distributed.fault_tolerance=replicas) on this machine, each
+    of --nproc-per-node processes and with its own run folder (Config.run_name), which its rank 0 holds."""
+    workers = functools.partial(run_workers, ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
+    if ns.replica_groups:
+        if cfg.distributed.fault_tolerance != "replicas":
+            raise UserError("--replica-groups runs replica groups: set distributed.fault_tolerance=replicas")
+        note_launch()
+        return workers(groups=ns.replica_groups)
     lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
     if error:
         raise UserError(error)
@@ -64,22 +71,9 @@ def launch(cfg, ns) -> int:
         if note:
             print(note, flush=True)
         note_launch()  # the workers' start-up breakdown begins at this process's start
-        return run_workers(
-            ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts, env=lock.worker_env()
-        )
+        return workers(env=lock.worker_env())
     finally:
         lock.release()
-
-
-def launch_groups(cfg, ns) -> int:
-    """`--replica-groups N`: the job as N replica groups (distributed.fault_tolerance=replicas) on this machine,
-    each of --nproc-per-node processes and with its own run folder (Config.run_name), which its rank 0 holds."""
-    if cfg.distributed.fault_tolerance != "replicas":
-        raise UserError("--replica-groups runs replica groups: set distributed.fault_tolerance=replicas")
-    note_launch()
-    return run_workers(
-        ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts, groups=ns.replica_groups
-    )
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:

@@ -32,9 +32,9 @@ import os
 import shutil
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -163,8 +163,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ listing
     def latest(self) -> Path | None:
-        snapshots = step_snapshots(self.root)
-        return snapshots[-1] if snapshots else None
+        return next(reversed(step_snapshots(self.root)), None)
 
     def clean_incomplete(self) -> list[str]:
         """Remove what a kill during a save left behind; returns the names removed."""
@@ -287,10 +286,7 @@ class Checkpointer:
         finisher, saved = self._finisher, self._saving
         if finisher is None or saved is None or not finisher.is_alive():
             return
-        deadline = time.monotonic() + grace_s
-        while not saved.done() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if saved.done():
+        if not futures.wait([saved], timeout=grace_s).not_done:
             finisher.join()
 
     def _failed(self, name: str, exc: BaseException) -> RunError:

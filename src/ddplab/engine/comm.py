@@ -98,11 +98,10 @@ def _bucket_info(index: int, params, tensors: list[torch.Tensor]) -> dict:
 def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
     """Register the timed (and optionally delayed) hook on a DDP model; returns its state,
     which the trainer keeps alive and asks for per-epoch communication time."""
-    group = dist.group.WORLD
-    state: dist.ProcessGroup | powerSGD_hook.PowerSGDState | None = group
+    state = None  # torch's hooks take None for the default group
     if dcfg.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
-            process_group=group,
+            process_group=None,
             matrix_approximation_rank=POWERSGD_RANK,
             start_powerSGD_iter=2,
             min_compression_rate=2,

@@ -13,6 +13,15 @@ from importlib import metadata
 
 import torch
 
+RECORDED_ENV = (
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
 
 def _version(dist_name: str) -> str | None:
     with contextlib.suppress(metadata.PackageNotFoundError):
@@ -83,16 +92,5 @@ def collect(ctx) -> dict:
         "hosts": sorted({r["host"] for r in per_rank}),
         "ranks": per_rank,
         "command": sys.argv,
-        "env": {
-            k: os.environ[k]
-            for k in (
-                "OMP_NUM_THREADS",
-                "CUDA_VISIBLE_DEVICES",
-                "SLURM_JOB_ID",
-                "TORCHELASTIC_RUN_ID",
-                "MASTER_ADDR",
-                "MASTER_PORT",
-            )
-            if k in os.environ
-        },
+        "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ddplab.data.stream import size
@@ -19,26 +21,22 @@ def evaluate(model: torch.nn.Module, task, batches, ctx, autocast) -> tuple[dict
     model.eval()
     evaluator = task.evaluator(ctx.device)
     # Sharded (fsdp/hsdp), each forward pass gathers parameters from every rank: a rank whose shard
-    # has a batch fewer repeats its last one, unscored, so that all make as many passes.
-    lockstep = is_sharded(model)
-    if lockstep and (count := size(batches)) is not None:
-        extra = int(ctx.all_reduce(torch.tensor([float(count)], device=ctx.device), "max").item()) - count
-        lockstep = False
-    else:
-        extra = 0
+    # has a batch fewer repeats its last one, unscored (None among its passes), so that all make as many passes.
+    passes = batches
+    if is_sharded(model):
+        if (count := size(batches)) is None:
+            passes = _agreed(batches, ctx)  # a stream: agreed batch by batch
+        else:
+            most = int(ctx.all_reduce(torch.tensor([float(count)], device=ctx.device), "max").item())
+            passes = itertools.chain(batches, [None] * (most - count))
     inputs = None
-    for batch in _agreed(batches, ctx) if lockstep else batches:
-        if batch is None:  # this stream's shard is out, another rank's is not
-            with autocast():
-                call_model(model, inputs)
-            continue
-        inputs, target, _ = task.unpack(to_device(batch, ctx.device))
+    for batch in passes:
+        if batch is not None:
+            inputs, target, _ = task.unpack(to_device(batch, ctx.device))
         with autocast():
             output = call_model(model, inputs)
-        evaluator.update(output, target)
-    for _ in range(extra):
-        with autocast():
-            call_model(model, inputs)
+        if batch is not None:
+            evaluator.update(output, target)
     model.train(was_training)
     return evaluator.compute(ctx), evaluator
 

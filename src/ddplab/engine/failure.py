@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ddplab.engine.files import open_append
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFolder, amend
 from ddplab.errors import RunError, UserError, disk_full, first_line, no_space, write_failed
 
 _OURS = str(Path(__file__).resolve().parents[1])
@@ -44,20 +44,15 @@ def _library(filename: str) -> bool:
     return not filename.startswith(_OURS) and (filename.startswith(_LIBRARIES) or filename.startswith("<"))
 
 
-def _place(frame_or_summary) -> dict:
-    code = getattr(frame_or_summary, "f_code", None)
-    if code is not None:
-        return {"file": code.co_filename, "line": frame_or_summary.f_lineno, "function": code.co_name}
-    return {"file": frame_or_summary.filename, "line": frame_or_summary.lineno, "function": frame_or_summary.name}
+def _place(f: traceback.FrameSummary) -> dict:
+    return {"file": f.filename, "line": f.lineno, "function": f.name}
 
 
 def where(frame) -> dict:
     """The innermost frame of the user's (or ddplab's) code: a stall inside torch is reported where
     the user's code called it."""
-    for f, _ in traceback.walk_stack(frame):
-        if not _library(f.f_code.co_filename):
-            return _place(f)
-    return _place(frame)
+    stack = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
+    return _place(next((f for f in stack if not _library(f.filename)), stack[0]))
 
 
 def where_raised(exc: BaseException) -> dict | None:
@@ -137,32 +132,18 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
         logs = Path(run_dir) / RunFolder.LOGS
         log_traceback(run_dir, rank, "failed before training began", exc)
         if rank == 0:
-            run = RunFolder(run_dir, is_main=True)
-            try:
-                run.log(f"failed: {line}", echo=False)
-                run.update_json(
-                    RunFolder.METRICS_JSON,
-                    status="failed",
-                    failure={"summary": f"job failed: {line}", "error": line, "logs": str(logs)},
-                )
-            finally:
-                run.close()
+            failure = {"summary": f"job failed: {line}", "error": line, "logs": str(logs)}
+            amend(run_dir, f"failed: {line}", status="failed", failure=failure)
 
 
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
     """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
     beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
-    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about;
-    # else a rank still for 2 s while not in a collective is the one they waited for (a rank still moving is not).
+    # A rank whose process is gone (or whose beat stopped: another host) is what the others' errors are about,
+    # else one that ended before its first beat; else a rank still for 2 s while not in a collective is the one
+    # they waited for (a rank still moving is not).
     gone = [b for r, b in beats.items() if r not in errors and exited(b)] or [
-        {
-            "rank": r,
-            "host": None,
-            "phase": "start",
-            "step": 0,
-            "where": None,
-            "waiting": False,
-        }  # ended before its first beat
+        {"rank": r, "host": None, "phase": "start", "step": 0, "where": None, "waiting": False}
         for r in range(world_size)
         if r not in beats and r not in errors
     ]

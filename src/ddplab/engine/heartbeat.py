@@ -40,10 +40,11 @@ import torch.distributed as dist
 from ddplab import process_state
 from ddplab.engine.failure import compose, exited, gist, log_traceback, place_text, where, where_raised
 from ddplab.engine.flight_recorder import unfinished
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import amend
 from ddplab.errors import RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
+_BEAT = "ddplab/beat/"  # + the rank: its last beat
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
 # during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
 # forked mid-beat once hung a loader worker.
@@ -59,15 +60,6 @@ class PeerFailed(BaseException):
 
 def _peer_failed(signum, frame) -> None:
     raise PeerFailed("another rank failed; rank 0 wrote the job's report")
-
-
-def _before_fork() -> None:
-    _fork_guard["held"] = _BEATING.acquire()
-
-
-def _after_fork() -> None:
-    if _fork_guard.pop("held", False):
-        _BEATING.release()
 
 
 # A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
@@ -110,7 +102,8 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
-            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+            release = _BEATING.release
+            os.register_at_fork(before=_BEATING.acquire, after_in_parent=release, after_in_child=release)
             _fork_guard["registered"] = True
         if self.store is not None:  # undone when the run's process_state.changes() ends
             self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
@@ -178,7 +171,7 @@ class Heartbeat:
                 self.seen[self.ctx.rank] = mine
         if self.store is not None:
             try:
-                self.store.set(f"ddplab/beat/{self.ctx.rank}", json.dumps(mine))
+                self.store.set(f"{_BEAT}{self.ctx.rank}", json.dumps(mine))
                 heard = self._read_all() if self.ctx.is_main else {}
                 failed = self.store.add(_FAILED, 0)
             except Exception:  # the store went with a dead rank: this rank's own collectives will fail
@@ -201,7 +194,7 @@ class Heartbeat:
     def _read_all(self) -> dict[int, dict]:
         """Every rank's last beat in the store, each marked frozen or not."""
         store = self._store()
-        now, keys = time.time(), {rank: f"ddplab/beat/{rank}" for rank in range(self.ctx.world_size)}
+        now, keys = time.time(), {rank: f"{_BEAT}{rank}" for rank in range(self.ctx.world_size)}
         return {rank: frozen(json.loads(store.get(key)), now) for rank, key in keys.items() if store.check([key])}
 
     def _warn(self, seen: dict[int, dict]) -> None:
@@ -288,27 +281,12 @@ class Heartbeat:
         with contextlib.suppress(Exception):  # the store went with rank 0 (it held it: no agent): nothing more to tell
             store = self._store()
             while not store.check([_REPORTED]) and time.monotonic() < deadline:
-                if self._main_gone():
+                # Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes).
+                if store.check([f"{_BEAT}0"]) and exited(json.loads(store.get(f"{_BEAT}0")), patience=15):
                     if store.add(_REPORTER, 1) == 1:
-                        self._report_for_rank_0()
+                        self._report(self._failures())  # into the run folder that rank 0 kept
                     return
                 time.sleep(0.2)
-
-    def _main_gone(self) -> bool:
-        """Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes)."""
-        store, key = self._store(), "ddplab/beat/0"
-        if not store.check([key]):
-            return False
-        return exited(json.loads(store.get(key)), patience=15)
-
-    def _report_for_rank_0(self) -> None:
-        """The report, written by this rank into the run folder that rank 0 kept."""
-        mine, self.run = self.run, RunFolder(self.run.path, is_main=True)
-        try:
-            self._report(self._failures())
-        finally:
-            self.run.close()
-            self.run = mine
 
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
@@ -319,8 +297,7 @@ class Heartbeat:
             seen = dict(self.seen)
         failure = compose(seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
         with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
-            self.run.log(failure["report"], echo=False)
-            self.run.update_json(self.run.METRICS_JSON, status="failed", failure=failure)
+            amend(self.run.path, failure["report"], status="failed", failure=failure)
         # A rank's error in one line: of a known cause, as its RunError says it; else (a bug) the report's first
         # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
         # says what every other rank was doing.

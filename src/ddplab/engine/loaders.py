@@ -112,11 +112,10 @@ class TrainFeed:
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
         rank, world = share
         self.seed = cfg.experiment.seed
-        self.stream = is_stream(dataset)
         self.size = size(dataset)  # None: a stream that does not know its length
         self.sampler: ResumableDistributedSampler | None = None  # map-style data
         self.source: Stream | None = None  # a stream
-        if self.stream:
+        if is_stream(dataset):
             self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit)
             if is_stateful(dataset) and loaders.workers:
                 log(

@@ -83,8 +83,9 @@ class RunLock:
                     f"{self.what} {self.path} is in use by {holder(self.path)}; wait for it to end, "
                     f"or change {self.names}"
                 ) from None
-            if _same_folder(self.path, fd):
-                break
+            with contextlib.suppress(OSError):  # the lock counts if the path still names the folder locked
+                if os.path.samestat(os.stat(self.path), os.fstat(fd)):
+                    break
             os.close(fd)
         self.fd, self._created = fd, created
         # Who holds it, for the error of a second start and for this holder's workers; removed again at
@@ -138,16 +139,6 @@ class RunLock:
         self.release()
 
 
-def _same_folder(path: Path, fd: int) -> bool:
-    """`path` still names the folder open as `fd` (not removed, nor replaced, since it was opened)."""
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    opened = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
-
-
 def held(path: Path) -> bool:
     """Some live process holds the run folder's lock (the kernel dropped it if its holder died)."""
     try:
@@ -166,11 +157,10 @@ def held(path: Path) -> bool:
 
 def holder(path: Path) -> str:
     """'host H, PID P' from the holder's file, or a vaguer phrase while it is still starting."""
-    try:
-        info = json.loads((Path(path) / HOLDER_FILE).read_text())
+    info = read_json(Path(path) / HOLDER_FILE)
+    if "host" in info and "pid" in info:
         return f"another ddplab job (host {info['host']}, PID {info['pid']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another ddplab job that is still starting"
+    return "another ddplab job that is still starting"
 
 
 def _ancestors() -> set[int]:
@@ -194,16 +184,10 @@ def launcher_lock() -> Path | None:
     named = told.locked_run
     if not named:
         return None
-    try:
-        info = json.loads((Path(named) / HOLDER_FILE).read_text())
-        ours = (
-            secrets.compare_digest(str(info["token"]), told.lock_token or "")
-            and info["pid"] in _ancestors()
-            and held(Path(named))
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        ours = False
-    if not ours:
+    info = read_json(Path(named) / HOLDER_FILE)
+    token, told_token = str(info.get("token")).encode(), (told.lock_token or "").encode()
+    ours = told_token and secrets.compare_digest(token, told_token) and info.get("pid") in _ancestors()
+    if not (ours and held(Path(named))):
         raise UserError(
             f"{LOCKED_ENV}={named} is set, but no ddplab launcher above this process holds that run "
             f"folder; unset {LOCKED_ENV} (ddplab's launcher sets it for its own workers)"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import amend
 from ddplab.errors import RunError
 from ddplab.handoff import Handoff
 
@@ -75,8 +75,6 @@ class Phases:
         time torch.compile's compilations too."""
         if compiles:
             self._compiling.start()
-        if not hasattr(optimizer, "register_step_post_hook"):
-            return
 
         def hook(*_):
             if self._first_step_at is None:
@@ -97,10 +95,7 @@ class Phases:
         """After the process group is gone: the teardown phase, appended to train.log and metrics.json."""
         self.mark("teardown")
         with contextlib.suppress(OSError, RunError):  # the run itself is recorded; only the breakdown is missing
-            run = RunFolder(run_dir, is_main=True)
-            run.log(self.line(), echo=False)
-            run.update_json(RunFolder.METRICS_JSON, phases=self.as_dict())
-            run.close()
+            amend(run_dir, self.line(), phases=self.as_dict())
 
 
 class CompileClock:

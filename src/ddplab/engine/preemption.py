@@ -19,12 +19,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import TypeVar
 
 ECHO_S = 5.0
-
-
-_Signals = TypeVar("_Signals", bound="StopSignals")
 
 
 class StopSignals:
@@ -35,12 +31,11 @@ class StopSignals:
         self._previous: dict = {}
         self._at = 0.0
 
-    def install(self: _Signals) -> _Signals:
+    def install(self) -> None:
         # Signals can only be handled by the main thread (tests may call fit() from others).
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        return self
 
     def _handle(self, signum, frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()
@@ -49,11 +44,6 @@ class StopSignals:
         elif now - self._at > ECHO_S:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
-
-    def echoes_from_now(self) -> None:
-        """The stop is agreed and told to the launcher, whose stop comes back from the agent as one more
-        SIGTERM: an echo, however long the snapshot took."""
-        self._at = time.monotonic()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

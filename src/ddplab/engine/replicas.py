@@ -174,15 +174,10 @@ class Replicas:
             if self.present != len(self.members) or self.rejoined:  # read from the device only then
                 self._name_groups(step, [g for g, share in enumerate(self._marks.tolist()) if share > 0])
         if self.csv is not None:
-            row = [
-                step,
-                self.present,
-                global_batch,
-                int(committed),
-                f"{time.time():.3f}",
-                " ".join(map(str, self.members)),
-            ]
-            csv.writer(self.csv).writerow(row)
+            groups = " ".join(map(str, self.members))
+            csv.writer(self.csv).writerow(
+                [step, self.present, global_batch, int(committed), f"{time.time():.3f}", groups]
+            )
             self.csv.flush()
 
     def _name_groups(self, step: int, now: list[int]) -> None:

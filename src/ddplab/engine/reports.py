@@ -4,6 +4,7 @@ names (handoff.py: report_dir), which launch.py reads. A worker no ddplab launch
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,14 +28,12 @@ def listened() -> bool:
     return folder is not None and Path(folder).is_dir()
 
 
-def report_error(message: str) -> bool:
-    """A worker's user error, for the launcher to print once; False when no ddplab launcher listens."""
-    return _report("error", message)
-
-
-def report_failure(report: str) -> bool:
-    """A failed job's report (engine/heartbeat.py), for the launcher to print instead of tracebacks."""
-    return _report("failure", report)
+def tell(kind: str, text: str, shown: str | None = None) -> None:
+    """A worker's user error (kind "error") or a failed job's report ("failure", engine/heartbeat.py) for the
+    launcher to print once, instead of every worker's lines and torchrun's tracebacks; printed here when no ddplab
+    launcher listens (`shown`: as the terminal shows it, where that is not `text`)."""
+    if not _report(kind, text):
+        print(f"ddplab: {shown or text}", file=sys.stderr, flush=True)
 
 
 def report_preempted() -> None:

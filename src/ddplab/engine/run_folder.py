@@ -127,3 +127,14 @@ class RunFolder:
             return
         self._log.close()
         sys.stdout.flush()
+
+
+def amend(path: Path, line: str, **fields) -> None:
+    """From a process that does not hold the run folder open (the launcher, a rank reporting for a dead rank 0,
+    the teardown after the process group): `line` appended to train.log and `fields` merged into metrics.json."""
+    run = RunFolder(path, is_main=True)
+    try:
+        run.log(line, echo=False)
+        run.update_json(RunFolder.METRICS_JSON, **fields)
+    finally:
+        run.close()

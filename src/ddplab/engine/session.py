@@ -8,6 +8,7 @@ layer, resolves the workload and the callbacks and calls train().
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import NoReturn
@@ -24,7 +25,7 @@ from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder
 from ddplab.engine.parts import Builders
 from ddplab.engine.phases import Phases
-from ddplab.engine.reports import listened, report_failure, report_preempted
+from ddplab.engine.reports import listened, report_preempted, tell
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
@@ -93,7 +94,7 @@ class Session:
         run = self.run = RunFolder(run_dir, ctx.is_main)
         flight_recorder.dump_into(run.path / run.LOGS, ctx.backend)
         # One process alone: its failure reaches the terminal as the exception ddplab.cli prints.
-        announce = _announce if ctx.is_distributed else lambda report: None
+        announce = functools.partial(tell, "failure") if ctx.is_distributed else lambda report: None
         self.beat = Heartbeat(ctx, run, cfg.distributed.stall_warning, announce).start()
         if note:
             run.log(note)
@@ -123,11 +124,9 @@ class Session:
             result = summary(trainer.view, "preempted", self.code)
             run.write_json(RunFolder.METRICS_JSON, result)
             run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
-            trainer.signals.echoes_from_now()  # the launcher's stop, asked for next, comes back as SIGTERM
             report_preempted()  # now, not after the teardown: a process that aborts at exit has told the launcher
-            trainer.end(result)
-            return result
-        result = self.record(ctx, run, trainer, state, start)
+        else:
+            result = self.record(ctx, run, trainer, state, start)
         trainer.end(result)
         ctx.beat.mark("end")
         return result
@@ -146,13 +145,10 @@ class Session:
         result["phases"] = self.phases.as_dict()
         run.write_json(RunFolder.METRICS_JSON, result)
         partial = bool(state.history and state.history[-1].get("partial"))
-        epochs = f"{state.epoch} epochs" + (
-            f" + 1 partial ({state.step / view.steps_per_epoch:.2f} epochs of data)"
-            if partial and view.steps_per_epoch
-            else " + 1 partial"
-            if partial
-            else ""
-        )
+        epochs = f"{state.epoch} epochs"
+        if partial:
+            data = f" ({state.step / view.steps_per_epoch:.2f} epochs of data)" if view.steps_per_epoch else ""
+            epochs += f" + 1 partial{data}"
         run.log(
             f"done: {state.stop_reason}; {epochs}, {state.step} steps; "
             f"best val loss {result['aggregates'].get('best_val_loss')}; run folder {run.path}"
@@ -175,7 +171,7 @@ class Session:
         else:
             failure.record(run_dir, ctx.rank, exc, line)
             if ctx.is_distributed and ctx.is_main:
-                _announce(f"failed: {line}")
+                tell("failure", f"failed: {line}")
         if ctx.is_distributed:
             raise SystemExit(ExitCode.FAILED) from None
         if error is exc:
@@ -194,9 +190,3 @@ class Session:
         self.trainer = None
         if self.run is not None:
             self.run.close()
-
-
-def _announce(report: str) -> None:
-    """The terminal's copy of a failure report: once, by the ddplab launcher when one listens."""
-    if not report_failure(report):
-        print(f"ddplab: {report}", file=sys.stderr, flush=True)

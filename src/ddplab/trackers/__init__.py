@@ -10,8 +10,6 @@ A tracker that fails prints one warning and is dropped: training goes on and not
 
 from __future__ import annotations
 
-from itertools import takewhile
-
 from ddplab.callbacks import Callback
 from ddplab.engine.files import read_json
 from ddplab.engine.run_folder import RunFolder
@@ -65,11 +63,7 @@ class Trackers(Callback):
             tracker, train_done, epoch_done = entry
             # In step order across both kinds of row: W&B ignores a step below one it was given.
             rows = sorted(
-                [
-                    (r["step"], 1, r)
-                    # B023: takewhile runs here, in this iteration, with this iteration's train_done.
-                    for r in takewhile(lambda r: r["step"] > train_done, reversed(view.log_rows))  # noqa: B023
-                ]
+                [(r["step"], 1, r) for r in view.log_rows if r["step"] > train_done]
                 + [(r["step"], 2, r) for r in view.history if r["step"] > epoch_done],
                 key=lambda t: t[:2],
             )

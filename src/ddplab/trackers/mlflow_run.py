@@ -42,9 +42,8 @@ class MLflow(Tracker):
         # A server that is down should cost seconds, not MLflow's default minutes of retries.
         process_state.env_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         process_state.env_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        process_state.logger_level(
-            "mlflow.store.db.utils", logging.WARNING
-        )  # "Creating initial MLflow database tables"
+        # Quiet: "Creating initial MLflow database tables".
+        process_state.logger_level("mlflow.store.db.utils", logging.WARNING)
         cfg, run_dir = view.config, view.run.path
         uri = mlflow_uri(cfg, run_dir, study)
         self.client = client = MlflowClient(tracking_uri=uri)
