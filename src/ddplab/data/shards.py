@@ -123,8 +123,9 @@ class Shards(IterableDataset):
                 where = where[owns(where - start, rank, world_size, batch_size, worker, workers)]
                 if len(where):
                     rows = where - first - at
-                    if self.shuffle:
-                        rows = self._rows(epoch, shard, at, len(block))[rows]
+                    if self.shuffle:  # the window's rows in an order drawn from (seed, epoch, shard, window)
+                        drawn = np.random.default_rng([self.seed, epoch, shard, at // self.window])
+                        rows = drawn.permutation(len(block))[rows]
                     for item in _items(self.format, block, rows):
                         yield self.transform(item) if self.transform is not None else item
                 at += len(block)
@@ -132,18 +133,10 @@ class Shards(IterableDataset):
                     return
             j = firsts[k + 1]
 
-    def _rows(self, epoch: int, shard: int, at: int, n: int) -> np.ndarray:
-        """The order of the rows of the window starting at row `at` of `shard`."""
-        return np.random.default_rng([self.seed, epoch, shard, at // self.window]).permutation(n)
-
 
 # ---------------------------------------------------------------------------- formats
 # Each format counts a shard's samples, reads it in windows from any window's first row, and makes
 # the samples of a window's chosen rows.
-
-
-def _open(fs, path: str):
-    return fs.open(path, "rb", compression="infer")
 
 
 def _count(fmt: str, fs, path: str) -> int:
@@ -152,7 +145,7 @@ def _count(fmt: str, fs, path: str) -> int:
 
         with fs.open(path, "rb") as f:
             return pq.ParquetFile(f).metadata.num_rows
-    with _open(fs, path) as f:
+    with fs.open(path, "rb", compression="infer") as f:
         if fmt == "arrow":
             return sum(batch.num_rows for batch in _arrow_batches(f, None))
         return sum(1 for _ in (_tar_samples(f) if fmt == "tar" else _lines(f)))
@@ -172,7 +165,7 @@ def _windows(fmt: str, fs, path: str, at: int, size: int, columns) -> Iterator:
             batches = pf.iter_batches(batch_size=size, row_groups=range(group, pf.num_row_groups), columns=columns)
             yield from _rebatch(batches, at - first, size)
         return
-    with _open(fs, path) as f:
+    with fs.open(path, "rb", compression="infer") as f:
         if fmt == "arrow":
             yield from _rebatch(_arrow_batches(f, columns), at, size)
             return
