@@ -57,7 +57,7 @@ def torchvision_names() -> list[str]:
 
 
 def is_torchvision(name: str) -> bool:
-    return name not in ("cnn", "vit") and name in torchvision_names()
+    return name in torchvision_names()
 
 
 def compact(names: list[str]) -> str:
@@ -174,8 +174,7 @@ def find_head(model: nn.Module) -> str:
 
 
 def _frozen(m, model: nn.Module, head: nn.Module) -> nn.Module:
-    """With model.freeze, only the head trains."""
-    if m.freeze:
+    if m.freeze:  # only the head trains
         model.requires_grad_(False)
         head.requires_grad_(True)
     return model
@@ -248,8 +247,8 @@ def check_input(cfg) -> None:
 
 
 def check_files(cfg) -> None:
-    """Before launch: the weights file exists and fits the architecture."""
-    if not cfg.model.weights or not is_torchvision(cfg.model.name):
+    """Before launch (registry.TORCHVISION's check): the weights file exists and fits the architecture."""
+    if not cfg.model.weights:
         return
     with torch.device("meta"):  # shapes without memory or init time
         model = _torchvision(cfg.model.name, cfg.data.image_size or IMAGENET_SIDE)
