@@ -34,7 +34,7 @@ from ddplab.registry import load_config
 LOG_FILE = "verify.log"
 
 
-def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
+def _run(nproc: int, args: list[str], work: Path) -> None:
     # The 1-process reference is a plain process, as `ddplab train` without --nproc-per-node: no agent to start.
     command = torchrun_command(nproc, args) if nproc > 1 else [sys.executable, "-m", "ddplab", *args]
     ended = run([command], log=work / LOG_FILE, report_in=work)
@@ -43,10 +43,10 @@ def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error and ended.code == ExitCode.FAILED and len(ended.error.splitlines()) == 1:
-        raise RunError(f"verify: the {label} run {ended.error}")  # "failed: <its cause>"
+        raise RunError(f"verify: the {nproc}-process run {ended.error}")  # "failed: <its cause>"
     if ended.code != 0:
         print(log_tail(work / LOG_FILE), file=sys.stderr)
-        raise RunError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
+        raise RunError(f"verify: the {nproc}-process run failed (exit {ended.code}); its last lines are above")
 
 
 def _result(run_dir: Path) -> tuple[dict[int, float], dict[str, torch.Tensor], dict]:
@@ -90,12 +90,12 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     work.mkdir(parents=True, exist_ok=True)
     keep = False
     try:
-        for name, procs, extra, label in (
-            ("ddp", nproc, [], f"{nproc}-process"),
-            ("single", 1, [f"training.batch_size={nproc * batch}"], "1-process"),
+        for name, procs, extra in (
+            ("ddp", nproc, []),
+            ("single", 1, [f"training.batch_size={nproc * batch}"]),
         ):
             if not finished(work / name):  # done before a pre-emption: kept
-                _run(procs, ["train", *base, f"experiment.name={name}", *extra], work, label)
+                _run(procs, ["train", *base, f"experiment.name={name}", *extra], work)
         (a, wa, _), (b, wb, found) = _result(work / "ddp"), _result(work / "single")
         common = sorted(set(a) & set(b))
         if not common:
