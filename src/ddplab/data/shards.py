@@ -22,7 +22,8 @@ import tarfile
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import islice
+from itertools import groupby, islice
+from typing import IO, cast
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -226,22 +227,12 @@ def _lines(f) -> Iterator[bytes]:
 def _tar_samples(f) -> Iterator[list]:
     """WebDataset samples: runs of files whose names agree up to the first dot of their base name,
     each a list of (name, bytes)."""
-    sample: list[tuple[str, bytes]] = []
-    key: str | None = None
     with tarfile.open(fileobj=f, mode="r|*") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            name = _key_ext(member.name)[0]
-            if name != key and sample:
-                yield sample
-                sample = []
-            key = name
-            content = tar.extractfile(member)
-            assert content is not None  # a regular file, checked above
-            sample.append((member.name, content.read()))
-    if sample:
-        yield sample
+        # Each regular file (extractfile gives None only for others) is read as it is reached: a streamed
+        # tar cannot go back to it.
+        files = ((m.name, cast(IO[bytes], tar.extractfile(m)).read()) for m in tar if m.isfile())
+        for _, sample in groupby(files, key=lambda file: _key_ext(file[0])[0]):
+            yield list(sample)
 
 
 def _key_ext(name: str) -> tuple[str, str]:
