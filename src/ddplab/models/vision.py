@@ -123,13 +123,10 @@ def fitting_weights(model: nn.Module, path: str, name: str) -> dict[str, torch.T
     shapes = [
         f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]
     ]
-    parts = [
-        f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
-        f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
-        f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
-    ]
-    if missing or unexpected or shapes:
-        raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(p for p in parts if p)}")
+    kinds = {"missing": missing, "unexpected": unexpected, "of another shape": shapes}
+    found = [f"{len(keys)} {kind} (e.g. {keys[0]})" for kind, keys in kinds.items() if keys]
+    if found:
+        raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(found)}")
     return weights
 
 
