@@ -26,7 +26,6 @@ class Handoff:
 
     @staticmethod
     def variable(field: str) -> str:
-        """The environment variable of `field`: DDPLAB_ and its name in capitals."""
         return PREFIX + field.upper()
 
     def env(self) -> dict[str, str]:

@@ -34,7 +34,7 @@ from ddplab.registry import load_config
 LOG_FILE = "verify.log"
 
 
-def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
+def _run(nproc: int, args: list[str], work: Path) -> None:
     # The 1-process reference is a plain process, as `ddplab train` without --nproc-per-node: no agent to start.
     command = torchrun_command(nproc, args) if nproc > 1 else [sys.executable, "-m", "ddplab", *args]
     ended = run([command], log=work / LOG_FILE, report_in=work)
@@ -43,10 +43,10 @@ def _run(nproc: int, args: list[str], work: Path, label: str) -> None:
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error and ended.code == ExitCode.FAILED and len(ended.error.splitlines()) == 1:
-        raise RunError(f"verify: the {label} run {ended.error}")  # "failed: <its cause>"
+        raise RunError(f"verify: the {nproc}-process run {ended.error}")  # "failed: <its cause>"
     if ended.code != 0:
         print(log_tail(work / LOG_FILE), file=sys.stderr)
-        raise RunError(f"verify: the {label} run failed (exit {ended.code}); its last lines are above")
+        raise RunError(f"verify: the {nproc}-process run failed (exit {ended.code}); its last lines are above")
 
 
 def _result(run_dir: Path) -> tuple[dict[int, float], dict[str, torch.Tensor], dict]:
@@ -79,7 +79,8 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
         f"experiment.output_dir={work}",
         "checkpoint.resume=auto",
     ]
-    if not cfg.data.per_sample_seed or cfg.data.decode == "gpu":  # each process would draw its own augmentation
+    seeded = cfg.data.per_sample_seed and cfg.data.decode != "gpu"  # random augmentation drawn alike in both runs
+    if not seeded:  # each process would draw its own
         forced.append("data.augment=false")
     base = ([config] if config else []) + list(overrides) + forced
     batch = cfg.training.batch_size
@@ -89,12 +90,12 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     work.mkdir(parents=True, exist_ok=True)
     keep = False
     try:
-        for name, procs, extra, label in (
-            ("ddp", nproc, [], f"{nproc}-process"),
-            ("single", 1, [f"training.batch_size={nproc * batch}"], "1-process"),
+        for name, procs, extra in (
+            ("ddp", nproc, []),
+            ("single", 1, [f"training.batch_size={nproc * batch}"]),
         ):
             if not finished(work / name):  # done before a pre-emption: kept
-                _run(procs, ["train", *base, f"experiment.name={name}", *extra], work, label)
+                _run(procs, ["train", *base, f"experiment.name={name}", *extra], work)
         (a, wa, _), (b, wb, found) = _result(work / "ddp"), _result(work / "single")
         common = sorted(set(a) & set(b))
         if not common:
@@ -113,18 +114,16 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     print(f"largest relative loss difference: {loss_diff:.3e} (tolerance {tolerance:g})")
     print(f"largest weight difference: {weight_diff:.3e} (tolerance {weight_tolerance:g})")
     ok = loss_diff <= tolerance and weight_diff <= weight_tolerance
-    if cfg.data.per_sample_seed and cfg.data.decode != "gpu":  # drawn alike in both runs: named, not remaining
-        found["seeded_transforms"] = found.pop("random_transforms", [])
-    for line in _randomness(found, nproc, batch):
+    for line in _randomness(found, nproc, batch, seeded):
         print(line)
-    remaining = any(found.get(k) for k in ("batchnorm_modules", "random_transforms", "dropout_modules"))
+    drawn_apart = not seeded and found.get("random_transforms")
+    remaining = drawn_apart or found.get("batchnorm_modules") or found.get("dropout_modules")
     print("PASS" if ok else "FAIL" + (" (see the randomness named above)" if remaining else ""))
     return ExitCode.OK if ok else ExitCode.FAILED
 
 
-def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
+def _randomness(found: dict, nproc: int, batch: int, seeded: bool) -> list[str]:
     """The stochastic parts of the model and data the runs reported, each with what verify did or what to do."""
-    seeded = "seeded_transforms" in found
     lines = [
         "randomness: dropout off in both runs; "
         + ("augmentation drawn from per-sample seeds" if seeded else "data.augment off")
@@ -142,13 +141,13 @@ def _randomness(found: dict, nproc: int, batch: int) -> list[str]:
             f"model without BatchNorm (GroupNorm, LayerNorm), or accept a larger --tolerance"
         )
     if found.get("random_transforms"):
+        names = ", ".join(found["random_transforms"])
         lines.append(
-            f"randomness: random transforms on the training set ({', '.join(found['random_transforms'])}): "
-            f"each process draws its own: keep data.per_sample_seed=true, or turn them off for verify"
-        )
-    if found.get("seeded_transforms"):
-        lines.append(
-            f"randomness: random transforms on the training set ({', '.join(found['seeded_transforms'])}) "
-            f"drawn from per-sample seeds: the same draws in both runs"
+            f"randomness: random transforms on the training set ({names})"
+            + (
+                " drawn from per-sample seeds: the same draws in both runs"
+                if seeded
+                else ": each process draws its own: keep data.per_sample_seed=true, or turn them off for verify"
+            )
         )
     return lines

@@ -144,7 +144,6 @@ class PerSampleSeed(Dataset):
 
 
 def _key(key) -> tuple[int, int]:
-    """(epoch, index) from a sampler's key; a bare index reads epoch 0."""
     return key if isinstance(key, tuple) else (0, key)
 
 

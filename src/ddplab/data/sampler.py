@@ -31,28 +31,22 @@ class ResumableDistributedSampler(DistributedSampler):
         # torch types the dataset as a Dataset, which declares no __len__; a sampler's dataset has one.
         return len(cast(Sized, self.dataset))
 
-    def global_order(self) -> list[int]:
-        """The epoch's permutation of the whole dataset (identical on every rank)."""
-        if not self.shuffle:
-            return list(range(self._dataset_len))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self._dataset_len, generator=g).tolist()
-
-    def _remaining(self) -> list[int]:
+    def __iter__(self) -> Iterator:
+        if self.shuffle:  # the epoch's order of the whole dataset, identical on every rank
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self._dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self._dataset_len))
         # Pad (or cut) what is left, not the whole epoch, so that a world size that changed
         # on resume still gets equal shares. Padding repeats the epoch's first samples, as
         # DistributedSampler does, so an unchanged world size sees exactly its order.
-        order = self.global_order()
         rest = order[self.start :]
         if self.drop_last:
-            return rest[: len(rest) - len(rest) % self.num_replicas]
-        pad = -len(rest) % self.num_replicas
-        if pad:
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        else:
+            pad = -len(rest) % self.num_replicas
             rest += (order * math.ceil(pad / max(len(order), 1)))[:pad]
-        return rest
-
-    def __iter__(self) -> Iterator:
-        mine = self._remaining()[self.rank :: self.num_replicas]
+        mine = rest[self.rank :: self.num_replicas]
         return iter([(self.epoch, i) for i in mine] if self.keyed else mine)
 
     def __len__(self) -> int:

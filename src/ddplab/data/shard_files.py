@@ -24,11 +24,8 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 def format_of(path: str) -> str | None:
     """The format a file's name says (a compression suffix set aside), or None."""
-    name = path.lower()
-    for suffix in COMPRESSED:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return FORMATS.get(os.path.splitext(name)[1])
+    stem, ext = os.path.splitext(path.lower())
+    return FORMATS.get(os.path.splitext(stem)[1] if ext in COMPRESSED else ext)
 
 
 def expand(paths, format: str | None, storage_options: dict) -> list[tuple[Any, str]]:

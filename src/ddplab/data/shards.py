@@ -22,7 +22,8 @@ import tarfile
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import islice
+from itertools import groupby, islice
+from typing import IO, cast
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -123,8 +124,9 @@ class Shards(IterableDataset):
                 where = where[owns(where - start, rank, world_size, batch_size, worker, workers)]
                 if len(where):
                     rows = where - first - at
-                    if self.shuffle:
-                        rows = self._rows(epoch, shard, at, len(block))[rows]
+                    if self.shuffle:  # the window's rows in an order drawn from (seed, epoch, shard, window)
+                        drawn = np.random.default_rng([self.seed, epoch, shard, at // self.window])
+                        rows = drawn.permutation(len(block))[rows]
                     for item in _items(self.format, block, rows):
                         yield self.transform(item) if self.transform is not None else item
                 at += len(block)
@@ -132,18 +134,10 @@ class Shards(IterableDataset):
                     return
             j = firsts[k + 1]
 
-    def _rows(self, epoch: int, shard: int, at: int, n: int) -> np.ndarray:
-        """The order of the rows of the window starting at row `at` of `shard`."""
-        return np.random.default_rng([self.seed, epoch, shard, at // self.window]).permutation(n)
-
 
 # ---------------------------------------------------------------------------- formats
 # Each format counts a shard's samples, reads it in windows from any window's first row, and makes
 # the samples of a window's chosen rows.
-
-
-def _open(fs, path: str):
-    return fs.open(path, "rb", compression="infer")
 
 
 def _count(fmt: str, fs, path: str) -> int:
@@ -152,7 +146,7 @@ def _count(fmt: str, fs, path: str) -> int:
 
         with fs.open(path, "rb") as f:
             return pq.ParquetFile(f).metadata.num_rows
-    with _open(fs, path) as f:
+    with fs.open(path, "rb", compression="infer") as f:
         if fmt == "arrow":
             return sum(batch.num_rows for batch in _arrow_batches(f, None))
         return sum(1 for _ in (_tar_samples(f) if fmt == "tar" else _lines(f)))
@@ -172,7 +166,7 @@ def _windows(fmt: str, fs, path: str, at: int, size: int, columns) -> Iterator:
             batches = pf.iter_batches(batch_size=size, row_groups=range(group, pf.num_row_groups), columns=columns)
             yield from _rebatch(batches, at - first, size)
         return
-    with _open(fs, path) as f:
+    with fs.open(path, "rb", compression="infer") as f:
         if fmt == "arrow":
             yield from _rebatch(_arrow_batches(f, columns), at, size)
             return
@@ -233,22 +227,12 @@ def _lines(f) -> Iterator[bytes]:
 def _tar_samples(f) -> Iterator[list]:
     """WebDataset samples: runs of files whose names agree up to the first dot of their base name,
     each a list of (name, bytes)."""
-    sample: list[tuple[str, bytes]] = []
-    key: str | None = None
     with tarfile.open(fileobj=f, mode="r|*") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            name = _key_ext(member.name)[0]
-            if name != key and sample:
-                yield sample
-                sample = []
-            key = name
-            content = tar.extractfile(member)
-            assert content is not None  # a regular file, checked above
-            sample.append((member.name, content.read()))
-    if sample:
-        yield sample
+        # Each regular file (extractfile gives None only for others) is read as it is reached: a streamed
+        # tar cannot go back to it.
+        files = ((m.name, cast(IO[bytes], tar.extractfile(m)).read()) for m in tar if m.isfile())
+        for _, sample in groupby(files, key=lambda file: _key_ext(file[0])[0]):
+            yield list(sample)
 
 
 def _key_ext(name: str) -> tuple[str, str]:

@@ -60,8 +60,7 @@ class Stream(IterableDataset):
         self.dataset, self.batch_size, self.limit = dataset, batch_size, limit
         self.own, self.seeks = shards_itself(dataset), callable(getattr(dataset, "share", None))
         self.rank, self.world_size = (0, 1) if self.own else (rank, world_size)
-        self.epoch = self.start = 0
-        self.skip = True
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int, start: int = 0, skip: bool = True) -> None:
         """Begin `epoch` after its first `start` items (of the global stream; of this rank's, when it shards

@@ -101,19 +101,14 @@ class TokenChunks(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class ByteLines:
+def byte_lines(context: int, column: str, item) -> tuple[torch.Tensor, torch.Tensor]:
     """data.stream: a line of a text shard (or a row's `column`), its newline included, -> its first
     `context + 1` UTF-8 bytes as (input, next-byte target); a shorter one is padded and its padding not
     scored (target -100). So one sample is one line: a line longer than that is cut."""
-
-    def __init__(self, context: int, column: str) -> None:
-        self.context, self.column = context, column
-
-    def __call__(self, item) -> tuple[torch.Tensor, torch.Tensor]:
-        text = item if isinstance(item, str) else str(item[self.column])
-        ids = torch.tensor(list((text + "\n").encode("utf-8")[: self.context + 1]), dtype=torch.long)
-        n = len(ids) - 1
-        x = torch.zeros(self.context, dtype=torch.long)
-        y = torch.full((self.context,), -100, dtype=torch.long)
-        x[:n], y[:n] = ids[:-1], ids[1:]
-        return x, y
+    text = item if isinstance(item, str) else str(item[column])
+    ids = torch.tensor(list((text + "\n").encode("utf-8")[: context + 1]), dtype=torch.long)
+    n = len(ids) - 1
+    x = torch.zeros(context, dtype=torch.long)
+    y = torch.full((context,), -100, dtype=torch.long)
+    x[:n], y[:n] = ids[:-1], ids[1:]
+    return x, y

@@ -48,9 +48,6 @@ class Stragglers(Callback):
         mine = torch.tensor([max(wall - data_d - comm_d, 0.0), data_d, comm_d], dtype=torch.float64, device=view.device)
         every = view.dist.all_gather(mine).cpu()  # (ranks, [compute, data wait, comm wait])
         self.epoch += every
-        self._check(view, every)
-
-    def _check(self, view, every: torch.Tensor) -> None:
         own = (every[:, 0] + every[:, 1]).tolist()
         threshold = view.config.logging.straggler_threshold
         for rank, t in enumerate(own):

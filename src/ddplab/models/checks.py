@@ -23,7 +23,7 @@ def check_image_input(cfg, channels: int, side: int) -> None:
         problem = f"model.patch_size={cfg.model.patch_size} does not divide it"
     if problem:
         raise UserError(
-            f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem[:120]}); "
+            f"data.image_size: {side}x{side} images do not fit model.name={name} ({problem}); "
             f"set another data.image_size"
         )
 

@@ -57,7 +57,7 @@ def torchvision_names() -> list[str]:
 
 
 def is_torchvision(name: str) -> bool:
-    return name not in ("cnn", "vit") and name in torchvision_names()
+    return name in torchvision_names()
 
 
 def compact(names: list[str]) -> str:
@@ -123,13 +123,10 @@ def fitting_weights(model: nn.Module, path: str, name: str) -> dict[str, torch.T
     shapes = [
         f"{k} {tuple(weights[k].shape)} vs {own[k]}" for k in own if k in weights and tuple(weights[k].shape) != own[k]
     ]
-    parts = [
-        f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
-        f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
-        f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
-    ]
-    if missing or unexpected or shapes:
-        raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(p for p in parts if p)}")
+    kinds = {"missing": missing, "unexpected": unexpected, "of another shape": shapes}
+    found = [f"{len(keys)} {kind} (e.g. {keys[0]})" for kind, keys in kinds.items() if keys]
+    if found:
+        raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(found)}")
     return weights
 
 
@@ -174,8 +171,7 @@ def find_head(model: nn.Module) -> str:
 
 
 def _frozen(m, model: nn.Module, head: nn.Module) -> nn.Module:
-    """With model.freeze, only the head trains."""
-    if m.freeze:
+    if m.freeze:  # only the head trains
         model.requires_grad_(False)
         head.requires_grad_(True)
     return model
@@ -248,8 +244,8 @@ def check_input(cfg) -> None:
 
 
 def check_files(cfg) -> None:
-    """Before launch: the weights file exists and fits the architecture."""
-    if not cfg.model.weights or not is_torchvision(cfg.model.name):
+    """Before launch (registry.TORCHVISION's check): the weights file exists and fits the architecture."""
+    if not cfg.model.weights:
         return
     with torch.device("meta"):  # shapes without memory or init time
         model = _torchvision(cfg.model.name, cfg.data.image_size or IMAGENET_SIDE)

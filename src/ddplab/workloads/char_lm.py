@@ -6,9 +6,11 @@ ddplab train data.name=text data.stream=true data.train='shards/*.txt' model.nam
 
 from __future__ import annotations
 
+from functools import partial
+
 import ddplab
 from ddplab.data import streamed
-from ddplab.data.text_lm import ByteLines, CharTokenizer, TokenChunks, read_corpus
+from ddplab.data.text_lm import CharTokenizer, TokenChunks, byte_lines, read_corpus
 from ddplab.errors import UserError
 from ddplab.models.gpt import GPT, GPTConfig
 from ddplab.workloads import sized_by_config
@@ -34,7 +36,7 @@ def data(cfg) -> ddplab.Data:
 
 def _streamed(c) -> ddplab.Data:
     """data.stream: each line of the shards (or a row's data.text_column) one sample of bytes, read as streamed."""
-    train, val, test = streamed.split_shards(c, ByteLines(c.model.context, c.data.text_column))
+    train, val, test = streamed.split_shards(c, partial(byte_lines, c.model.context, c.data.text_column))
     streamed.check_columns(train, c.data.train, {"text_column": c.data.text_column})
     tokenizer = CharTokenizer("byte")
     return ddplab.Data(
