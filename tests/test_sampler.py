@@ -1,7 +1,8 @@
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
-from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
+from ddplab.data.sampler import ResumableDistributedSampler
 
 
 @pytest.mark.parametrize("n", [10, 11, 17])
@@ -55,8 +56,17 @@ def _ranks(data, world, start):
         yield s
 
 
-def test_shard_sampler_counts_each_sample_once():
-    shards = [list(ShardSampler(11, r, 3)) for r in range(3)]
+def test_evaluation_loaders_count_each_sample_once():
+    from types import SimpleNamespace as NS
+
+    from ddplab.engine.loaders import Loaders
+
+    cfg = NS(training=NS(batch_size=2), data=NS(num_workers=0, pin_memory=False))
+    shards = []
+    for rank in range(3):
+        ctx = NS(rank=rank, world_size=3, device=torch.device("cpu"), launch=NS(local_world_size=3))
+        shards.append([int(i) for batch in Loaders(cfg, ctx, None).evaluation(list(range(11))) for i in batch])
+    assert [len(s) for s in shards] == [4, 4, 3]  # no padding
     assert sorted(sum(shards, [])) == list(range(11))
 
 

@@ -2,7 +2,7 @@
 model output as returned and the target; each takes the logits through its task.
 
 Each rank accumulates sums on its device over its own shard (no padding: see
-ShardSampler); one all-reduce at the end makes them global, so every validation sample
+Loaders.evaluation); one all-reduce at the end makes them global, so every validation sample
 counts exactly once whatever the world size.
 """
 

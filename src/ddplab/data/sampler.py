@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sized
 from typing import cast
 
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DistributedSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -52,17 +52,3 @@ class ResumableDistributedSampler(DistributedSampler):
     def __len__(self) -> int:
         rest = max(self._dataset_len - self.start, 0)
         return rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
-
-
-class ShardSampler(Sampler[int]):
-    """Evaluation split: rank r takes r, r+W, r+2W, ... with no padding, so every sample
-    is counted exactly once when per-rank sums are all-reduced."""
-
-    def __init__(self, size: int, rank: int, world_size: int) -> None:
-        self.size, self.rank, self.world_size = size, rank, world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.size, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world_size))

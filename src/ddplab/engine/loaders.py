@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from ddplab import process_state
 from ddplab.data.sample_seed import PerSampleSeed
-from ddplab.data.sampler import ResumableDistributedSampler, ShardSampler
+from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.data.stream import Stream, is_stateful, is_stream, size
 
 
@@ -92,8 +92,8 @@ class Loaders:
             if is_stream(dataset):
                 stream = Stream(dataset, ctx.rank, ctx.world_size, self.cfg.training.batch_size)
                 self._eval[id(dataset)] = self._make(stream, workers=self.stream_workers(dataset))
-            else:
-                self._eval[id(dataset)] = self._make(dataset, ShardSampler(len(dataset), ctx.rank, ctx.world_size))
+            else:  # rank r takes r, r+W, r+2W, ... with no padding: each sample counted once in the all-reduced sums
+                self._eval[id(dataset)] = self._make(dataset, range(ctx.rank, len(dataset), ctx.world_size))
         return self._eval[id(dataset)]
 
 
