@@ -2,12 +2,15 @@
 
     python tests/faults.py SPEC train [CONFIG.yaml] [key=value ...]
     python tests/faults.py --agent --standalone --nproc-per-node=2 --max-restarts=1 tests/faults.py SPEC train ...
+    python tests/faults.py --ranks 2 FOLDER SPEC train ...
 
 The script does what `ddplab train` does in one process of the job (through `ddplab.train`),
 with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. With --agent it
 is torchrun (the rest of the line is torchrun's), whose workers run the script forked from it, as
 `ddplab train --nproc-per-node` starts its own (ddplab.launch.agent): a worker then costs no import
-of torch. SPEC is comma-separated `key=value` items; `step=S` says when (after optimizer step S of the run):
+of torch. With --ranks N it is N workers as srun starts them, no launcher watching them (`ranks`),
+forked from it likewise. SPEC is comma-separated `key=value` items; `step=S` says when (after
+optimizer step S of the run):
 
   kill_rank=R,step=S      rank R sends itself SIGKILL (a worker that dies without a word)
   raise_rank=R,step=S     rank R raises RuntimeError (an ordinary crash)
@@ -49,6 +52,11 @@ def command(
     if exec_workers:
         return [sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT), spec, *args]
     return agent_command(torchrun, spec, args)
+
+
+def ranks_command(n: int, folder: Path, spec: str, args: list[str]) -> list[str]:
+    """The command line of `n` faulty workers started as srun starts them (`ranks`), their output in `folder`."""
+    return [sys.executable, str(SCRIPT), "--ranks", str(n), str(folder), spec, *args]
 
 
 def agent_command(torchrun_args: list[str], spec: str, args: list[str]) -> list[str]:
@@ -144,6 +152,33 @@ class Faults(ddplab.Callback):
             ResumableDistributedSampler.__iter__ = traced
 
 
+def ranks(n: int, folder: str, argv: list[str]) -> int:
+    """Ranks 0..n-1 of a job whose other variables (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are this process's,
+    each main(argv) in a process forked from this one, which only waits for them: no launcher watches them, as
+    under srun. Rank R's stdout and stderr go to FOLDER/rankR.out and FOLDER/rankR.err, and its end to
+    FOLDER/rankR.end: its exit code (as subprocess gives it: -N for signal N) and the time.time() it ended.
+    Returns in each rank (main's exit code: the interpreter's exit follows, as in a process of its own), and
+    never in this process."""
+    import torch._dynamo  # noqa: F401 - what every worker imports, imported once
+
+    import ddplab.run  # noqa: F401
+
+    workers = {}
+    for rank in range(n):
+        if (pid := os.fork()) == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            for fd, name in ((1, "out"), (2, "err")):
+                out = os.open(Path(folder, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(out, fd)
+                os.close(out)
+            return main(argv)
+        workers[pid] = rank
+    while workers:
+        pid, status = os.wait()
+        Path(folder, f"rank{workers.pop(pid)}.end").write_text(f"{os.waitstatus_to_exitcode(status)} {time.time()}")
+    os._exit(0)  # this process's part is done: no teardown of torch to pay
+
+
 def main(argv: list[str]) -> int:
     spec, args = argv[0], argv[1:]
     if args[:1] == ["train"]:
@@ -162,5 +197,7 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--agent"]:
         agent(sys.argv[2:])
+    elif sys.argv[1:2] == ["--ranks"]:
+        sys.exit(ranks(int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
     else:
         sys.exit(main(sys.argv[1:]))
