@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
+import io
 import os
 import shutil
 import signal
@@ -113,6 +115,15 @@ def torchrun(
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def verify(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`ddplab verify ARGS` run from `cwd`, its exit code and what it printed, as ddplab() gives them: the command
+    in this process (its own process would only import torch to wait), its two runs in processes of their own."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main("verify", *args)
+    return subprocess.CompletedProcess(["ddplab", "verify", *args], code, out.getvalue(), err.getvalue())
 
 
 def main(*args: str) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import assert_ok
+from conftest import assert_ok, verify
 from conftest import ddplab as ddplab_cli
 from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler
@@ -203,9 +203,7 @@ def test_a_two_process_and_a_one_process_run_train_on_the_same_augmented_samples
 
 
 def test_verify_passes_with_dropout_and_random_augmentation(tmp_path):
-    proc = ddplab_cli(
-        "verify", "--nproc", "2", *_workload(tmp_path), "training.batch_size=4", "training.max_steps=6", cwd=tmp_path
-    )
+    proc = verify("--nproc", "2", *_workload(tmp_path), "training.batch_size=4", "training.max_steps=6", cwd=tmp_path)
     assert_ok(proc)
     assert "randomness: dropout off in both runs; augmentation drawn from per-sample seeds" in proc.stdout
     assert "random transforms on the training set (RandomJitter) drawn from per-sample seeds" in proc.stdout
@@ -213,8 +211,7 @@ def test_verify_passes_with_dropout_and_random_augmentation(tmp_path):
 
 
 def test_verify_names_batchnorm_with_its_remedy_when_only_it_remains(tmp_path):
-    proc = ddplab_cli(
-        "verify",
+    proc = verify(
         "--nproc",
         "2",
         *_workload(tmp_path, "normed"),

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
-from conftest import _env, assert_ok, ddplab, main
+from conftest import _env, assert_ok, ddplab, main, verify
 from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import step_snapshots
@@ -319,8 +319,7 @@ def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_pat
     from test_workloads import WORKLOAD, _names, _workload
 
     wl = _workload(tmp_path, WORKLOAD + SHARD_FIRST_LAYER)
-    proc = ddplab(
-        "verify",
+    proc = verify(
         "--nproc",
         "2",
         *_names(wl),
@@ -335,7 +334,6 @@ def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_pat
         "training.lr=0.5",
         "training.warmup_steps=0",  # Adam would hide a wrong norm
         cwd=tmp_path,
-        timeout=600,
     )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout

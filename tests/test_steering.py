@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import _env, assert_ok
+from conftest import _env, assert_ok, verify
 from conftest import ddplab as ddplab_cli
 from ddplab.cli import main
 from ddplab.engine.checkpoint import Checkpointer
@@ -447,16 +447,14 @@ def test_a_time_budget_replans_ddplabs_schedules_and_leaves_a_users_as_built():
 
 def test_verify_passes_with_a_users_optimizer_schedule_and_dropout(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
-    proc = ddplab_cli("verify", "--nproc", "2", *args, "training.max_steps=6", cwd=tmp_path)
+    proc = verify("--nproc", "2", *args, "training.max_steps=6", cwd=tmp_path)
     assert_ok(proc)
     assert "randomness: dropout off in both runs" in proc.stdout and "PASS" in proc.stdout
 
 
 def test_verify_names_batchnorm_when_only_it_remains(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
-    proc = ddplab_cli(
-        "verify", "--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6", cwd=tmp_path
-    )
+    proc = verify("--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6", cwd=tmp_path)
     assert "randomness: 1 BatchNorm module(s): each of the 2 processes normalises its own 8 samples" in proc.stdout
     assert proc.returncode == 1 and "FAIL (see the randomness named above)" in proc.stdout, proc.stdout
 

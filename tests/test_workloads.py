@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_ok, ddplab, main
+from conftest import ROOT, _env, assert_ok, ddplab, main, verify
 from faults import command
 
 EXAMPLES = ROOT / "examples"
@@ -262,8 +262,7 @@ def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):
 
 def test_verify_passes_on_a_user_workload(tmp_path):
     wl = _workload(tmp_path)
-    proc = ddplab(
-        "verify",
+    proc = verify(
         "--nproc",
         "2",
         *_names(wl),
@@ -271,7 +270,6 @@ def test_verify_passes_on_a_user_workload(tmp_path):
         "training.batch_size=16",
         "model.options.dropout=0.0",
         cwd=tmp_path,
-        timeout=600,
     )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS"

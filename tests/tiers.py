@@ -1,7 +1,7 @@
 """The suite's tiers: every test is `unit`, `inproc` or `multiproc`, found from its code at collection.
 
 - multiproc: the test, a fixture it uses, or a helper either calls (followed through every function and class
-  defined under tests/) starts a process: the conftest helpers `ddplab()` and `torchrun()`, `subprocess`,
+  defined under tests/) starts a process: the conftest helpers `ddplab()`, `torchrun()` and `verify()`, `subprocess`,
   `multiprocessing`, `os.fork`.
 - inproc: otherwise, if that code trains or runs a command in the pytest process (`ddplab.train`, the CLI's
   `main`, anything from ddplab.commands, ddplab.engine.trainer, ddplab.run, ddplab.verify) or joins a process
@@ -56,6 +56,7 @@ def _starters() -> set[int]:
             os.posix_spawn,
             conftest.ddplab,
             conftest.torchrun,
+            conftest.verify,
         )
     }
 
