@@ -123,8 +123,9 @@ class Faults(ddplab.Callback):
             while True:
                 time.sleep(60)
 
-    def patch(self) -> None:
-        """The faults that happen inside ddplab's own functions, wrapped in this process only."""
+    def patch(self, setattr=setattr) -> None:
+        """The faults that happen inside ddplab's own functions, wrapped in this process only (with `setattr`: a
+        test's monkeypatch.setattr undoes them)."""
         if self.armed and "crash_before_marker" in self.items:
             from ddplab.engine import checkpoint
 
@@ -135,7 +136,7 @@ class Faults(ddplab.Callback):
                     os.kill(os.getpid(), signal.SIGKILL)
                 write_marker(folder, info)
 
-            checkpoint.write_marker = crash_before_marker
+            setattr(checkpoint, "write_marker", crash_before_marker)
         if "trace" in self.items:
             from ddplab.data.sampler import ResumableDistributedSampler
 
@@ -149,7 +150,7 @@ class Faults(ddplab.Callback):
                         f.write(f"{sampler.epoch} {key[1] if isinstance(key, tuple) else key}\n")
                         yield key
 
-            ResumableDistributedSampler.__iter__ = traced
+            setattr(ResumableDistributedSampler, "__iter__", traced)
 
 
 def ranks(n: int, folder: str, argv: list[str]) -> int:
@@ -179,13 +180,15 @@ def ranks(n: int, folder: str, argv: list[str]) -> int:
     os._exit(0)  # this process's part is done: no teardown of torch to pay
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], setattr=setattr) -> int:
+    """One process of the faulty run; in a test's process (one process, its 1-process runs), with `setattr` its
+    monkeypatch.setattr."""
     spec, args = argv[0], argv[1:]
     if args[:1] == ["train"]:
         args = args[1:]
     config = args.pop(0) if args and "=" not in args[0] else None
     faults = Faults(spec, int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
-    faults.patch()
+    faults.patch(setattr)
     try:
         summary = ddplab.train(config, args, callbacks=[faults])
     except ddplab.UserError as err:  # as `ddplab train` says it
