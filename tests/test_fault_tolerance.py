@@ -226,15 +226,15 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
 
 def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data, monkeypatch, capfd):
     args = [*_args(data, "tb"), "training.epochs=1000", "training.time_budget=2s", "checkpoint.every=null"]
-    first = _faulty("signal_rank=0,step=4", args, tmp_path)
-    assert first.returncode == 75, first.stderr[-2000:]  # ExitCode.PREEMPTED: requeue me
-    assert "stop signal (SIGUSR1) after step 4" in first.stdout
+    monkeypatch.chdir(tmp_path)  # one process: this one (a process adds nothing), pre-empted, then continued
+    first = faults.main(["signal_rank=0,step=4", *args])
+    assert first == 75, capfd.readouterr().err[-2000:]  # ExitCode.PREEMPTED: requeue me
+    assert "stop signal (SIGUSR1) after step 4" in capfd.readouterr().out
     run = tmp_path / "experiments" / "tb"
     spent = _summary(run)["aggregates"]["train_time_s"]
     assert spent > 0 and _summary(run)["status"] == "preempted"
 
-    monkeypatch.chdir(tmp_path)  # the same command again, as one process: in this one
-    assert main(*args) == 0, capfd.readouterr().err[-3000:]
+    assert main(*args) == 0, capfd.readouterr().err[-3000:]  # the same command again
     assert "resumed from" in capfd.readouterr().out
     summary = _summary(run)
     agg = summary["aggregates"]

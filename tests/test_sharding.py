@@ -4,6 +4,7 @@ export, and the bad inputs of sharded training."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -102,10 +103,12 @@ def test_a_resume_on_one_process_keeps_the_global_batch_and_every_sample(tmp_pat
 
 @pytest.fixture(scope="module")
 def preempted_at_2(tmp_path_factory, data) -> Path:
-    """An fsdp job of 1 process (global batch 8) pre-empted after step 2; each test continues a copy of it."""
+    """An fsdp job of 1 process (global batch 8), this one, pre-empted (SIGUSR1) after step 2; each test continues
+    a copy of it."""
     cwd = tmp_path_factory.mktemp("preempted")
-    proc = _run("signal_rank=0,step=2", _args(data, "pre"), cwd)
-    assert proc.returncode == 75 and _summary(cwd / "experiments" / "pre")["status"] == "preempted", proc.stderr
+    with contextlib.chdir(cwd):
+        assert faults.main(["signal_rank=0,step=2", *_args(data, "pre")]) == 75
+    assert _summary(cwd / "experiments" / "pre")["status"] == "preempted"
     return cwd
 
 
