@@ -90,20 +90,22 @@ def ddplab(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproc
 
 
 def torchrun(
-    nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300, extra: tuple[str, ...] = ()
+    nproc: int,
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    extra: tuple[str, ...] = (),
+    forked: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *extra,
-        "-m",
-        "ddplab",
-        *args,
-    ]
+    """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`; `forked`: its workers forked from it
+    (tests/faults.py), where plain torchrun starts a Python of their own for each."""
+    from faults import forked_torchrun
+
+    options = ["--standalone", f"--nproc-per-node={nproc}", *extra]
+    if forked:
+        cmd = forked_torchrun(options, ["-m", "ddplab", *args])
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *options, "-m", "ddplab", *args]
     # Its own session: a job that outlives the timeout is killed whole, its workers too, not left running.
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

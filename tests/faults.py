@@ -6,9 +6,9 @@
 
 The script does what `ddplab train` does in one process of the job (through `ddplab.train`),
 with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. With --agent it
-is torchrun (the rest of the line is torchrun's), whose workers run the script forked from it, as
-`ddplab train --nproc-per-node` starts its own (ddplab.launch.agent): a worker then costs no import
-of torch. With --ranks N it is N workers as srun starts them, no launcher watching them (`ranks`),
+is torchrun (the rest of the line is torchrun's), whose workers run the script (this one, or a user's)
+forked from it, as `ddplab train --nproc-per-node` starts its own (ddplab.launch.agent): a worker
+then costs no import of torch. With --ranks N it is N workers as srun starts them, no launcher watching them (`ranks`),
 forked from it likewise. SPEC is comma-separated `key=value` items; `step=S` says when (after
 optimizer step S of the run):
 
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import ddplab
+from ddplab.cli import main as cli_main
 
 SCRIPT = Path(__file__).resolve()
 
@@ -56,17 +57,39 @@ def command(
 
 def ranks_command(n: int, folder: Path, spec: str, args: list[str]) -> list[str]:
     """The command line of `n` faulty workers started as srun starts them (`ranks`), their output in `folder`."""
-    return [sys.executable, str(SCRIPT), "--ranks", str(n), str(folder), spec, *args]
+    return forked_ranks(n, folder, [str(SCRIPT), spec, *args])
+
+
+def forked_ranks(n: int, folder: Path, argv: list[str]) -> list[str]:
+    """The command line of `n` workers started as srun starts them (`ranks`), each running `argv` (this script,
+    `-m ddplab`, or a user's script: `_worker`), their output in `folder` (`ended`)."""
+    return [sys.executable, str(SCRIPT), "--ranks", str(n), str(folder), *argv]
+
+
+def ended(folder: Path, n: int) -> list[tuple[int, str, str, float]]:
+    """What `ranks` left in `folder`: each rank's exit code, stdout, stderr and the time.time() it ended."""
+    results = []
+    for rank in range(n):
+        code, at = (folder / f"rank{rank}.end").read_text().split()
+        out, err = ((folder / f"rank{rank}.{name}").read_text() for name in ("out", "err"))
+        results.append((int(code), out, err, float(at)))
+    return results
 
 
 def agent_command(torchrun_args: list[str], spec: str, args: list[str]) -> list[str]:
     """torchrun with `torchrun_args`, its workers this script's main() forked from it."""
-    return [sys.executable, str(SCRIPT), "--agent", *torchrun_args, str(SCRIPT), spec, *args]
+    return forked_torchrun(torchrun_args, [str(SCRIPT), spec, *args])
+
+
+def forked_torchrun(torchrun_args: list[str], argv: list[str]) -> list[str]:
+    """torchrun with `torchrun_args` running `argv` (this script, `-m ddplab`, or a user's script: `_worker`, with
+    its arguments) in workers forked from it, where plain torchrun starts a Python of their own for each."""
+    return [sys.executable, str(SCRIPT), "--agent", *torchrun_args, *argv]
 
 
 def agent(argv: list[str]) -> None:
     """torchrun (argv: its command line), whose workers are forked from it, as ddplab's own agent forks its
-    `ddplab` workers: ddplab's forked-worker entry, with this script's main() where it calls the CLI's."""
+    `ddplab` workers: ddplab's forked-worker entry, with `_worker` where it calls the CLI's main()."""
     import torch._dynamo  # noqa: F401 - what every worker imports, imported once
     import torch.distributed.run as torchrun
 
@@ -74,13 +97,13 @@ def agent(argv: list[str]) -> None:
     import ddplab.run  # noqa: F401
     from ddplab import launch
 
-    ddplab.cli.main = main
+    ddplab.cli.main = _worker
     plain = torchrun.config_from_args
 
     def config_from_args(args):
-        config, _, cmd_args = plain(args)  # cmd_args: ["-u", this script, SPEC, ...]
+        config, _, cmd_args = plain(args)  # cmd_args: ["-u", the script, its arguments...]
         config.start_method = "fork"
-        return config, launch._forked_worker, cmd_args[2:]
+        return config, launch._forked_worker, cmd_args[1:]
 
     torchrun.config_from_args = config_from_args
     torchrun.main(argv)
@@ -153,11 +176,29 @@ class Faults(ddplab.Callback):
             setattr(ResumableDistributedSampler, "__iter__", traced)
 
 
+def _worker(argv: list[str]) -> int:
+    """A forked worker (`agent`, `ranks`): this script's main(), ddplab's CLI (`-m ddplab ARGS`), or a user's
+    script run as `python SCRIPT ARGS` runs it."""
+    if argv[:2] == ["-m", "ddplab"]:
+        sys.argv = [str(Path(ddplab.__file__).with_name("__main__.py")), *argv[2:]]  # as `python -m ddplab` has it
+        return cli_main(argv[2:])
+    script, args = Path(argv[0]).resolve(), argv[1:]
+    if script == SCRIPT:
+        return main(args)
+    import runpy
+
+    sys.argv, sys.path[0] = [str(script), *args], str(script.parent)
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def ranks(n: int, folder: str, argv: list[str]) -> int:
-    """Ranks 0..n-1 of a job whose other variables (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are this process's,
-    each main(argv) in a process forked from this one, which only waits for them: no launcher watches them, as
-    under srun. Rank R's stdout and stderr go to FOLDER/rankR.out and FOLDER/rankR.err, and its end to
-    FOLDER/rankR.end: its exit code (as subprocess gives it: -N for signal N) and the time.time() it ended.
+    """Ranks 0..n-1 of a job whose other variables (WORLD_SIZE, MASTER_ADDR, MASTER_PORT; or SLURM's) are this
+    process's, each `_worker(argv)` in a process forked from this one, which only waits for them: no launcher
+    watches them, as under srun. Each gets its RANK and LOCAL_RANK (SLURM_PROCID and SLURM_LOCALID in a job
+    whose environment is SLURM's). Rank R's stdout and stderr go to FOLDER/rankR.out and FOLDER/rankR.err,
+    and its end to FOLDER/rankR.end: its exit code (as subprocess gives it: -N for signal N) and the
+    time.time() it ended.
     Returns in each rank (main's exit code: the interpreter's exit follows, as in a process of its own), and
     never in this process."""
     import torch._dynamo  # noqa: F401 - what every worker imports, imported once
@@ -167,12 +208,13 @@ def ranks(n: int, folder: str, argv: list[str]) -> int:
     workers = {}
     for rank in range(n):
         if (pid := os.fork()) == 0:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            names = ("SLURM_PROCID", "SLURM_LOCALID") if "SLURM_NTASKS" in os.environ else ("RANK", "LOCAL_RANK")
+            os.environ.update(dict.fromkeys(names, str(rank)))
             for fd, name in ((1, "out"), (2, "err")):
                 out = os.open(Path(folder, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(out, fd)
                 os.close(out)
-            return main(argv)
+            return _worker(argv)
         workers[pid] = rank
     while workers:
         pid, status = os.wait()

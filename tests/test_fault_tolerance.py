@@ -122,12 +122,7 @@ def _srun_like(tmp_path: Path, args: list[str], fault: str) -> list[tuple[int, s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, f"the ranks' parent ended with {proc.returncode}"
-    results = []
-    for rank in range(2):
-        code, ended = (folder / f"rank{rank}.end").read_text().split()
-        out, err = ((folder / f"rank{rank}.{name}").read_text() for name in ("out", "err"))
-        results.append((int(code), out, err, float(ended)))
-    return results
+    return faults.ended(folder, 2)
 
 
 def test_an_exception_on_one_rank_ends_every_rank_without_a_launcher(tmp_path, data):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.registry import load_config
 from ddplab.run import train
-from faults import command
+from faults import command, forked_torchrun
 
 # One bias b, trained towards 1 with plain SGD, scored against targets around 0.3: b after epoch k is
 # 1 - 0.9^k (0.1, 0.19, 0.271, 0.344, ...), so the validation loss falls to epoch 3 and rises after it.
@@ -240,8 +239,8 @@ def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_co
         "experiment.name=ask",
         "distributed.timeout=60",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *args],
+    proc = subprocess.run(  # torchrun, its workers forked from it (tests/faults.py): each imports nothing again
+        forked_torchrun(["--standalone", "--nproc-per-node=2"], [str(script), *args]),
         cwd=tmp_path,
         env=_env(),
         capture_output=True,

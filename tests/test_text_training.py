@@ -132,6 +132,7 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline, capfd):
         "experiment.name=m",
         *QUIET,
         cwd=tmp_path,
+        forked=True,
     )
     assert_ok(proc)
     summary = json.loads((tmp_path / "experiments/m/metrics.json").read_text())
