@@ -122,10 +122,20 @@ def torchrun(
 def verify(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`ddplab verify ARGS` run from `cwd`, its exit code and what it printed, as ddplab() gives them: the command
     in this process (its own process would only import torch to wait), its two runs in processes of their own."""
+    return _here("verify", *args, cwd=cwd)
+
+
+def run_study(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`ddplab study ARGS` run from `cwd`, as verify(): the command in this process (its own would only start,
+    wait for and report on its points), each point's job in processes of its own."""
+    return _here("study", *args, cwd=cwd)
+
+
+def _here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main("verify", *args)
-    return subprocess.CompletedProcess(["ddplab", "verify", *args], code, out.getvalue(), err.getvalue())
+        code = main(*args)
+    return subprocess.CompletedProcess(["ddplab", *args], code, out.getvalue(), err.getvalue())
 
 
 def main(*args: str) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab, main
+from conftest import TINY_GPT, _env, assert_ok, ddplab, main, run_study
 from faults import command
 
 # Whether they are installed, not imported: importing them costs seconds of every worker's collection.
@@ -114,8 +114,7 @@ def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(
 
 
 def test_a_study_is_one_parent_mlflow_run_with_a_child_per_point(tmp_path, corpus, wandb_offline):
-    proc = ddplab(
-        "study",
+    proc = run_study(
         f"data.path={corpus}",
         *TINY_GPT,
         "data.limit=64",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_ok, ddplab, main, verify
+from conftest import ROOT, _env, assert_ok, ddplab, main, run_study, verify
 from faults import command, ended, forked_ranks, forked_torchrun
 
 EXAMPLES = ROOT / "examples"
@@ -249,8 +249,7 @@ def test_verify_passes_on_a_user_workload(tmp_path):
 
 def test_study_and_report_sweep_a_user_option(tmp_path):
     wl = _workload(tmp_path)
-    proc = ddplab(
-        "study",
+    proc = run_study(
         *_names(wl),
         "training.epochs=1",
         *FAST,
@@ -261,7 +260,6 @@ def test_study_and_report_sweep_a_user_option(tmp_path):
         "--name",
         "opts",
         cwd=tmp_path,
-        timeout=600,
     )
     assert_ok(proc)
     report = (tmp_path / "experiments" / "opts" / "report.md").read_text()
