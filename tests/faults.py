@@ -2,15 +2,15 @@
 
     python tests/faults.py SPEC train [CONFIG.yaml] [key=value ...]
     python tests/faults.py --agent --standalone --nproc-per-node=2 --max-restarts=1 tests/faults.py SPEC train ...
-    python tests/faults.py --ranks 2 FOLDER SPEC train ...
+    python tests/faults.py --ranks 2 FOLDER tests/faults.py SPEC train ...
 
 The script does what `ddplab train` does in one process of the job (through `ddplab.train`),
 with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. With --agent it
 is torchrun (the rest of the line is torchrun's), whose workers run the script (this one, or a user's)
 forked from it, as `ddplab train --nproc-per-node` starts its own (ddplab.launch.agent): a worker
-then costs no import of torch. With --ranks N it is N workers as srun starts them, no launcher watching them (`ranks`),
-forked from it likewise. SPEC is comma-separated `key=value` items; `step=S` says when (after
-optimizer step S of the run):
+then costs no import of torch. With --ranks N it is N workers as srun starts them, forked from it
+likewise, no launcher watching them (`ranks`). SPEC is comma-separated `key=value` items; `step=S`
+says when (after optimizer step S of the run):
 
   kill_rank=R,step=S      rank R sends itself SIGKILL (a worker that dies without a word)
   raise_rank=R,step=S     rank R raises RuntimeError (an ordinary crash)
@@ -198,9 +198,8 @@ def ranks(n: int, folder: str, argv: list[str]) -> int:
     watches them, as under srun. Each gets its RANK and LOCAL_RANK (SLURM_PROCID and SLURM_LOCALID in a job
     whose environment is SLURM's). Rank R's stdout and stderr go to FOLDER/rankR.out and FOLDER/rankR.err,
     and its end to FOLDER/rankR.end: its exit code (as subprocess gives it: -N for signal N) and the
-    time.time() it ended.
-    Returns in each rank (main's exit code: the interpreter's exit follows, as in a process of its own), and
-    never in this process."""
+    time.time() it ended. Returns in each rank (its exit code: the interpreter's exit follows, as in a process
+    of its own), and never in this process."""
     import torch._dynamo  # noqa: F401 - what every worker imports, imported once
 
     import ddplab.run  # noqa: F401
