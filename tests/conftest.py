@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
+import io
 import os
 import shutil
 import signal
@@ -88,20 +90,22 @@ def ddplab(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproc
 
 
 def torchrun(
-    nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300, extra: tuple[str, ...] = ()
+    nproc: int,
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    extra: tuple[str, ...] = (),
+    forked: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *extra,
-        "-m",
-        "ddplab",
-        *args,
-    ]
+    """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`; `forked`: its workers forked from it
+    (tests/faults.py), where plain torchrun starts a Python of their own for each."""
+    from faults import forked_torchrun
+
+    options = ["--standalone", f"--nproc-per-node={nproc}", *extra]
+    if forked:
+        cmd = forked_torchrun(options, ["-m", "ddplab", *args])
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *options, "-m", "ddplab", *args]
     # Its own session: a job that outlives the timeout is killed whole, its workers too, not left running.
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -113,6 +117,25 @@ def torchrun(
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def verify(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`ddplab verify ARGS` run from `cwd`, its exit code and what it printed, as ddplab() gives them: the command
+    in this process (its own process would only import torch to wait), its two runs in processes of their own."""
+    return _here("verify", *args, cwd=cwd)
+
+
+def run_study(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`ddplab study ARGS` run from `cwd`, as verify(): the command in this process (its own would only start,
+    wait for and report on its points), each point's job in processes of its own."""
+    return _here("study", *args, cwd=cwd)
+
+
+def _here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(*args)
+    return subprocess.CompletedProcess(["ddplab", *args], code, out.getvalue(), err.getvalue())
 
 
 def main(*args: str) -> int:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_GPT, OneRankCtx, assert_ok, ddplab
+from conftest import TINY_GPT, OneRankCtx, assert_ok, run_study
 from ddplab.config import DistributedConfig
 from ddplab.engine.comm import epoch_comm_row, install_comm_hook, link_delay_s
 
@@ -47,8 +47,7 @@ def test_one_process_spends_no_time_communicating():
 
 def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):
     steps = 16
-    proc = ddplab(
-        "study",
+    proc = run_study(
         f"data.path={corpus}",
         *TINY_GPT,
         "generate.max_new_tokens=0",
@@ -91,8 +90,7 @@ def test_simulated_latency_raises_measured_comm_time_per_step(tmp_path, corpus):
 def test_powersgd_trains_two_processes_in_step_and_changes_the_gradients(tmp_path, corpus):
     """PowerSGD end to end in real processes: after its two plain warm-up steps it compresses,
     so the weights leave those of uncompressed all-reduce while the two replicas stay equal."""
-    proc = ddplab(
-        "study",
+    proc = run_study(
         f"data.path={corpus}",
         *TINY_GPT,
         "generate.max_new_tokens=0",

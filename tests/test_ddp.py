@@ -5,7 +5,7 @@ import platform
 import subprocess
 import sys
 
-from conftest import ROOT, TINY_GPT, assert_ok, ddplab
+from conftest import ROOT, TINY_GPT, assert_ok, verify
 from references import launched_gpt, torchrun_gpt
 
 
@@ -37,7 +37,7 @@ def test_nproc_per_node_launches_workers():
 def test_verify_passes_on_the_default_workload(tmp_path):
     # 6 steps, as the other verify tests: each step of the default GPT costs about 0.5 s of CPU here, and a DDP that
     # changes the maths shows from the first step on (test_verify_fails_when_ddp_changes_the_maths: 5 steps).
-    proc = ddplab("verify", "--nproc", "2", "training.max_steps=6", cwd=tmp_path, timeout=600)
+    proc = verify("--nproc", "2", "training.max_steps=6", cwd=tmp_path)
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
     assert "steps compared: 6" in proc.stdout
@@ -59,8 +59,7 @@ def test_repeated_runs_never_abort_at_exit():
 
 def test_verify_fails_when_ddp_changes_the_maths(tmp_path, corpus):
     """Linear lr scaling doubles the 2-process learning rate only: verify must notice."""
-    proc = ddplab(
-        "verify",
+    proc = verify(
         "--nproc",
         "2",
         f"data.path={corpus}",
@@ -69,7 +68,6 @@ def test_verify_fails_when_ddp_changes_the_maths(tmp_path, corpus):
         "training.lr_scaling=linear",
         "training.warmup_steps=0",
         cwd=tmp_path,
-        timeout=600,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "FAIL"

@@ -4,7 +4,9 @@ tests/faults.py, a script that trains as `ddplab train` does), checked against a
 import csv
 import json
 import math
+import os
 import re
+import signal
 import socket
 import subprocess
 from collections import Counter
@@ -15,10 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+import faults
 from conftest import _env, assert_ok, main
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
-from faults import command
+from faults import command, ranks_command
 from references import SAMPLES, corpus, gpt_args, torchrun_gpt
 
 _args = gpt_args  # the shared reference's job, under another name
@@ -104,37 +107,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _srun_like(tmp_path: Path, args: list[str], fault: str) -> list[subprocess.Popen]:
-    """Two workers started as srun would: rank variables set, no launcher watching them."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = _env() | {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                command(fault, args), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each worker; a hang fails the test instead of the suite."""
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        results.append((p.returncode, out, err))
-    return results
+def _srun_like(tmp_path: Path, args: list[str], fault: str) -> list[tuple[int, str, str, float]]:
+    """Two workers started as srun would: rank variables set, no launcher watching them (forked from one process
+    that imported torch, tests/faults.py --ranks); each one's exit code, stdout, stderr and the time it ended. A
+    hang fails the test instead of the suite."""
+    folder = tmp_path / "ranks"
+    folder.mkdir(exist_ok=True)
+    env = _env() | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.Popen(ranks_command(2, folder, fault, args), cwd=tmp_path, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=270)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"the ranks' parent ended with {proc.returncode}"
+    return faults.ended(folder, 2)
 
 
 def test_an_exception_on_one_rank_ends_every_rank_without_a_launcher(tmp_path, data):
-    (code0, _, err0), (code1, _, err1) = _wait(_srun_like(tmp_path, _args(data, "crash"), "raise_rank=1,step=3"))
+    (code0, _, err0, _), (code1, _, err1, _) = _srun_like(tmp_path, _args(data, "crash"), "raise_rank=1,step=3")
     assert code0 != 0 and code1 != 0
     assert "ddplab: failed: rank 1: RuntimeError: injected fault on rank 1 after step 3 at " in err1
     assert "job failed: rank 1 failed" in err0  # rank 0 heard of it through the heartbeat, and reported it
@@ -142,15 +134,9 @@ def test_an_exception_on_one_rank_ends_every_rank_without_a_launcher(tmp_path, d
 
 def test_a_hung_rank_fails_the_others_at_the_process_group_timeout(tmp_path, data):
     args = [*_args(data, "hang"), "distributed.timeout=5"]
-    procs = _srun_like(tmp_path, args, "hang_rank=1,step=3")
-    try:
-        out, err = procs[0].communicate(timeout=240)
-        assert procs[0].returncode != 0 and "job failed: rank 1 stalled" in err  # rank 0's report
-        procs[1].communicate(timeout=30)  # the stuck rank's heartbeat thread ended it, its stack dumped
-        assert procs[1].returncode != 0
-    finally:
-        procs[1].kill()
-        procs[1].communicate()
+    (code0, _, err0, ended0), (code1, _, _, ended1) = _srun_like(tmp_path, args, "hang_rank=1,step=3")
+    assert code0 != 0 and "job failed: rank 1 stalled" in err0  # rank 0's report
+    assert code1 != 0 and ended1 < ended0 + 30  # the stuck rank's heartbeat thread ended it, its stack dumped
 
 
 def test_a_kill_between_snapshot_data_and_marker_resumes_from_the_previous_snapshot(tmp_path, data, reference):
@@ -174,24 +160,26 @@ def _trace(trace: Path) -> dict[int, dict[int, list[int]]]:
     return seen
 
 
-def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sample_once(tmp_path, data):
+def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sample_once(
+    tmp_path, data, monkeypatch, capfd
+):
     """Pre-empted (SIGUSR1, SIGTERM, SIGUSR1) after steps 3, 6 (end of epoch 1) and 9, then finished
     by ONE process."""
     trace = tmp_path / "trace"
     args = _args(data, "p")
     for step in (3, 6, 9):  # workers started as srun does; the signal reaches one rank only
         sig = "TERM" if step == 6 else "USR1"
-        outs = _wait(_srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step},sig={sig}"))
-        assert [code for code, _, _ in outs] == [75, 75], outs[0][2][-2000:]  # ExitCode.PREEMPTED, both ranks
+        outs = _srun_like(tmp_path, args, f"trace={trace},signal_rank={step % 2},step={step},sig={sig}")
+        assert [code for code, *_ in outs] == [75, 75], outs[0][2][-2000:]  # ExitCode.PREEMPTED, both ranks
         summary = _summary(tmp_path / "experiments" / "p")
         assert (summary["status"], summary["stop_reason"], summary["aggregates"]["steps"]) == (
             "preempted",
             "preempted",
             step,
         )
-    proc = _faulty(f"trace={trace}", args, tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process
-    assert_ok(proc)
-    assert "world size changed from 2 to 1" in proc.stdout
+    monkeypatch.chdir(tmp_path)  # world size 2 -> 1: the rest of epoch 2 goes to one process, this one
+    assert faults.main([f"trace={trace}", *args], monkeypatch.setattr) == 0, capfd.readouterr().err[-3000:]
+    assert "world size changed from 2 to 1" in capfd.readouterr().out
     summary = _summary(tmp_path / "experiments" / "p")
     assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 3
     # The global batch is kept: one process accumulates 2 batches of 8, so the last 48 samples take 3 steps.
@@ -211,17 +199,18 @@ def test_stop_and_resume_mid_epoch_at_the_boundary_and_in_epoch_2_sees_every_sam
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
     args = [*_args(data, mode), f"training.nonfinite={mode}", "training.max_steps=7"]
-    outs = _wait(_srun_like(tmp_path, args, "nan_rank=1,step=5"))
+    outs = _srun_like(tmp_path, args, "nan_rank=1,step=5")
     run = tmp_path / "experiments" / mode
     if mode == "stop":
-        for rank, (code, _, err) in enumerate(outs):  # each rank, the same step, one line, exit 1: a run-time failure
+        # each rank, the same step, one line, exit 1: a run-time failure
+        for rank, (code, _, err, _) in enumerate(outs):
             assert code == 1 and err.strip().splitlines()[-1].startswith(
                 f"ddplab: failed: rank {rank}: non-finite loss at step 5"
             ), err
         assert _summary(run)["status"] == "failed"
         assert "epoch 1 step 6:" not in (run / "train.log").read_text()
     else:
-        assert [code for code, _, _ in outs] == [0, 0], outs[0][2][-2000:]
+        assert [code for code, *_ in outs] == [0, 0], outs[0][2][-2000:]
         assert "step 5: non-finite loss on some rank; step skipped (training.nonfinite=skip)" in outs[0][1]
         summary = _summary(run)
         assert summary["ddp"]["ranks_identical"] and summary["aggregates"]["steps"] == 7
@@ -232,15 +221,15 @@ def test_a_nan_on_rank_1_only_is_seen_by_both_ranks(tmp_path, data, mode):
 
 def test_time_budget_counts_time_spent_before_a_preemption(tmp_path, data, monkeypatch, capfd):
     args = [*_args(data, "tb"), "training.epochs=1000", "training.time_budget=2s", "checkpoint.every=null"]
-    first = _faulty("signal_rank=0,step=4", args, tmp_path)
-    assert first.returncode == 75, first.stderr[-2000:]  # ExitCode.PREEMPTED: requeue me
-    assert "stop signal (SIGUSR1) after step 4" in first.stdout
+    monkeypatch.chdir(tmp_path)  # one process: this one (a process adds nothing), pre-empted, then continued
+    first = faults.main(["signal_rank=0,step=4", *args])
+    assert first == 75, capfd.readouterr().err[-2000:]  # ExitCode.PREEMPTED: requeue me
+    assert "stop signal (SIGUSR1) after step 4" in capfd.readouterr().out
     run = tmp_path / "experiments" / "tb"
     spent = _summary(run)["aggregates"]["train_time_s"]
     assert spent > 0 and _summary(run)["status"] == "preempted"
 
-    monkeypatch.chdir(tmp_path)  # the same command again, as one process: in this one
-    assert main(*args) == 0, capfd.readouterr().err[-3000:]
+    assert main(*args) == 0, capfd.readouterr().err[-3000:]  # the same command again
     assert "resumed from" in capfd.readouterr().out
     summary = _summary(run)
     agg = summary["aggregates"]

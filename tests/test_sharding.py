@@ -4,6 +4,7 @@ export, and the bad inputs of sharded training."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -15,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  # noqa: F401 (data: a fixture)
 
-from conftest import _env, assert_ok, ddplab, main
+import faults
+from conftest import _env, assert_ok, ddplab, main, verify
 from ddplab.engine import manifest
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import step_snapshots
@@ -82,15 +84,16 @@ def test_a_killed_fsdp_job_with_async_snapshots_resumes_bit_identically(tmp_path
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_resume_on_one_process_keeps_the_global_batch_and_every_sample(tmp_path, data, strategy):
+def test_a_resume_on_one_process_keeps_the_global_batch_and_every_sample(tmp_path, data, strategy, monkeypatch, capfd):
     trace = tmp_path / "trace"
     args = _args(data, "w", strategy)
     _run(f"trace={trace},signal_rank=0,step=4", args, tmp_path, nproc=2)
     assert _summary(tmp_path / "experiments" / "w")["status"] == "preempted"
-    proc = _run(f"trace={trace}", args, tmp_path)  # 2 -> 1 process
-    assert_ok(proc)
-    assert "training.grad_accum_steps 1 -> 2: the global batch stays 16 on 1 processes" in proc.stdout
-    assert "global batch = 8 per process x 2 accumulation x 1 processes = 16" in proc.stdout
+    monkeypatch.chdir(tmp_path)  # 2 -> 1 process: this one (a process adds nothing)
+    assert faults.main([f"trace={trace}", *args], monkeypatch.setattr) == 0, capfd.readouterr().err[-3000:]
+    out = capfd.readouterr().out
+    assert "training.grad_accum_steps 1 -> 2: the global batch stays 16 on 1 processes" in out
+    assert "global batch = 8 per process x 2 accumulation x 1 processes = 16" in out
     summary = _summary(tmp_path / "experiments" / "w")
     assert summary["aggregates"]["steps"] == 12 and summary["ddp"]["global"] == 16  # the same optimisation length
     for epoch, ranks in _trace(trace).items():
@@ -100,10 +103,12 @@ def test_a_resume_on_one_process_keeps_the_global_batch_and_every_sample(tmp_pat
 
 @pytest.fixture(scope="module")
 def preempted_at_2(tmp_path_factory, data) -> Path:
-    """An fsdp job of 1 process (global batch 8) pre-empted after step 2; each test continues a copy of it."""
+    """An fsdp job of 1 process (global batch 8), this one, pre-empted (SIGUSR1) after step 2; each test continues
+    a copy of it."""
     cwd = tmp_path_factory.mktemp("preempted")
-    proc = _run("signal_rank=0,step=2", _args(data, "pre"), cwd)
-    assert proc.returncode == 75 and _summary(cwd / "experiments" / "pre")["status"] == "preempted", proc.stderr
+    with contextlib.chdir(cwd):
+        assert faults.main(["signal_rank=0,step=2", *_args(data, "pre")]) == 75
+    assert _summary(cwd / "experiments" / "pre")["status"] == "preempted"
     return cwd
 
 
@@ -319,8 +324,7 @@ def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_pat
     from test_workloads import WORKLOAD, _names, _workload
 
     wl = _workload(tmp_path, WORKLOAD + SHARD_FIRST_LAYER)
-    proc = ddplab(
-        "verify",
+    proc = verify(
         "--nproc",
         "2",
         *_names(wl),
@@ -335,7 +339,6 @@ def test_a_user_workload_with_its_own_shard_function_verifies_under_fsdp(tmp_pat
         "training.lr=0.5",
         "training.warmup_steps=0",  # Adam would hide a wrong norm
         cwd=tmp_path,
-        timeout=600,
     )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import faults
 from conftest import _env, assert_ok, main
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine import manifest
@@ -320,17 +321,16 @@ def test_a_workloads_own_part_is_restored_exactly_after_sigkill(tmp_path, strate
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """One workload; per strategy, a run never interrupted (in this process: one adds nothing) and one
-    pre-empted after step 6 (snapshots of steps 4 and 6 kept), all of one process (an fsdp run of one process
-    still writes DCP shards)."""
+    """One workload; per strategy, a run never interrupted and one pre-empted (SIGUSR1) after step 6 (snapshots
+    of steps 4 and 6 kept), all of one process, this one: one adds nothing (an fsdp run of one process still
+    writes DCP shards)."""
     root = tmp_path_factory.mktemp("runs")
     wl = _workload(root)
     out = {"root": root, "wl": wl}
     for strategy in ("ddp", "fsdp"):
         with contextlib.chdir(root):
             assert main(*_args(wl, f"ref-{strategy}", strategy)) == 0
-        stopped = _run("signal_rank=0,step=6", _args(wl, f"stop-{strategy}", strategy), root)
-        assert stopped.returncode == 75, stopped.stderr[-2000:]
+            assert faults.main(["signal_rank=0,step=6", *_args(wl, f"stop-{strategy}", strategy)]) == 75
     return out
 
 

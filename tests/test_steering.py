@@ -8,21 +8,20 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddplab
-from conftest import _env, assert_ok
+from conftest import _env, assert_ok, verify
 from conftest import ddplab as ddplab_cli
 from ddplab.cli import main
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.registry import load_config
 from ddplab.run import train
-from faults import command
+from faults import command, forked_torchrun
 
 # One bias b, trained towards 1 with plain SGD, scored against targets around 0.3: b after epoch k is
 # 1 - 0.9^k (0.1, 0.19, 0.271, 0.344, ...), so the validation loss falls to epoch 3 and rises after it.
@@ -240,8 +239,8 @@ def test_a_stop_asked_on_one_rank_is_agreed_at_the_next_log_interval_and_ends_co
         "experiment.name=ask",
         "distributed.timeout=60",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *args],
+    proc = subprocess.run(  # torchrun, its workers forked from it (tests/faults.py): each imports nothing again
+        forked_torchrun(["--standalone", "--nproc-per-node=2"], [str(script), *args]),
         cwd=tmp_path,
         env=_env(),
         capture_output=True,
@@ -447,16 +446,14 @@ def test_a_time_budget_replans_ddplabs_schedules_and_leaves_a_users_as_built():
 
 def test_verify_passes_with_a_users_optimizer_schedule_and_dropout(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
-    proc = ddplab_cli("verify", "--nproc", "2", *args, "training.max_steps=6", cwd=tmp_path)
+    proc = verify("--nproc", "2", *args, "training.max_steps=6", cwd=tmp_path)
     assert_ok(proc)
     assert "randomness: dropout off in both runs" in proc.stdout and "PASS" in proc.stdout
 
 
 def test_verify_names_batchnorm_when_only_it_remains(tmp_path, drift):
     args = [a for a in _own(drift, tmp_path, "v") if not a.startswith(("experiment.name", "checkpoint.every"))]
-    proc = ddplab_cli(
-        "verify", "--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6", cwd=tmp_path
-    )
+    proc = verify("--nproc", "2", *args, f"model.name={drift}:normed", "training.max_steps=6", cwd=tmp_path)
     assert "randomness: 1 BatchNorm module(s): each of the 2 processes normalises its own 8 samples" in proc.stdout
     assert proc.returncode == 1 and "FAIL (see the randomness named above)" in proc.stdout, proc.stdout
 

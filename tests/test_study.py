@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab, main
+from conftest import TINY_GPT, _env, assert_ok, main, run_study
 from ddplab.errors import UserError
 from ddplab.study.grid import Setup, expand, parse_setups, parse_sweeps
 from ddplab.study.runner import slurm_command
@@ -109,7 +109,7 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
         "--name",
         "sweep",
     ]
-    proc = ddplab(*args, cwd=tmp_path)
+    proc = run_study(*args[1:], cwd=tmp_path)
     assert_ok(proc)
     study = tmp_path / "experiments" / "sweep"
     names = ["n1-batch_size_8", "n1-batch_size_32", "n2-batch_size_8", "n2-batch_size_32"]
@@ -166,7 +166,7 @@ def test_study_sweeps_processes_and_batch_then_reports(tmp_path, corpus):
 
     # The same command again: every point is complete, nothing is trained twice.
     before = {n: (study / n / "metrics.json").stat().st_mtime_ns for n in names}
-    again = ddplab(*args, cwd=tmp_path)
+    again = run_study(*args[1:], cwd=tmp_path)
     assert_ok(again)
     assert again.stdout.count("complete, skipped") == 4
     assert before == {n: (study / n / "metrics.json").stat().st_mtime_ns for n in names}
@@ -222,8 +222,7 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
 
 
 def test_two_launcher_agents_on_loopback_train_as_two_nodes(tmp_path, corpus):
-    proc = ddplab(
-        "study",
+    proc = run_study(
         f"data.path={corpus}",
         *FAST,
         "training.max_steps=6",
@@ -249,8 +248,7 @@ def test_two_launcher_agents_on_loopback_train_as_two_nodes(tmp_path, corpus):
 def test_a_failing_point_stops_the_study_and_keeps_the_finished_ones(tmp_path, corpus):
     empty = tmp_path / "empty"
     empty.mkdir()  # passes the up-front check (it exists) but holds no text: the run itself fails
-    proc = ddplab(
-        "study",
+    proc = run_study(
         *FAST,
         "training.max_steps=2",
         "--nproc",
@@ -274,13 +272,13 @@ def test_a_failing_point_stops_the_study_and_keeps_the_finished_ones(tmp_path, c
 
 def test_repeats_run_as_their_own_folders_and_a_larger_repeat_keeps_the_done_ones(tmp_path, corpus):
     args = ["study", f"data.path={corpus}", *FAST, "training.max_steps=2", "--nproc", "1", "--name", "rep"]
-    first = ddplab(*args, "--repeat", "2", cwd=tmp_path)
+    first = run_study(*args[1:], "--repeat", "2", cwd=tmp_path)
     assert_ok(first)
     assert "1 points x 2 repeats" in first.stdout
     study = tmp_path / "experiments" / "rep"
     stamps = {n: (study / n / "metrics.json").stat().st_mtime_ns for n in ("n1", "n1-r2")}
     assert json.loads((study / "n1-r2" / "study_point.json").read_text())["repeat"] == 2
-    again = ddplab(*args, "experiment.repeats=3", cwd=tmp_path)  # the config default, as a user sets it
+    again = run_study(*args[1:], "experiment.repeats=3", cwd=tmp_path)  # the config default, as a user sets it
     assert_ok(again)
     assert again.stdout.count("complete, skipped") == 2 and "[3/3] n1-r3 (1 processes): done" in again.stdout
     assert stamps == {n: (study / n / "metrics.json").stat().st_mtime_ns for n in ("n1", "n1-r2")}

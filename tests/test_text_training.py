@@ -1,4 +1,5 @@
-"""Text classification end to end, as a user runs it: torchrun, metrics, predict, bad input."""
+"""Text classification end to end, as a user runs it (`ddplab train --nproc-per-node`, plain torchrun): metrics,
+predict, bad input."""
 
 import csv
 import json
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_ok, main, torchrun
+from conftest import assert_ok, ddplab, main, torchrun
 from ddplab.config_io import from_dict
 from ddplab.distributed import DistContext, LaunchInfo
 from ddplab.engine.setup import build_data
@@ -44,7 +45,7 @@ def offline(monkeypatch):
 def test_scratch_transformer_ddp_learns_and_its_metrics_equal_scikit_learn(tmp_path, capfd):
     from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score  # seconds: not at collection
 
-    proc = torchrun(2, "train", *SCRATCH, "experiment.name=s", cwd=tmp_path)
+    proc = ddplab("train", "--nproc-per-node", "2", *SCRATCH, "experiment.name=s", cwd=tmp_path)
     assert_ok(proc)
     run = tmp_path / "experiments" / "s"
     (tokenised,) = (tmp_path / "experiments" / ".cache").rglob("cache-ddplab-*.arrow")  # one split, mapped once
@@ -131,6 +132,7 @@ def test_minilm_fine_tunes_under_torchrun_offline(tmp_path, offline, capfd):
         "experiment.name=m",
         *QUIET,
         cwd=tmp_path,
+        forked=True,
     )
     assert_ok(proc)
     summary = json.loads((tmp_path / "experiments/m/metrics.json").read_text())

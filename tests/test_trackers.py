@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, _env, assert_ok, ddplab, main
+from conftest import TINY_GPT, _env, assert_ok, ddplab, main, run_study
 from faults import command
 
 # Whether they are installed, not imported: importing them costs seconds of every worker's collection.
@@ -73,19 +73,19 @@ def _runs(client) -> list:
     return client.search_runs([experiment.experiment_id])
 
 
-def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(tmp_path, corpus, wandb_offline, parent_service):
+def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(
+    tmp_path, corpus, wandb_offline, parent_service, monkeypatch, capfd
+):
     args = ["train", f"data.path={corpus}", *ARGS, "experiment.name=k", "logging.trackers=[mlflow, wandb]"]
-    env = {**_env(), "WANDB_SERVICE": parent_service}  # the killed run must not leave its W&B run held there
+    monkeypatch.setenv("WANDB_SERVICE", parent_service)  # the killed run must not leave its W&B run held there
     killed = subprocess.run(
-        command("kill_rank=0,step=10", args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        command("kill_rank=0,step=10", args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert killed.returncode == -9, killed.stderr[-2000:]  # mid-epoch 1, two steps after the snapshot at step 8
     run = tmp_path / "experiments" / "k"
     first = json.loads((run / "trackers.json").read_text())
-    resumed = subprocess.run(
-        [sys.executable, "-m", "ddplab", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)  # the same command again, as one process: in this one (a process adds nothing)
+    assert main(*args) == 0, capfd.readouterr().err[-2000:]
     assert "resumed from" in (run / "train.log").read_text()
     record = json.loads((run / "trackers.json").read_text())
     assert record["mlflow"]["run_id"] == first["mlflow"]["run_id"] and record["wandb"]["id"] == first["wandb"]["id"]
@@ -114,8 +114,7 @@ def test_a_killed_run_continues_one_mlflow_run_and_one_wandb_run(tmp_path, corpu
 
 
 def test_a_study_is_one_parent_mlflow_run_with_a_child_per_point(tmp_path, corpus, wandb_offline):
-    proc = ddplab(
-        "study",
+    proc = run_study(
         f"data.path={corpus}",
         *TINY_GPT,
         "data.limit=64",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_ok, ddplab, main
-from faults import command
+from conftest import ROOT, _env, assert_ok, ddplab, main, run_study, verify
+from faults import command, ended, forked_ranks, forked_torchrun
 
 EXAMPLES = ROOT / "examples"
 FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
@@ -155,16 +155,8 @@ def test_image_folder_example_with_its_own_loss_on_two_processes(tmp_path, monke
 def test_python_api_script_with_a_callback_under_torchrun(tmp_path):
     for name in ("api_callback.py", "regression_tabular.py"):
         shutil.copy(EXAMPLES / name, tmp_path / name)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "api_callback.py",
-        "training.epochs=2",
-        *FAST,
-    ]
+    # torchrun, its workers forked from it (tests/faults.py) where plain torchrun starts a Python for each
+    cmd = forked_torchrun(["--standalone", "--nproc-per-node=2"], ["api_callback.py", "training.epochs=2", *FAST])
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert_ok(proc)
     run = tmp_path / "experiments" / "api-callback"
@@ -183,40 +175,20 @@ def test_python_api_script_with_a_callback_under_torchrun(tmp_path):
 
 def test_two_processes_under_slurm_variables(tmp_path):
     wl = _workload(tmp_path)
-    port = 29500 + os.getpid() % 1000
-    procs = []
-    for rank in range(2):
-        env = _env() | {
-            "SLURM_PROCID": str(rank),
-            "SLURM_NTASKS": "2",
-            "SLURM_LOCALID": str(rank),
-            "SLURM_STEP_NODELIST": "localhost",
-            "SLURM_STEP_TASKS_PER_NODE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "ddplab",
-                    "train",
-                    *_names(wl),
-                    "training.epochs=1",
-                    "experiment.name=slurm",
-                    *FAST,
-                ],
-                cwd=tmp_path,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
+    env = _env() | {
+        "SLURM_NTASKS": "2",  # and each task's SLURM_PROCID and SLURM_LOCALID
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000),
+    }
+    # `python -m ddplab train` as srun starts it on each task, forked from one process that imported torch once
+    cmd = forked_ranks(
+        2, tmp_path, ["-m", "ddplab", "train", *_names(wl), "training.epochs=1", "experiment.name=slurm"]
+    )
+    assert_ok(subprocess.run([*cmd, *FAST], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
+    for code, _, err, _ in ended(tmp_path, 2):
+        assert code == 0, err[-2000:]
     summary = json.loads((tmp_path / "experiments" / "slurm" / "metrics.json").read_text())
     assert summary["ddp"]["launcher"] == "slurm" and summary["ddp"]["world_size"] == 2
 
@@ -262,8 +234,7 @@ def test_sigkill_and_resume_of_a_user_workload_ends_identical(tmp_path):
 
 def test_verify_passes_on_a_user_workload(tmp_path):
     wl = _workload(tmp_path)
-    proc = ddplab(
-        "verify",
+    proc = verify(
         "--nproc",
         "2",
         *_names(wl),
@@ -271,7 +242,6 @@ def test_verify_passes_on_a_user_workload(tmp_path):
         "training.batch_size=16",
         "model.options.dropout=0.0",
         cwd=tmp_path,
-        timeout=600,
     )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS"
@@ -279,8 +249,7 @@ def test_verify_passes_on_a_user_workload(tmp_path):
 
 def test_study_and_report_sweep_a_user_option(tmp_path):
     wl = _workload(tmp_path)
-    proc = ddplab(
-        "study",
+    proc = run_study(
         *_names(wl),
         "training.epochs=1",
         *FAST,
@@ -291,7 +260,6 @@ def test_study_and_report_sweep_a_user_option(tmp_path):
         "--name",
         "opts",
         cwd=tmp_path,
-        timeout=600,
     )
     assert_ok(proc)
     report = (tmp_path / "experiments" / "opts" / "report.md").read_text()

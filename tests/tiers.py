@@ -1,8 +1,8 @@
 """The suite's tiers: every test is `unit`, `inproc` or `multiproc`, found from its code at collection.
 
 - multiproc: the test, a fixture it uses, or a helper either calls (followed through every function and class
-  defined under tests/) starts a process: the conftest helpers `ddplab()` and `torchrun()`, `subprocess`,
-  `multiprocessing`, `os.fork`.
+  defined under tests/) starts a process: the conftest helpers `ddplab()`, `torchrun()`, `verify()` and `run_study()`,
+  `subprocess`, `multiprocessing`, `os.fork`.
 - inproc: otherwise, if that code trains or runs a command in the pytest process (`ddplab.train`, the CLI's
   `main`, anything from ddplab.commands, ddplab.engine.trainer, ddplab.run, ddplab.verify) or joins a process
   group (the `one_rank_group` fixture).
@@ -56,6 +56,8 @@ def _starters() -> set[int]:
             os.posix_spawn,
             conftest.ddplab,
             conftest.torchrun,
+            conftest.verify,
+            conftest.run_study,
         )
     }
 
