@@ -166,10 +166,13 @@ class Store:
 
     def __init__(self, failed: int = 0, delay: float = 0.0) -> None:
         self.data, self.locked, self.delay, self.calling = {"ddplab/failed": failed}, [], delay, threading.Event()
+        self.gone = False  # its host (rank 0, or the agent) has exited
         if failed:
             self.data["ddplab/failed/1"] = json.dumps({"error": "RuntimeError: boom", "where": None, "beat": None})
 
     def _call(self) -> None:
+        if self.gone:
+            raise RuntimeError("Connection reset by peer")
         self.locked.append(_BEATING.locked())
         self.calling.set()
         time.sleep(self.delay)
@@ -254,3 +257,22 @@ def test_another_ranks_failure_ends_this_rank_through_its_main_thread(tmp_path, 
     assert deadlines == [(heartbeat.GRACE_S,), "cancelled"]  # the last resort, called off by the main thread
     assert signal.getsignal(signal.SIGUSR2) is handler
     assert "another rank failed" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+def test_a_store_gone_with_its_host_ends_this_rank_through_its_main_thread(tmp_path, monkeypatch, capfd):
+    """Rank 0 (or the agent) held the store and has exited: rank 1, stuck outside any collective (in Python here),
+    would wait for ever; it ends as when a peer fails, its heartbeat's error said once."""
+    monkeypatch.setattr(heartbeat.faulthandler, "dump_traceback_later", lambda *a, **k: None)
+    monkeypatch.setattr(heartbeat.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    store = Store()
+    beat = _heartbeat(tmp_path, store, rank=1)
+    with pytest.raises(PeerFailed), process_state.changes():
+        beat.start()
+        assert store.calling.wait(5)  # beating through the store
+        store.gone = True
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    beat.stop()
+    err = capfd.readouterr().err
+    assert err.count("heartbeat raised") == 1 and "this rank ends: the job's store is gone" in err, err

@@ -122,22 +122,26 @@ class Heartbeat:
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
+            shared = self.store is not None
             try:
                 self._tick()
             except Exception as exc:  # noqa: BLE001 - reported once, then the beats go on
-                self._failed_beat(exc)
+                # The store went with its host (rank 0, or torchrun's agent), and the job with it: every beat
+                # stops before rank 0 leaves at the normal end. A rank stuck outside a collective would wait
+                # for ever, so it ends as when a peer fails.
+                lost = shared and self.store is None and not self._ended
+                self._failed_beat(exc, "this rank ends: the job's store is gone" if lost else None)
+                if lost:
+                    self._end_rank()
 
-    def _failed_beat(self, exc: Exception) -> None:
+    def _failed_beat(self, exc: Exception, then: str | None = None) -> None:
         # Once; and a store gone with a job that has ended is no news.
         if self._trouble is not None or (self._ended and self.store is None):
             return
         self._trouble = exc
-        alone = " without the store" if self.store is None else ""
-        log_traceback(self.run.path, self.ctx.rank, f"a heartbeat raised; the beats go on{alone}", exc)
-        message = (
-            f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; it goes on{alone} "
-            f"(traceback in {self.log_path})"
-        )
+        then = then or ("it goes on without the store" if self.store is None else "it goes on")
+        log_traceback(self.run.path, self.ctx.rank, f"a heartbeat raised; {then}", exc)
+        message = f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; {then} (traceback in {self.log_path})"
         if self.ctx.is_main:
             self.run.log(message)
         else:
