@@ -169,6 +169,7 @@ class Store:
         self.gone = False  # its host (rank 0, or the agent) has exited
         if failed:
             self.data["ddplab/failed/1"] = json.dumps({"error": "RuntimeError: boom", "where": None, "beat": None})
+            self.data["ddplab/done"] = 1  # the failed rank has read the report
 
     def _call(self) -> None:
         if self.gone:

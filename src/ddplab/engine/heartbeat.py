@@ -44,6 +44,7 @@ from ddplab.engine.run_folder import amend
 from ddplab.errors import RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
+_DONE = "ddplab/done"  # how many of the other ranks no longer use the store, once the report is written
 _BEAT = "ddplab/beat/"  # + the rank: its last beat
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
 # during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
@@ -291,6 +292,19 @@ class Heartbeat:
                         self._report(self._failures())  # into the run folder that rank 0 kept
                     return
                 time.sleep(0.2)
+            # Done with the store: no beat of this rank uses it from here on, and rank 0 may let it go.
+            self._stop.set()
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=2)
+            store.add(_DONE, 1)
+
+    def _others_done(self, patience: float = 5) -> None:
+        """Rank 0 holds the store when no agent does (srun): it stays until every other rank is done with it
+        (`patience` seconds at most: a dead rank never says), so that none meets a closed store."""
+        deadline = time.monotonic() + patience
+        with contextlib.suppress(Exception):
+            while self._store().add(_DONE, 0) < self.ctx.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     def _report(self, errors: dict[int, dict]) -> dict:
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
@@ -316,4 +330,6 @@ class Heartbeat:
         )
         if self.store is not None:
             self.store.set(_REPORTED, "1")
+            if self.ctx.is_main:
+                self._others_done()
         return failure
