@@ -179,7 +179,7 @@ class Heartbeat:
                 self.store.set(f"{_BEAT}{self.ctx.rank}", json.dumps(mine))
                 heard = self._read_all() if self.ctx.is_main else {}
                 failed = self.store.add(_FAILED, 0)
-            except Exception:  # the store went with a dead rank: this rank's own collectives will fail
+            except Exception:  # the store went with its host (rank 0, or the agent): _loop ends this rank
                 self.store = None
                 raise
             with _BEATING:
