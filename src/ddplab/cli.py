@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from ddplab import process_state
+from ddplab import __version__, process_state
 from ddplab.config import describe_fields
 from ddplab.engine.reports import tell
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
@@ -39,6 +39,7 @@ FORCE = "let --output replace an existing file, or write inside a run folder"
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ddplab", description="Distributed Data Parallel training with numbers you can trust.")
+    p.add_argument("--version", action="version", version=f"ddplab {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser(
