@@ -1,8 +1,8 @@
 """The one seam to torch.distributed.
 
-Reads the launcher's environment (torchrun, SLURM, or nothing), starts the process group,
-picks backend and device, wraps models in DDP, and offers rank-0 helpers and reductions.
-Nothing else in ddplab calls `init_process_group`.
+Starts the process group where the launcher's environment (read by world.py: torchrun, SLURM, Kubeflow
+Trainer, SkyPilot, or nothing) says, picks backend and device, wraps models in DDP, and offers rank-0 helpers
+and reductions. Nothing else in ddplab calls `init_process_group`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import contextlib
 import datetime
 import gc
 import os
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,67 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import process_state
 from ddplab.errors import UserError
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """Where this process sits in the job, as the launcher told it."""
-
-    launcher: str  # "torchrun" | "slurm" | "none"
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    master_addr: str | None = None
-    master_port: int | None = None
-
-
-def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
-    """torchrun's variables win (torchrun inside srun is common); then SLURM's; else one process."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return LaunchInfo(
-            "torchrun",
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
-        )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        world = int(env["SLURM_NTASKS"])
-        nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
-        tasks = re.match(r"\d+", per_node)  # "4(x2)": 4 tasks on each of 2 nodes
-        if tasks is None:
-            raise UserError(f"SLURM_TASKS_PER_NODE={per_node!r} does not start with a number of tasks")
-        job = int(env.get("SLURM_JOB_ID", "0"))
-        return LaunchInfo(
-            "slurm",
-            rank=int(env["SLURM_PROCID"]),
-            world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(tasks.group()),
-            master_addr=env.get("MASTER_ADDR") or nodes[0],
-            # A job-dependent port lets two jobs share a first node.
-            master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000),
-        )
-    return LaunchInfo(launcher="none")
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list ('gpu[01-03,07],login1') to host names, in order."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    return hosts
+from ddplab.world import LaunchInfo, detect_launch
 
 
 class Beat:

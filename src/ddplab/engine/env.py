@@ -89,6 +89,7 @@ def collect(ctx) -> dict:
         "nccl": nccl,
         "platform": platform.platform(),
         "launcher": ctx.launch.launcher,
+        "launched_via": ctx.launch.via,  # what started the launcher (Kubeflow Trainer, SkyPilot), where it says
         "backend": ctx.backend,
         "world_size": ctx.world_size,
         "hosts": sorted({r["host"] for r in per_rank}),
