@@ -113,7 +113,7 @@ def test_no_node_launcher():
         ({**TRAINER, "PET_NODE_RANK": "2"}, "PET_NODE_RANK=2 contradicts PET_NNODES=2"),
         ({**TRAINER, "PET_NPROC_PER_NODE": "many"}, "PET_NPROC_PER_NODE='many' is not a number"),
         ({**SKYPILOT, "SKYPILOT_NUM_NODES": "3"}, "SKYPILOT_NODE_IPS holds 2 address.*SKYPILOT_NUM_NODES=3"),
-        ({"SKYPILOT_NODE_RANK": "0"}, "SKYPILOT_NODE_RANK is set but SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES is not"),
+        ({"SKYPILOT_NODE_RANK": "0"}, "SKYPILOT_NODE_RANK is set but SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES are not"),
     ],
 )
 def test_a_missing_or_contradictory_node_variable_is_named(env, message):

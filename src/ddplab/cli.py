@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget"
     )
 
+    sub.add_parser("env", help="what a bug report needs: versions, devices, extras, the launcher and its variables")
+
     f = sub.add_parser("forecast", help="predict step/epoch time, speedup and comm share of setups from run folders")
     f.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     f.add_argument("--setups", default="1x1,2x1,4x1,8x1", help="nodes x processes per node, e.g. 1x1,2x1,4x1,8x1,2x8")
@@ -148,6 +150,7 @@ MODULES = {
     "train": ("train", "verify", "status"),
     "inference": ("generate", "predict", "export"),
     "scaling": ("study", "report", "forecast"),
+    "env": ("env",),
 }
 
 

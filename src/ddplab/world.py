@@ -95,7 +95,10 @@ def _int(env: Mapping[str, str], name: str, low: int = 0) -> int:
 
 def _needs(env: Mapping[str, str], names: tuple[str, ...], because: str) -> None:
     if missing := [n for n in names if not env.get(n, "").strip()]:
-        raise UserError(f"{because} is set but {', '.join(missing)} is not: the launcher's environment is incomplete")
+        verb = "is" if len(missing) == 1 else "are"
+        raise UserError(
+            f"{because} is set but {', '.join(missing)} {verb} not: the launcher's environment is incomplete"
+        )
 
 
 def _below(env: Mapping[str, str], name: str, bound: str) -> None:
