@@ -11,8 +11,9 @@ import contextlib
 import datetime
 import gc
 import os
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -121,7 +122,8 @@ def check_one_gpu_per_process(processes_per_node: int, gpus: int) -> None:
 
 @contextlib.contextmanager
 def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistContext]:
-    """Start the process group (if launched as several processes) and always tear it down.
+    """Start the process group (if launched as several processes) and always tear it down; or use the one the
+    launcher made itself (Ray Train's TorchTrainer), and leave it to the launcher.
 
     Teardown drops every reference it can and collects garbage before destroying the
     group: with gloo, a DDP model or optimizer still alive at destroy time makes about one
@@ -129,12 +131,15 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
     launch = detect_launch()
     cuda = torch.cuda.is_available()
     chosen = pick_backend(backend, cuda) if launch.world_size > 1 else None
+    made = dist.is_available() and dist.is_initialized()
+    if made:
+        launch, chosen = adopt(launch), dist.get_backend()
     if chosen == "nccl":
         check_one_gpu_per_process(launch.local_world_size, torch.cuda.device_count())
     device = torch.device("cuda", launch.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if chosen is not None:
+    if chosen is not None and not made:
         if launch.launcher == "slurm":
             process_state.env_default("MASTER_ADDR", launch.master_addr or "localhost")
             process_state.env_default("MASTER_PORT", str(launch.master_port))
@@ -154,13 +159,25 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
         ok = True
     finally:
         gc.collect()
-        if dist.is_available() and dist.is_initialized():
+        if not made and dist.is_available() and dist.is_initialized():
             if ok:
                 # Let every rank finish its last collective before the group goes away.
                 with contextlib.suppress(Exception):
                     dist.barrier()
             gc.collect()
             dist.destroy_process_group()
+
+
+def adopt(launch: LaunchInfo) -> LaunchInfo:
+    """A process group that exists already: its maker's (Ray Train's, where ray.train is loaded), and its rank and
+    size, which must agree with the environment's."""
+    if launch.world_size > 1 and (launch.rank, launch.world_size) != (dist.get_rank(), dist.get_world_size()):
+        raise UserError(
+            f"the process group already made is rank {dist.get_rank()} of {dist.get_world_size()}, but RANK="
+            f"{launch.rank} and WORLD_SIZE={launch.world_size}: they must agree"
+        )
+    maker = "ray" if "ray.train" in sys.modules else "external"
+    return replace(launch, launcher=maker, rank=dist.get_rank(), world_size=dist.get_world_size(), via=None)
 
 
 def attempt_store(launch: LaunchInfo, timeout_s: float):

@@ -49,7 +49,7 @@ DEFAULT_PORT = 29500  # torchrun's, where a launcher names no port (SkyPilot)
 class LaunchInfo:
     """Where this process sits in the job, as the launcher told it."""
 
-    launcher: str  # "torchrun" | "slurm" | "none"
+    launcher: str  # "torchrun" | "slurm" | "none" | "ray" (a process group Ray Train made) | "external" (another's)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
