@@ -35,10 +35,10 @@ def train(ns) -> int:
     nodes = None if "RANK" in os.environ else detect_nodes()  # before the config: a bad variable is bad input too
     cfg = load_config(config, overrides)
     check_files(cfg)
-    if nodes is not None and nodes.nnodes > 1:
+    if nodes is not None and (nodes.nnodes > 1 or not nodes.nproc_per_node.isdigit()):
         return launch_node(nodes, ns)
     if nodes is not None:  # one node: as --nproc-per-node (the number its launcher gave, unless given here)
-        ns.nproc_per_node = ns.nproc_per_node or (int(n) if (n := nodes.nproc_per_node).isdigit() else None)
+        ns.nproc_per_node = ns.nproc_per_node or int(nodes.nproc_per_node)
         print(f"ddplab: {nodes.describe()}", flush=True)
     if ns.nproc_per_node or ns.max_restarts or ns.replica_groups:
         return launch(cfg, ns)
