@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from ddplab.distributed import pick_backend
@@ -142,3 +144,24 @@ def test_the_start_line_names_the_launcher_rank_world_and_master():
         detect_launch(env).describe() == "torchrun under Kubeflow Trainer: rank 3 of 8, master job-node-0-0.job:29400"
     )
     assert detect_launch({}).describe() == "no launcher: one process"
+
+
+def test_a_process_group_made_by_the_launcher_is_used_and_left_to_it(one_rank_group, monkeypatch):
+    """As Ray Train's TorchTrainer does: the group exists before ddplab starts; ddplab neither makes another
+    (torch would refuse) nor destroys the launcher's."""
+    import torch.distributed as dist
+
+    from ddplab import distributed
+
+    monkeypatch.delitem(sys.modules, "ray.train", raising=False)  # Ray is not what made it here
+    with distributed.session() as ctx:
+        assert ctx.launch.launcher == "external" and ctx.backend == "gloo" and ctx.is_distributed
+        assert ctx.launch.describe() == "external: rank 0 of 1"
+    assert dist.is_initialized()  # still the launcher's
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(UserError, match="already made is rank 0 of 1, but RANK=1 and WORLD_SIZE=2"):
+        with distributed.session():
+            pass

@@ -63,8 +63,8 @@ class LaunchInfo:
         if self.launcher == "none":
             return "no launcher: one process"
         under = f" under {self.via}" if self.via else ""
-        where = f"rank {self.rank} of {self.world_size}, master {self.master_addr}:{self.master_port}"
-        return f"{self.launcher}{under}: {where}"
+        master = f", master {self.master_addr}:{self.master_port}" if self.master_addr else ""
+        return f"{self.launcher}{under}: rank {self.rank} of {self.world_size}{master}"
 
 
 @dataclass(frozen=True)
