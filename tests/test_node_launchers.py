@@ -141,12 +141,17 @@ def test_env_prints_what_a_bug_report_needs(monkeypatch, capfd):
 
     for name, value in skypilot(0, 29511).items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SKYPILOT_API_SERVER_TOKEN", "secret")  # not SkyPilot's placement: not shown
     assert main("env") == 0
     out = capfd.readouterr().out
     assert out.startswith(f"ddplab {ddplab.__version__} (") and f"torch {torch.__version__}; CUDA " in out
     assert "devices: " in out and "extras: text (transformers " in out
     assert "launcher: ddplab train starts node 0 of 2 (SkyPilot: " in out and "master 127.0.0.1:29511" in out
-    assert "  SKYPILOT_NUM_NODES=2\n" in out and "  SKYPILOT_NODE_IPS='127.0.0.1\\n127.0.0.1'\n" in out
+    assert (
+        "secret" not in out
+        and "  SKYPILOT_NUM_NODES=2\n" in out
+        and "  SKYPILOT_NODE_IPS='127.0.0.1\\n127.0.0.1'\n" in out
+    )
     monkeypatch.setenv("SKYPILOT_NUM_NODES", "3")
     assert main("env") == 0  # a bad variable is reported, not fatal: the report is what is needed then
     assert "launcher: ddplab train would stop here: SKYPILOT_NODE_IPS holds 2 address(es)" in capfd.readouterr().out

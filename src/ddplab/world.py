@@ -34,7 +34,12 @@ SHOWN = (
     "TORCHELASTIC_",
     "SLURM_",
     "PET_",
-    "SKYPILOT_",
+    # SkyPilot's placement only: its other variables may hold an endpoint or a token, not for a bug report.
+    "SKYPILOT_NODE_RANK",
+    "SKYPILOT_NODE_IPS",
+    "SKYPILOT_NUM_NODES",
+    "SKYPILOT_NUM_GPUS_PER_NODE",
+    "SKYPILOT_TASK_ID",
     "REPLICA_GROUP_ID",
     "NUM_REPLICA_GROUPS",
     "CUDA_VISIBLE_DEVICES",
