@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install bench docs core-check constraints clean
+.PHONY: demo test test-fast lint install bench docs dist core-check constraints clean
 
 # Every extra and the test tools, at the versions in constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
@@ -52,12 +52,21 @@ docs: $(STAMP)
 	$(PY) docs/gen_config.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-# The core install alone (no extras), in a fresh environment: it trains the embedded default and a
-# workload of plain tensors (2 processes), and a workload that needs an extra says which in one line (exit 2).
+# A wheel and an sdist in dist/, checked as a package index would check them. No registry hosts ddplab: users
+# install this wheel (docs/getting-started.md).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
+# The wheel alone (no extras), in a fresh environment: it trains the embedded default and a workload of plain
+# tensors (2 processes), and a workload that needs an extra says which in one line (exit 2). (tests/test_dist.py
+# installs the same wheel beside the suite's torch instead, and trains there too.)
 CORE := .venv-core
-core-check:
+core-check: dist
 	rm -rf $(CORE) && $(PYTHON) -m venv $(CORE)
-	$(CORE)/bin/python -m pip install -q -c constraints.txt .
+	$(CORE)/bin/python -m pip install -q -c constraints.txt dist/ddplab-*.whl
+	test "$$($(CORE)/bin/ddplab --version)" = "ddplab $$($(PY) -c 'import ddplab; print(ddplab.__version__)')"
 	cd $$(mktemp -d) && OMP_NUM_THREADS=1 $(CURDIR)/$(CORE)/bin/ddplab train training.max_steps=5 generate.max_new_tokens=20 \
 		&& OMP_NUM_THREADS=1 $(CURDIR)/$(CORE)/bin/ddplab train model.name=$(CURDIR)/examples/my_workload.py:model \
 			data.name=$(CURDIR)/examples/my_workload.py:data training.epochs=2 training.warmup_steps=0 --nproc-per-node 2 \
@@ -71,4 +80,4 @@ constraints: $(STAMP)
 	 $(PY) -m pip freeze | grep -v -E "^-e |^ddplab") > constraints.txt
 
 clean:
-	rm -rf $(VENV) $(CORE) experiments
+	rm -rf $(VENV) $(CORE) experiments dist build

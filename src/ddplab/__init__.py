@@ -6,11 +6,16 @@ The public interface for your own workloads (nothing heavy is imported until use
     ddplab.Shards (a stream from shard files, resumable at any world size),
     ddplab.Callback (its hooks get a read-only ddplab.TrainView), ddplab.EarlyStopping,
     ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
+
+Every name here, and the rule for changing one, is listed in the docs' "Public API" page.
 """
 
 from __future__ import annotations
 
 import importlib
+
+# Read by pyproject.toml (the package's version) without importing ddplab: keep it a plain string.
+__version__ = "0.2.0"
 
 _PUBLIC = {
     "Data": "ddplab.workload",

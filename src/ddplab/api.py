@@ -1,15 +1,19 @@
 """`ddplab.train()`: what `ddplab train` does, from Python, with your functions and callbacks.
 
 The same script runs as `python script.py`, `torchrun --nproc-per-node=N script.py` and
-`srun python script.py`: every process calls train(), which reads the launcher's environment.
+`srun python script.py`: every process calls train(), which reads the launcher's environment. Inside a Ray Train
+worker (`ray.train.torch.TorchTrainer`), it trains in the process group Ray made and reports each complete
+snapshot to Ray (examples/ray_train.py).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from ddplab import process_state
+from ddplab.callbacks import Callback
 from ddplab.config import Config
 from ddplab.engine.parts import Builders
 from ddplab.registry import load_config
@@ -32,4 +36,32 @@ def train(
     built (engine/parts.py)."""
     with process_state.changes():  # importing a workload file puts its folder on sys.path: undone too
         cfg = load_config(config, list(overrides), model=model, data=data)
-        return run_train(cfg, data_fn=data, model_fn=model, callbacks=list(callbacks), builders=builders)
+        callbacks = [*callbacks, *_ray_train()]
+        return run_train(cfg, data_fn=data, model_fn=model, callbacks=callbacks, builders=builders)
+
+
+def _ray_train() -> list[Callback]:
+    """In a Ray Train worker, the callback that reports snapshots to Ray; elsewhere none. Ray is imported only
+    where a Ray Train worker has imported it already."""
+    if "ray.train" not in sys.modules:
+        return []
+    import ray.train
+
+    try:
+        ray.train.get_context()
+    except RuntimeError:  # Ray, but not inside a training function
+        return []
+    return [RayReport()]
+
+
+class RayReport(Callback):
+    """Each complete snapshot, reported to Ray Train with `ray.train.report` (every rank calls it, as Ray asks;
+    rank 0 hands the snapshot folder as the Checkpoint): Ray keeps it in its storage and, after a worker fails
+    and FailureConfig restarts the group, ddplab resumes from its run folder exactly where the snapshot left."""
+
+    def on_snapshot(self, view, path) -> None:
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
+        metrics = {"step": view.step, "epoch": view.epochs_completed, "run": str(view.run.path)}
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"ddplab-step-{view.step:09d}")

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from ddplab import process_state
+from ddplab import __version__, process_state
 from ddplab.config import describe_fields
 from ddplab.engine.reports import tell
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
@@ -39,6 +39,7 @@ FORCE = "let --output replace an existing file, or write inside a run folder"
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ddplab", description="Distributed Data Parallel training with numbers you can trust.")
+    p.add_argument("--version", action="version", version=f"ddplab {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser(
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", help="time budget for 'epochs @ budget' (2h, 90m, 30s); default: the runs' training.time_budget"
     )
 
+    sub.add_parser("env", help="what a bug report needs: versions, devices, extras, the launcher and its variables")
+
     f = sub.add_parser("forecast", help="predict step/epoch time, speedup and comm share of setups from run folders")
     f.add_argument("dirs", nargs="+", metavar="RUN_OR_STUDY_DIR")
     f.add_argument("--setups", default="1x1,2x1,4x1,8x1", help="nodes x processes per node, e.g. 1x1,2x1,4x1,8x1,2x8")
@@ -147,6 +150,7 @@ MODULES = {
     "train": ("train", "verify", "status"),
     "inference": ("generate", "predict", "export"),
     "scaling": ("study", "report", "forecast"),
+    "env": ("env",),
 }
 
 

@@ -1,8 +1,8 @@
 """The one seam to torch.distributed.
 
-Reads the launcher's environment (torchrun, SLURM, or nothing), starts the process group,
-picks backend and device, wraps models in DDP, and offers rank-0 helpers and reductions.
-Nothing else in ddplab calls `init_process_group`.
+Starts the process group where the launcher's environment (read by world.py: torchrun, SLURM, Kubeflow
+Trainer, SkyPilot, or nothing) says, picks backend and device, wraps models in DDP, and offers rank-0 helpers
+and reductions. Nothing else in ddplab calls `init_process_group`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import contextlib
 import datetime
 import gc
 import os
-import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,67 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import process_state
 from ddplab.errors import UserError
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """Where this process sits in the job, as the launcher told it."""
-
-    launcher: str  # "torchrun" | "slurm" | "none"
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    master_addr: str | None = None
-    master_port: int | None = None
-
-
-def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
-    """torchrun's variables win (torchrun inside srun is common); then SLURM's; else one process."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return LaunchInfo(
-            "torchrun",
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
-        )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        world = int(env["SLURM_NTASKS"])
-        nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
-        tasks = re.match(r"\d+", per_node)  # "4(x2)": 4 tasks on each of 2 nodes
-        if tasks is None:
-            raise UserError(f"SLURM_TASKS_PER_NODE={per_node!r} does not start with a number of tasks")
-        job = int(env.get("SLURM_JOB_ID", "0"))
-        return LaunchInfo(
-            "slurm",
-            rank=int(env["SLURM_PROCID"]),
-            world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(tasks.group()),
-            master_addr=env.get("MASTER_ADDR") or nodes[0],
-            # A job-dependent port lets two jobs share a first node.
-            master_port=int(env.get("MASTER_PORT") or 20000 + job % 20000),
-        )
-    return LaunchInfo(launcher="none")
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list ('gpu[01-03,07],login1') to host names, in order."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    return hosts
+from ddplab.world import LaunchInfo, detect_launch
 
 
 class Beat:
@@ -182,7 +122,8 @@ def check_one_gpu_per_process(processes_per_node: int, gpus: int) -> None:
 
 @contextlib.contextmanager
 def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistContext]:
-    """Start the process group (if launched as several processes) and always tear it down.
+    """Start the process group (if launched as several processes) and always tear it down; or use the one the
+    launcher made itself (Ray Train's TorchTrainer), and leave it to the launcher.
 
     Teardown drops every reference it can and collects garbage before destroying the
     group: with gloo, a DDP model or optimizer still alive at destroy time makes about one
@@ -190,12 +131,15 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
     launch = detect_launch()
     cuda = torch.cuda.is_available()
     chosen = pick_backend(backend, cuda) if launch.world_size > 1 else None
+    made = dist.is_available() and dist.is_initialized()
+    if made:
+        launch, chosen = adopt(launch), dist.get_backend()
     if chosen == "nccl":
         check_one_gpu_per_process(launch.local_world_size, torch.cuda.device_count())
     device = torch.device("cuda", launch.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if chosen is not None:
+    if chosen is not None and not made:
         if launch.launcher == "slurm":
             process_state.env_default("MASTER_ADDR", launch.master_addr or "localhost")
             process_state.env_default("MASTER_PORT", str(launch.master_port))
@@ -215,13 +159,25 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
         ok = True
     finally:
         gc.collect()
-        if dist.is_available() and dist.is_initialized():
+        if not made and dist.is_available() and dist.is_initialized():
             if ok:
                 # Let every rank finish its last collective before the group goes away.
                 with contextlib.suppress(Exception):
                     dist.barrier()
             gc.collect()
             dist.destroy_process_group()
+
+
+def adopt(launch: LaunchInfo) -> LaunchInfo:
+    """A process group that exists already: its maker's (Ray Train's, where ray.train is loaded), and its rank and
+    size, which must agree with the environment's."""
+    if launch.world_size > 1 and (launch.rank, launch.world_size) != (dist.get_rank(), dist.get_world_size()):
+        raise UserError(
+            f"the process group already made is rank {dist.get_rank()} of {dist.get_world_size()}, but RANK="
+            f"{launch.rank} and WORLD_SIZE={launch.world_size}: they must agree"
+        )
+    maker = "ray" if "ray.train" in sys.modules else "external"
+    return replace(launch, launcher=maker, rank=dist.get_rank(), world_size=dist.get_world_size(), via=None)
 
 
 def attempt_store(launch: LaunchInfo, timeout_s: float):

@@ -13,6 +13,7 @@ EXTRAS = {
     "report": ("matplotlib", "scipy"),
     "track": ("mlflow", "wandb"),
     "ft": ("torchft",),
+    "ray": ("ray",),
 }
 
 

@@ -48,18 +48,23 @@ AGENT = [sys.executable, "-m", "ddplab.launch"]
 
 
 def torchrun_command(
-    nproc: int,
+    nproc: int | str,
     args: list[str],
     *,
     max_restarts: int = 0,
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
+    node_rank: int | None = None,
 ) -> list[str]:
-    """The agent's command: torch's launcher, as `torchrun` takes it, running `ddplab ARGS`."""
+    """The agent's command: torch's launcher, as `torchrun` takes it, running `ddplab ARGS`. With `node_rank`
+    (a node placed by its own launcher: world.detect_nodes), torchrun's static rendezvous at `rdzv_endpoint`."""
     cmd = [*AGENT, f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
+    elif node_rank is not None and rdzv_endpoint is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         if run_id:
@@ -283,7 +288,7 @@ def run(
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
 
 
-def run_workers(nproc: int, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
+def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
     code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input.
 

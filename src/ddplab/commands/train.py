@@ -6,6 +6,7 @@ import csv
 import functools
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ddplab.errors import ExitCode, RunError, UserError
 from ddplab.launch import quick_exit, run_workers, under_agent
 from ddplab.process_state import die_with_parent
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
+from ddplab.world import NodeLaunch, detect_nodes
 
 
 def train(ns) -> int:
@@ -30,8 +32,14 @@ def train(ns) -> int:
     config, overrides = split_args(ns.args)
     if ns.replica_groups:  # its groups are numbered here (run_workers), whatever the environment says of others
         overrides += [f"distributed.replica_groups={ns.replica_groups}", "distributed.replica_group=0"]
+    nodes = None if "RANK" in os.environ else detect_nodes()  # before the config: a bad variable is bad input too
     cfg = load_config(config, overrides)
     check_files(cfg)
+    if nodes is not None and (nodes.nnodes > 1 or not nodes.nproc_per_node.isdigit()):
+        return launch_node(nodes, ns)
+    if nodes is not None:  # one node: as --nproc-per-node (the number its launcher gave, unless given here)
+        ns.nproc_per_node = ns.nproc_per_node or int(nodes.nproc_per_node)
+        print(f"ddplab: {nodes.describe()}", flush=True)
     if ns.nproc_per_node or ns.max_restarts or ns.replica_groups:
         return launch(cfg, ns)
     if under_agent():
@@ -74,6 +82,23 @@ def launch(cfg, ns) -> int:
         return workers(env=lock.worker_env())
     finally:
         lock.release()
+
+
+def launch_node(nodes: NodeLaunch, ns) -> int:
+    """This node's processes of a job whose launcher (Kubeflow Trainer, SkyPilot) started one `ddplab train` per
+    node: torchrun's static rendezvous at the master, with the node rank given. As under plain torchrun, the
+    job's rank 0 holds the run folder (no one node's launcher can: the others' are elsewhere)."""
+    if ns.replica_groups:
+        raise UserError(f"--replica-groups runs on one machine; this is node {nodes.node_rank} of {nodes.nnodes}")
+    print(f"ddplab: {nodes.describe()}", flush=True)
+    return run_workers(
+        ns.nproc_per_node or nodes.nproc_per_node,
+        ["train", *ns.args],
+        max_restarts=ns.max_restarts,
+        nnodes=nodes.nnodes,
+        node_rank=nodes.node_rank,
+        rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
+    )
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:

@@ -13,6 +13,8 @@ from importlib import metadata
 
 import torch
 
+import ddplab
+
 RECORDED_ENV = (
     "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
@@ -76,7 +78,7 @@ def collect(ctx) -> dict:
     with contextlib.suppress(Exception):  # a build without NCCL
         nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.cuda.is_available() else None
     return {
-        "ddplab": _version("ddplab"),
+        "ddplab": ddplab.__version__,  # the code that ran, installed or not
         "git_commit": git,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -87,6 +89,7 @@ def collect(ctx) -> dict:
         "nccl": nccl,
         "platform": platform.platform(),
         "launcher": ctx.launch.launcher,
+        "launched_via": ctx.launch.via,  # what started the launcher (Kubeflow Trainer, SkyPilot), where it says
         "backend": ctx.backend,
         "world_size": ctx.world_size,
         "hosts": sorted({r["host"] for r in per_rank}),

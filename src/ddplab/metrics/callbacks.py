@@ -76,7 +76,7 @@ class RunRecorder(Callback):
             else f"{b['world_size']} processes = {b['global']}"
         )
         run.log(
-            f"world size {view.world_size} ({dist.launch.launcher}, backend {dist.backend or 'none'}, device "
+            f"world size {view.world_size} ({dist.launch.describe()}; backend {dist.backend or 'none'}, device "
             f"{view.device}); global batch = {b['per_process']} per process x {b['grad_accum_steps']} "
             f"accumulation x {across}; lr {view.lr:g}; "
             + (f"{b['steps_per_epoch']} steps per epoch" if b["steps_per_epoch"] else "epochs end with the stream")

@@ -22,6 +22,7 @@ from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.study.grid import Point, Setup
+from ddplab.world import expand_nodelist
 
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 
@@ -42,8 +43,6 @@ def local_commands(setup: Setup, args: list[str], run_id: str) -> list[list[str]
 
 def slurm_command(setup: Setup, args: list[str], run_id: str, index: int, env=None) -> list[str]:
     """`srun` starts one agent per node of the allocation; they meet at the first node."""
-    from ddplab.distributed import expand_nodelist  # torch: only under SLURM, never for report/forecast
-
     env = os.environ if env is None else env
     host = expand_nodelist(env.get("SLURM_JOB_NODELIST", "localhost"))[0]
     job = int(env.get("SLURM_JOB_ID", "0"))
