@@ -18,6 +18,7 @@ from conftest import _env
 from ddplab.cli import main
 from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.lock import LOCKED_ENV, RunLock
+from ddplab.engine.manifest import seal
 from ddplab.errors import RunError, UserError
 from ddplab.handoff import Handoff
 
@@ -93,7 +94,7 @@ def _plant(run: Path, dest: Path, reference: str | None = None, code: str = "") 
     manifest = json.loads((best / "COMPLETE").read_text())  # the run's config lives in the manifest
     for section in ("model", "data"):
         manifest["config"][section]["name"] = reference or f"{dest / 'wl.py'}:{section}"
-    (best / "COMPLETE").write_text(json.dumps(manifest))
+    (best / "COMPLETE").write_text(json.dumps(seal(manifest)))  # resealed: a manifest guards against damage only
     return best
 
 
