@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+import ddplab
 from conftest import _env
 from ddplab.cli import main
+from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.files import open_append, write_atomic
 from ddplab.engine.lock import LOCKED_ENV, RunLock
+from ddplab.engine.manifest import seal
 from ddplab.errors import RunError, UserError
 from ddplab.handoff import Handoff
 
@@ -93,7 +96,7 @@ def _plant(run: Path, dest: Path, reference: str | None = None, code: str = "") 
     manifest = json.loads((best / "COMPLETE").read_text())  # the run's config lives in the manifest
     for section in ("model", "data"):
         manifest["config"][section]["name"] = reference or f"{dest / 'wl.py'}:{section}"
-    (best / "COMPLETE").write_text(json.dumps(manifest))
+    (best / "COMPLETE").write_text(json.dumps(seal(manifest)))  # resealed: a manifest guards against damage only
     return best
 
 
@@ -344,3 +347,73 @@ def test_a_thousand_simultaneous_starts_never_fail_but_in_one_line(tmp_path):
     assert len(wins) >= rounds
     # What is left is at most an empty folder (made by a start that lost to one that found it there).
     assert not run.exists() or list(run.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- failures told for what they are
+
+
+class _Raises(ddplab.Callback):
+    """Raises `error` at the end of step `at`; with `reason`, asks for a stop there instead."""
+
+    def __init__(self, error: BaseException | None = None, at: int = 1, reason: str = "") -> None:
+        self.error, self.at, self.reason = error, at, reason
+
+    def on_step_end(self, view) -> None:
+        if view.step == self.at and self.reason:
+            view.request_stop(self.reason)
+        elif view.step == self.at and self.error is not None:
+            raise self.error
+
+
+def _train_with(trained, place: Path, callback: ddplab.Callback, *extra: str) -> dict:
+    _, wl = trained
+    os.chdir(place)
+    args = [f"model.name={wl}:model", f"data.name={wl}:data", "experiment.name=cb", "logging.log_every=1", *FAST]
+    return ddplab.train(None, [*args, "training.epochs=3", *extra], callbacks=[callback])
+
+
+def _status(place: Path) -> dict:
+    return json.loads((place / "experiments" / "cb" / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("code", [0, 3, None])
+def test_a_callbacks_system_exit_fails_the_run(trained, tmp_path, monkeypatch, code):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RunError, match=rf"callback _Raises.on_step_end raised SystemExit\({code}\)"):
+        _train_with(trained, tmp_path, _Raises(SystemExit(code)))
+    summary = _status(tmp_path)
+    assert summary["status"] == "failed" and "SystemExit" in summary["failure"]["summary"], summary
+
+
+def test_a_callbacks_keyboard_interrupt_is_a_ctrl_c(trained, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    summary = _train_with(trained, tmp_path, _Raises(KeyboardInterrupt()))
+    assert summary["status"] == "preempted" and _status(tmp_path)["status"] == "preempted"
+    out, err = capfd.readouterr()
+    assert "stop signal (KeyboardInterrupt in callback _Raises.on_step_end) after step 1" in out, out
+    assert "Traceback" not in err and "Traceback" not in out
+    assert Checkpointer(tmp_path / "experiments" / "cb" / "checkpoints", is_main=False).latest().name.endswith("1")
+
+
+def test_a_stop_reason_is_one_printable_line(trained, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    summary = _train_with(trained, tmp_path, _Raises(reason="enough\n\x1b[2J\x1b[31mred"))
+    shown = "enough\\n\\x1b[2J\\x1b[31mred"
+    assert summary["stop_reason"] == shown
+    out = capfd.readouterr().out
+    log = (tmp_path / "experiments" / "cb" / "train.log").read_text()
+    for text in (out, log):
+        assert "\x1b" not in text and f"stop requested ({shown}, by a callback on rank 0) after step 1" in text
+
+
+def test_a_refused_resume_leaves_the_run_failed_with_its_reason(trained, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    assert _train_with(trained, tmp_path, _Raises(KeyboardInterrupt()))["status"] == "preempted"
+    log = tmp_path / "experiments" / "cb" / "train.log"
+    log.rename(tmp_path / "elsewhere.log")
+    log.symlink_to(tmp_path / "elsewhere.log")
+    with pytest.raises(RunError, match="refusing to write .*train.log: it is a symbolic link"):
+        _train_with(trained, tmp_path, ddplab.Callback())
+    summary = _status(tmp_path)
+    assert summary["status"] == "failed" and "symbolic link" in summary["failure"]["summary"], summary
+    assert main(["status", str(tmp_path / "experiments" / "cb")]) == 1

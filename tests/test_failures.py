@@ -69,6 +69,7 @@ def place(tmp_path_factory) -> Path:
         "deep.yaml": "data:\n  options:\n    a: " + "[" * 5000 + "]" * 5000,
         "bomb.yaml": _alias_bomb(),
         "self.yaml": "data:\n  options:\n    a: &a [*a]\n",
+        "twice.yaml": "training:\n  lr: 0.1\n  epochs: 2\n  lr: 0.5\n",
         "a_file": "not a folder\n",
     }
     for name, text in files.items():
@@ -90,6 +91,7 @@ VALUES = [
     ("yaml-5000-deep", ["train", "deep.yaml", *NAME], "nested more than 100"),
     ("yaml-alias-bomb", ["train", "bomb.yaml", *NAME], "expands to more than"),
     ("yaml-holds-itself", ["train", "self.yaml", *NAME], "holds itself"),
+    ("yaml-key-twice", ["train", "twice.yaml", *NAME], "gives the key 'lr' twice (lines 2 and 4)"),
     ("lr-1e400", ["train", "training.lr=1e400", *NAME], "training.lr"),
     ("lr-nan", ["train", "training.lr=nan", *NAME], "training.lr"),
     ("batch-1e20", ["train", "training.batch_size=1e20", *NAME], "training.batch_size"),

@@ -47,7 +47,8 @@ def test_cached_batches_equal_decoded_ones_and_cache_is_reused(tmp_path, capsys)
     assert not isinstance(plain.train.dataset, CachedImages)
     cached = build_data(config(tmp_path))
     assert isinstance(cached.train.dataset, CachedImages)
-    assert "about" in capsys.readouterr().out  # the size estimate, printed before building
+    out = capsys.readouterr().out  # one line a cache, once it is built: its size and the room there was
+    assert out.count("image cache: decoded 18 images to 3x24x24 raw") == 1 and "were free" in out, out
     first = caches(tmp_path)
     assert len(first) == 2  # train/ and val/
     for split in ("train", "val"):
@@ -90,13 +91,19 @@ def test_augmentation_still_random_per_epoch_on_cached_images(tmp_path):
     assert x.shape == (3, 3, 16, 16)
 
 
-def test_an_unreadable_image_is_one_error_and_leaves_no_cache(tmp_path):
+def test_an_unreadable_image_is_one_error_and_leaves_nothing_behind(tmp_path, capsys):
     image_tree(tmp_path / "tree", side=16)
     (tmp_path / "tree" / "train" / "class_1" / "broken.png").write_bytes(b"not a png")
+    cfg = config(tmp_path, f"data.cache_dir={tmp_path / 'cache' / 'images'}")
+    with pytest.raises(UserError, match="broken.png"):
+        build_data(cfg)
+    assert "image cache" not in capsys.readouterr().out  # no line about a cache that was never built
+    assert not (tmp_path / "cache").exists()  # nor the folders made for it
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "mine").write_text("the user's")
     with pytest.raises(UserError, match="broken.png"):
         build_data(config(tmp_path))
-    assert [p.name for p in (tmp_path / "cache").iterdir() if "broken" in p.name or p.name.startswith(".")] == []
-    assert all((tmp_path / "cache" / name / "meta.json").is_file() for name in caches(tmp_path))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["mine"]  # what was there stays
 
 
 def test_two_ranks_share_one_cache_built_once(tmp_path):
@@ -119,7 +126,7 @@ def test_two_ranks_share_one_cache_built_once(tmp_path):
         timeout=180,
     )
     assert_ok(proc)
-    assert (proc.stdout + proc.stderr).count("image cache: decoding") == 2  # train/ and val/, by one rank
+    assert (proc.stdout + proc.stderr).count("image cache: decoded") == 2  # train/ and val/, by one rank
     assert len(caches(tmp_path)) == 2
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
     summary = json.loads((tmp_path / "experiments/ic/metrics.json").read_text())

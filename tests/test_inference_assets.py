@@ -5,6 +5,7 @@ run folder's inference/ when training starts, and the training data may then be 
 training: tests/test_hf_data.py::test_data_that_differs_between_ranks_is_refused_before_training.)"""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def test_a_character_model_generates_after_its_corpus_is_deleted(tmp_path, monke
     assert generated() == before and before.startswith("HAMLET") and len(before) == len("HAMLET") + 30
 
 
-def test_a_workload_of_your_own_saves_its_vocabulary_and_predicts_from_it(tmp_path, monkeypatch):
+def test_a_workload_of_your_own_saves_its_vocabulary_and_predicts_from_it(tmp_path, monkeypatch, capfd):
     (tmp_path / "work.py").write_text(VOCABULARY)
     (tmp_path / "train.txt").write_text("\n".join(["good great", "bad awful", "fine good", "poor bad"] * 8))
     run = _train(
@@ -184,6 +185,16 @@ def test_a_workload_of_your_own_saves_its_vocabulary_and_predicts_from_it(tmp_pa
     after = predict(str(run), ["good great", "bad poor"])
     _same_rows(before, after)
     assert [r["label"] for r in after] == ["pos", "neg"]
+
+    # A run folder from elsewhere whose assets.json leads out of it: refused in one line, nothing read.
+    (tmp_path / "evil.json").write_text('{"good": 1, "great": 1, "bad": 1, "poor": 1}')
+    index = json.loads((run / "inference" / "assets.json").read_text())
+    index["files"]["vocab"] = "../../../evil.json"
+    (run / "inference" / "assets.json").write_text(json.dumps(index))
+    capfd.readouterr()
+    assert main("predict", str(run), "good great") == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "'../../../evil.json' is not a path inside the run folder's inference/" in err
 
 
 def test_data_assets_that_do_not_exist_are_one_line_before_a_run_folder(tmp_path, monkeypatch, capfd):
@@ -237,3 +248,97 @@ def test_a_folder_asset_is_saved_whole_once_and_found_from_a_snapshot(tmp_path):
     }
     with pytest.raises(ddplab.UserError, match=r"saved: tok"):
         saved.path("vocab")
+
+
+def _saved_run(tmp_path: Path, index: dict) -> Path:
+    """A run folder's snapshot whose inference/ holds `index` as assets.json and a file stats.json."""
+    inference = tmp_path / "run" / "inference"
+    inference.mkdir(parents=True)
+    (inference / "stats.json").write_text("{}")
+    (inference / "assets.json").write_text(json.dumps(index))
+    (tmp_path / "run" / "checkpoints" / "best").mkdir(parents=True)
+    return tmp_path / "run" / "checkpoints" / "best"
+
+
+def _outside(tmp_path: Path) -> Path:
+    (tmp_path / "evil_stats.json").write_text('{"mean": 15175}')
+    return tmp_path / "evil_stats.json"
+
+
+def _link(tmp_path: Path, at: str) -> dict:
+    (tmp_path / "run" / "inference" / at).unlink(missing_ok=True)
+    (tmp_path / "run" / "inference" / at).symlink_to(_outside(tmp_path))
+    return {"files": {"stats": at}}
+
+
+@pytest.mark.parametrize(
+    "files, says",
+    [
+        ({"stats": "../../../evil_stats.json"}, "is not a path inside the run folder's inference/"),
+        ({"stats": "/etc/hostname"}, "is not a path inside the run folder's inference/"),
+        ({"stats": 5}, "is not a path inside the run folder's inference/"),
+        ({"stats": "gone.json"}, "no such file in the run folder's inference/"),
+        (["stats.json"], "files is a list, not a dict"),
+    ],
+)
+def test_inference_files_that_leave_the_run_folder_are_refused(tmp_path, files, says):
+    found = _saved_run(tmp_path, {"files": files})
+    with pytest.raises(ddplab.UserError, match=re.escape(says)):
+        assets.load(found, {}, ddplab.Regression())
+
+
+@pytest.mark.parametrize("at", ["stats.json", "linked.json", "folder/inner.json"])
+def test_a_link_under_inference_is_refused(tmp_path, at):
+    found = _saved_run(tmp_path, {})
+    (tmp_path / "run" / "inference" / "folder").mkdir()
+    (tmp_path / "run" / "inference" / "assets.json").write_text(
+        json.dumps({"files": {"stats": at.split("/")[0]}} if "/" in at else _link(tmp_path, at))
+    )
+    if "/" in at:
+        (tmp_path / "run" / "inference" / at).symlink_to(_outside(tmp_path))
+    with pytest.raises(ddplab.UserError, match="is a symbolic link, which could lead outside the run folder"):
+        assets.load(found, {}, ddplab.Regression())
+    (tmp_path / "run" / "inference" / "assets.json").unlink()
+    (tmp_path / "run" / "inference" / "assets.json").symlink_to(_outside(tmp_path))  # the index itself
+    with pytest.raises(ddplab.UserError, match="a symbolic link in the run folder's inference/"):
+        assets.load(found, {}, ddplab.Regression())
+
+
+@pytest.mark.parametrize(
+    "index, says",
+    [
+        ([1, 2], "a JSON list, not the dict ddplab saved"),
+        ({"example": [1]}, "example is a list, not a dict"),
+        (
+            {"example": {"kind": "pair", "target": {"dtype": "float32", "shape": [100000, 100000, 100]}}},
+            "target shape [100000, 100000, 100] (1,000,000,000,000 values",
+        ),
+        ({"example": {"kind": "pair", "target": {"dtype": "bogus", "shape": [1]}}}, "target dtype 'bogus'"),
+        ({"example": {"kind": "pair", "target": {"dtype": "float32", "shape": [-1]}}}, "target shape [-1]"),
+        ({"example": {"kind": "pair", "input_dtype": "bogus"}}, "input_dtype 'bogus'"),
+        ({"example": {"kind": "set"}}, "kind 'set'"),
+        ({"example": {"kind": "dict", "target": "x"}}, "target 'x' (a number"),
+    ],
+)
+def test_a_malformed_assets_json_is_one_line_before_anything_is_allocated(tmp_path, index, says):
+    found = _saved_run(tmp_path, {})
+    (tmp_path / "run" / "inference" / "assets.json").write_text(json.dumps(index))
+    with pytest.raises(ddplab.UserError, match=re.escape(says)) as err:
+        assets.load(found, {}, ddplab.Regression())
+    assert "\n" not in str(err.value)
+
+
+def test_a_malformed_assets_json_is_exit_2_from_predict(tmp_path, capfd):
+    from test_snapshot import ONE, _parts
+
+    from ddplab.engine.checkpoint import Checkpointer, part
+
+    found = _saved_run(tmp_path, {"example": {"kind": "pair", "target": {"dtype": "bogus", "shape": [1]}}})
+    found.rmdir()
+    parts = _parts(1.0, 1)
+    parts.add("task", part(lambda: ddplab.Regression().describe()))  # not a language model
+    Checkpointer(found.parent, is_main=True).save(parts, ONE, "best", {"step": 1, "config": {}})
+    capfd.readouterr()
+    assert main("predict", str(tmp_path / "run"), "1,2") == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ddplab: error: ") and "target dtype 'bogus'" in err, err

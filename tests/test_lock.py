@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, _env
+from conftest import TINY_GPT, _env, main
 from ddplab.engine.fingerprint import SAFE_TO_CHANGE, differences, safe
 from ddplab.engine.lock import HOLDER_FILE, RunLock
 from ddplab.errors import UserError
@@ -25,6 +25,25 @@ def test_a_second_lock_on_the_same_folder_names_the_holder_and_release_leaves_no
     assert not (tmp_path / "out").exists()  # created by the lock, left empty: removed
     with RunLock(run):  # free again
         pass
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        (lambda tmp: tmp / "gone" / "out", "gone is a symbolic link to nowhere"),
+        (lambda tmp: tmp / "gone", "a symbolic link to nowhere"),
+        (lambda tmp: Path("/proc/ddplab-out"), "/proc is a folder that takes no new ones"),
+    ],
+)
+def test_an_output_dir_that_cannot_hold_a_folder_is_one_line_not_a_recursion(tmp_path, monkeypatch, capfd, where, says):
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    code = main("train", f"experiment.output_dir={where(tmp_path)}", "training.max_steps=1", *TINY_GPT)
+    err = capfd.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("ddplab: error: cannot create run folder"), err[-2000:]
+    assert says in err and "experiment.output_dir" in err, err
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_fingerprint_allows_only_the_documented_fields():

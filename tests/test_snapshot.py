@@ -104,8 +104,8 @@ def test_a_manifest_names_every_file_with_its_size_and_checksum(tmp_path):
     assert manifest.verify(folder) == m
     assert torch.equal(load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
     older = {**m, "checksum": "crc32", "files": {STATE: [size, manifest.checksum(folder / STATE, "crc32")]}}
-    (folder / MARKER).write_text(json.dumps(older))  # as written before CRC-32C: still verified
-    assert manifest.verify(folder) == older
+    (folder / MARKER).write_text(json.dumps(manifest.seal(older)))  # as written before CRC-32C: still verified
+    assert manifest.verify(folder) == manifest.seal(older)
     _flip(folder / STATE)
     with pytest.raises(Damaged, match="damaged"):
         manifest.verify(folder)
@@ -123,6 +123,27 @@ def test_without_checksums_a_manifest_checks_sizes_only(tmp_path):
         manifest.verify(folder)
 
 
+def _edit(folder: Path, change, sealed: bool = True) -> None:
+    """The snapshot's manifest changed by `change` (a function of the manifest dict), resealed with its
+    own checksum unless `sealed` is false: so the check under test is the only one that can catch it."""
+    m = json.loads((folder / MARKER).read_text())
+    change(m)
+    (folder / MARKER).write_text(json.dumps(manifest.seal(m) if sealed else m))
+
+
+def _nulled_and_flipped(path: Path) -> None:
+    """The file's manifest entry without its checksum, the file's bytes flipped: its size still agrees."""
+    folder = next(p for p in path.parents if (p / MARKER).is_file())
+    _edit(folder, lambda m: m["files"][path.relative_to(folder).as_posix()].__setitem__(1, None))
+    _flip(path, (path.stat().st_size * 3) // 4)
+
+
+def _linked_state(folder: Path) -> None:
+    (folder / "real.pt").write_bytes((folder / STATE).read_bytes())
+    (folder / STATE).unlink()
+    (folder / STATE).symlink_to(folder / "real.pt")
+
+
 @pytest.mark.parametrize(
     "damage, says",
     [
@@ -136,6 +157,16 @@ def test_without_checksums_a_manifest_checks_sizes_only(tmp_path):
             lambda f: (f / MARKER).write_text('{"format": 2, "step": 4}'),
             "COMPLETE: not a manifest (format 2, no files)",
         ),
+        (lambda f: _edit(f, lambda m: m.update(step=3), sealed=False), "COMPLETE: damaged (the manifest's own"),
+        (lambda f: _nulled_and_flipped(f / STATE), "COMPLETE: 'state.pt' has no checksum, where the manifest's"),
+        (lambda f: _edit(f, lambda m: m.update(files={})), "COMPLETE: not a manifest (format 3, no files)"),
+        (lambda f: _edit(f, lambda m: m["files"].update({STATE: 5})), "the entry of 'state.pt' is 5, not [size"),
+        (
+            lambda f: _edit(f, lambda m: m["files"].update({"../../../../etc/hostname": [1, "00000000"]})),
+            "names '../../../../etc/hostname', a path outside its snapshot",
+        ),
+        (lambda f: _edit(f, lambda m: m.update(format=99)), "COMPLETE: format 99, which this version cannot read"),
+        (_linked_state, "state.pt: leads outside its snapshot (a symbolic link)"),
     ],
 )
 def test_a_tampered_snapshot_is_skipped_in_one_line_naming_the_file(tmp_path, damage, says):
@@ -364,6 +395,8 @@ def _older_state(folder: Path) -> None:
         ("fsdp", lambda f: _flip(_shard(f), 100), ".distcp: damaged"),
         ("fsdp", lambda f: _shard(f).unlink(), ".distcp: missing"),
         ("fsdp", _older_state, "step-000000006/state.pt: "),  # step 4's state.pt beside step 6's shards
+        ("ddp", lambda f: _nulled_and_flipped(f / STATE), "'state.pt' has no checksum"),
+        ("fsdp", lambda f: _nulled_and_flipped(_shard(f)), ".distcp' has no checksum"),
     ],
 )
 def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_path, strategy, damage, names, capfd):
@@ -377,6 +410,22 @@ def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_one(runs, tmp_pat
     assert state["trainer"]["step"] == ref["trainer"]["step"] == 16
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)  # as if never stopped
     assert state["counter"] == ref["counter"] == [{"passes": 16, "rank": 0}]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_export_refuses_a_snapshot_with_a_nulled_checksum_and_flipped_bytes(runs, tmp_path, strategy, capfd):
+    run = tmp_path / "stop"
+    shutil.copytree(runs["root"] / "experiments" / f"stop-{strategy}", run)
+    six = run / "checkpoints" / "step-000000006"
+    _nulled_and_flipped(six / STATE if strategy == "ddp" else _shard(six))
+    capfd.readouterr()
+    assert main("export", str(six), "--output", str(tmp_path / "six.safetensors")) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ddplab: error: ") and "has no checksum" in err, err
+    assert not (tmp_path / "six.safetensors").exists()
+    assert main("export", str(run), "--output", str(tmp_path / "run.safetensors")) == 0  # the one before it
+    out, err = capfd.readouterr()
+    assert "skipping snapshot step-000000006" in err and "has no checksum" in err and "step-000000004" in out, err
 
 
 def test_a_resume_checks_the_config_its_snapshot_holds_whatever_became_of_config_yaml(

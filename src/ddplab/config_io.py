@@ -64,7 +64,9 @@ MAX_YAML_NODES = 100_000
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, with the nesting depth checked as nodes are composed."""
+    """PyYAML's safe loader, with the nesting depth checked as nodes are composed, and a key given twice
+    in one mapping refused (PyYAML keeps the last silently); keys a merge (`<<: *anchor`) brings may be
+    overridden, as YAML means them to be."""
 
     depth = 0
 
@@ -72,13 +74,26 @@ class _BoundedLoader(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_YAML_DEPTH:
-                raise _TooBig(f"is nested more than {MAX_YAML_DEPTH} levels deep", self.peek_event().start_mark)
+                raise _Refused(f"is nested more than {MAX_YAML_DEPTH} levels deep", self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
 
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    line = key_node.start_mark.line + 1
+                    raise _Refused(f"gives the key {key!r} twice (lines {seen[key]} and {line})")
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
-class _TooBig(yaml.YAMLError):
+
+class _Refused(yaml.YAMLError):
     def __init__(self, what: str, mark=None) -> None:
         super().__init__(what)
         self.what, self.problem_mark = what, mark
@@ -87,7 +102,7 @@ class _TooBig(yaml.YAMLError):
 def _expanded_size(node: yaml.Node, sizes: dict) -> int:
     """Values the tree holds once every alias is expanded: each node counted once per place it is used."""
     if id(node) in sizes and sizes[id(node)] is None:
-        raise _TooBig("holds itself (an alias inside its own anchor)", node.start_mark)
+        raise _Refused("holds itself (an alias inside its own anchor)", node.start_mark)
     if id(node) not in sizes:
         sizes[id(node)] = None  # being counted
         children = node.value if isinstance(node, yaml.CollectionNode) else []  # a scalar's value is its text
@@ -104,7 +119,7 @@ def load_yaml(text: str, what: str) -> Any:
     try:
         node = loader.get_single_node()
         if node is not None and _expanded_size(node, {}) > MAX_YAML_NODES:
-            raise _TooBig(f"expands to more than {MAX_YAML_NODES:,} values (YAML anchors and aliases)")
+            raise _Refused(f"expands to more than {MAX_YAML_NODES:,} values (YAML anchors and aliases)")
         return loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -43,6 +43,12 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:limit]
 
 
+def printable(text: str, keep: str = "") -> str:
+    """Text from users (a stop reason, a name) as a terminal shows it harmlessly: each character it would act
+    on (a newline, an ANSI escape) written as its Python escape (\\n, \\x1b), but those in `keep`."""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
 # A write that fails with these means the disk (or the user's quota) is full.
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 # Less than this free, a write that failed for a reason its library did not name (torch.save's zip writer

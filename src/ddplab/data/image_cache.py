@@ -103,7 +103,22 @@ def write(
     log: Callable[[str], None] = print,
 ) -> None:
     """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over `workers`
-    processes (default: this process's cores), a jpeg cache's JPEGs written here in order as they come back."""
+    processes (default: this process's cores), a jpeg cache's JPEGs written here in order as they come back.
+    One line once it is built; a file that is no image fails it in one line of its own, with nothing left
+    behind: not the folders made for it (the cache root included), nor a line about a cache never built."""
+    made = next((p for p in reversed(folder.parents) if not p.exists()), None)  # the first folder this makes
+    try:
+        _write(folder, samples, meta, kind, workers, log)
+    except BaseException:
+        for p in (folder.parent, *folder.parent.parents) if made else ():
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only where empty: what another writer put there stays
+            if p == made:
+                break
+        raise
+
+
+def _write(folder: Path, samples: list, meta: dict, kind: str, workers: int | None, log: Callable) -> None:
     n, side = len(samples), meta["image_size"]
     channels = 1 if pil_mode(meta) == "L" else 3
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -118,10 +133,6 @@ def write(
     chunk = max(8, min(256, n // (4 * workers) or 1))  # several chunks per worker, so the pool stays busy
     chunks = [(i, [path for path, _ in samples[i : i + chunk]]) for i in range(0, n, chunk)]
     workers = max(1, min(workers, len(chunks)))
-    log(
-        f"image cache: decoding {n} images to {channels}x{side}x{side} {kind} (as raw about {size_text(raw)}; "
-        f"{size_text(free)} free) with {workers} processes, into {folder}"
-    )
     began = time.perf_counter()
     with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
@@ -158,8 +169,10 @@ def write(
             )
         )
     log(
-        f"image cache: {n} images in {took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {size_text(size)}"
+        f"image cache: decoded {n} images to {channels}x{side}x{side} {kind} with {workers} processes in "
+        f"{took:.1f} s ({n / max(took, 1e-9):.0f} images/s), {size_text(size)}"
         + (f", {size / raw:.2f}x raw" if kind == "jpeg" else "")
+        + f" ({size_text(free)} were free), into {folder}"
     )
 
 

@@ -14,6 +14,8 @@ checkpoint (the weights' own); assets.json holds them too, for a reader of the f
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shutil
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from ddplab.data.stream import is_stream
-from ddplab.engine.files import read_json, write_atomic
+from ddplab.engine.files import write_atomic
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import UserError, write_failed
 from ddplab.workload import Assets, Data
@@ -118,11 +120,99 @@ def _copy(source: Path, run: Path, name: Path) -> str:
 
 def load(found: Path, meta: dict, task) -> tuple[Assets, dict]:
     """(cfg.assets, the item's example) for the checkpoint at `found`: meta and task from the checkpoint,
-    files from its run folder's inference/ (a snapshot lies two levels below the run folder)."""
+    files from its run folder's inference/ (a snapshot lies two levels below the run folder). What
+    assets.json says is checked before it is used: each file inside inference/ and reached through no
+    link, the example a form this version wrote (a target's dtype a torch dtype, its size bounded)."""
     start = found if found.is_dir() else found.parent
     folder = next(
-        (p / RunFolder.INFERENCE for p in (start, *start.parents)[:3] if (p / RunFolder.INFERENCE / INDEX).is_file()),
+        (
+            p / RunFolder.INFERENCE
+            for p in (start, *start.parents)[:3]
+            if os.path.lexists(p / RunFolder.INFERENCE / INDEX)
+        ),
         None,
     )
-    saved = read_json(folder / INDEX) if folder else {}
-    return Assets(meta=meta, task=task, folder=folder, files=saved.get("files", {})), saved.get("example", {})
+    if folder is None:
+        return Assets(meta=meta, task=task), {}
+    saved = _index(folder)
+    return Assets(meta=meta, task=task, folder=folder, files=saved["files"]), saved["example"]
+
+
+# A stand-in target is allocated once per input; its size is bounded before it is (4 TB was asked for).
+MAX_TARGET_VALUES = 1 << 26
+
+
+def _index(folder: Path) -> dict:
+    """assets.json as a dict of `files` and `example`, each checked; a UserError naming the entry otherwise."""
+    where = folder / INDEX
+    for path in (folder, where):
+        if path.is_symlink():
+            raise UserError(f"{path}: a symbolic link in the run folder's inference/; refused")
+    try:
+        saved = json.loads(where.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{where}: cannot be read as JSON ({type(exc).__name__})") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{where}: a JSON {_kind(saved)}, not the dict ddplab saved")
+    files, form = saved.get("files", {}), saved.get("example", {})
+    for key, value in (("files", files), ("example", form)):
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {key} is a {_kind(value)}, not a dict")
+    inside = folder.resolve()
+    for name, rel in files.items():
+        _inside(where, folder, inside, name, rel)
+    if form:
+        _check_example(where, form)
+    return {"files": files, "example": form}
+
+
+def _kind(value) -> str:
+    return {"str": "string"}.get(type(value).__name__, type(value).__name__)
+
+
+def _inside(where: Path, folder: Path, inside: Path, name: str, rel) -> None:
+    """files[name] = rel names a file or folder under inference/, reached through no link, holding none."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+        raise UserError(f"{where}: files[{name!r}] = {rel!r:.80} is not a path inside the run folder's inference/")
+    path = folder / rel
+    links = [p for p in (path, *path.parents) if p.is_relative_to(folder) and p != folder and p.is_symlink()]
+    if path.is_dir():
+        links += [p for p in path.rglob("*") if p.is_symlink()]
+    if links or (path.exists() and not path.resolve().is_relative_to(inside)):
+        raise UserError(
+            f"{where}: files[{name!r}]: {links[0] if links else path} is a symbolic link, "
+            "which could lead outside the run folder; refused"
+        )
+    if not path.exists():
+        raise UserError(f"{where}: files[{name!r}] = {rel!r}: no such file in the run folder's inference/")
+
+
+def _check_example(where: Path, form: dict) -> None:
+    """The example's kind, field, input dtype and target (a number, or a tensor's dtype and shape whose
+    size is bounded), all checked before stand_in allocates anything."""
+
+    def refuse(what: str):
+        return UserError(f"{where}: example {what}, not a form ddplab saves")
+
+    if form.get("kind", "pair") not in ("dict", "pair"):
+        raise refuse(f"kind {form.get('kind')!r:.40}")
+    if not isinstance(form.get("field"), (str, type(None))):
+        raise refuse(f"field {form.get('field')!r:.40}")
+    if form.get("input_dtype") is not None and not _is_dtype(form["input_dtype"]):
+        raise refuse(f"input_dtype {form['input_dtype']!r:.40}")
+    target = form.get("target", 0)
+    if isinstance(target, (bool, int, float)):
+        return
+    if not isinstance(target, dict):
+        raise refuse(f"target {target!r:.40} (a number or a tensor's dtype and shape)")
+    if not _is_dtype(target.get("dtype")):
+        raise refuse(f"target dtype {target.get('dtype')!r:.40}")
+    shape = target.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise refuse(f"target shape {shape!r:.60}")
+    if (values := math.prod(shape)) > MAX_TARGET_VALUES:
+        raise refuse(f"target shape {shape} ({values:,} values, above {MAX_TARGET_VALUES:,} for one item)")
+
+
+def _is_dtype(name) -> bool:
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)

@@ -14,9 +14,10 @@ changing the model or the optimizer breaks exact resume.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ddplab.callbacks import Callback
-from ddplab.errors import UserError
+from ddplab.errors import RunError, UserError, printable
 
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
@@ -90,7 +91,7 @@ class TrainView:
         snapshot: running the same command again does not train on."""
         if not isinstance(reason, str) or not reason.strip():
             raise TypeError(f"request_stop: give the reason as a word or two (a string), got {reason!r}")
-        self._t.stop_request = reason.strip()
+        self._t.stop_request = printable(reason.strip())  # one printable line, in the console and train.log
 
     @property
     def epoch_samples(self) -> int | None:
@@ -107,8 +108,9 @@ class TrainView:
 class CallbackList:
     """Calls a hook on each callback in order: `callbacks.on_step_end(view)`."""
 
-    def __init__(self, callbacks) -> None:
+    def __init__(self, callbacks, interrupted: Callable[[str], None] | None = None) -> None:
         self.callbacks = list(callbacks)
+        self.interrupted = interrupted  # told of a callback's KeyboardInterrupt, as of a Ctrl-C
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise UserError(f"callbacks: {cb!r} is not a ddplab.Callback (subclass ddplab.Callback)")
@@ -119,7 +121,17 @@ class CallbackList:
 
         def call(*args, **kwargs) -> None:
             for cb in self.callbacks:
-                getattr(cb, hook)(*args, **kwargs)
+                try:
+                    getattr(cb, hook)(*args, **kwargs)
+                except SystemExit as exc:  # not a way out: the run would end unrecorded, "running" for ever
+                    raise RunError(
+                        f"callback {type(cb).__name__}.{hook} raised SystemExit({exc.code!r}); "
+                        f"a callback ends a run with view.request_stop(reason)"
+                    ) from exc
+                except KeyboardInterrupt:
+                    if self.interrupted is None:
+                        raise
+                    self.interrupted(f"KeyboardInterrupt in callback {type(cb).__name__}.{hook}")
 
         return call
 

@@ -54,7 +54,7 @@ from ddplab.engine.checkpoint_reader import (
     shapes,
 )
 from ddplab.engine.files import subfolder, write_atomic
-from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, step_snapshots
+from ddplab.engine.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, seal, step_snapshots
 from ddplab.errors import RunError, UserError, first_line, no_space, write_failed
 
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
@@ -135,7 +135,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_marker(folder: Path, manifest: dict) -> None:
     """The COMPLETE marker, its content the manifest, written last, once the snapshot's data is on disk."""
-    write_atomic(folder, MARKER, json.dumps(manifest), sync=True)
+    write_atomic(folder, MARKER, json.dumps(seal(manifest)), sync=True)
 
 
 def _remove(path: Path) -> None:

@@ -72,9 +72,11 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except FileNotFoundError:  # removed by the start that made it, between the two calls
+                if os.path.lexists(self.path):  # a link to nowhere, which mkdir took for a folder
+                    raise self._cannot(self.path, "a symbolic link to nowhere") from None
                 continue
             except OSError as err:  # a file where the folder should be
-                raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check {self.names})") from None
+                raise self._cannot(self.path, err.strerror) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -98,19 +100,30 @@ class RunLock:
         return self
 
     def _make(self) -> list[Path]:
-        """The folder and its missing parents; the ones this call made (another start may make some)."""
-        made = []
-        for p in reversed([self.path, *self.path.parents]):
-            try:
-                p.mkdir()
-                made.append(p)
-            except FileExistsError:
-                continue
-            except FileNotFoundError:  # a parent removed meanwhile by a start that failed: begin again
-                return self._make()
-            except OSError as err:  # a file where a folder should be, a read-only place, ...
-                raise UserError(f"cannot create {self.what} {self.path}: {err.strerror} (check {self.names})") from None
-        return made
+        """The folder and its missing parents; the ones this call made (another start may make some).
+        A parent removed meanwhile by a start that failed: begin again."""
+        while True:
+            made: list[Path] = []
+            for p in reversed([self.path, *self.path.parents]):
+                try:
+                    p.mkdir()
+                    made.append(p)
+                except FileExistsError:
+                    continue
+                except FileNotFoundError:
+                    if not os.path.lexists(p.parent):
+                        break  # removed meanwhile: begin again
+                    # a link to nowhere (mkdir takes it for a folder), or a place that takes no folders (/proc)
+                    why = "a symbolic link to nowhere" if p.parent.is_symlink() else "a folder that takes no new ones"
+                    raise self._cannot(p.parent, why) from None
+                except OSError as err:  # a file where a folder should be, a read-only place, ...
+                    raise self._cannot(self.path, err.strerror) from None
+            else:
+                return made
+
+    def _cannot(self, where: Path, why: str | None) -> UserError:
+        shown = "" if where == self.path else f"{where} is "
+        return UserError(f"cannot create {self.what} {self.path}: {shown}{why} (check {self.names})")
 
     def worker_env(self) -> dict:
         """What tells the workers this process starts that it holds their run folder."""

@@ -45,6 +45,11 @@ class StopSignals:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
 
+    def interrupt(self, why: str) -> None:
+        """A stop as a signal's, for a KeyboardInterrupt a callback raised (a Ctrl-C that reached Python as
+        one): `why` names it in the stop's line."""
+        self.received = self.received or why
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

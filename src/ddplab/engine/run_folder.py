@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ddplab.engine.files import open_append, read_json, write_atomic
-from ddplab.errors import write_failed
+from ddplab.errors import printable, write_failed
 
 EPOCH_COLUMNS = [
     "epoch",
@@ -91,6 +91,7 @@ class RunFolder:
     def log(self, message: str, echo: bool = True) -> None:
         if not self.is_main:
             return
+        message = printable(message, keep="\n\t")  # a line may quote users' text: no escape reaches a terminal
         if echo:
             self.console.print(message, markup=False)
         self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
@@ -131,10 +132,16 @@ class RunFolder:
 
 def amend(path: Path, line: str, **fields) -> None:
     """From a process that does not hold the run folder open (the launcher, a rank reporting for a dead rank 0,
-    the teardown after the process group): `line` appended to train.log and `fields` merged into metrics.json."""
+    the teardown after the process group): `fields` merged into metrics.json, then `line` appended to train.log.
+    metrics.json first: a train.log that cannot be written (a link planted there) leaves the status told."""
+    path = Path(path)
+    merged = {**read_json(path / RunFolder.METRICS_JSON), **fields}
+    try:
+        write_atomic(path, RunFolder.METRICS_JSON, json.dumps(_clean(merged), indent=2) + "\n")
+    except OSError as exc:  # a full disk: one line naming the file
+        raise write_failed(path / RunFolder.METRICS_JSON, exc) from exc
     run = RunFolder(path, is_main=True)
     try:
         run.log(line, echo=False)
-        run.update_json(RunFolder.METRICS_JSON, **fields)
     finally:
         run.close()

@@ -63,7 +63,7 @@ class Trainer:
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
         self.signals = StopSignals()
-        self.callbacks = CallbackList(callbacks)
+        self.callbacks = CallbackList(callbacks, self.signals.interrupt)
         self.view = TrainView(self)
         self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
