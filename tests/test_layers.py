@@ -34,7 +34,7 @@ LAYERS = [
             "ddplab.callbacks",
         ],
     ),
-    ("parts", ["ddplab.distributed", "ddplab.data", "ddplab.models"]),
+    ("parts", ["ddplab.world", "ddplab.distributed", "ddplab.data", "ddplab.models"]),
     ("engine", ["ddplab.engine"]),
     ("beside", ["ddplab.registry", "ddplab.workloads", "ddplab.metrics", "ddplab.trackers"]),
     (

@@ -45,7 +45,7 @@ def _ray_train() -> list[Callback]:
     where a Ray Train worker has imported it already."""
     if "ray.train" not in sys.modules:
         return []
-    import ray.train
+    import ray.train  # already loaded by the Ray worker that runs this
 
     try:
         ray.train.get_context()
