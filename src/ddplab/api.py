@@ -60,7 +60,7 @@ class RayReport(Callback):
     and FailureConfig restarts the group, ddplab resumes from its run folder exactly where the snapshot left."""
 
     def on_snapshot(self, view, path) -> None:
-        import ray.train
+        import ray.train  # only in a Ray worker, which has loaded it
 
         checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
         metrics = {"step": view.step, "epoch": view.epochs_completed, "run": str(view.run.path)}
