@@ -7,10 +7,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import pytest
+import hf_workloads
 
 import ddplab
-import hf_workloads
 from conftest import assert_ok, verify
 from ddplab.cli import main
 from ddplab.inference import load_model
@@ -47,7 +46,9 @@ def _predict(capfd, *argv: str) -> tuple[int, str, str]:
 def test_a_seq2seq_model_whose_items_carry_labels_verifies_at_2_vs_1_process(tmp_path):
     """T5's loss is a mean over each batch's own target tokens: averaged per process, 2 x 4 differs from 1 x 8
     by about 1e-3 (the padding differs between batches); over the global count, by rounding."""
-    proc = verify("--nproc", "2", *S2S, "training.batch_size=4", "training.max_steps=4", "training.lr=0.01", cwd=tmp_path)
+    proc = verify(
+        "--nproc", "2", *S2S, "training.batch_size=4", "training.max_steps=4", "training.lr=0.01", cwd=tmp_path
+    )
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
     loss_diff = float(proc.stdout.split("largest relative loss difference: ")[1].split()[0])
