@@ -239,6 +239,13 @@ class Reverse(ddplab.Task):
         return [{"text": _text(row.tolist())} for row in output]
 
 
+class PerSample(Reverse):
+    """The same task counting no items: its token-mean loss is averaged per process."""
+
+    def items(self, target):
+        return None
+
+
 def _pad(rows: list[torch.Tensor], value: int) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
@@ -254,14 +261,17 @@ def seq2seq_collate(items: list[dict]) -> dict:
 
 def seq2seq_data(cfg):
     """ "reverse: WORD" -> the word reversed; words of 1 to 7 letters, so that padding varies between batches.
-    options.generates=false: the plain Task, whose predict has no text to give."""
+    options.generates=false: the plain Task, whose predict has no text to give; options.counts=false: a Task that
+    counts no items."""
     rng = random.Random(0)
     words = ["".join(rng.choice(LETTERS[:26]) for _ in range(rng.randrange(1, 8))) for _ in range(96)]
     items = [{"input_ids": _ids(f"reverse: {w}"), "labels": _ids(w[::-1])} for w in words]
     return ddplab.Data(
         train=_Items(items[:64]),
         val=_Items(items[64:]),
-        task=Reverse() if cfg.options.get("generates", True) else ddplab.Task(),
+        task=(Reverse() if cfg.options.get("counts", True) else PerSample())
+        if cfg.options.get("generates", True)
+        else ddplab.Task(),
         collate_fn=seq2seq_collate,
         preprocess=lambda text: {"input_ids": _ids(text)},
     )

@@ -55,6 +55,23 @@ def test_a_seq2seq_model_whose_items_carry_labels_verifies_at_2_vs_1_process(tmp
     assert loss_diff < 1e-5, proc.stdout
 
 
+def test_a_task_that_counts_no_items_fails_verify_with_its_cause_named(tmp_path):
+    proc = verify(
+        "--nproc", "2", *S2S, "data.options.counts=false", "training.batch_size=4", "training.max_steps=2", cwd=tmp_path
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1] == "FAIL", proc.stdout + proc.stderr
+    assert any(line.startswith("loss: averaged per process over its own samples") for line in lines), proc.stdout
+
+
+def test_collate_fn_gets_dict_items_without_a_target():
+    from ddplab.predict import _sample
+
+    assert _sample({"kind": "dict", "field": "labels", "target": 0})({"input_ids": 1}) == {"input_ids": 1}
+    inputs, target = _sample({"kind": "pair", "target": {"dtype": "int64", "shape": [3]}})("x")
+    assert inputs == "x" and target.tolist() == [0, 0, 0]  # a stand-in of the training target's form
+
+
 def test_predict_gives_what_the_tasks_own_infer_generates_and_without_it_one_line(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     for name, generates in (("gen", "true"), ("plain", "false")):
