@@ -72,7 +72,7 @@ class TrainView:
     )
     loss_average = property(
         lambda v: v._t.loss_average,
-        doc="What the training loss is averaged over: items (the task's, counted on every rank) or samples.",
+        doc="What the training loss is averaged over: items (the task's, on every rank) or samples (per process).",
     )
     steps_per_epoch = property(lambda v: v._t.batch["steps_per_epoch"], doc="Optimizer steps in a whole epoch.")
 

@@ -79,7 +79,7 @@ class Trainer:
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
         self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
-        self.loss_average: str | None = None  # items | samples: what the training loss was averaged over (summary)
+        self.loss_average: str | None = None  # items | samples[, each with many targets]: for metrics.json
 
     def _register_parts(self) -> tuple[Parts, Parts]:
         """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
@@ -248,7 +248,9 @@ class Trainer:
         the ranks' means is then the global mean already, and the accumulated micro-batches are averaged."""
         counts = [self.task.items(target) for _, target, _ in unpacked]
         if any(c is None for c in counts):
-            self.loss_average = "samples"
+            target = unpacked[0][1]
+            many = isinstance(target, torch.Tensor) and target.dim() >= 2  # verify names it as a cause
+            self.loss_average = "samples, each with many targets" if many else "samples"
             return [], []
         self.loss_average = "items"
         total = self.ctx.all_reduce(torch.stack(counts).sum().float().reshape(1)).clamp_min(1)
