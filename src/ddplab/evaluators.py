@@ -132,12 +132,13 @@ class MetricsEvaluator:
 
     def __init__(self, task, device: torch.device) -> None:
         self.task = task
+        self.items = task.items  # evaluation sets tasks.item_counter's, which knows the model
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, what it sums over, samples
         self.metrics = {name: m.to(device) for name, m in task.metrics().items()}
 
     def update(self, output, target) -> None:
         n = len(target)
-        count = self.task.items(target)  # the loss is a mean over these (Task.items), else over samples
+        count = self.items(target)  # the loss is a mean over these (Task.items), else over samples
         weight = count.double() if count is not None else torch.tensor(n, dtype=torch.float64, device=self.sums.device)
         samples = torch.tensor(n, dtype=torch.float64, device=self.sums.device)
         self.sums += torch.stack([self.task.loss(output, target).double() * weight, weight, samples])

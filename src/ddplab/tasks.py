@@ -159,6 +159,19 @@ class Task:
         return {"kind": self.kind, "class": f"{type(self).__module__}:{type(self).__qualname__}"}
 
 
+def item_counter(task: Task, model: torch.nn.Module):
+    """`task.items` as the trainer counts with it: where the task counts as Task does by default and the model
+    is a Hugging Face decoder-only LM (it scores `labels` shifted by one, dropping each sequence's first), the
+    count of `labels[:, 1:]`, the items its mean loss is over; else `task.items` itself."""
+    config, can_generate = getattr(model, "config", None), getattr(model, "can_generate", None)
+    shifts = callable(can_generate) and not getattr(config, "is_encoder_decoder", True) and can_generate()
+    if type(task).items is not Task.items or not shifts:
+        return task.items
+    return lambda target: task.items(
+        target[:, 1:] if isinstance(target, torch.Tensor) and target.dim() >= 2 else target
+    )
+
+
 def per_sample(self, target) -> None:
     """`Task.items` of a loss that is a mean over samples."""
     return None

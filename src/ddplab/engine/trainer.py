@@ -39,7 +39,7 @@ from ddplab.engine.setup import autocast, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.engine.state import TrainState
 from ddplab.errors import RunError
-from ddplab.tasks import call_model, to_device
+from ddplab.tasks import call_model, item_counter, to_device
 
 
 class Trainer:
@@ -52,6 +52,7 @@ class Trainer:
         t = cfg.training
         self.task = data.task
         self.model, self.raw, self.comm = parts.model, parts.raw, parts.comm
+        self.items = item_counter(self.task, self.raw)  # what the loss of a batch is a mean over (Task.items)
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
         self.loaders, self.feed = parts.loaders, parts.feed
         self.lr, self.shares, self.batch = parts.lr, parts.shares, parts.batch
@@ -246,7 +247,7 @@ class Trainer:
         of the step, so that the gradient DDP averages over ranks is that of the global mean. One all-reduce of
         one number per step, with no host sync. ([], []) where the loss is a mean over samples: DDP's average of
         the ranks' means is then the global mean already, and the accumulated micro-batches are averaged."""
-        counts = [self.task.items(target) for _, target, _ in unpacked]
+        counts = [self.items(target) for _, target, _ in unpacked]
         if any(c is None for c in counts):
             target = unpacked[0][1]
             many = isinstance(target, torch.Tensor) and target.dim() >= 2  # verify names it as a cause
