@@ -105,13 +105,16 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     a = p.parse_args()
     after = str(HERE.parents[1] / "src")
-    for name, overrides in WORKLOADS.items():
+    for name in a.workloads.split(","):
+        overrides = WORKLOADS[name]
         ratios = []
-        for _ in range(a.rounds):  # alternating, so that a change in the machine's load falls on both
-            new = step_seconds(after, overrides, a.nproc, a.epochs)
-            old = step_seconds(a.before, overrides, a.nproc, a.epochs)
+        for r in range(a.rounds):  # alternating, each first in every other round: a change in load falls on both
+            sides = (after, a.before) if r % 2 == 0 else (a.before, after)
+            first, second = (step_seconds(src, overrides, a.nproc, a.epochs) for src in sides)
+            new, old = (first, second) if r % 2 == 0 else (second, first)
             ratios.append(new / old)
             print(f"{name} nproc={a.nproc}: global count {new * 1e3:.2f} ms/step, per process {old * 1e3:.2f}")
         print(
