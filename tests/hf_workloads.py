@@ -214,3 +214,84 @@ class Bag(torch.nn.Module):
 
 def bag(cfg, data):
     return Bag(len(WORDS))
+
+
+# ---------------------------------------------------------------------------- seq2seq
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz :"  # ids 3...; 0 pads, 1 ends a sequence
+
+
+def _ids(text: str) -> torch.Tensor:
+    return torch.tensor([LETTERS.index(c) + 3 for c in text if c in LETTERS] + [1])
+
+
+def _text(ids) -> str:
+    return "".join(LETTERS[i - 3] for i in ids if i >= 3)
+
+
+class Reverse(ddplab.Task):
+    """A seq2seq task whose predict is the model's generated text."""
+
+    def infer(self, model, inputs):
+        return model.generate(**inputs, max_new_tokens=8, do_sample=False)
+
+    def predict(self, output, top_k=1):
+        return [{"text": _text(row.tolist())} for row in output]
+
+
+class PerSample(Reverse):
+    """The same task counting no items: its token-mean loss is averaged per process."""
+
+    def items(self, target):
+        return None
+
+
+def _pad(rows: list[torch.Tensor], value: int) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+
+
+def seq2seq_collate(items: list[dict]) -> dict:
+    """Inputs padded with 0 (masked), labels with -100 (not scored); items without labels (predict) stay so."""
+    ids = [item["input_ids"] for item in items]
+    batch = {"input_ids": _pad(ids, 0), "attention_mask": _pad([torch.ones_like(i) for i in ids], 0)}
+    if "labels" in items[0]:
+        batch["labels"] = _pad([item["labels"] for item in items], -100)
+    return batch
+
+
+def seq2seq_data(cfg):
+    """ "reverse: WORD" -> the word reversed; words of 1 to 7 letters, so that padding varies between batches.
+    options.generates=false: the plain Task, whose predict has no text to give; options.counts=false: a Task that
+    counts no items."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice(LETTERS[:26]) for _ in range(rng.randrange(1, 8))) for _ in range(96)]
+    items = [{"input_ids": _ids(f"reverse: {w}"), "labels": _ids(w[::-1])} for w in words]
+    return ddplab.Data(
+        train=_Items(items[:64]),
+        val=_Items(items[64:]),
+        task=(Reverse() if cfg.options.get("counts", True) else PerSample())
+        if cfg.options.get("generates", True)
+        else ddplab.Task(),
+        collate_fn=seq2seq_collate,
+        preprocess=lambda text: {"input_ids": _ids(text)},
+    )
+
+
+def t5(cfg, data):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=len(LETTERS) + 3,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return T5ForConditionalGeneration(config)

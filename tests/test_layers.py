@@ -23,6 +23,7 @@ LAYERS = [
         "contracts",
         [
             "ddplab.errors",
+            "ddplab.deprecation",
             "ddplab.process_state",
             "ddplab.handoff",
             "ddplab.extras",

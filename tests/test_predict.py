@@ -164,6 +164,38 @@ def test_a_regression_run_predicts_from_numbers_npy_and_pt(tmp_path, monkeypatch
     assert printed.splitlines()[2].split("\t")[-1] == "x.pt"
 
 
+DATA_ON_DISK = """
+import torch
+import ddplab
+from torch.utils.data import TensorDataset
+
+
+def data(cfg):
+    x = torch.load(cfg.options.file)
+    return ddplab.Data(train=TensorDataset(x, x.sum(1, keepdim=True)), task=ddplab.Regression())
+
+
+def model(cfg, data):
+    return torch.nn.Linear(3, 1)
+"""
+
+
+def test_data_moved_without_assets_is_one_line(tmp_path, monkeypatch, capfd):
+    (tmp_path / "disk.py").write_text(DATA_ON_DISK)
+    torch.save(torch.randn(32, 3), tmp_path / "x.pt")
+    monkeypatch.chdir(tmp_path)
+    ddplab.train(
+        None,
+        ["model.name=disk.py:model", "data.name=disk.py:data", "data.options.file=x.pt"]
+        + ["training.epochs=1", "experiment.name=disk", *FAST],
+    )
+    (tmp_path / "x.pt").rename(tmp_path / "moved.pt")
+    capfd.readouterr()
+    assert main(["predict", "experiments/disk", "1,2,3"]) == 2
+    err = [line for line in capfd.readouterr().err.strip().splitlines() if not line.startswith("ddplab: importing")]
+    assert len(err) == 1 and "x.pt" in err[0] and "Data(assets=" in err[0], err
+
+
 # ---------------------------------------------------------------------------- encoder, in process
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from ddplab import deprecation
 from ddplab.config import INT_MAX, MAX_SECONDS, Config
 from ddplab.errors import UserError
 
@@ -31,7 +32,7 @@ def read_config(source: str | Path | dict | Config | None = None, overrides=()) 
         tree = source.to_dict() if isinstance(source, Config) else source
     else:
         raise UserError(f"config: give a YAML path, a dict, a ddplab Config or None; got {type(source).__name__}")
-    cfg = from_dict(tree)
+    cfg = from_dict(_current_keys(tree))
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
@@ -149,10 +150,25 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _current_keys(tree: dict) -> dict:
+    """A config tree whose retired keys (deprecation.KEYS) are moved to their replacements, with a warning each."""
+    for dotted in deprecation.KEYS:
+        section, key = dotted.rsplit(".", 1)
+        node = tree.get(section)
+        if isinstance(node, dict) and key in node:
+            node = dict(node)
+            new, value = deprecation.renamed_key(dotted, node.pop(key), coerce)
+            tree = {**tree, section: {**node, new.rsplit(".", 1)[1]: value}}
+    return tree
+
+
 def apply_override(cfg: Config, item: str) -> None:
     if "=" not in item:
         raise UserError(f"override '{item}' is not of the form key=value (e.g. training.lr=3e-4)")
     dotted, raw = (part.strip() for part in item.split("=", 1))
+    value: Any = raw
+    if dotted in deprecation.KEYS:
+        dotted, value = deprecation.renamed_key(dotted, raw, coerce)
     parts = dotted.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):
@@ -176,7 +192,7 @@ def apply_override(cfg: Config, item: str) -> None:
                     f"'{dotted}' is a section; set one of its fields, "
                     f"e.g. {dotted}.{dataclasses.fields(hint)[0].name}=..."
                 )
-            setattr(node, part, coerce(raw, hint, dotted))
+            setattr(node, part, coerce(value, hint, dotted))
         else:
             node = getattr(node, part)
 

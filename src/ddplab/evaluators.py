@@ -132,24 +132,26 @@ class MetricsEvaluator:
 
     def __init__(self, task, device: torch.device) -> None:
         self.task = task
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+        self.items = task.items  # evaluation sets tasks.item_counter's, which knows the model
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, what it sums over, samples
         self.metrics = {name: m.to(device) for name, m in task.metrics().items()}
 
     def update(self, output, target) -> None:
         n = len(target)
-        self.sums += torch.stack(
-            [self.task.loss(output, target).double() * n, torch.tensor(n, dtype=torch.float64, device=self.sums.device)]
-        )
+        count = self.items(target)  # the loss is a mean over these (Task.items), else over samples
+        weight = count.double() if count is not None else torch.tensor(n, dtype=torch.float64, device=self.sums.device)
+        samples = torch.tensor(n, dtype=torch.float64, device=self.sums.device)
+        self.sums += torch.stack([self.task.loss(output, target).double() * weight, weight, samples])
         if self.metrics:
             logits = self.task.logits(output)
             for metric in self.metrics.values():
                 metric.update(logits, target)
 
     def compute(self, ctx) -> dict[str, float]:
-        loss_sum, count = ctx.all_reduce(self.sums.clone()).tolist()
+        loss_sum, weight, count = ctx.all_reduce(self.sums.clone()).tolist()
         if count == 0:
             return {}
-        out = {"loss": loss_sum / count, "samples": count}
+        out = {"loss": loss_sum / weight if weight else math.nan, "samples": count}
         for name, metric in self.metrics.items():
             value = metric.compute()  # torchmetrics gathers every rank's state when a process group exists
             out[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value

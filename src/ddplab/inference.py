@@ -22,7 +22,7 @@ from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine.checkpoint_reader import load_checkpoint
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
-from ddplab.errors import UserError, first_line
+from ddplab.errors import RunError, UserError, first_line
 from ddplab.registry import workload
 from ddplab.tasks import restore
 from ddplab.workload import Assets, Data, build_config, check_trusted
@@ -52,7 +52,7 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
     check_trusted(cfg.data.name, trust_code, "data.name", path)
     work = workload(cfg)
     if saved is not None:
-        data = build_data(cfg, None, work, saved)
+        data = _data(cfg, work, saved)
         data.meta = {**data.meta, **meta}  # what the weights were trained with wins
     else:
         data = Data(train=None, task=recorded_task(ckpt), meta=meta)
@@ -70,6 +70,22 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
         ) from None
     model.eval()
     return model, ckpt, data
+
+
+def _data(cfg, work, saved: Assets) -> Data:
+    """The run's data function on what the run saved; one that reads files which are gone, where the run saved
+    nothing for inference, says so: predict rebuilds such a workload's preprocessing from its data."""
+    try:
+        return build_data(cfg, None, work, saved)
+    except RunError as exc:
+        if saved.files or not isinstance(exc.__cause__, (FileNotFoundError, NotADirectoryError)):
+            raise
+        raise UserError(
+            f"data.name={cfg.data.name} cannot read its data ({first_line(exc.__cause__, 120)}), and the run saved "
+            f"nothing for inference (its Data lists no assets), so predict needs the data where training read it: "
+            f"put it back, or name the files preprocessing needs in Data(assets=...) and train again "
+            f"(docs/your-workload.md#inference-from-the-run-folder-alone)"
+        ) from None
 
 
 def _rebuilt(cfg, build) -> torch.nn.Module:

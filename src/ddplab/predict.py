@@ -11,16 +11,18 @@ one sample's model inputs by, in this order:
   (its `loader`, else PIL in RGB);
 - otherwise numbers: `0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one
   sample's tensor, in the dtype of the training inputs.
-Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them,
-beside a stand-in target of the training items' form (the run's collate_fn may need one); where
-items are dicts (Hugging Face's), `preprocess` gives the dict of one sample's inputs and the target
-joins it.
+Any other input is text or numbers whatever its length: an input is never refused for being no path.
+Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them: where
+items are dicts (Hugging Face's), the dicts `preprocess` gives, with no target; where items are
+(inputs, target) pairs, (inputs, a stand-in target of the training items' form), a target never given to
+the model. The model gets the inputs alone, never a made-up target, through `Task.infer` (its forward
+pass, or a Task's own, e.g. `model.generate`); `Task.predict` turns what that returns into rows.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,16 @@ from ddplab.engine.files import write_atomic
 from ddplab.errors import UserError, first_line
 from ddplab.inference import load_model, read_checkpoint, recorded_task
 from ddplab.report.table import write_csv
-from ddplab.tasks import CONTINUES_TEXT, call_model
+from ddplab.tasks import CONTINUES_TEXT, Task
+
+
+def _is(item: str, kind: str) -> bool:
+    """Whether an input names an existing folder (kind "dir") or file; a text too long for a path, or holding
+    what no path holds, names neither."""
+    try:
+        return Path(item).is_dir() if kind == "dir" else Path(item).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def expand(items: list[str]) -> list[str]:
@@ -39,7 +50,7 @@ def expand(items: list[str]) -> list[str]:
     out = []
     for item in items:
         path = Path(item)
-        if path.is_dir():
+        if _is(item, "dir"):
             files = sorted(str(p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
             if not files:
                 raise UserError(f"the folder {item} holds no files")
@@ -90,18 +101,28 @@ def _example(data) -> dict:
 
 
 def _sample(example: dict) -> Callable:
-    """One sample's inputs -> an item of the training items' form, with a stand-in target."""
-    field, target = example.get("field"), assets.stand_in(example.get("target", 0))
+    """One sample's inputs -> what the run's collate_fn gets: a dict as it is (no target); else
+    (inputs, a stand-in target of the training items' form), a pair as training's collate_fn got."""
     if example.get("kind") == "dict":
-        return lambda inputs: {**inputs, **({field: target} if field else {})}
+        return lambda inputs: inputs
+    target = assets.stand_in(example.get("target", 0))
     return lambda inputs: (inputs, target)
+
+
+def _inputs(task, batch, field: str | None):
+    """The model's inputs of a collated batch: a mapping without any target field (a collate_fn may add
+    one), a pair's inputs."""
+    if isinstance(batch, Mapping):
+        names = {field, task.target_field, "labels", "label"} - {None}
+        return {k: v for k, v in batch.items() if k not in names}
+    return task.unpack(batch)[0]
 
 
 def _open_image(item: str, loader: Callable | None):
     from PIL import Image, UnidentifiedImageError  # the vision extra: only for image inputs
 
-    if not Path(item).is_file():
-        raise UserError(f"no such image file: {item}")
+    if not _is(item, "file"):
+        raise UserError(f"no such image file: {item[:200]}")
     try:
         if callable(loader):
             return loader(item)
@@ -114,8 +135,8 @@ def _open_image(item: str, loader: Callable | None):
 def read_numbers(item: str) -> torch.Tensor:
     """`0.5,1.2,3`, or a .npy / .pt file, as a tensor."""
     if item.endswith((".npy", ".pt")):
-        if not Path(item).is_file():
-            raise UserError(f"no such file: {item}")
+        if not _is(item, "file"):
+            raise UserError(f"no such file: {item[:200]}")
         try:
             if item.endswith(".pt"):
                 return torch.as_tensor(torch.load(item, weights_only=True))
@@ -150,14 +171,22 @@ def predict(
             chunk = items[i : i + batch_size]
             samples = [sample(_user(encode, "reading the input", item)) for item in chunk]
             try:
-                inputs = task.unpack(collate(samples))[0]
+                inputs = _inputs(task, collate(samples), example.get("field"))
             except Exception as exc:  # noqa: BLE001 - inputs of different shapes, mostly
                 raise UserError(
                     f"the inputs do not batch together ({type(exc).__name__}: {first_line(exc, 120)})"
                 ) from None
             try:
-                output = call_model(model, inputs)
+                output = task.infer(model, inputs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                if example.get("kind") == "dict" and type(task).infer is Task.infer:
+                    raise UserError(
+                        f"the model does not run on its inputs alone ({type(exc).__name__}: {first_line(exc, 120)}); "
+                        f"its training items carried their target '{example.get('field') or 'labels'}', which "
+                        f"predict never makes up: give the Task an infer(model, inputs) that runs it as inference "
+                        f"needs (a seq2seq model: model.generate(**inputs)) and a predict(output) that reads what "
+                        f"it returns (docs/predict.md#a-model-that-generates)"
+                    ) from None
                 raise UserError(f"the inputs do not fit the model ({first_line(exc, 120)})") from None
             where = f"{type(task).__name__}.predict(output)"
             values = _user(task.predict, where, output) if top_k is None else _user(task.predict, where, output, top_k)

@@ -12,6 +12,15 @@ logits (`Task.logits`) and train on the model's own loss where its output carrie
 `["loss"]`, as an HF model given `labels` returns). A user subclasses Task and writes
 `loss(output, target)`, which gets the output exactly as returned, and lists torchmetrics objects in
 `metrics()`, which get the logits; ddplab syncs them across ranks.
+
+A loss that is a mean over items inside a sample (the tokens of a language model, seq2seq or masked LM,
+targets of -100 left out) is averaged over the global count of those items: `Task.items` counts them in
+each micro-batch, the counts are summed over every process and accumulation step, and each micro-batch's
+loss weighs its own share, so N processes x B equal 1 process x N*B and accumulation equals a bigger batch.
+The model's own mean loss times the count it averaged over is its summed loss exactly (whatever the loss:
+cross-entropy, label smoothing), with no second pass over the logits and for every model: Hugging Face's
+`num_items_in_batch` is taken by some models only. `items` returning None: the loss is a mean over
+samples, averaged as DDP averages it.
 """
 
 from __future__ import annotations
@@ -116,6 +125,11 @@ class Task:
         """name -> torchmetrics.Metric, each updated with (logits, target); columns val_<name>."""
         return {}
 
+    def infer(self, model: torch.nn.Module, inputs):
+        """What `ddplab predict` runs on a batch's inputs (never a target), handing its result to `predict` as
+        `output`: here the forward pass; a seq2seq task returns `model.generate(**inputs)`."""
+        return call_model(model, inputs)
+
     def predict(self, output, top_k: int = 1) -> list[dict]:
         """One row (name -> value) per input of a batch; here the logits of each, as a list."""
         return [{"output": row.tolist()} for row in self.logits(output).float().cpu()]
@@ -123,6 +137,15 @@ class Task:
     def tokens(self, inputs, target) -> int | torch.Tensor:
         """Tokens in a batch, for tokens/s (0: not a token task)."""
         return 0
+
+    def items(self, target) -> torch.Tensor | None:
+        """How many items of this batch the loss is a mean over, or None where it is a mean over samples.
+        Here: integer targets of one or more values per sample (token labels, as Hugging Face's seq2seq and
+        masked LMs take them) count their entries that are not -100; other targets, None. A Task whose
+        loss averages otherwise overrides this (None: per sample)."""
+        if isinstance(target, torch.Tensor) and target.dim() >= 2 and not target.is_floating_point():
+            return (target != -100).sum()
+        return None
 
     def check_output(self, output, target: torch.Tensor) -> None:
         """Raise UserError when the model's output cannot be scored by this task (its loss is
@@ -136,9 +159,28 @@ class Task:
         return {"kind": self.kind, "class": f"{type(self).__module__}:{type(self).__qualname__}"}
 
 
+def item_counter(task: Task, model: torch.nn.Module):
+    """`task.items` as the trainer counts with it: where the task counts as Task does by default and the model
+    is a Hugging Face decoder-only LM (it scores `labels` shifted by one, dropping each sequence's first), the
+    count of `labels[:, 1:]`, the items its mean loss is over; else `task.items` itself."""
+    config, can_generate = getattr(model, "config", None), getattr(model, "can_generate", None)
+    shifts = callable(can_generate) and not getattr(config, "is_encoder_decoder", True) and can_generate()
+    if type(task).items is not Task.items or not shifts:
+        return task.items
+    return lambda target: task.items(
+        target[:, 1:] if isinstance(target, torch.Tensor) and target.dim() >= 2 else target
+    )
+
+
+def per_sample(self, target) -> None:
+    """`Task.items` of a loss that is a mean over samples."""
+    return None
+
+
 class Classification(Task):
     kind = "classification"
     scorer = ClassificationEvaluator
+    items = per_sample
 
     def __init__(self, num_classes: int, class_names: list[str] | None = None) -> None:
         if not isinstance(num_classes, int) or num_classes < 2:
@@ -213,6 +255,10 @@ class LanguageModeling(Task):
     def tokens(self, inputs, target):
         return (target != -100).sum()
 
+    def items(self, target):
+        """The targets scored: shifted ones lose each sequence's first (an HF causal LM shifts them itself)."""
+        return ((target[:, 1:] if self.shift else target) != -100).sum()
+
     def check_output(self, output, target):
         logits = self.logits(output)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(target.shape):
@@ -233,6 +279,7 @@ class Regression(Task):
 
     kind = "regression"
     scorer = RegressionEvaluator
+    items = per_sample
 
     def __init__(self, outputs: int = 1) -> None:
         if not isinstance(outputs, int) or outputs < 1:

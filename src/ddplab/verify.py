@@ -56,7 +56,8 @@ def _result(run_dir: Path) -> tuple[dict[int, float], dict[str, torch.Tensor], d
     if latest is None:
         raise RunError(f"verify: {run_dir} holds no snapshot")
     losses = {row["step"]: row["loss"] for row in summary["steps"]}
-    return losses, load_snapshot(latest)["model"], summary["model"].get("stochastic", {})
+    found = {**summary["model"].get("stochastic", {}), "loss_average": summary["model"].get("loss_average")}
+    return losses, load_snapshot(latest)["model"], found
 
 
 def verify(config: str | None, overrides: list[str], nproc: int, tolerance: float, weight_tolerance: float) -> int:
@@ -118,6 +119,13 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
         print(line)
     drawn_apart = not seeded and found.get("random_transforms")
     remaining = drawn_apart or found.get("batchnorm_modules") or found.get("dropout_modules")
+    if not ok and found.get("loss_average") == "samples, each with many targets":
+        print(
+            "loss: averaged per process over its own samples, whose targets hold many values each, and the task "
+            "counts no items (Task.items gave None): a loss that is a mean over tokens inside a sample then "
+            "differs between N x B and 1 x N*B; give the Task an items(target) that counts what its loss averages "
+            "over (docs/your-workload.md#tasks)"
+        )
     print("PASS" if ok else "FAIL" + (" (see the randomness named above)" if remaining else ""))
     return ExitCode.OK if ok else ExitCode.FAILED
 

@@ -97,13 +97,15 @@ def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
 
 def pad_collate(items, pad_id: int):
     """Pads a batch to its longest text (not max_len): short reviews cost short sequences. Dict items
-    ({input_ids, label or labels}, the tokenised splits') give one dict with `labels`; pairs (streamed rows,
-    and predict on run folders that trained on pairs) give (inputs, labels)."""
+    ({input_ids, label or labels}, the tokenised splits') give one dict with `labels` (none where they hold
+    none: predict's); pairs (streamed rows, and predict on run folders that trained on pairs) give (inputs, labels)."""
     pairs = [(it, it.get("labels", it.get("label"))) if isinstance(it, Mapping) else it for it in items]
     seqs = [inputs["input_ids"] for inputs, _ in pairs]
     ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
     lengths = torch.tensor([len(s) for s in seqs])
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    if pairs[0][1] is None:  # dicts without a target
+        return {"input_ids": ids, "attention_mask": mask}
     labels = torch.tensor([int(t) for _, t in pairs], dtype=torch.long)
     if isinstance(items[0], Mapping):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}

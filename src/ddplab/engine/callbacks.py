@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 
 from ddplab.callbacks import Callback
+from ddplab.deprecation import renamed
 from ddplab.errors import RunError, UserError, printable
 
 HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
@@ -64,10 +65,15 @@ class TrainView:
     data_wait = property(lambda v: v._t.state.epoch_data_wait, doc="This rank's seconds waiting for data this epoch.")
     snapshot_time = property(lambda v: v._t.state.epoch_snapshot_time, doc="Snapshot seconds since the last row.")
     eval_at = property(lambda v: v._t.eval_at, doc="Where this evaluation was asked for: train, epoch_end or test.")
+    phase = renamed("eval_at", "phase", until="0.2")
     history = property(lambda v: tuple(v._t.state.history), doc="One row per epoch so far (metrics.csv).")
     log_rows = property(lambda v: tuple(v._t.state.steps), doc="One row per log interval: step, epoch, loss, lr...")
     batch = property(
         lambda v: dict(v._t.batch), doc="ddplab.config.batch_arithmetic of this run: per_process, global..."
+    )
+    loss_average = property(
+        lambda v: v._t.loss_average,
+        doc="What the training loss is averaged over: items (the task's, on every rank) or samples (per process).",
     )
     steps_per_epoch = property(lambda v: v._t.batch["steps_per_epoch"], doc="Optimizer steps in a whole epoch.")
 

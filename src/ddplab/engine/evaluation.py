@@ -8,7 +8,7 @@ import torch
 
 from ddplab.data.stream import size
 from ddplab.engine.sharding import is_sharded
-from ddplab.tasks import call_model, to_device
+from ddplab.tasks import call_model, item_counter, to_device
 
 
 @torch.no_grad()
@@ -20,6 +20,8 @@ def evaluate(model: torch.nn.Module, task, batches, ctx, autocast) -> tuple[dict
     was_training = model.training
     model.eval()
     evaluator = task.evaluator(ctx.device)
+    if hasattr(evaluator, "items"):  # a loss that is a mean over items: counted as the model counts them
+        evaluator.items = item_counter(task, model)
     # Sharded (fsdp/hsdp), each forward pass gathers parameters from every rank: a rank whose shard
     # has a batch fewer repeats its last one, unscored (None among its passes), so that all make as many passes.
     passes = batches

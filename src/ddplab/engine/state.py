@@ -18,6 +18,7 @@ class TrainState:
     best_val_loss: float = math.inf
     best_epoch: int | None = None
     epoch_loss_sum: float = 0.0  # global, for the epoch in progress
+    epoch_loss_weight: float = 0.0  # what epoch_loss_sum is a sum over: the task's items, else samples
     epoch_samples: float = 0.0
     epoch_tokens: float = 0.0
     epoch_time: float = 0.0  # the epoch's wall time so far: training, evaluation and snapshots

@@ -70,6 +70,7 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
             "parameters": sum(p.numel() for p in model.parameters()),
             "flops_per_token": flops,
             "stochastic": stochastic_parts(model, data),
+            "loss_average": view.loss_average,  # items | samples[, each with many targets] (tasks.Task.items)
         },
         "ddp": {
             **view.batch,

@@ -39,7 +39,7 @@ from ddplab.engine.setup import autocast, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.engine.state import TrainState
 from ddplab.errors import RunError
-from ddplab.tasks import call_model, to_device
+from ddplab.tasks import call_model, item_counter, to_device
 
 
 class Trainer:
@@ -52,6 +52,7 @@ class Trainer:
         t = cfg.training
         self.task = data.task
         self.model, self.raw, self.comm = parts.model, parts.raw, parts.comm
+        self.items = item_counter(self.task, self.raw)  # what the loss of a batch is a mean over (Task.items)
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
         self.loaders, self.feed = parts.loaders, parts.feed
         self.lr, self.shares, self.batch = parts.lr, parts.shares, parts.batch
@@ -79,6 +80,7 @@ class Trainer:
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
         self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
+        self.loss_average: str | None = None  # items | samples[, each with many targets]: for metrics.json
 
     def _register_parts(self) -> tuple[Parts, Parts]:
         """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
@@ -200,8 +202,9 @@ class Trainer:
         s, t, n, mark = self.state, self.cfg.training, len(micro), self.ctx.beat.mark
         step = s.step + 1
         samples = 0
-        for i, batch in enumerate(micro):
-            inputs, target, n_samples = self.task.unpack(to_device(batch, self.ctx.device))
+        unpacked = [self.task.unpack(to_device(batch, self.ctx.device)) for batch in micro]
+        counts, weights = self._loss_weights(unpacked)
+        for i, (inputs, target, n_samples) in enumerate(unpacked):
             samples += n_samples
             with micro_step(self.model, last=i == n - 1):
                 mark("forward")
@@ -213,8 +216,8 @@ class Trainer:
                         raise
                     raise unused from None
                 mark("backward")
-                self.scaler.scale(loss / n if n > 1 else loss).backward()
-            self.ledger.add(loss, n_samples, self.task.tokens(inputs, target), step)
+                self.scaler.scale(loss * weights[i] if weights else loss / n if n > 1 else loss).backward()
+            self.ledger.add(loss, n_samples, self.task.tokens(inputs, target), step, counts[i] if weights else None)
         mark("optimizer")
         if self.replicas is not None and not self._replicas_agree(step, samples):
             return
@@ -237,6 +240,22 @@ class Trainer:
         self.last_step_samples = samples
         s.step = step
         s.consumed += self.last_step_samples * self.shares
+
+    def _loss_weights(self, unpacked: list) -> tuple[list, list]:
+        """(each micro-batch's count of the items its loss is a mean over, the weight of its loss) where the task
+        counts them (tasks.Task.items): weight = count x world size / the count over every rank and micro-batch
+        of the step, so that the gradient DDP averages over ranks is that of the global mean. One all-reduce of
+        one number per step, with no host sync. ([], []) where the loss is a mean over samples: DDP's average of
+        the ranks' means is then the global mean already, and the accumulated micro-batches are averaged."""
+        counts = [self.items(target) for _, target, _ in unpacked]
+        if any(c is None for c in counts):
+            target = unpacked[0][1]
+            many = isinstance(target, torch.Tensor) and target.dim() >= 2  # verify names it as a cause
+            self.loss_average = "samples, each with many targets" if many else "samples"
+            return [], []
+        self.loss_average = "items"
+        total = self.ctx.all_reduce(torch.stack(counts).sum().float().reshape(1)).clamp_min(1)
+        return counts, [c * self.ctx.world_size / total[0] for c in counts]
 
     def _replicas_agree(self, step: int, samples: int) -> bool:
         """Average the gradients over the replica groups in the quorum; False when the step does not count
@@ -272,15 +291,16 @@ class Trainer:
                 f"training.nonfinite=skip to skip such steps"
             )
         asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
-        loss_sum, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
+        loss_sum, weight, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
         if asking and s.stop_reason is None:
             self._agree_on_request()
         if samples == 0:
             return
         s.epoch_loss_sum += loss_sum
+        s.epoch_loss_weight += weight
         s.epoch_samples += samples
         s.epoch_tokens += tokens
-        values = {"loss": loss_sum / samples, "lr": self.scheduler.get_last_lr()[0]}
+        values = {"loss": loss_sum / weight, "lr": self.scheduler.get_last_lr()[0]}
         s.steps.append({"step": s.step, "epoch": s.epoch + 1, **values, "elapsed_s": s.elapsed})
         # With a time budget the schedule is planned over the steps the budget allows, re-estimated
         # here, where all ranks meet anyway (the slowest rank's clock counts).
@@ -355,7 +375,7 @@ class Trainer:
         row = {
             "epoch": self.view.epoch,
             "step": s.step,
-            "train_loss": s.epoch_loss_sum / s.epoch_samples if s.epoch_samples else None,
+            "train_loss": s.epoch_loss_sum / (s.epoch_loss_weight or s.epoch_samples) if s.epoch_samples else None,
             **{f"val_{k}": v for k, v in val.items() if k != "samples"},
             "epoch_time_s": took,
             "eval_time_s": s.epoch_eval_time,
@@ -378,7 +398,8 @@ class Trainer:
         if not partial:
             # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers. The clock runs on:
             # what follows this row (its files, the best model, the snapshot) is counted in the next epoch's.
-            s.epoch_loss_sum = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = s.epoch_time = 0.0
+            s.epoch_loss_sum = s.epoch_loss_weight = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = 0.0
+            s.epoch_time = 0.0
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
         if self.cfg.checkpoint.save_best and (not val or self.improved):
             with self.clock.timed("snapshot"):

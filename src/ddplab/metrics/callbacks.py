@@ -52,7 +52,10 @@ class EpochColumns(Callback):
 
 
 class RunRecorder(Callback):
-    """metrics.csv (every epoch so far) and the console / train.log lines (trackers: ddplab.trackers)."""
+    """metrics.csv (every epoch so far) and the console / train.log lines (trackers: ddplab.trackers): each epoch's
+    line with the task's own metrics after ddplab's, and the test split's results at the end."""
+
+    keys: tuple = ()
 
     ROW_KEYS = (
         "train_loss",
@@ -67,6 +70,8 @@ class RunRecorder(Callback):
     )
 
     def on_train_start(self, view):
+        own = tuple(f"val_{name}" for name in view.data.task.metrics() if f"val_{name}" not in self.ROW_KEYS)
+        self.keys = self.ROW_KEYS[:5] + own + self.ROW_KEYS[5:]  # a user Task's metrics before the times
         run, b, dist, d = view.run, view.batch, view.dist, view.config.distributed
         # Replica groups: b["world_size"] counts every group's processes, and a step's batch is what the groups
         # in its quorum make (replicas.csv, and metrics.csv's global_batch), this only with every group present.
@@ -92,6 +97,9 @@ class RunRecorder(Callback):
             view.run.log(f"epoch {view.epoch} step {step}: loss {values['loss']:.4f} lr {values['lr']:.3e}")
 
     def on_eval_end(self, view, split, metrics):
+        if split == "test" and metrics:
+            scores = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and k != "samples")
+            view.run.log(f"test ({int(metrics.get('samples', 0))} samples, best model): {scores}")
         every = view.config.training.eval_every
         if split == "val" and every and view.step % every == 0 and view.eval_at == "train":
             view.run.log(
@@ -109,7 +117,7 @@ class RunRecorder(Callback):
             head += f" (partial, {row['step'] - (row['epoch'] - 1) * per_epoch}/{per_epoch} steps)"
         run.log(
             f"{head}: "
-            + ", ".join(f"{k} {row[k]:.4g}" for k in self.ROW_KEYS if row.get(k) is not None)
+            + ", ".join(f"{k} {row[k]:.4g}" for k in self.keys or self.ROW_KEYS if isinstance(row.get(k), (int, float)))
             + f"; elapsed {format_duration(elapsed)}"
             + (f", ETA {format_duration(eta)}" if eta is not None else "")
         )

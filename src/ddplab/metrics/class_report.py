@@ -81,7 +81,7 @@ class ClassReports(Callback):
 
     def on_train_end(self, view, summary) -> None:
         if self.evaluators:
-            names = view.data.meta.get("label_names")
+            names = getattr(view.data.task, "class_names", None) or view.data.meta.get("label_names")
             summary["classes"] = class_reports(
                 self.evaluators, view.run.path, names, view.is_main, view.config.logging.plots
             )

@@ -1,0 +1,39 @@
+"""A public name that was retired keeps working, with a DeprecationWarning naming its replacement."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ddplab.config_io import read_config
+from ddplab.engine.callbacks import TrainView
+from ddplab.errors import UserError
+
+
+def test_view_phase_reads_eval_at_and_names_it():
+    view = TrainView(SimpleNamespace(eval_at="epoch_end"))
+    with pytest.warns(DeprecationWarning, match=r"TrainView\.phase is deprecated .*use TrainView\.eval_at"):
+        assert view.phase == "epoch_end"
+
+
+def test_view_phase_stays_read_only():
+    view = TrainView(SimpleNamespace(eval_at="train"))
+    with pytest.raises(AttributeError):
+        view.phase = "test"
+
+
+@pytest.mark.parametrize("given, trackers", [("true", ["tensorboard"]), ("false", [])])
+def test_logging_tensorboard_reads_as_logging_trackers_and_names_it(given, trackers, tmp_path):
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"logging:\n  tensorboard: {given}\n")
+    for source, overrides in ((None, [f"logging.tensorboard={given}"]), (yaml_file, [])):
+        with pytest.warns(
+            DeprecationWarning, match=r"config key logging\.tensorboard is deprecated .*use logging\.trackers"
+        ):
+            assert read_config(source, overrides).logging.trackers == trackers
+
+
+def test_a_retired_key_keeps_its_old_type_check():
+    with pytest.warns(DeprecationWarning), pytest.raises(UserError, match="logging.tensorboard"):
+        read_config(None, ["logging.tensorboard=maybe"])
