@@ -69,6 +69,11 @@ class TrainView:
         lambda v: dict(v._t.batch), doc="ddplab.config.batch_arithmetic of this run: per_process, global..."
     )
     steps_per_epoch = property(lambda v: v._t.batch["steps_per_epoch"], doc="Optimizer steps in a whole epoch.")
+    epochs_planned = property(lambda v: v._t.epochs, doc="Epochs to train (inf: a stream, until training.max_steps).")
+    data_feed = property(lambda v: v._t.feed.how, doc="How the training stream is split (None: map-style data).")
+    data_notes = property(
+        lambda v: tuple(v._t.state.data_notes), doc="What the data did that was not as planned (metrics.json)."
+    )
 
     @property
     def epoch(self) -> int:
