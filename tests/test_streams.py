@@ -4,7 +4,9 @@ leave untrained counted; a rerun over changed shards refused (tests/shards_workl
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -103,12 +105,17 @@ def test_a_stream_that_splits_itself_by_rank_and_worker_trains_as_brought(tmp_pa
     assert m["epochs"][-1]["val_accuracy"] is not None
 
 
-@pytest.mark.parametrize(("kind", "nproc", "every", "kill"), [("tar", 3, 3, 10), ("parquet", 2, 5, 17)])
-def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exactly(tmp_path, kind, nproc, every, kill):
+@pytest.mark.parametrize(
+    ("kind", "nproc", "per_epoch", "every", "kill"), [("tar", 3, 6, 3, 10), ("parquet", 2, 12, 5, 17)]
+)
+def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exactly(
+    tmp_path, kind, nproc, per_epoch, every, kill
+):
     """With 2 loader workers a rank, a rank is SIGKILLed mid-epoch 2 (tar: 6 steps an epoch at 3 processes, the
     snapshot of step 9; parquet: 12 at 2, step 15: both an odd number of batches into the epoch, so the next
     batch is worker 1's). The rerun trains the uninterrupted run's steps, each rank the same batches in the
-    same order."""
+    same order. A copy of it resumed on 1 process says, and records, how many samples may be read twice or
+    skipped."""
     data, log = _data(tmp_path, kind), tmp_path / "log"
     extra = ("data.num_workers=2", f"checkpoint.every={every}")
     whole = run_ddplab(
@@ -124,6 +131,8 @@ def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exact
     assert cut.returncode != 0
     snapshot = kill // every * every
     before = {r: b[:snapshot] for r, b in _batches(log, tmp_path / "cut").items()}
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "experiments" / "cut", elsewhere / "experiments" / "cut")
     resumed = run_ddplab(args[0], "--nproc-per-node", str(nproc), *args[1:], cwd=tmp_path)
     assert_ok(resumed)
     assert "skip forward past their own samples already trained" in resumed.stdout, resumed.stdout[-3000:]
@@ -132,6 +141,17 @@ def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exact
     m = _metrics(tmp_path / "experiments" / "cut")
     assert m["aggregates"]["steps"] == _metrics(tmp_path / "experiments" / "whole")["aggregates"]["steps"]
     assert not [note for note in m["data_notes"] if "resume_not_exact" in note]
+
+    # the copy resumed on 1 process (this one): another split of the stream, said and recorded as not exact
+    consumed = (snapshot - per_epoch) * 4 * nproc  # samples of epoch 2 trained before the snapshot
+    with contextlib.chdir(elsewhere):
+        assert main(*args) == 0
+    (note,) = [
+        n["resume_not_exact"]
+        for n in _metrics(elsewhere / "experiments" / "cut")["data_notes"]
+        if "resume_not_exact" in n
+    ]
+    assert note == {"epoch": 2, "may_repeat": consumed, "may_skip": consumed}
 
 
 # ---------------------------------------------------------------------------- lengths checked, not trusted

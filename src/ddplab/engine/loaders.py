@@ -222,7 +222,8 @@ class TrainFeed:
             )
             source.set_epoch(epoch, consumed, skip=False)
             return
-        if not source.own:
+        was_own = restored.get("own", source.own)  # the snapshot's stream sharded itself (or did not)
+        if not source.own and not was_own:
             self.log(
                 f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
                 f"epoch {epoch + 1} (read and dropped)"
@@ -230,8 +231,8 @@ class TrainFeed:
             source.set_epoch(epoch, consumed)
             return
         # A stream that shards itself: each rank's share alone is known to it, each loader worker's to that worker.
-        taken = restored.get("taken") if same else None
-        if taken is not None and len(taken[rank]) == len(self.taken):
+        taken = restored.get("taken")
+        if source.own and same and taken is not None and len(taken[rank]) == len(self.taken):
             self.taken = list(taken[rank])
             self.turn, self.done = restored["turns"][rank], list(restored["done"][rank])
             self.log(
@@ -240,7 +241,9 @@ class TrainFeed:
             )
             source.set_epoch(epoch, per_worker=self.taken)
             return
-        was = restored.get("world_size", world)
+        # Another world size or worker count splits it otherwise: which samples were trained is not known here.
+        workers, was = max(self.workers, 1) if source.own else 1, restored.get("world_size", world)
+        self.taken = [consumed // world // workers] * len(self.taken)
         self.inexact = {"epoch": epoch + 1, "may_repeat": consumed, "may_skip": consumed}
         self.log(
             f"the training stream shards itself and was snapshotted at {was} processes x "
@@ -248,8 +251,7 @@ class TrainFeed:
             f"skips forward past {consumed // world} samples; not exact: up to {consumed} samples of epoch "
             f"{epoch + 1} may be read twice, and as many skipped (metrics.json: data_notes)"
         )
-        self.taken[0] = consumed // world
-        source.set_epoch(epoch, consumed // world)
+        source.set_epoch(epoch, per_worker=self.taken)
 
     def left(self) -> float:
         """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
@@ -285,6 +287,7 @@ class TrainFeed:
         taken, turns, done = zip(*self.ctx.gather_objects((list(self.taken), self.turn, list(self.done))), strict=True)
         return {
             "world_size": self.ctx.world_size,
+            "own": self.source.own,  # the stream shards itself
             "epoch": self.source.epoch,
             "states": states,
             "taken": list(taken),  # each rank's items trained this epoch, per loader worker
