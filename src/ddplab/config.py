@@ -152,7 +152,11 @@ class EarlyStoppingConfig:
 
 @dataclass
 class TrainingConfig:
-    epochs: int = _f(2, "passes over the training set", positive=True)
+    epochs: int | None = _f(
+        None,
+        "passes over the training set; not set: 2, or with a stream and training.max_steps, as many as max_steps takes",
+        positive=True,
+    )
     max_steps: int | None = _f(None, "stop after this many optimizer steps", positive=True)
     time_budget: str | None = _f(None, "stop after this much training time: 2h, 90m, 30s (at most 365d)")
     batch_size: int = _f(32, "samples per process per micro-step", positive=True)
@@ -222,6 +226,11 @@ class CheckpointConfig:
         True,
         "record each snapshot file's CRC-32C in its manifest and check it before the "
         "snapshot is trusted (false: sizes only)",
+    )
+    allow_changed_data: bool = _f(
+        False,
+        "resume over data that changed since the snapshot (its files, sizes or first items), "
+        "said in the log and recorded; false: such a resume is refused",
     )
 
 

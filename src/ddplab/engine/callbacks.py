@@ -76,6 +76,11 @@ class TrainView:
         doc="What the training loss is averaged over: items (the task's, on every rank) or samples (per process).",
     )
     steps_per_epoch = property(lambda v: v._t.batch["steps_per_epoch"], doc="Optimizer steps in a whole epoch.")
+    epochs_planned = property(lambda v: v._t.epochs, doc="Epochs to train (inf: a stream, until training.max_steps).")
+    data_feed = property(lambda v: v._t.feed.how, doc="How the training stream is split (None: map-style data).")
+    data_notes = property(
+        lambda v: tuple(v._t.state.data_notes), doc="What the data did that was not as planned (metrics.json)."
+    )
 
     @property
     def epoch(self) -> int:

@@ -36,6 +36,7 @@ SAFE_TO_CHANGE = (
     "training.grad_accum_steps",
     "checkpoint.async_save",
     "checkpoint.checksums",
+    "checkpoint.allow_changed_data",
     "checkpoint.every",
     "checkpoint.keep_last",
     "checkpoint.resume",

@@ -6,16 +6,17 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import islice
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from ddplab import process_state
 from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler
-from ddplab.data.stream import Stream, is_stateful, is_stream, size
+from ddplab.data.stream import Batch, Stream, Tagged, declared, is_stateful, is_stream
 
 
 def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
@@ -44,13 +45,15 @@ class Loaders:
         self._eval: dict[int, DataLoader] = {}
         self._made: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
-    def _make(self, dataset, sampler=None, workers: int | None = None, persistent: bool = True, **extra) -> DataLoader:
+    def _make(
+        self, dataset, sampler=None, workers: int | None = None, persistent: bool = True, collate=None, **extra
+    ) -> DataLoader:
         workers = self.workers if workers is None else workers
         loader = DataLoader(
             dataset,
             batch_size=self.cfg.training.batch_size,
             sampler=sampler,
-            collate_fn=self.collate_fn,
+            collate_fn=collate or self.collate_fn,
             num_workers=workers,
             persistent_workers=persistent and workers > 0,
             pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
@@ -76,8 +79,11 @@ class Loaders:
         generator = torch.Generator().manual_seed(self.cfg.experiment.seed)
         if sampler is not None:
             return self._make(dataset, sampler, generator=generator)
-        # A stream's workers start afresh each epoch: persistent ones would keep the first epoch's position.
-        return self._make(dataset, workers=self.stream_workers(dataset.dataset), persistent=False, generator=generator)
+        # A stream's workers start afresh each epoch: persistent ones would keep the first epoch's position. Its
+        # batches come tagged with their worker and size (TrainFeed counts each worker's share trained).
+        tagged = Tagged(self.collate_fn or default_collate)
+        workers = self.stream_workers(dataset.dataset)
+        return self._make(dataset, workers=workers, persistent=False, collate=tagged, generator=generator)
 
     def stream_workers(self, dataset) -> int:
         """A stream that keeps its own position is read in the training process, where its state_dict() is
@@ -102,9 +108,11 @@ class TrainFeed:
     (TrainState.consumed). Map-style data go through ResumableDistributedSampler, which resumes by
     slicing its permutation, and are read under a per-sample seed (data.per_sample_seed); a stream through
     data.stream.Stream, which resumes a stream that seeks itself (ddplab.Shards) at `consumed`, else from
-    the dataset's own state_dict() where it has one, else by reading past the samples already consumed.
+    the dataset's own state_dict() where it has one, else by reading past the samples already consumed (a
+    stream that shards itself: each loader worker past its own share already trained).
 
-    state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state.
+    state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state,
+    and each rank's and loader worker's count of its items trained in the epoch.
     """
 
     def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
@@ -112,11 +120,13 @@ class TrainFeed:
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
         rank, world = share
         self.seed = cfg.experiment.seed
-        self.size = size(dataset)  # None: a stream that does not know its length
+        self.size = declared(dataset, cfg.data.limit)  # None: a stream that does not know its length
         self.sampler: ResumableDistributedSampler | None = None  # map-style data
         self.source: Stream | None = None  # a stream
+        self.workers = 0  # a stream's loader workers
         if is_stream(dataset):
-            self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit)
+            self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit, marked=True)
+            self.workers = loaders.stream_workers(dataset)
             if is_stateful(dataset) and loaders.workers:
                 log(
                     f"the training stream keeps its own position (state_dict()): it is read in the training process, "
@@ -129,6 +139,22 @@ class TrainFeed:
                 self.sampler.keyed = True
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
+        self.taken = [0] * max(self.workers, 1)  # a stream: this rank's items trained this epoch, per loader worker
+        self.untrained = 0  # a stream: this rank's items the epoch ended without (uneven ranks)
+        self.turn, self.done = 0, [False]  # a stream that shards itself: the worker whose batch is next; ended ones
+        self.before = self.skipped = 0  # a stream: samples of the epoch read before this attempt (all ranks; this one)
+        self.inexact: dict | None = None  # a resume that is not exact: how many samples may be read twice or skipped
+
+    @property
+    def how(self) -> str | None:
+        """How the training stream is split, for the start line (None: map-style data)."""
+        if self.source is None:
+            return None
+        if self.source.seeks:
+            return "the training stream seeks its own share of one global order"
+        if self.source.own:
+            return "the training stream shards itself (its first items differ between ranks): ddplab splits nothing"
+        return "the training stream is one global order: ddplab splits it among ranks and loader workers"
 
     def epoch(self, epoch: int, consumed: int) -> Iterator:
         """The batches of `epoch` after its first `consumed` samples (all ranks together)."""
@@ -140,12 +166,40 @@ class TrainFeed:
         if self.sampler is not None:
             self.sampler.set_epoch(epoch, start=consumed)
         else:
+            self.taken, self.untrained = [0] * max(self.workers, 1), 0
+            self.turn, self.done = 0, [False] * max(self.workers, 1)
             self._stream_start(epoch, consumed)
+            self.before, self.skipped = consumed, sum(self.taken)  # read before this attempt: all ranks', this rank's
+            if self.workers > 1 and self.source is not None and self.source.own:
+                return self._in_turn(iter(self.loader))
         return iter(self.loader)
 
+    def _in_turn(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """The batches of a stream that shards itself, read by loader workers, in the loader's own turn
+        (worker by worker, one whose share has ended left out) from the turn where the epoch stood: a
+        DataLoader begins every epoch at worker 0, so a resumed epoch would take the same batches in
+        another order. A live worker's batch comes at least once every `workers` batches: one that has
+        none while another has 3 waiting has ended with nothing left (its share was empty)."""
+        workers, more = self.workers, True
+        pending: list[deque[Batch]] = [deque() for _ in range(workers)]
+        while live := [w for w in range(workers) if pending[w] or not self.done[w]]:
+            w = min(live, key=lambda v: (v - self.turn) % workers)
+            while not pending[w] and more and max(map(len, pending)) < 3:
+                got = next(batches, None)
+                more = got is not None
+                if got is not None:
+                    pending[got.worker].append(got)
+            if not pending[w]:
+                self.done[w] = True
+                continue
+            batch = pending[w].popleft()
+            self.done[w] = batch.last
+            self.turn = (w + 1) % workers
+            yield batch
+
     def _stream_start(self, epoch: int, consumed: int) -> None:
-        source, loader = self.source, self.loader
-        assert source is not None and loader is not None  # a stream's, made by epoch()
+        source = self.source
+        assert source is not None  # a stream's, made by epoch()
         restored, self._restored = self._restored, {}
         if not consumed:
             source.set_epoch(epoch)
@@ -157,31 +211,47 @@ class TrainFeed:
             )
             source.set_epoch(epoch, consumed)
             return
-        was = restored.get("world_size", self.ctx.world_size)
+        rank, world = self.ctx.rank, self.ctx.world_size
+        same = restored.get("epoch") == epoch and restored.get("world_size") == world
         states = restored.get("states")
-        if states and restored.get("epoch") == epoch and (not source.own or was == self.ctx.world_size):
+        if states and restored.get("epoch") == epoch and (not source.own or same):
             # The last rank has read exactly the first `consumed` items; a self-sharding stream, its own.
-            self.dataset.load_state_dict(states[self.ctx.rank] if source.own else states[-1])
+            self.dataset.load_state_dict(states[rank] if source.own else states[-1])
             self.log(
                 f"the training stream resumes from its own state_dict(), {consumed} samples into epoch {epoch + 1}"
             )
             source.set_epoch(epoch, consumed, skip=False)
             return
-        if not source.own:
+        was_own = restored.get("own", source.own)  # the snapshot's stream sharded itself (or did not)
+        if not source.own and not was_own:
             self.log(
                 f"the training stream has no state_dict(): skipping forward past the first {consumed} samples of "
                 f"epoch {epoch + 1} (read and dropped)"
             )
             source.set_epoch(epoch, consumed)
             return
-        # A stream that shards itself: each rank's share alone is known to it.
-        exact = was == self.ctx.world_size and not loader.num_workers
+        # A stream that shards itself: each rank's share alone is known to it, each loader worker's to that worker.
+        taken = restored.get("taken")
+        if source.own and same and taken is not None and len(taken[rank]) == len(self.taken):
+            self.taken = list(taken[rank])
+            self.turn, self.done = restored["turns"][rank], list(restored["done"][rank])
+            self.log(
+                f"the training stream shards itself: each rank's loader workers skip forward past their own "
+                f"samples already trained ({sum(map(sum, taken))} in all, read and dropped); exact"
+            )
+            source.set_epoch(epoch, per_worker=self.taken)
+            return
+        # Another world size or worker count splits it otherwise: which samples were trained is not known here.
+        workers, was = max(self.workers, 1) if source.own else 1, restored.get("world_size", world)
+        self.taken = [consumed // world // workers] * len(self.taken)
+        self.inexact = {"epoch": epoch + 1, "may_repeat": consumed, "may_skip": consumed}
         self.log(
-            f"the training stream shards itself and has no state_dict(): each rank skips forward past its first "
-            f"{consumed // was} samples (read and dropped)"
-            + ("" if exact else "; not exact: that needs the same world size and data.num_workers=0")
+            f"the training stream shards itself and was snapshotted at {was} processes x "
+            f"{len(taken[0]) if taken else '?'} loader workers, now {world} x {max(self.workers, 1)}: each rank "
+            f"skips forward past {consumed // world} samples; not exact: up to {consumed} samples of epoch "
+            f"{epoch + 1} may be read twice, and as many skipped (metrics.json: data_notes)"
         )
-        source.set_epoch(epoch, consumed // was)
+        source.set_epoch(epoch, per_worker=self.taken)
 
     def left(self) -> float:
         """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
@@ -190,19 +260,40 @@ class TrainFeed:
     def next_step(self, batches: Iterator, accum: int) -> list:
         """The micro-batches of the next optimizer step; none when the epoch is over. A stream's ranks
         agree (one all-reduce of a count) to take as many as the rank with the fewest has, so that
-        shards of uneven length end the epoch together instead of leaving a rank in a collective alone."""
+        shards of uneven length end the epoch together instead of leaving a rank in a collective alone;
+        what the others still hold is read to its end and counted (`untrained`), never trained unsaid."""
         micro = list(islice(batches, accum))
         if self.sampler is not None:
             return micro  # the sampler gives every rank the same count
         agreed = int(self.ctx.all_reduce(torch.tensor([float(len(micro))], device=self.ctx.device), "min").item())
-        return micro[:agreed]
+        for b in micro[:agreed]:
+            self.taken[b.worker] += b.items
+        if agreed < accum:  # the epoch's last step, on every rank
+            self.untrained += sum(b.items for b in micro[agreed:]) + sum(b.items for b in batches)
+        return [b.batch for b in micro[:agreed]]
+
+    def read(self) -> tuple[int, int]:
+        """A collective for a stream: (samples of the epoch read by every rank, of them left untrained)."""
+        this = sum(self.taken) - self.skipped + self.untrained
+        counts = torch.tensor([float(this), float(self.untrained)], device=self.ctx.device)
+        read, untrained = self.ctx.all_reduce(counts).tolist()
+        return self.before + int(read), int(untrained)
 
     def state_dict(self) -> dict:
-        """A collective for a stateful stream: every rank's stream state is gathered."""
+        """A collective for a stream: every rank's stream state and counts are gathered."""
         if self.source is None:  # map-style data: TrainState's position is all
             return {}
         states = self.ctx.gather_objects(self.dataset.state_dict()) if is_stateful(self.dataset) else None
-        return {"world_size": self.ctx.world_size, "epoch": self.source.epoch, "states": states}
+        taken, turns, done = zip(*self.ctx.gather_objects((list(self.taken), self.turn, list(self.done))), strict=True)
+        return {
+            "world_size": self.ctx.world_size,
+            "own": self.source.own,  # the stream shards itself
+            "epoch": self.source.epoch,
+            "states": states,
+            "taken": list(taken),  # each rank's items trained this epoch, per loader worker
+            "turns": list(turns),  # each rank's loader worker whose batch comes next
+            "done": list(done),  # each rank's loader workers whose share has ended
+        }
 
     def load_state_dict(self, state: dict | None) -> None:
         self._restored = dict(state or {})

@@ -168,6 +168,12 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
             group["lr"] = base * self._multiplier(self.last_epoch)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
+    def plan(self, total_steps: int) -> None:
+        """The configured plan itself moves to `total_steps` (a stream's epochs measured at another length
+        than planned); a time budget may shorten it again."""
+        self.planned = max(int(total_steps), self.last_epoch + 1)
+        self.replan(self.planned)
+
     def state_dict(self) -> dict:
         return {
             "last_epoch": self.last_epoch,

@@ -10,6 +10,7 @@ any builder. A builder takes what the default beside it takes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +18,13 @@ from typing import Any
 import torch
 
 from ddplab.config import batch_arithmetic
-from ddplab.data.stream import size
+from ddplab.data.stream import declared, is_stream
 from ddplab.engine.clock import InFlight
 from ddplab.engine.loaders import Loaders, TrainFeed
 from ddplab.engine.optim import build_optimizer, build_schedule, scaled_lr
 from ddplab.engine.setup import distribute
+
+DEFAULT_EPOCHS = 2  # where training.epochs is not set
 
 
 def grad_scaler(cfg, ctx) -> torch.amp.GradScaler:
@@ -44,6 +47,7 @@ class TrainParts:
     lr: float  # the peak learning rate, after training.lr_scaling
     shares: int  # processes the data and the global batch are divided among: world size x replica groups
     batch: dict  # batch_arithmetic over those shares
+    epochs: float  # to train: training.epochs; a stream with training.max_steps and no epochs set, until then (inf)
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,13 @@ class Builders:
         t, d = cfg.training, cfg.distributed
         groups = d.replica_groups if d.fault_tolerance == "replicas" else 1  # replica groups (engine/replicas.py)
         shares = ctx.world_size * groups
-        batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, shares, size(data.train))
+        batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, shares, declared(data.train, cfg.data.limit))
+        epochs = t.epochs or (math.inf if is_stream(data.train) and t.max_steps else DEFAULT_EPOCHS)
         wrapped, comm = self.distribute(model, cfg, ctx)
         lr = scaled_lr(t.lr, t.lr_scaling, shares)
         optimizer = self.optimizer(cfg, ctx, model, lr)
         scaler = self.scaler(cfg, ctx)
         loaders = self.loaders(cfg, ctx, data.collate_fn)
         feed = self.feed(data.train, loaders, cfg, ctx, log, (d.replica_group * ctx.world_size + ctx.rank, shares))
-        scheduler = self.schedule(cfg, ctx, optimizer, t.max_steps or batch["steps_per_epoch"] * t.epochs)
-        return TrainParts(wrapped, model, comm, optimizer, scheduler, scaler, loaders, feed, lr, shares, batch)
+        scheduler = self.schedule(cfg, ctx, optimizer, t.max_steps or batch["steps_per_epoch"] * epochs)
+        return TrainParts(wrapped, model, comm, optimizer, scheduler, scaler, loaders, feed, lr, shares, batch, epochs)

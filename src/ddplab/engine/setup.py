@@ -16,15 +16,16 @@ from typing import cast
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from ddplab.data.stream import is_stream, shards_itself, size
+from ddplab.data.stream import FirstItems, is_stateful, is_stream, said_how, shards_itself, size
 from ddplab.distributed import wrap_model
 from ddplab.engine import assets as saved_assets
 from ddplab.engine import fsdp_comm
 from ddplab.engine.clock import InFlight
 from ddplab.engine.comm import install_comm_hook
 from ddplab.engine.failure import place_of
+from ddplab.engine.loaders import data_workers
 from ddplab.engine.sharding import shard
 from ddplab.errors import RunError, UserError, first_line
 from ddplab.tasks import Task, call_model
@@ -140,7 +141,9 @@ def build_data(cfg, ctx, work: Workload, assets: Assets | None = None) -> Data:
     if cfg.data.limit is not None and n is not None and cfg.data.limit < n and not is_stream(data.train):
         data.train = Subset(data.train, range(cfg.data.limit))
     if ctx is not None:
-        same_on_every_rank(data, ctx, where)
+        same_on_every_rank(
+            data, ctx, where, data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
+        )
     return data
 
 
@@ -152,36 +155,113 @@ def check_task(task, where: str) -> None:
         )
 
 
-def same_on_every_rank(data: Data, ctx, where: str) -> None:
+def same_on_every_rank(data: Data, ctx, where: str, workers: int = 0) -> None:
     """Every rank must build the same data (DDP averages gradients of one dataset): a tokenizer trained
     on each rank, or a label map built from an unordered set, differ from rank to rank. Compared by a
-    digest of the task, `meta`, each split's kind and length, and its first items."""
+    digest of the task, `meta`, and each split's kind, length and first items; a stream's first items
+    tell whether it shards itself (sharded_how)."""
+    for split in SPLITS:
+        sharded_how(getattr(data, split), f"{where}: Data.{split}", ctx, workers)
     digests = ctx.gather_objects(data_digest(data))
-    if len(set(digests)) > 1:
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    differ = next(((r, d) for r, d in enumerate(digests) if d != digests[0]), None)
+    if differ is None:
+        return
+    rank, digest = differ
+    part = next(k for k in digest if digest[k] != digests[0][k])
+    if part in SPLITS and is_stream(getattr(data, part)):
         raise UserError(
-            f"{where}: returns different data on rank {differ[0]} than on rank 0 (its task, meta or "
-            f"first items differ): build it from the seed and the files alone, the same on every rank "
-            f"(e.g. rank 0 builds a tokenizer and saves it, cfg.barrier(), every rank loads it)"
+            f"{where}: Data.{part} is a stream whose length or kind differs on rank {rank} from rank 0's: "
+            f"if it yields only its own process's share, set shards_itself = True on it"
         )
+    what = "its task or meta" if part == "about" else f"Data.{part}: its length or first items"
+    raise UserError(
+        f"{where}: returns different data on rank {rank} than on rank 0 ({what} differ): build it from the "
+        f"seed and the files alone, the same on every rank (e.g. rank 0 builds a tokenizer and saves it, "
+        f"cfg.barrier(), every rank loads it)"
+    )
 
 
-def data_digest(data: Data) -> str:
-    plain = json.dumps([data.task.describe(), data.meta], sort_keys=True, default=lambda o: type(o).__name__)
-    h = hashlib.sha256(plain.encode())
+SPLITS = ("train", "val", "test")
+
+
+def sharded_how(dataset, where: str, ctx, workers: int) -> None:
+    """PyTorch leaves sharding a stream to the stream. One that does not say (its own `shards_itself`) is
+    read twice on each rank: first items that differ between ranks, the same on every read, are a stream
+    that shards itself; the same on every rank, one that ddplab splits. With loader workers, each worker's
+    first items tell the same of workers. The finding is set as the stream's `shards_itself`."""
+    if dataset is None or not is_stream(dataset) or said_how(dataset):
+        return
+    workers = 0 if is_stateful(dataset) else workers  # such a stream is read in the training process
+    if ctx.world_size == 1 and not workers:
+        return  # one reader: nothing to split
+    first, again = first_items(dataset, reads=2)  # random draws go on between the reads: an unseeded order shows
+    firsts = ctx.gather_objects((first, again))
+    unstable = [r for r, (a, b) in enumerate(firsts) if a != b]
+    if unstable:
+        raise UserError(
+            f"{where} is a stream whose first items change from one read to the next (rank {unstable[0]}), so "
+            f"ddplab cannot tell whether it shards itself: if it yields only its own process's share, set "
+            f"shards_itself = True on it; if it is one order for every process, with random augmentation, "
+            f"shards_itself = False; else make its order a function of the seed and the epoch (set_epoch(epoch), "
+            f"no unseeded shuffle)"
+        )
+    by_rank = ctx.world_size > 1 and len({a for a, _ in firsts}) > 1
+    by_worker = False
+    if workers > 1:
+        with _same_draws():
+            loader = DataLoader(FirstItems(dataset, first_items), batch_size=None, num_workers=workers)
+            by_worker = any(d[0] != first for d in loader)
+        by_worker = any(ctx.gather_objects(by_worker))
+    if ctx.world_size > 1 and workers > 1 and by_rank != by_worker:
+        split, whole = ("ranks", "loader workers") if by_rank else ("loader workers", "ranks")
+        raise UserError(
+            f"{where} is a stream that splits itself among {split} but not among {whole} (its first items "
+            f"say so): split it by both, with torch.distributed.get_rank() and "
+            f"torch.utils.data.get_worker_info(), or by neither (ddplab then splits it)"
+            + (", or set data.num_workers=0" if by_rank else "")
+        )
+    dataset.shards_itself = by_rank or by_worker
+
+
+def first_items(dataset, n: int = 4, reads: int = 1) -> list[str]:
+    """Digests of the stream's first `n` items, read `reads` times in this process (a loader worker: its own),
+    from the same random state on every rank."""
+    digests = []
+    with _same_draws():
+        for _ in range(reads):
+            h = hashlib.sha256()
+            for item in islice(dataset, n):
+                _digest(item, h)
+            digests.append(h.hexdigest())
+    return digests
+
+
+@contextlib.contextmanager
+def _same_draws():
+    """Random augmentations draw the same numbers on every rank, and training's draws are left as they were."""
     state = random.getstate(), np.random.get_state()
-    # Random augmentations draw the same numbers on every rank, and training's draws are left as they were.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0), random.seed(0), np.random.seed(0)
-        for split in (data.train, data.val, data.test):
-            h.update(f"{type(split).__name__} {size(split)}".encode())
-            if split is None or shards_itself(split):  # its items are this rank's own
-                continue
-            for item in islice(split, 2) if is_stream(split) else (split[i] for i in range(min(2, len(split)))):
-                _digest(item, h)
+        yield
     random.setstate(state[0])
     np.random.set_state(state[1])
-    return h.hexdigest()
+
+
+def data_digest(data: Data) -> dict:
+    """Digests of the task and `meta` (`about`), and of each split's kind, length and first items (a
+    stream's first items: sharded_how compared them)."""
+    plain = json.dumps([data.task.describe(), data.meta], sort_keys=True, default=lambda o: type(o).__name__)
+    out = {"about": hashlib.sha256(plain.encode()).hexdigest()}
+    with _same_draws():
+        for split in SPLITS:
+            dataset = getattr(data, split)
+            own = is_stream(dataset) and shards_itself(dataset)  # its length may be its rank's own
+            h = hashlib.sha256(f"{type(dataset).__name__} {None if own else size(dataset)}".encode())
+            if dataset is not None and not is_stream(dataset):
+                for i in range(min(2, len(dataset))):
+                    _digest(dataset[i], h)
+            out[split] = h.hexdigest()
+    return out
 
 
 def _digest(obj, h) -> None:

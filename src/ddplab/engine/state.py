@@ -30,6 +30,9 @@ class TrainState:
     stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted | a callback's request
     resumes: int = 0  # how many times this run was resumed from a snapshot
     snapshot_stalls: list = field(default_factory=list)  # {step, stall_s, async}: training held by each snapshot
+    epoch_steps: int = 0  # optimizer steps of the epoch in progress
+    steps_per_epoch: int | None = None  # a stream's, as its last whole epoch measured it (None: as planned)
+    data_notes: list = field(default_factory=list)  # what the data did that was not as planned (metrics.json)
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -93,6 +93,7 @@ def summary(view, status: str, workload: dict | None = None, test: dict | None =
         "aggregates": aggregates,
         "test": test or {},
         "eta": eta_record(history, view.elapsed),
+        "data_notes": list(view.data_notes),  # a stream's measured length, a resume not exact, data changed
     }
 
 

@@ -28,9 +28,10 @@ from ddplab.engine.callbacks import CallbackList, TrainView
 from ddplab.engine.checkpoint import PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
 from ddplab.engine.checkpoint_reader import BEST, load_snapshot
 from ddplab.engine.clock import Clock
+from ddplab.engine.data_identity import DataIdentity
 from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
-from ddplab.engine.optim import plan_for_budget
+from ddplab.engine.optim import Schedule, plan_for_budget
 from ddplab.engine.parts import TrainParts
 from ddplab.engine.preemption import StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
@@ -38,7 +39,7 @@ from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, unused_parameters
 from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
 from ddplab.engine.state import TrainState
-from ddplab.errors import RunError
+from ddplab.errors import RunError, UserError
 from ddplab.tasks import call_model, item_counter, to_device
 
 
@@ -55,7 +56,7 @@ class Trainer:
         self.items = item_counter(self.task, self.raw)  # what the loss of a batch is a mean over (Task.items)
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
         self.loaders, self.feed = parts.loaders, parts.feed
-        self.lr, self.shares, self.batch = parts.lr, parts.shares, parts.batch
+        self.lr, self.shares, self.batch, self.epochs = parts.lr, parts.shares, parts.batch, parts.epochs
         self.autocast = autocast(t.amp, ctx.device)
         self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
@@ -74,6 +75,7 @@ class Trainer:
             from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
 
             self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
+        self.identity = DataIdentity(data, ctx)
         self.parts, self.best_parts = self._register_parts()
         self.eval_at = "train"  # train (training.eval_every) | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
@@ -95,6 +97,7 @@ class Trainer:
         parts.add("scaler", self.scaler)
         parts.add("trainer", self.state)
         parts.add("data", self.feed)  # a stream's own position (map-style data: the trainer's `consumed`)
+        parts.add("data_identity", self.identity)  # what the data was: a rerun over other data is refused
         parts.add("rng", part(rng_state, set_rng_state), PER_RANK)
         parts.add("callbacks", self.callbacks)
         if self.replicas is not None:
@@ -147,7 +150,7 @@ class Trainer:
                 self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
             elif t.max_steps and s.step >= t.max_steps:
                 s.stop_reason = "max_steps"
-            while s.epoch < t.epochs and s.stop_reason is None:
+            while s.epoch < self.epochs and s.stop_reason is None:
                 if self.train_epoch():
                     self.end_of_epoch()
                     self.snapshot()
@@ -167,6 +170,9 @@ class Trainer:
         """Train until the epoch ends (True) or a stop is agreed (False)."""
         t, s = self.cfg.training, self.state
         batches = self.feed.epoch(s.epoch, s.consumed)
+        if self.feed.inexact is not None:  # said in the log as the epoch resumed; recorded here
+            s.data_notes.append({"step": s.step, "resume_not_exact": self.feed.inexact})
+            self.feed.inexact = None
         left = self.feed.left()  # samples still to come on this rank
         self.in_epoch = True
         self.callbacks.on_epoch_start(self.view)
@@ -239,6 +245,7 @@ class Trainer:
         self.scheduler.step()
         self.last_step_samples = samples
         s.step = step
+        s.epoch_steps += 1
         s.consumed += self.last_step_samples * self.shares
 
     def _loss_weights(self, unpacked: list) -> tuple[list, list]:
@@ -388,6 +395,9 @@ class Trainer:
         }
         if self.replicas is not None:
             row.update(self.replicas.epoch_columns())
+        if self.feed.source is not None and not partial:  # a stream's epoch, measured
+            row["read_samples"], row["untrained_samples"] = self.feed.read()
+            self._measured(row["read_samples"], row["untrained_samples"])
         if partial:
             row["partial"] = True
         s.history.append(row)
@@ -400,11 +410,54 @@ class Trainer:
             # what follows this row (its files, the best model, the snapshot) is counted in the next epoch's.
             s.epoch_loss_sum = s.epoch_loss_weight = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = 0.0
             s.epoch_time = 0.0
+            s.epoch_steps = 0
             s.epoch_eval_time = s.epoch_snapshot_time = 0.0
         if self.cfg.checkpoint.save_best and (not val or self.improved):
             with self.clock.timed("snapshot"):
                 self.checkpoints.save(self.best_parts, self.ctx, BEST, self._about(val_loss=val.get("loss")))
         return row
+
+    def _measured(self, read: int, untrained: int) -> None:
+        """A stream's epoch is over: its length is checked, not trusted. Steps other than planned (a __len__
+        that is wrong, uneven ranks, a stream without one) plan the schedule and the ETA again over the
+        measured steps, from the next epoch on; said in one line and recorded (metrics.json: data_notes)."""
+        s, planned, declared = self.state, self.batch["steps_per_epoch"], self.feed.size
+        if s.epoch_steps == planned:
+            return
+        n, steps = s.epoch + 1, s.epoch_steps
+        said = (
+            f"WARNING: epoch {n}: Data.train's __len__ says {declared} samples, the stream gave {read}"
+            if declared is not None and read != declared
+            else f"epoch {n}: the stream gave {read} samples"
+        )
+        untold = f", {untrained} of them untrained (uneven ranks)" if untrained else ""
+        total = self._plan_epochs(steps)
+        self.run.log(
+            f"{said}{untold}: {steps} steps"
+            + (f", not the {planned} planned" if planned is not None else "")
+            + f"; the schedule and ETA are planned again over {steps} steps an epoch ({total} steps in all) "
+            f"from epoch {n + 1}"
+        )
+        s.steps_per_epoch = steps
+        s.data_notes.append(
+            {
+                "epoch": n,
+                "declared_samples": declared,
+                "read_samples": read,
+                "untrained_samples": untrained,
+                "planned_steps": planned,
+                "measured_steps": steps,
+            }
+        )
+
+    def _plan_epochs(self, steps: int) -> int | float:
+        """Steps an epoch as measured: the ETA's, and the schedule's plan (ddplab's own schedules) to the run's
+        end (training.max_steps or its epochs); the total planned."""
+        self.batch["steps_per_epoch"] = steps
+        total = min(self.cfg.training.max_steps or math.inf, steps * self.epochs)
+        if math.isfinite(total) and isinstance(self.scheduler, Schedule):
+            self.scheduler.plan(int(total))
+        return total
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> None:
@@ -437,7 +490,10 @@ class Trainer:
             return
         where, manifest, left = found
         s = self.state
+        self._check_data(where)
         self._keep_global_batch(manifest)
+        if s.steps_per_epoch is not None:  # measured in an earlier epoch (a stream)
+            self._plan_epochs(s.steps_per_epoch)
         if manifest["world_size"] != self.ctx.world_size:
             # The remaining samples of the epoch are re-divided among the new ranks (see the sampler);
             # per-rank random streams cannot carry over, so they are reseeded.
@@ -459,6 +515,23 @@ class Trainer:
             f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
             f"epoch, {s.elapsed:.1f} s already spent)"
         )
+
+    def _check_data(self, where: Path) -> None:
+        """The data must be what the snapshot was trained on (its files, sizes and first items), or a resume
+        would read other samples than it says: refused, unless checkpoint.allow_changed_data, then recorded."""
+        changed = self.identity.changes()
+        if not changed:
+            return
+        if not self.cfg.checkpoint.allow_changed_data:
+            raise UserError(
+                f"the data changed since the snapshot {where.name}: {changed}; resume over the data it was "
+                f"trained on, or set checkpoint.allow_changed_data=true to go on with this data"
+            )
+        self.run.log(
+            f"the data changed since the snapshot {where.name}: {changed}; going on with it "
+            f"(checkpoint.allow_changed_data=true): the resume is not exact"
+        )
+        self.state.data_notes.append({"step": self.state.step, "data_changed": changed})
 
     def _keep_global_batch(self, manifest: dict) -> None:
         """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""

@@ -67,6 +67,7 @@ class RunRecorder(Callback):
         "val_rmse",
         "epoch_time_s",
         "samples_per_s",
+        "untrained_samples",  # a stream's, left by uneven ranks
     )
 
     def on_train_start(self, view):
@@ -86,6 +87,7 @@ class RunRecorder(Callback):
             f"accumulation x {across}; lr {view.lr:g}; "
             + (f"{b['steps_per_epoch']} steps per epoch" if b["steps_per_epoch"] else "epochs end with the stream")
             + f"; {view.data_workers} data workers per process"
+            + (f"; {view.data_feed}" if view.data_feed else "")
             + "".join(f"; {change}" for change in process_state.in_effect())
         )  # torch's defaults, unless listed
 
@@ -130,7 +132,7 @@ def eta_s(view) -> float | None:
     if view.step == 0 or elapsed <= 0:
         return None
     per_epoch = view.steps_per_epoch or float("inf")  # a stream: until training.max_steps
-    total = min(per_epoch * t.epochs, t.max_steps or float("inf"))
+    total = min(per_epoch * view.epochs_planned, t.max_steps or float("inf"))
     left = max(total - view.step, 0) * elapsed / view.step
     if view.time_budget_s is not None:
         left = min(left, max(view.time_budget_s - elapsed, 0.0))
