@@ -18,6 +18,7 @@ source do not: shuffle the rows before writing them, or make `window` as large a
 from __future__ import annotations
 
 import json
+import operator
 import tarfile
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddplab.data.shard_files import FORMATS, expand, format_of
 from ddplab.data.stream import owns
-from ddplab.errors import UserError
+from ddplab.errors import RunError, UserError, first_line
 from ddplab.extras import require
 
 
@@ -70,13 +71,15 @@ class Shards(IterableDataset):
                 f"files at {paths!r}: give format="
             )
         self.format: str = named[0]
-        if window < 1:
-            raise UserError(f"Shards: window must be at least 1, not {window}")
+        if _rows_or_none(window) is None:
+            raise UserError(f"Shards: window must be a whole number of rows, at least 1, not {window!r}")
         self.seed, self.shuffle, self.window = seed, shuffle, window
         self.columns = list(columns) if columns is not None else None
         self.transform = transform
         with ThreadPoolExecutor(8) as pool:  # a remote store answers many requests at once
             self.counts = list(pool.map(lambda f: _count(self.format, *f), self.files))
+        if not sum(self.counts):
+            raise UserError(f"Shards: the {len(self.files)} {self.format} file(s) at {paths!r} hold no samples")
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -127,7 +130,7 @@ class Shards(IterableDataset):
                     if self.shuffle:  # the window's rows in an order drawn from (seed, epoch, shard, window)
                         drawn = np.random.default_rng([self.seed, epoch, shard, at // self.window])
                         rows = drawn.permutation(len(block))[rows]
-                    for item in _items(self.format, block, rows):
+                    for item in _items(self.format, block, rows, self.files[shard][1], at):
                         yield self.transform(item) if self.transform is not None else item
                 at += len(block)
                 if first + at >= end:
@@ -135,21 +138,47 @@ class Shards(IterableDataset):
             j = firsts[k + 1]
 
 
+def _rows_or_none(value) -> int | None:
+    """A count of rows, at least 1 (an int, a NumPy int: anything with __index__); None for anything else (a
+    float, NaN included, compares false with every bound and would read nothing)."""
+    try:
+        rows = operator.index(value)
+    except TypeError:
+        return None
+    return rows if rows >= 1 else None
+
+
 # ---------------------------------------------------------------------------- formats
 # Each format counts a shard's samples, reads it in windows from any window's first row, and makes
-# the samples of a window's chosen rows.
+# the samples of a window's chosen rows. A shard that cannot be read fails the run naming it and the
+# part of it that is damaged (row group, record batch, line, tar member): the library's own message
+# names neither, and a data set of many shards leaves the user to guess.
+
+
+class DamagedShard(RunError):
+    """A shard file that cannot be read as its format says: a failure at run time (exit 1), not bad input."""
+
+
+def _damaged(fmt: str, path: str, exc: Exception, where: str = "") -> DamagedShard:
+    said = first_line(exc, 160) or "(no message)"
+    return DamagedShard(f"damaged {fmt} shard {path}{where}: {type(exc).__name__}: {said}")
 
 
 def _count(fmt: str, fs, path: str) -> int:
-    if fmt == "parquet":
-        import pyarrow.parquet as pq  # optional: the `text` extra
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq  # optional: the `text` extra
 
-        with fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows
-    with fs.open(path, "rb", compression="infer") as f:
-        if fmt == "arrow":
-            return sum(batch.num_rows for batch in _arrow_batches(f, None))
-        return sum(1 for _ in (_tar_samples(f) if fmt == "tar" else _lines(f)))
+            with fs.open(path, "rb") as f:
+                return pq.ParquetFile(f).metadata.num_rows
+        with fs.open(path, "rb", compression="infer") as f:
+            if fmt == "arrow":
+                return sum(batch.num_rows for batch in _arrow_batches(f, None, path))
+            return sum(1 for _ in (_tar_samples(f, path) if fmt == "tar" else _lines(f)))
+    except DamagedShard:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever its library raises, the file is what is wrong
+        raise _damaged(fmt, path, exc) from exc
 
 
 def _windows(fmt: str, fs, path: str, at: int, size: int, columns) -> Iterator:
@@ -163,26 +192,52 @@ def _windows(fmt: str, fs, path: str, at: int, size: int, columns) -> Iterator:
             while group < pf.num_row_groups and first + pf.metadata.row_group(group).num_rows <= at:
                 first += pf.metadata.row_group(group).num_rows
                 group += 1
-            batches = pf.iter_batches(batch_size=size, row_groups=range(group, pf.num_row_groups), columns=columns)
-            yield from _rebatch(batches, at - first, size)
+            yield from _rebatch(_row_groups(pf, range(group, pf.num_row_groups), size, columns, path), at - first, size)
         return
     with fs.open(path, "rb", compression="infer") as f:
         if fmt == "arrow":
-            yield from _rebatch(_arrow_batches(f, columns), at, size)
+            yield from _rebatch(_arrow_batches(f, columns, path), at, size)
             return
-        rows = islice(_tar_samples(f) if fmt == "tar" else _lines(f), at, None)
-        while block := list(islice(rows, size)):
+        rows = islice(_tar_samples(f, path) if fmt == "tar" else _lines(f), at, None)
+        while True:
+            try:
+                block = list(islice(rows, size))
+            except DamagedShard:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a truncated or corrupt compressed file
+                raise _damaged(fmt, path, exc, f" after its first {at} samples") from exc
+            if not block:
+                return
             yield block
+            at += len(block)
 
 
-def _items(fmt: str, block, rows: np.ndarray) -> list:
+def _row_groups(pf, groups: range, size: int, columns, path: str) -> Iterator:
+    """The record batches of these row groups, one group at a time: a damaged one is named."""
+    for group in groups:
+        try:
+            batches = list(pf.iter_batches(batch_size=size, row_groups=[group], columns=columns))
+        except Exception as exc:  # noqa: BLE001 - whatever pyarrow raises, the row group is what is wrong
+            raise _damaged("parquet", path, exc, f" row group {group} of {pf.num_row_groups}") from exc
+        yield from batches
+
+
+def _items(fmt: str, block, rows: np.ndarray, path: str, first: int) -> list:
+    """The samples at `rows` of a window whose first row is row `first` of its shard."""
     if fmt in ("parquet", "arrow"):
         return block.take(rows).to_pylist()
-    if fmt == "json":
-        return [json.loads(block[i]) for i in rows]
-    if fmt == "text":
-        return [block[i].decode("utf-8").rstrip("\r\n") for i in rows]
-    return [_tar_item(block[i]) for i in rows]
+    items = []
+    for i in rows:
+        try:
+            if fmt == "json":
+                items.append(json.loads(block[i]))
+            elif fmt == "text":
+                items.append(block[i].decode("utf-8").rstrip("\r\n"))
+            else:
+                items.append(_tar_item(block[i]))
+        except ValueError as exc:  # not JSON, not UTF-8
+            raise _damaged(fmt, path, exc, f" sample {first + i} (non-blank line {first + i + 1})") from exc
+    return items
 
 
 def _rebatch(batches, skip: int, size: int) -> Iterator:
@@ -205,34 +260,65 @@ def _rebatch(batches, skip: int, size: int) -> Iterator:
         yield pa.Table.from_batches(pending)
 
 
-def _arrow_batches(f, columns) -> Iterator:
+def _arrow_batches(f, columns, path: str) -> Iterator:
     """The record batches of an Arrow IPC file, or of an IPC stream (as Hugging Face datasets saves)."""
     import pyarrow as pa  # optional: the `text` extra
     import pyarrow.ipc as ipc
 
     try:
-        reader = ipc.open_file(f)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    except pa.ArrowInvalid:
-        f.seek(0)
-        batches = iter(ipc.open_stream(f))
-    for batch in batches:
+        try:
+            reader = ipc.open_file(f)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            f.seek(0)
+            batches = iter(ipc.open_stream(f))
+    except Exception as exc:  # noqa: BLE001 - neither an IPC file nor a stream: its header or footer is damaged
+        raise _damaged("arrow", path, exc) from exc
+    index = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # noqa: BLE001 - a batch cut short or corrupt
+            raise _damaged("arrow", path, exc, f" record batch {index}") from exc
+        if batch is None:
+            return
         yield batch.select(columns) if columns is not None else batch
+        index += 1
 
 
 def _lines(f) -> Iterator[bytes]:
     return (line for line in f if line.strip())
 
 
-def _tar_samples(f) -> Iterator[list]:
+def _tar_samples(f, path: str) -> Iterator[list]:
     """WebDataset samples: runs of files whose names agree up to the first dot of their base name,
     each a list of (name, bytes)."""
     with tarfile.open(fileobj=f, mode="r|*") as tar:
-        # Each regular file (extractfile gives None only for others) is read as it is reached: a streamed
-        # tar cannot go back to it.
-        files = ((m.name, cast(IO[bytes], tar.extractfile(m)).read()) for m in tar if m.isfile())
-        for _, sample in groupby(files, key=lambda file: _key_ext(file[0])[0]):
+        for _, sample in groupby(_tar_files(tar, f, path), key=lambda file: _key_ext(file[0])[0]):
             yield list(sample)
+
+
+def _tar_files(tar: tarfile.TarFile, f, path: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each regular file (extractfile gives None only for others), read as it is reached:
+    a streamed tar cannot go back to it. tarfile takes a header cut short for the archive's end: an
+    uncompressed tar that stops before its end-of-archive block is named as cut short (a compressed one
+    fails in its decompressor)."""
+    members, last = iter(tar), None
+    while True:
+        member = None
+        try:
+            member = next(members, None)
+            if member is None:
+                if path.lower().endswith(".tar") and f.seek(0, 2) < tar.offset + tarfile.BLOCKSIZE:
+                    raise EOFError("the archive stops before its end-of-archive block: it was cut short")
+                return
+            data = cast(IO[bytes], tar.extractfile(member)).read() if member.isfile() else None
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            where = f" member {member.name}" if member is not None else f" after member {last}" if last else ""
+            raise _damaged("tar", path, exc, where) from exc
+        last = member.name
+        if data is not None:
+            yield member.name, data
 
 
 def _key_ext(name: str) -> tuple[str, str]:

@@ -176,7 +176,9 @@ def stream_splits(cfg, meta: dict) -> tuple[list[str], Any, Any, Any]:
 
     d = cfg.data
     train, val, test = streamed.split_shards(cfg)
-    streamed.check_columns(train, d.train, {"text_column": d.text_column, "label_column": d.label_column})
+    for split, path in ((train, d.train), (val, d.val), (test, d.test)):  # each split is read with the same columns
+        if split is not None:
+            streamed.check_columns(split, path, {"text_column": d.text_column, "label_column": d.label_column})
     rows = streamed.first_items(train, streamed.PREFIX, columns=[d.label_column])
     labels = pd.Series([row[d.label_column] for row in rows])
     try:

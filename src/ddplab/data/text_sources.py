@@ -139,9 +139,17 @@ def check_files(cfg) -> None:
                     f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, columns))}"
                 )
     if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
-        label_mapping(
-            [read_table(p, [d.label_column])[d.label_column] for p in files.values()], d.num_classes, d.label_column
-        )
+        parts = []
+        for split, path in files.items():
+            try:
+                parts.append(read_table(path, [d.label_column])[d.label_column])
+            except Exception as exc:  # noqa: BLE001 - as for the header: the file's
+                raise UserError(
+                    f"data.{split}: cannot read {path}: {first_line(exc, 160) or type(exc).__name__}"
+                ) from None
+            if not len(parts[-1]):
+                raise UserError(f"data.{split}: {path} holds no rows")
+        label_mapping(parts, d.num_classes, d.label_column)
 
 
 def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
