@@ -154,7 +154,7 @@ def test_a_job_without_replica_groups_ignores_the_variables(launcher_env):
     [
         ({"REPLICA_GROUP_ID": "one"}, "REPLICA_GROUP_ID='one' in the environment is not a whole number"),
         ({"NUM_REPLICA_GROUPS": "-2"}, "NUM_REPLICA_GROUPS='-2' in the environment is not a whole number"),
-        ({"NUM_REPLICA_GROUPS": "0"}, "NUM_REPLICA_GROUPS=0: a job has at least 1 replica group"),
+        ({"NUM_REPLICA_GROUPS": "0"}, "NUM_REPLICA_GROUPS=0: a job has 1 to 4194304 replica groups"),
         (
             {"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "2"},
             "REPLICA_GROUP_ID=2 is not below NUM_REPLICA_GROUPS=2",
