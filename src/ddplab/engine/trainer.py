@@ -422,9 +422,12 @@ class Trainer:
         that is wrong, uneven ranks, a stream without one) plan the schedule and the ETA again over the
         measured steps, from the next epoch on; said in one line and recorded (metrics.json: data_notes)."""
         s, planned, declared = self.state, self.batch["steps_per_epoch"], self.feed.size
-        if s.epoch_steps == planned:
-            return
         n, steps = s.epoch + 1, s.epoch_steps
+        if steps == planned:
+            if untrained:  # the planned length, but uneven ranks left some of it
+                self.run.log(f"epoch {n}: {untrained} of the stream's {read} samples untrained (uneven ranks)")
+                s.data_notes.append({"epoch": n, "read_samples": read, "untrained_samples": untrained})
+            return
         said = (
             f"WARNING: epoch {n}: Data.train's __len__ says {declared} samples, the stream gave {read}"
             if declared is not None and read != declared
