@@ -18,6 +18,9 @@ from ddplab.errors import UserError
 INT_MAX = 2**63 - 1
 # The longest duration a field takes (seconds): a year. Longer ones overflow timedelta or mean a typo.
 MAX_SECONDS = 365 * 86400
+# The most processes of any count (loader workers, replica groups): Linux's PID_MAX_LIMIT, the most processes one
+# machine can run whatever its size. A count up to it is then checked against the cores and memory there are.
+MAX_PROCESSES = 2**22
 
 
 def _f(
@@ -107,8 +110,10 @@ class DataConfig:
     num_workers: int | None = _f(
         None,
         "DataLoader worker processes per rank; default: 0 on CPU; on CUDA the cores this "
-        "rank may use (CPU affinity / processes on the node) less one",
+        "rank may use (CPU affinity / processes on the node) less one; more than 4 per core, or more than "
+        "the memory available holds, are cut down (a line says so)",
         min=0,
+        max=MAX_PROCESSES,
     )
     pin_memory: bool = _f(True, "pinned host memory for CUDA copies (ignored on CPU)")
 
@@ -270,12 +275,14 @@ class DistributedConfig:
         "(set by torchft's torchx launcher), else the task's place in a SLURM job array ($SLURM_ARRAY_TASK_ID - "
         "$SLURM_ARRAY_TASK_MIN), else 0",
         min=0,
+        max=MAX_PROCESSES - 1,
     )
     replica_groups: int | None = _f(
         None,
         "fault_tolerance=replicas: how many groups the job has; the training data is split in as many shares; "
         "default $NUM_REPLICA_GROUPS, else the SLURM job array's $SLURM_ARRAY_TASK_COUNT, else 1",
         positive=True,
+        max=MAX_PROCESSES,
     )
     replica_lr: str = _f(
         "fixed",

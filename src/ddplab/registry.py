@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddplab.config import INT_MAX, Config
+from ddplab.config import INT_MAX, MAX_PROCESSES, Config
 from ddplab.config_io import read_config
-from ddplab.data.checks import check_stream, check_stream_files, image_spec
+from ddplab.data.checks import check_memory, check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
 from ddplab.extras import missing, require
 from ddplab.models.checks import check_image_input
@@ -178,6 +178,7 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
     if model is not None and data is not None and model.inputs == data.inputs == "image":
         _, channels, side = image_spec(cfg, *image_needs(cfg.model.name))
         check_image_input(cfg, channels, side)
+    check_memory(cfg)
 
 
 def check_decode(cfg: Config) -> None:
@@ -272,8 +273,8 @@ def replica_place(cfg: Config, env: Mapping[str, str]) -> None:
         or _from_env(env, "SLURM_ARRAY_TASK_COUNT")
         or ("distributed.replica_groups=1 (its default)", 1)
     )
-    if groups[1] < 1:
-        raise UserError(f"{groups[0]}: a job has at least 1 replica group")
+    if not 1 <= groups[1] <= MAX_PROCESSES:
+        raise UserError(f"{groups[0]}: a job has 1 to {MAX_PROCESSES} replica groups (no machines hold more)")
     if group[1] >= groups[1]:
         hint = "; a SLURM job array of N groups is --array=0-<N-1>" if group[0].startswith("SLURM") else ""
         raise UserError(f"{group[0]} is not below {groups[0]}{hint}")

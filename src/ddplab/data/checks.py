@@ -5,6 +5,7 @@ launcher, and the workers import torch once each.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -274,3 +275,70 @@ def check_stream_files(cfg) -> None:
                 f"data.{split}: data.name={d.name} streams {', '.join(STREAMS[d.name])} shards; "
                 f"{path} holds {' and '.join(formats)} files"
             )
+
+
+# ---------------------------------------------------------------------------- sizes
+
+FLOAT32, INT64 = 4, 8  # bytes a value
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def largest_tensors(cfg) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """The tensors a built-in workload makes whose size a config field sets, each as (the field, what it is,
+    its shape, bytes a value): one tensor each, so that a count that cannot fit is caught before anything is
+    allocated (a hash vocabulary of 10^12 asked torch for 64 TB, after the run folder existed)."""
+    d, m, t = cfg.data, cfg.model, cfg.training
+    found: list[tuple[str, str, tuple[int, ...], int]] = []
+    if m.name in ("transformer", "gpt"):
+        if m.name == "transformer" and tokenizer_kind(cfg) == "hash":
+            found.append(("data.vocab_size", "the token embedding table", (d.vocab_size, m.dim), FLOAT32))
+        length = ("data.max_len", d.max_len) if m.name == "transformer" else ("model.context", m.context)
+        found.append((length[0], "the positional encoding", (length[1], m.dim), FLOAT32))
+        found.append(("model.dim", "a feed-forward weight", (m.dim, m.ff_dim or 4 * m.dim), FLOAT32))
+        found.append(
+            (length[0], "one layer's attention scores", (t.batch_size, m.heads, length[1], length[1]), FLOAT32)
+        )
+        if d.num_classes and m.name == "transformer":
+            found.append(("data.num_classes", "the classifier's output layer", (d.num_classes, m.dim), FLOAT32))
+    if d.image_size is not None:
+        found.append(("data.image_size", "a batch of images", (t.batch_size, 3, d.image_size, d.image_size), FLOAT32))
+    if d.name == "synthetic" and m.name == "gpt":
+        found.append(("data.num_samples", "the generated sequences", (d.num_samples, m.context + 1), INT64))
+    elif d.name == "synthetic":
+        side, classes = d.image_size or 28, d.num_classes or 10
+        found.append(("data.num_classes", "the generated class patterns", (classes, 3, side, side), FLOAT32))
+        found.append(("data.num_samples", "the generated images", (d.num_samples, 3, side, side), FLOAT32))
+    return found
+
+
+def check_memory(cfg) -> None:
+    """Counts and shapes the config sets (vocabulary, classes, lengths, image sides, samples) fit this machine's
+    memory: one line naming the field, the tensor and the bytes it needs, and exit 2, before anything is
+    allocated. (A model that fits the host is moved to a GPU later; one that does not fit the host is never built.)"""
+    total = memory_bytes()
+    if total is None:
+        return
+    for field, what, shape, itemsize in largest_tensors(cfg):
+        need = math.prod(shape) * itemsize
+        if need > total:
+            value = field.split(".")[-1]
+            section = getattr(cfg, field.split(".")[0])
+            raise UserError(
+                f"{field}={getattr(section, value)}: {what} ({' x '.join(map(str, shape))} values) needs "
+                f"{_size(need)}; this machine has {_size(total)} of memory"
+            )
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
+        n /= 1024
+    raise AssertionError("unreachable")

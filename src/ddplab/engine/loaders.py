@@ -26,8 +26,45 @@ def data_workers(requested: int | None, device: torch.device, processes_per_node
         return requested
     if device.type != "cuda":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, cores // processes_per_node - 1)
+    return max(0, _cores() // processes_per_node - 1)
+
+
+# Loader workers past this many per core contend for the cores instead of hiding a read's or a decode's wait.
+WORKERS_PER_CORE = 4
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _meminfo(key: str) -> int | None:
+    """A /proc/meminfo or /proc/self/smaps_rollup-style field in bytes (None where Linux's files are not)."""
+    path = "/proc/meminfo" if key.startswith("Mem") else "/proc/self/smaps_rollup"
+    try:
+        with open(path) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def bounded_workers(workers: int, processes_per_node: int) -> tuple[int, str | None]:
+    """`workers` per rank, cut down to what this node holds (and the line that says so): at most
+    WORKERS_PER_CORE for each core this rank may use (CPU affinity / processes on the node), and no more than
+    the memory available holds, each worker counted at its rank's private memory (a forked worker starts at a
+    few MB of its own, then copies every page it or Python's reference counts touch: its rank's is the bound)."""
+    share = max(1, _cores() // processes_per_node)
+    allowed, why = WORKERS_PER_CORE * share, f"{WORKERS_PER_CORE} per core of the {share} this rank may use"
+    available = _meminfo("MemAvailable")
+    own = (_meminfo("Private_Dirty") or 0) + (_meminfo("Private_Clean") or 0)
+    if available and own and available // (own * processes_per_node) < allowed:
+        allowed = int(available // (own * processes_per_node))
+        why = (
+            f"what {available / 2**30:.1f} GiB of available memory holds for {processes_per_node} rank(s) at "
+            f"{own / 2**20:.0f} MiB a worker (its rank's private memory)"
+        )
+    if workers <= allowed:
+        return workers, None
+    return allowed, f"data.num_workers={workers} cut to {allowed} loader workers per rank: {why}"
 
 
 def _end_with_rank(worker_id: int) -> None:
@@ -40,7 +77,8 @@ def _end_with_rank(worker_id: int) -> None:
 class Loaders:
     def __init__(self, cfg, ctx, collate_fn) -> None:
         self.cfg, self.ctx, self.collate_fn = cfg, ctx, collate_fn
-        self.workers = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
+        requested = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
+        self.workers, self.cut = bounded_workers(requested, ctx.launch.local_world_size)  # cut: the line, or None
         self._eval: dict[int, DataLoader] = {}
         self._made: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
@@ -110,6 +148,8 @@ class TrainFeed:
     def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
         """`share`: (this process's share, shares) of each epoch's order (replica groups: engine/parts.py)."""
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
+        if loaders.cut:
+            log(loaders.cut)
         rank, world = share
         self.seed = cfg.experiment.seed
         self.size = size(dataset)  # None: a stream that does not know its length
