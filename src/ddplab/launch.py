@@ -288,6 +288,27 @@ def run(
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
 
 
+# The memory a worker holds of its own once torch is imported (about 290 MB measured with torch 2.x on CPU, before
+# any data or model): the least each process of a job started on this machine needs.
+PROCESS_MEMORY = 256 * 2**20
+
+
+def check_processes(nproc: int, groups: int = 0) -> None:
+    """The processes `--nproc-per-node` (x `--replica-groups`) starts on this machine fit its memory, before any
+    of them or a run folder exists: 10^5 of them would fork until the host ran out of memory."""
+    count = nproc * max(groups, 1)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if count * PROCESS_MEMORY > total:
+        asked = f"--replica-groups {groups} x --nproc-per-node {nproc}" if groups else f"--nproc-per-node {nproc}"
+        raise UserError(
+            f"{asked} starts {count} processes on this machine, each holding at least {PROCESS_MEMORY >> 20} MiB "
+            f"once torch is imported; its {total / 2**30:.1f} GiB of memory holds {total // PROCESS_MEMORY} at most"
+        )
+
+
 def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
     code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input.

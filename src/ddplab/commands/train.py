@@ -19,7 +19,7 @@ from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.phases import note_launch
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import ExitCode, RunError, UserError
-from ddplab.launch import quick_exit, run_workers, under_agent
+from ddplab.launch import check_processes, quick_exit, run_workers, under_agent
 from ddplab.process_state import die_with_parent
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
 from ddplab.world import NodeLaunch, detect_nodes
@@ -29,6 +29,7 @@ def train(ns) -> int:
     at_least("--nproc-per-node", ns.nproc_per_node)
     at_least("--max-restarts", ns.max_restarts, 0)
     at_least("--replica-groups", ns.replica_groups)
+    check_processes(ns.nproc_per_node or 1, ns.replica_groups or 0)  # before the config is read or a folder made
     config, overrides = split_args(ns.args)
     if ns.replica_groups:  # its groups are numbered here (run_workers), whatever the environment says of others
         overrides += [f"distributed.replica_groups={ns.replica_groups}", "distributed.replica_group=0"]
