@@ -36,11 +36,11 @@ class Uneven(IterableDataset):
 
     shards_itself = True
 
-    def __init__(self, items: int, extra: float) -> None:
-        self.items, self.extra = items, extra
+    def __init__(self, items: int, extra: float, rank: int) -> None:
+        self.items, self.extra, self.rank = items, extra, rank  # read in the rank: loader workers have no group
 
     def __iter__(self):
-        rank = torch.distributed.get_rank()
+        rank = self.rank
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         for i in range(worker, int(self.items * (1 + self.extra * rank)), workers):
@@ -82,7 +82,7 @@ def rank_main(rank: int, port: int, args, out) -> None:
     from ddplab.engine.loaders import Loaders, TrainFeed
 
     with distributed.session("gloo") as ctx:
-        dataset = Uneven(args.items, args.extra)
+        dataset = Uneven(args.items, args.extra, rank)
         for workers in (0, 2):
             cfg = read_config(None, [f"training.batch_size={BATCH}", f"data.num_workers={workers}"])
             feed = TrainFeed(dataset, Loaders(cfg, ctx, None), cfg, ctx, lambda line: None, (rank, 2))

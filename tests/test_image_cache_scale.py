@@ -88,7 +88,7 @@ def test_a_worker_killed_mid_build_leaves_no_cache_and_the_next_build_completes(
     monkeypatch.setattr(image_cache, "decode_chunk", _dies_on_a_later_chunk)  # the forked workers inherit it
     with pytest.raises(BrokenProcessPool):
         image_cache.write(folder, samples, META, "raw", workers=2, log=lambda line: None)
-    assert list((tmp_path / "cache").iterdir()) == []  # no folder, no temporary one: nothing to trust
+    assert not (tmp_path / "cache").exists()  # no folder, no temporary one, not even the parent made for it
     monkeypatch.setattr(image_cache, "decode_chunk", _decode)
     image_cache.write(folder, samples, META, "raw", workers=2, log=lambda line: None)
     assert len(CachedImages(folder, {**META, "channels": 3}).pixels(np.arange(len(samples)))) == len(samples)

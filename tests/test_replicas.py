@@ -299,17 +299,20 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
     from ddplab.config import batch_arithmetic
     from ddplab.metrics.callbacks import RunRecorder
     from ddplab.registry import load_config
+    from ddplab.tasks import Classification
 
     lines: list[str] = []
     view = SimpleNamespace(
         run=SimpleNamespace(log=lines.append),
         batch=batch_arithmetic(32, 1, 2 * 3, 600),  # 2 processes x 3 groups: the shares
-        dist=SimpleNamespace(launch=SimpleNamespace(launcher="torchrun"), backend="gloo"),
+        dist=SimpleNamespace(launch=SimpleNamespace(launcher="torchrun", describe=lambda: "torchrun"), backend="gloo"),
         config=load_config(None, ["distributed.fault_tolerance=replicas", "distributed.replica_groups=3"]),
         world_size=2,
         device="cpu",
         lr=1e-3,
         data_workers=0,
+        data=SimpleNamespace(task=Classification(2)),
+        data_feed=None,
     )
     RunRecorder().on_train_start(view)
     assert (
