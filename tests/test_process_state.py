@@ -125,7 +125,8 @@ def test_a_frozen_generation_the_user_made_is_left_alone():
         with process_state.changes():
             process_state.freeze_gc()
             assert process_state.in_effect() == already  # nothing recorded: the user's frozen objects stay
-        assert gc.get_freeze_count() == frozen
+        # Neither thawed (0) nor frozen again (more): a frozen object that died meanwhile leaves the count lower.
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
