@@ -33,7 +33,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
     against its manifest."""
     found, ckpt = load_checkpoint(path)
     tree = ckpt["config"]  # without model.weights: the checkpoint holds every weight; that file may be gone
-    cfg = freeze(from_dict({**tree, "model": {**tree["model"], "weights": None}}))
+    cfg = freeze(from_dict({**tree, "model": {**tree.get("model", {}), "weights": None}}))
     return ckpt, cfg, found
 
 
