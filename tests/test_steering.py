@@ -602,3 +602,23 @@ def test_a_model_returned_compiled_is_trained_and_saved_as_the_plain_module(tmp_
     assert summary["status"] == "complete"
     keys = set(_snapshot(tmp_path / "compiled")["model"])
     assert keys == {"body.weight", "body.bias", "head.weight", "head.bias"}
+
+
+def test_a_scaler_builder_is_handed_the_training_section_read_only(tmp_path, drift):
+    """Builders hand each builder its part of the config: the scaler, the training section (frozen)."""
+    from dataclasses import FrozenInstanceError
+
+    from ddplab.config import TrainingConfig
+    from ddplab.engine.parts import Builders, grad_scaler
+
+    seen = []
+
+    def scaler(t, ctx):
+        seen.append(t)
+        with pytest.raises(FrozenInstanceError, match="'training.amp' cannot change"):
+            t.amp = "fp16"
+        return grad_scaler(t, ctx)
+
+    args = [*_workload(drift), *SGD, "training.epochs=1", f"experiment.output_dir={tmp_path}", "experiment.name=s"]
+    summary = train(load_config(None, args), builders=Builders(scaler=scaler))
+    assert summary["status"] == "complete" and len(seen) == 1 and isinstance(seen[0], TrainingConfig)
