@@ -33,6 +33,11 @@ naming the field, and exit 2, before a lock or a run folder exists. Every number
 UTF-8, nested at most 100 levels deep, and expand to at most 100,000 values once its anchors and aliases
 are resolved. `ddplab train --help` prints the same fields with their defaults.
 
+Once loaded, the tree is frozen: nothing in a run changes it (a callback or a builder that sets a field
+gets `dataclasses.FrozenInstanceError` naming it), and `config.yaml` holds it as loaded. What a run derives
+is recorded beside it: the accumulation a resume on another process count keeps the global batch with is
+said in `train.log` and is `metrics.json`'s `ddp.grad_accum_steps`.
+
 "Resume" marks the fields that may change when an unfinished run is continued
 (`checkpoint.resume=auto`); changing any other field asks for a new run
 ([what survives which failure](fault-tolerance.md#resume-only-under-the-same-config)).

@@ -221,3 +221,33 @@ def test_a_run_recorded_before_the_numbers_were_unset_resumes(launcher_env, tmp_
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     launcher_env(SLURM_ARRAY_TASK_ID="3", SLURM_ARRAY_TASK_COUNT="8")  # one job of a sweep's array
     check_resume(tmp_path, load_config().to_dict())
+
+
+def test_a_loaded_config_is_frozen_and_refuses_a_change_naming_the_key():
+    """What load_config returns is what the run reads to its end: a field, an option or a list item set
+    afterwards is refused with the dotted key; the Config the caller handed in stays theirs to change."""
+    import copy
+    import pickle
+    import re
+    from dataclasses import FrozenInstanceError
+
+    import yaml
+
+    mine = Config()
+    mine.model.options = {"depth": 2, "sizes": [1, 2]}
+    cfg = load_config(mine, ["model.options.width=3", "logging.trackers=[tensorboard]"])
+    changes = {
+        "training.lr": lambda c: setattr(c.training, "lr", 1.0),
+        "training": lambda c: setattr(c, "training", None),
+        "model.options": lambda c: c.model.options.update(depth=3),
+        "model.options.sizes": lambda c: c.model.options["sizes"].append(3),
+        "logging.trackers": lambda c: c.logging.trackers.clear(),
+    }
+    for copied in (cfg, copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):  # a rank's copy is frozen too
+        for key, change in changes.items():
+            with pytest.raises(FrozenInstanceError, match=rf"'{re.escape(key)}' cannot change"):
+                change(copied)
+    assert cfg.model.options == {"depth": 2, "sizes": [1, 2], "width": 3} and cfg.logging.trackers == ["tensorboard"]
+    assert yaml.safe_load(yaml.safe_dump(cfg.to_dict())) == cfg.to_dict()  # plain values for config.yaml
+    mine.training.lr = 1.0  # the caller's own: loading read a copy of it
+    assert cfg.training.lr == Config().training.lr and load_config(mine).training.lr == 1.0

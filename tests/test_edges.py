@@ -385,6 +385,21 @@ def test_a_callbacks_system_exit_fails_the_run(trained, tmp_path, monkeypatch, c
     assert summary["status"] == "failed" and "SystemExit" in summary["failure"]["summary"], summary
 
 
+class _Assigns(ddplab.Callback):
+    """Steers by changing the config, which a callback only reads."""
+
+    def on_step_end(self, view) -> None:
+        view.config.training.lr = 1.0
+
+
+def test_a_callback_that_assigns_to_the_config_fails_the_run_naming_the_key(trained, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RunError, match="FrozenInstanceError: .* 'training.lr' cannot change"):  # as any exception
+        _train_with(trained, tmp_path, _Assigns())
+    summary = _status(tmp_path)
+    assert summary["status"] == "failed" and "'training.lr' cannot change" in summary["failure"]["summary"], summary
+
+
 def test_a_callbacks_keyboard_interrupt_is_a_ctrl_c(trained, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     summary = _train_with(trained, tmp_path, _Raises(KeyboardInterrupt()))

@@ -17,6 +17,7 @@ import ddplab
 from conftest import _env, assert_ok, verify
 from conftest import ddplab as ddplab_cli
 from ddplab.cli import main
+from ddplab.config_io import read_config
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.registry import load_config
@@ -535,8 +536,7 @@ def test_sync_batchnorm_converts_every_batchnorm_below_the_root_before_the_model
     inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     model = torch.nn.Sequential(inner, torch.nn.BatchNorm2d(3))
     plain = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = load_config(None, [])
-    cfg.distributed.sync_batchnorm = True  # load_config refuses it on a machine without CUDA
+    cfg = read_config(None, ["distributed.sync_batchnorm=true"])  # types only: load_config refuses it without CUDA
     wrapped, _ = distribute(model, cfg, SimpleNamespace(device=torch.device("cpu"), is_distributed=False))
     norms = [type(m).__name__ for m in wrapped.modules() if "Norm" in type(m).__name__]
     assert norms == ["SyncBatchNorm", "SyncBatchNorm"]
@@ -602,3 +602,23 @@ def test_a_model_returned_compiled_is_trained_and_saved_as_the_plain_module(tmp_
     assert summary["status"] == "complete"
     keys = set(_snapshot(tmp_path / "compiled")["model"])
     assert keys == {"body.weight", "body.bias", "head.weight", "head.bias"}
+
+
+def test_a_scaler_builder_is_handed_the_training_section_read_only(tmp_path, drift):
+    """Builders hand each builder its part of the config: the scaler, the training section (frozen)."""
+    from dataclasses import FrozenInstanceError
+
+    from ddplab.config import TrainingConfig
+    from ddplab.engine.parts import Builders, grad_scaler
+
+    seen = []
+
+    def scaler(t, ctx):
+        seen.append(t)
+        with pytest.raises(FrozenInstanceError, match="'training.amp' cannot change"):
+            t.amp = "fp16"
+        return grad_scaler(t, ctx)
+
+    args = [*_workload(drift), *SGD, "training.epochs=1", f"experiment.output_dir={tmp_path}", "experiment.name=s"]
+    summary = train(load_config(None, args), builders=Builders(scaler=scaler))
+    assert summary["status"] == "complete" and len(seen) == 1 and isinstance(seen[0], TrainingConfig)

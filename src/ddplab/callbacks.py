@@ -104,7 +104,7 @@ class EarlyStopping(Callback):
             setattr(self, name, state[name])
 
 
-def configured(cfg) -> list[Callback]:
-    """The callbacks the config asks for: training.early_stopping.* (monitor set)."""
-    e = cfg.training.early_stopping
+def configured(t) -> list[Callback]:
+    """The callbacks the training section `t` asks for: training.early_stopping.* (monitor set)."""
+    e = t.early_stopping
     return [EarlyStopping(e.monitor, e.mode, e.patience, e.min_delta)] if e.monitor else []

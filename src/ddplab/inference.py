@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ddplab.callbacks import Callback
-from ddplab.config import Config
+from ddplab.config import Config, freeze
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine.checkpoint_reader import load_checkpoint
@@ -32,8 +32,8 @@ def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
     """(checkpoint dict, its Config, where it was found) from a run folder or checkpoint file, checked
     against its manifest."""
     found, ckpt = load_checkpoint(path)
-    cfg = from_dict(ckpt["config"])
-    cfg.model.weights = None  # the checkpoint holds every weight; the original file may be gone
+    tree = ckpt["config"]  # without model.weights: the checkpoint holds every weight; that file may be gone
+    cfg = freeze(from_dict({**tree, "model": {**tree.get("model", {}), "weights": None}}))
     return ckpt, cfg, found
 
 
@@ -59,9 +59,9 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
     if data.train is None:
         shape = data.input_shape or meta.get("input_shape")
         data.input_shape = tuple(shape) if shape else None
-        model = _rebuilt(cfg, lambda: work.model(build_config(cfg, "model"), data))
+        model = _rebuilt(cfg.model.name, lambda: work.model(build_config(cfg, "model"), data))
     else:  # checked on two training samples, as training checks it
-        model = _rebuilt(cfg, lambda: build_model(cfg, None, work, data))
+        model = _rebuilt(cfg.model.name, lambda: build_model(cfg, None, work, data))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
@@ -88,18 +88,17 @@ def _data(cfg, work, saved: Assets) -> Data:
         ) from None
 
 
-def _rebuilt(cfg, build) -> torch.nn.Module:
+def _rebuilt(name: str, build) -> torch.nn.Module:
     try:
         model = build()
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported in one line
         raise UserError(
-            f"model.name={cfg.model.name} cannot be rebuilt from the checkpoint "
-            f"({type(exc).__name__}: {first_line(exc, 160)})"
+            f"model.name={name} cannot be rebuilt from the checkpoint ({type(exc).__name__}: {first_line(exc, 160)})"
         ) from None
     if not isinstance(model, torch.nn.Module):
-        raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
+        raise UserError(f"model.name={name} returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 

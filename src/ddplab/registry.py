@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ddplab.config import INT_MAX, MAX_PROCESSES, Config
+from ddplab.config import INT_MAX, MAX_PROCESSES, Config, DistributedConfig, freeze
 from ddplab.config_io import read_config
 from ddplab.data.checks import check_memory, check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
@@ -239,26 +239,22 @@ def load_config(
     data: Callable | None = None,
 ) -> Config:
     """The one config loader every command uses: YAML path (None: the embedded default), dict or
-    Config, then `key=value` overrides; types, ranges, names and pairings checked. Functions
-    handed to ddplab.train() take the place of model.name / data.name."""
-    cfg = read_config(source, overrides)
-    replica_place(cfg, os.environ)
-    if model is not None:
-        cfg.model.name = reference_of(model)
-    if data is not None:
-        cfg.data.name = reference_of(data)
-    check_config(cfg, tuple(s for s, fn in (("model", model), ("data", data)) if fn is not None))
-    absolute_references(cfg)
-    return cfg
+    Config (read as a copy: the caller's stays theirs), then `key=value` overrides; types, ranges, names and
+    pairings checked. Functions handed to ddplab.train() take the place of model.name / data.name. What it
+    returns is frozen (config.freeze): what every part of the run reads is what this loaded."""
+    handed = [(section, fn) for section, fn in (("model", model), ("data", data)) if fn is not None]
+    cfg = read_config(source, [*overrides, *(f"{section}.name={reference_of(fn)}" for section, fn in handed)])
+    cfg = replace(cfg, distributed=replica_place(cfg.distributed, os.environ))
+    check_config(cfg, tuple(section for section, _ in handed))
+    return freeze(absolute_references(cfg))
 
 
-def replica_place(cfg: Config, env: Mapping[str, str]) -> None:
+def replica_place(d: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig:
     """distributed.replica_group and replica_groups where the config leaves them unset: under
     fault_tolerance=replicas from the environment a cluster's launcher already sets (torchft's
     REPLICA_GROUP_ID and NUM_REPLICA_GROUPS, else a SLURM job array's task), else 0 of 1; each group's
     job then needs no setting of its own but the Lighthouse's address. Resolved here, once, so that
     every reader and the run folder's config.yaml see the numbers the job ran with."""
-    d = cfg.distributed
     env = env if d.fault_tolerance == "replicas" else {}  # any other job: whatever its environment says
     # (where the number came from, as a user would write it; the number)
     group = (
@@ -278,7 +274,7 @@ def replica_place(cfg: Config, env: Mapping[str, str]) -> None:
     if group[1] >= groups[1]:
         hint = "; a SLURM job array of N groups is --array=0-<N-1>" if group[0].startswith("SLURM") else ""
         raise UserError(f"{group[0]} is not below {groups[0]}{hint}")
-    d.replica_group, d.replica_groups = group[1], groups[1]
+    return replace(d, replica_group=group[1], replica_groups=groups[1])
 
 
 def _given(dotted: str, value: int | None) -> tuple[str, int] | None:
@@ -306,14 +302,21 @@ def _array_task(env: Mapping[str, str]) -> tuple[str, int] | None:
     return (f"{task[0]} - {first[0]}" if first[1] else task[0]), task[1] - first[1]
 
 
-def absolute_references(cfg: Config) -> None:
-    """file.py:function references become absolute, so every rank, a resume, predict and generate
+def absolute_references(cfg: Config) -> Config:
+    """`cfg` with its file.py:function references made absolute, so every rank, a resume, predict and generate
     import the very file this run used, whatever their working directory."""
-    named = ((cfg.model, "name"), (cfg.data, "name"), (cfg.training, "optimizer"), (cfg.training, "schedule"))
-    for section, key in named:
-        where, _, name = getattr(section, key).rpartition(":")
-        if where.endswith(".py") or "/" in where:
-            setattr(section, key, f"{Path(where).expanduser().resolve()}:{name}")
+
+    def absolute(name: str) -> str:
+        where, _, function = name.rpartition(":")
+        return f"{Path(where).expanduser().resolve()}:{function}" if where.endswith(".py") or "/" in where else name
+
+    m, d, t = cfg.model, cfg.data, cfg.training
+    return replace(
+        cfg,
+        model=replace(m, name=absolute(m.name)),
+        data=replace(d, name=absolute(d.name)),
+        training=replace(t, optimizer=absolute(t.optimizer), schedule=absolute(t.schedule)),
+    )
 
 
 # ---------------------------------------------------------------------------- building

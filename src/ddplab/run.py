@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ddplab import process_state
 from ddplab.callbacks import configured
-from ddplab.config import Config
+from ddplab.config import Config, freeze
 from ddplab.engine.parts import Builders
 from ddplab.engine.session import Session
 from ddplab.errors import disk_full, write_failed
@@ -21,8 +21,10 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=(), builders: Buil
 
     `data_fn` / `model_fn` take the place of data.name / model.name (ddplab.train() passes them);
     `callbacks` run after ddplab's own column makers and before the recorder; `builders` replace how the
-    trainer's parts are built (engine/parts.py).
+    trainer's parts are built (engine/parts.py). `cfg` is frozen here, if its loader has not: nothing in the
+    run changes it, and a callback that tries gets dataclasses.FrozenInstanceError.
     """
+    freeze(cfg)
     with process_state.changes():  # a notebook calling train() again finds its process as it was
         process_state.freeze_gc()
         process_state.tf32(cfg.training.tf32)
@@ -30,7 +32,7 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=(), builders: Buil
             session = Session(cfg)
             work = workload(cfg, data_fn, model_fn)
             trackers = Trackers(cfg.logging.trackers)
-            every = [LanguageSample(), *column_callbacks(), ClassReports(), *configured(cfg), *callbacks]
+            every = [LanguageSample(), *column_callbacks(), ClassReports(), *configured(cfg.training), *callbacks]
             return session.train(work, [*every, RunRecorder(), trackers], trackers, builders or Builders())
         except OSError as exc:  # a full disk anywhere (a tracker's flush at teardown too): one line, exit 1
             if disk_full(exc) is None:

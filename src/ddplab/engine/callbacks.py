@@ -48,7 +48,9 @@ class TrainView:
     run = property(
         lambda v: v._t.run, doc="The run folder: .path, .log(message) (rank 0 prints, appends to train.log)."
     )
-    config = property(lambda v: v._t.cfg, doc="The resolved Config.")
+    config = property(
+        lambda v: v._t.cfg, doc="The resolved Config, frozen: assigning to it raises dataclasses.FrozenInstanceError."
+    )
     data = property(lambda v: v._t.data, doc="The workload's ddplab.Data (splits, task, meta).")
     dist = property(lambda v: v._t.ctx, doc="The DistContext: reductions and barriers, for hooks that every rank runs.")
     rank = property(lambda v: v._t.ctx.rank, doc="This process's rank.")

@@ -95,9 +95,8 @@ def check_resume(run_dir: Path, new: dict) -> None:
         )
 
 
-def check_resume_path(cfg, model) -> None:
+def check_resume_path(path: str, model) -> None:
     """An explicit checkpoint.resume=PATH must be a loadable snapshot of this model's shape."""
-    path = cfg.checkpoint.resume
     if path in ("auto", "never"):
         return
     from ddplab.engine.checkpoint_reader import load_snapshot, same_model  # torch: only when resuming from a snapshot

@@ -27,9 +27,9 @@ from ddplab.engine.setup import distribute
 DEFAULT_EPOCHS = 2  # where training.epochs is not set
 
 
-def grad_scaler(cfg, ctx) -> torch.amp.GradScaler:
-    """Loss scaling for training.amp=fp16 on CUDA; a scaler that does nothing otherwise."""
-    return torch.amp.GradScaler("cuda", enabled=cfg.training.amp == "fp16" and ctx.device.type == "cuda")
+def grad_scaler(t, ctx) -> torch.amp.GradScaler:
+    """Loss scaling for training.amp=fp16 (`t`: the training section) on CUDA; a scaler that does nothing otherwise."""
+    return torch.amp.GradScaler("cuda", enabled=t.amp == "fp16" and ctx.device.type == "cuda")
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Builders:
     distribute: Callable = distribute  # (model, cfg, ctx) -> (the model to train, its comm monitor or None)
     optimizer: Callable = build_optimizer  # (cfg, ctx, model, lr) -> torch.optim.Optimizer
     schedule: Callable = build_schedule  # (cfg, ctx, optimizer, total_steps) -> LR scheduler
-    scaler: Callable = grad_scaler  # (cfg, ctx) -> torch.amp.GradScaler
+    scaler: Callable = grad_scaler  # (cfg.training, ctx) -> torch.amp.GradScaler
     loaders: Callable = Loaders  # (cfg, ctx, collate_fn) -> Loaders
     feed: Callable = TrainFeed  # (dataset, loaders, cfg, ctx, log, (share, shares)) -> TrainFeed
 
@@ -70,7 +70,7 @@ class Builders:
         wrapped, comm = self.distribute(model, cfg, ctx)
         lr = scaled_lr(t.lr, t.lr_scaling, shares)
         optimizer = self.optimizer(cfg, ctx, model, lr)
-        scaler = self.scaler(cfg, ctx)
+        scaler = self.scaler(t, ctx)
         loaders = self.loaders(cfg, ctx, data.collate_fn)
         feed = self.feed(data.train, loaders, cfg, ctx, log, (d.replica_group * ctx.world_size + ctx.rank, shares))
         scheduler = self.schedule(cfg, ctx, optimizer, t.max_steps or batch["steps_per_epoch"] * epochs)

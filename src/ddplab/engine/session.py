@@ -83,7 +83,7 @@ class Session:
         data = build_data(cfg, ctx, work)
         self.phases.mark("data")
         model = build_model(cfg, ctx, work, data)
-        check_resume_path(cfg, model)
+        check_resume_path(cfg.checkpoint.resume, model)
         seed_everything(cfg.experiment.seed + ctx.rank)  # distinct dropout streams per rank
         self.phases.mark("model")
         return data, model

@@ -182,7 +182,7 @@ class Trainer:
                 left = self.feed.left()
             waited = time.perf_counter()
             self.ctx.beat.mark("data", s.step + 1)
-            micro = self.feed.next_step(batches, t.grad_accum_steps)
+            micro = self.feed.next_step(batches, self.batch["grad_accum_steps"])
             s.epoch_data_wait += time.perf_counter() - waited
             if not micro:
                 break
@@ -537,7 +537,8 @@ class Trainer:
         self.state.data_notes.append({"step": self.state.step, "data_changed": changed})
 
     def _keep_global_batch(self, manifest: dict) -> None:
-        """The run's global batch on this world size and batch size: its accumulation steps are recomputed."""
+        """The run's global batch on this world size and batch size: its accumulation steps are recomputed, into
+        the batch arithmetic (the config stays as given)."""
         t, was = self.cfg.training, manifest["config"]["training"]
         global_batch = (
             manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
@@ -553,7 +554,6 @@ class Trainer:
                 f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
                 f"{global_batch} on {on}"
             )
-            t.grad_accum_steps = accum
             self.batch = batch_arithmetic(t.batch_size, accum, self.shares, self.feed.size)
 
     # ------------------------------------------------------------------ evaluation

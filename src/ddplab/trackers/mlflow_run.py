@@ -16,9 +16,10 @@ from ddplab.engine.run_folder import RunFolder
 from ddplab.trackers.base import Tracker
 
 
-def mlflow_uri(cfg, run_dir: Path, study: dict | None) -> str:
-    """logging.mlflow_uri, else $MLFLOW_TRACKING_URI, else mlflow/ beside the run folder (a point's: its study's)."""
-    uri = cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+def mlflow_uri(configured: str | None, run_dir: Path, study: dict | None) -> str:
+    """logging.mlflow_uri (`configured`), else $MLFLOW_TRACKING_URI, else mlflow/ beside the run folder (a
+    point's: its study's)."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
     store = (run_dir.parent.parent if study else run_dir.parent).resolve() / "mlflow"
@@ -45,7 +46,7 @@ class MLflow(Tracker):
         # Quiet: "Creating initial MLflow database tables".
         process_state.logger_level("mlflow.store.db.utils", logging.WARNING)
         cfg, run_dir = view.config, view.run.path
-        uri = mlflow_uri(cfg, run_dir, study)
+        uri = mlflow_uri(cfg.logging.mlflow_uri, run_dir, study)
         self.client = client = MlflowClient(tracking_uri=uri)
         mine, params = record.get(self.name, {}), []
         env = flatten(read_json(run_dir / RunFolder.ENV))
