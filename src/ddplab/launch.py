@@ -2,9 +2,10 @@
 `ddplab study` (one torchrun agent per node on loopback, or `srun` under SLURM) and both runs
 of `ddplab verify` go through `run`, which stays in charge of the job:
 
-- SIGTERM, SIGINT and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to
-  its workers, which snapshot and exit 75); the launcher waits and exits 75 too. A second
-  signal kills the agents at once. A stop signal sent to one worker stops the job so too (never restarted).
+- SIGTERM and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to its workers,
+  which snapshot and exit 75, pre-empted); the launcher waits and exits 75 too. SIGINT (Ctrl-C) is
+  forwarded as SIGINT: the workers snapshot and the job exits 130, interrupted. A second signal
+  kills the agents at once. A stop signal sent to one worker stops the job so too (never restarted).
 - Nothing outlives the launcher: each agent (and `srun`) runs in its own session and asks the
   kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
   SIGKILL of the launcher or of an agent leaves no worker behind.
@@ -35,10 +36,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.engine.files import open_append, read_json
-from ddplab.engine.preemption import StopSignals
+from ddplab.engine.preemption import STOPS, StopSignals
 from ddplab.engine.reports import STOPPING
 from ddplab.engine.run_folder import RunFolder, amend
-from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.errors import ExitCode, RunError, UserError, stopped
 from ddplab.handoff import Handoff
 from ddplab.process_state import die_with_parent
 
@@ -109,10 +110,12 @@ def under_agent() -> bool:
 
 # ------------------------------------------------------------------ launcher side
 class Ended(NamedTuple):
-    code: int  # ExitCode.PREEMPTED when a worker saved a snapshot, USAGE when one reported bad input
+    code: int  # PREEMPTED / INTERRUPTED when the workers saved a snapshot, USAGE when one reported bad input
     error: str | None  # that user error, one line (USAGE), or the failure report (FAILED)
     stopped: bool  # a signal asked the job to stop
     root_cause: tuple[int, str] | None = None  # torchrun's "Root Cause" of a failure no worker reported (rank 0 killed)
+    kind: str | None = None  # the stop's: "interrupted" (Ctrl-C) or "preempted"; None if no signal stopped it
+    saved: bool = False  # the workers agreed on the stop and saved its snapshot
 
 
 class _Job(StopSignals):
@@ -152,22 +155,24 @@ class _Job(StopSignals):
     def _handle(self, signum, frame) -> None:
         self.caught.append(signum)
         if len(self.caught) == 1:
-            return self._stop_agents()
+            # Ctrl-C as itself (the workers record an interruption), any other stop as SIGTERM (SIGUSR1 would
+            # kill an agent): the agent passes on the signal it received.
+            return self._stop_agents(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
         for proc in (p for p in self.procs if p.poll() is None):
             proc.kill()
 
-    def _stop_agents(self) -> None:
+    def _stop_agents(self, sig: int = signal.SIGTERM) -> None:
         for proc in self.procs:
             if proc.poll() is None and proc.pid not in self._asked:
                 self._asked.add(proc.pid)
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
         (self.report / STOPPING).touch()
 
     def wait(self, independent: bool = False) -> int:
         """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
         groups go on without a failed one). The first failure's exit code, else 0."""
         while True:
-            if not (self.caught or self.requested) and any(self.report.glob("preempted-rank*")):
+            if not (self.caught or self.requested) and saved(self.report):
                 self.requested = True  # the ranks agreed on a stop signal one of them received and snapshotted
                 self._stop_agents()
             codes = [p.poll() for p in self.procs]
@@ -213,13 +218,21 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
         return ExitCode.OK, None
     if errors := sorted(report.glob("error-rank*")):
         return ExitCode.USAGE, errors[0].read_text().strip()
-    if any(report.glob("preempted-rank*")):
+    if saved(report) == "interrupted":
+        return ExitCode.INTERRUPTED, None
+    if saved(report):
         return ExitCode.PREEMPTED, None
     if failures := sorted(report.glob("failure-rank*")):
         return ExitCode.FAILED, failures[0].read_text().strip()
     if stopped and agent_code:
         return ExitCode.INTERRUPTED, None  # stopped before the workers could save anything
     return (128 - agent_code if agent_code < 0 else agent_code), None  # killed by signal N: 128 + N, as a shell says
+
+
+def saved(report: Path) -> str | None:
+    """How the workers' agreed stop was recorded, its snapshot saved (engine/reports.py: report_stopped):
+    "interrupted" (a Ctrl-C) or "preempted"; None if they saved none."""
+    return next((status for status in reversed(STOPS) if any(report.glob(f"{status}-rank*"))), None)
 
 
 def root_cause(lines) -> tuple[int, str] | None:
@@ -283,9 +296,12 @@ def run(
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
         code, line = outcome(report, code, stopped := bool(job.caught) or job.requested)
+        kind = agreed = saved(report)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
-    return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
+    if stopped and kind is None:  # the launcher's own signal stopped the job before its workers saved anything
+        kind = "interrupted" if job.caught[:1] == [signal.SIGINT] else "preempted"
+    return Ended(code, line, stopped, None if line or not code else root_cause(job.tail), kind, agreed is not None)
 
 
 # The memory a worker holds of its own once torch is imported (about 290 MB measured with torch 2.x on CPU, before
@@ -311,7 +327,8 @@ def check_processes(nproc: int, groups: int = 0) -> None:
 
 def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
-    code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input.
+    code. Raises Preempted (Interrupted after a Ctrl-C) when the workers saved a snapshot, UserError when one
+    reported bad input.
 
     `groups`: that many replica groups of `nproc` processes (engine/replicas.py), each its own torchrun
     agent, with a torchft Lighthouse for them on this machine; a group that fails ends none of the others."""
@@ -329,8 +346,8 @@ def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, g
         print(f"ddplab: {ended.error}", file=sys.stderr)
     elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in _NOT_FAILED:
         print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
-    if ended.code == ExitCode.PREEMPTED:
-        raise Preempted("pre-empted; a snapshot was saved and the same command continues")
+    if ended.saved and ended.code in (ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        raise stopped(ended.kind or "preempted", "{stop}; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:
         print("ddplab: interrupted", file=sys.stderr)
     return ended.code

@@ -152,7 +152,7 @@ class Replicas:
         """The stop flags raised by any group in the steps committed since the last call: the same in every group,
         so that all of them stop at the same step (a group's own flags are not: a signal reaches them at
         different moments)."""
-        flags, self._stop = (self._stop > 0).float(), torch.zeros_like(self._stop)
+        flags, self._stop = self._stop, torch.zeros_like(self._stop)  # a stop's code kept (preemption.py)
         return flags
 
     def spent(self) -> float:
