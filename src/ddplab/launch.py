@@ -20,7 +20,6 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -35,6 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+from ddplab.engine import torch_internals
 from ddplab.engine.files import open_append, read_json
 from ddplab.engine.preemption import STOPS, StopSignals
 from ddplab.engine.reports import STOPPING
@@ -86,7 +86,7 @@ def quick_exit(code: int = 0) -> None:
     returns instead: its return value must reach the agent, and multiprocessing ends it with os._exit then."""
     if _forked:
         return
-    atexit._run_exitfuncs()
+    torch_internals.run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -407,20 +407,18 @@ def agent() -> None:
     import torch.distributed.run as torchrun  # the agent only: the launcher never imports torch
 
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
-        plain = torchrun.config_from_args
 
-        def config_from_args(args):
-            config, cmd, cmd_args = plain(args)
+        def forked(config, cmd, cmd_args):
             if cmd_args[:3] != ["-u", "-m", "ddplab"]:
                 return config, cmd, cmd_args
-            import torch._dynamo  # noqa: F401 - what every worker imports, imported once
+            torch_internals.import_dynamo()  # what every worker imports, imported once
 
             import ddplab.run  # noqa: F401
 
             config.start_method = "fork"
             return config, _forked_worker, cmd_args[3:]
 
-        torchrun.config_from_args = config_from_args
+        torch_internals.fork_torchrun_workers(forked)
     torchrun.main()
 
 
@@ -429,24 +427,20 @@ def _forked_worker(*args: str) -> None:
     dropped, unbuffered output, and the interpreter's teardown left to multiprocessing (os._exit after the
     return value is handed back)."""
     # A worker's own needs, imported where it starts (torch is in memory already, from the agent).
-    import io
     import traceback
 
     import torch
 
     global _forked
     _forked = True
-    atexit._clear()
+    torch_internals.drop_exit_handlers()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        raw = io.FileIO(stream.fileno(), "w", closefd=False)
-        setattr(sys, name, io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True))
+    torch_internals.unbuffered_std_streams()
     if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit():
         torch.set_num_threads(int(threads))  # read by the agent's OpenMP when torch loaded, perhaps before it was set
-    sys.argv = [str(Path(__file__).with_name("__main__.py")), *args]
+    torch_internals.as_python_m(Path(__file__).with_name("__main__.py"), list(args))
     from ddplab.cli import main  # as `python -m ddplab` starts
 
     try:
@@ -455,7 +449,7 @@ def _forked_worker(*args: str) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        atexit._run_exitfuncs()
+        torch_internals.run_exit_handlers()
     if code:
         raise SystemExit(code)
 

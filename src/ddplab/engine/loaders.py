@@ -17,6 +17,7 @@ from ddplab import process_state
 from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.data.stream import Batch, Stream, Tagged, declared, is_stateful, is_stream
+from ddplab.engine.torch_internals import stop_loader_workers
 
 
 def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
@@ -107,9 +108,7 @@ class Loaders:
         user's process; and at exit torch 2.11 joins each for 5 s before killing it, with pinned memory on CUDA:
         a 16-core GPU host's 30 workers held a finished run for over 2 minutes."""
         for loader in list(self._made):
-            iterator, loader._iterator = loader._iterator, None  # torch keeps persistent workers' iterator there
-            if iterator is not None:
-                iterator._shutdown_workers()  # type: ignore[attr-defined]  # a multi-process iterator's
+            stop_loader_workers(loader)
 
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
