@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.args += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    ns.program = argv is None  # the command line's own process (`ddplab`, `python -m ddplab`), not a caller's
     try:
         with process_state.changes():  # called in a Python process of the user's: it is left as it was
             module = next(m for m, commands in MODULES.items() if ns.command in commands)

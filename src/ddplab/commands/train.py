@@ -54,8 +54,8 @@ def train(ns) -> int:
     summary = record(train)(cfg)  # None: train() exited with SystemExit(0)
     if summary is not None and summary["status"] != "complete":
         return STATUS_CODES[summary["status"]]  # preempted: 75, interrupted (Ctrl-C): 130
-    if under_agent():
-        quick_exit(ExitCode.OK)  # the run is recorded and its files closed
+    if under_agent() or ns.program:
+        quick_exit(ExitCode.OK)  # the run is recorded and its files closed: no interpreter teardown to wait for
     return ExitCode.OK
 
 
