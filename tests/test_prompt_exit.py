@@ -12,9 +12,10 @@ import time
 from conftest import TINY_GPT, _env
 
 
-def test_a_finished_run_with_8_persistent_loader_workers_exits_within_2_s_of_its_training_end(tmp_path, corpus):
-    """From the end of training (the last step, its snapshot and evaluation: the phases' `training` mark) to the
-    process's exit: the run's end (end_of_run, teardown: the workers stopped) and the exit after its last line."""
+def test_a_finished_run_with_8_persistent_loader_workers_exits_within_2_s_of_its_last_line(tmp_path, corpus):
+    """From train.log's last line (the phases, written once the teardown stopped the workers and the process group
+    is gone) to the process's exit: the time no phase accounts for (74 s of the 85 s above; 16-19 s here under
+    load before the run's process skipped the interpreter's teardown)."""
     cmd = [sys.executable, "-m", "ddplab", "train", f"data.path={corpus}", *TINY_GPT, "experiment.name=x"]
     cmd += ["data.num_workers=8", "data.pin_memory=true", "training.max_steps=12", "logging.log_every=4"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
@@ -24,9 +25,9 @@ def test_a_finished_run_with_8_persistent_loader_workers_exits_within_2_s_of_its
     log = run / "train.log"
     assert "8 data workers per process" in log.read_text()
     phases = json.loads((run / "metrics.json").read_text())["phases"]
-    last_line = log.stat().st_mtime  # the phases line, written once the teardown is measured
-    trained = last_line - phases["teardown_s"] - phases["end_of_run_s"]
-    assert exited - trained <= 2.0, (
-        f"{exited - trained:.2f} s from the end of training to exit: end of run {phases['end_of_run_s']} s, "
-        f"teardown {phases['teardown_s']} s, exit {exited - last_line:.2f} s after the last line"
+    assert log.read_text().splitlines()[-1].split(" ", 2)[2].startswith("phases (rank 0, wall time)")
+    last_line = log.stat().st_mtime
+    assert exited - last_line <= 2.0, (
+        f"{exited - last_line:.2f} s from the run's last line to its exit (teardown before it: "
+        f"{phases['teardown_s']} s, end of run {phases['end_of_run_s']} s)"
     )
