@@ -85,18 +85,24 @@ def _summary(run: Path) -> dict:
     return json.loads((run / "metrics.json").read_text())
 
 
-def test_sigterm_to_the_launcher_snapshots_exits_75_and_the_rerun_ends_as_if_never_stopped(tmp_path, corpus):
+@pytest.mark.parametrize(
+    ("sig", "code", "status"), [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_stop_signal_to_the_launcher_snapshots_and_the_rerun_ends_as_if_never_stopped(
+    tmp_path, corpus, sig, code, status
+):
+    """SIGTERM: pre-empted, exit 75; Ctrl-C (the launcher passes it on as SIGINT): interrupted, exit 130."""
     reference = launched_gpt()  # this job never stopped, trained once per session (test_ddp.py reads it too)
     proc, tag, out = start(launcher(corpus, "r"), tmp_path)
     wait_for_step(proc, out)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
     assert wait_until_gone(tag, 10) < 10  # agent and both workers ended with it
     run = tmp_path / "experiments" / "r"
     summary = _summary(run)
     stopped = summary["aggregates"]["steps"]
-    assert summary["status"] == "preempted" and 2 <= stopped < 20
+    assert summary["status"] == status and 2 <= stopped < 20
     assert Checkpointer(run / "checkpoints", is_main=False).latest().name == f"step-{stopped:09d}"
     assert "Traceback" not in err and "SignalException" not in err
 

@@ -124,8 +124,8 @@ class _Job(StopSignals):
     """Agents started together (one per node; on loopback, several) and stopped together.
 
     Its signal handlers: the first SIGTERM, SIGINT or SIGUSR1 asks every agent to stop cleanly
-    (SIGTERM: the agent passes it to its workers and waits for them; SIGUSR1 would kill it), a
-    second kills them."""
+    (SIGTERM, SIGINT for a Ctrl-C: the agent passes it to its workers and waits for them; SIGUSR1 would
+    kill it), a second kills them."""
 
     SIGNALS = FORWARDED
 
