@@ -31,7 +31,7 @@ def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward pass in progress has ended, after the callbacks queued before it (DDP's
     and FSDP's own, which wait for their reductions). Only autograd's engine knows when a whole pass ends; DDP
     itself uses this private call. Call it from inside the backward pass (a tensor hook)."""
-    import torch
+    import torch  # here, not at the top: the launcher imports this module, never torch
 
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
@@ -40,7 +40,7 @@ def ddp_buckets(params: list[torch.Tensor], bucket_cap_mb: float) -> list[list[i
     """The gradient buckets DDP would make of `params` (indices into it), its first bucket capped at DDP's
     first-bucket size: DDP's own assignment, which no public API exposes without a process group and a model
     wrapped in DDP (the layout reported for a 1-process run)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: the launcher never imports torch
 
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
     groups, _ = dist._compute_bucket_assignment_by_size(params, limits)
@@ -50,7 +50,7 @@ def ddp_buckets(params: list[torch.Tensor], bucket_cap_mb: float) -> list[list[i
 def default_store():
     """The process group's own key-value store (torchrun's TCPStore), which the heartbeat shares with it: a
     store of its own would need a port more on every node, and torch offers the default one privately only."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: the launcher never imports torch
 
     return dist.distributed_c10d._get_default_store()
 
@@ -79,13 +79,13 @@ def fsdp_comms(module) -> list[FsdpComms]:
 def import_dynamo() -> None:
     """Import torch.compile's machinery (what every worker imports once its first optimizer is built), in the
     agent before it forks the workers, so that they pay for it once (3.5 s of CPU each, launch.py)."""
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo  # noqa: F401 - here: only the agent, which forks workers, imports it
 
 
 def mark_batch_dynamic(tensor: torch.Tensor) -> None:
     """Tell torch.compile that the first dimension (the batch) varies, so that a last, smaller batch does not
     recompile the model: torch.compiler has no public counterpart of maybe_mark_dynamic."""
-    import torch._dynamo
+    import torch._dynamo  # here: a second to import, for compiled runs only
 
     torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
@@ -103,7 +103,7 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
 def compile_callbacks():
     """Dynamo's handler of compile start / end callbacks (register_start_callback, register_end_callback and
     their remove_ counterparts): how long torch.compile spent compiling, which no public API reports."""
-    from torch._dynamo.callback import callback_handler
+    from torch._dynamo.callback import callback_handler  # here: only a compiled run pays for dynamo's import
 
     return callback_handler
 
@@ -124,7 +124,7 @@ def fork_torchrun_workers(change: Callable[[Any, Any, list[str]], tuple[Any, Any
     (`change(config, cmd, cmd_args)` returns the three): the one place where torchrun can be told to start a
     worker by forking a function (config.start_method = "fork", cmd = a callable), which its public API takes
     but its command line does not."""
-    import torch.distributed.run as torchrun
+    import torch.distributed.run as torchrun  # here: the agent only (the launcher never imports torch)
 
     plain = torchrun.config_from_args
 
