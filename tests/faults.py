@@ -235,7 +235,8 @@ def main(argv: list[str], setattr=setattr) -> int:
     except ddplab.UserError as err:  # as `ddplab train` says it
         print(f"ddplab: error: {err}", file=sys.stderr)
         return err.exit_code
-    return ddplab.ExitCode.PREEMPTED if summary["status"] == "preempted" else ddplab.ExitCode.OK
+    stopped = {"preempted": ddplab.ExitCode.PREEMPTED, "interrupted": ddplab.ExitCode.INTERRUPTED}
+    return stopped.get(summary["status"], ddplab.ExitCode.OK)
 
 
 if __name__ == "__main__":

@@ -208,9 +208,9 @@ def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path, capfd):
     assert capfd.readouterr().out.split(":")[0] == "failed"
 
 
-def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp_path, capfd):
+def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_interrupted(tmp_path, capfd):
     """The terminal's SIGINT reaches the agent and both workers (one process group), and the agent
-    forwards it once more: the workers stop at the next step, snapshot, and exit 75."""
+    forwards it once more: the workers stop at the next step, snapshot, and exit 130."""
     cmd = [
         sys.executable,
         "-m",
@@ -231,8 +231,8 @@ def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_preempted(tmp
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
     _, err = proc.communicate(timeout=60)
-    assert main("status", str(tmp_path / "experiments" / "int")) == 75, err[-2000:]
-    assert capfd.readouterr().out == "preempted\n"
+    assert main("status", str(tmp_path / "experiments" / "int")) == 130, err[-2000:]
+    assert capfd.readouterr().out == "interrupted\n"
     assert list((tmp_path / "experiments" / "int" / "checkpoints").glob("step-*/COMPLETE"))
 
 

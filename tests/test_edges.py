@@ -401,13 +401,29 @@ def test_a_callback_that_assigns_to_the_config_fails_the_run_naming_the_key(trai
 
 
 def test_a_callbacks_keyboard_interrupt_is_a_ctrl_c(trained, tmp_path, monkeypatch, capfd):
+    """Exit 130 and status interrupted (not a pre-emption: nothing requeues it), a snapshot at the next log
+    interval, and the same command continues the run."""
+    _, wl = trained
     monkeypatch.chdir(tmp_path)
-    summary = _train_with(trained, tmp_path, _Raises(KeyboardInterrupt()))
-    assert summary["status"] == "preempted" and _status(tmp_path)["status"] == "preempted"
+    args = ["train", f"model.name={wl}:model", f"data.name={wl}:data", "experiment.name=cb", "logging.log_every=1"]
+    args += [*FAST, "training.epochs=3"]
+    monkeypatch.setattr("ddplab.run.configured", lambda cfg: [_Raises(KeyboardInterrupt())])  # as a user's callback
+    assert main(args) == ddplab.ExitCode.INTERRUPTED == 130
+    summary = _status(tmp_path)
+    assert summary["status"] == summary["stop_reason"] == "interrupted"
     out, err = capfd.readouterr()
     assert "stop signal (KeyboardInterrupt in callback _Raises.on_step_end) after step 1" in out, out
+    assert "interrupted after step 1; the same command continues from the snapshot" in out, out
     assert "Traceback" not in err and "Traceback" not in out
     assert Checkpointer(tmp_path / "experiments" / "cb" / "checkpoints", is_main=False).latest().name.endswith("1")
+    assert main(["status", str(tmp_path / "experiments" / "cb")]) == 130
+    assert capfd.readouterr().out == "interrupted\n"
+
+    monkeypatch.setattr("ddplab.run.configured", lambda cfg: [])
+    assert main(args) == 0  # the same command continues
+    summary = _status(tmp_path)
+    assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1, summary["aggregates"]
+    assert "resumed from experiments/cb/checkpoints/step-000000001 (epoch 1, step 1," in capfd.readouterr().out
 
 
 def test_a_stop_reason_is_one_printable_line(trained, tmp_path, monkeypatch, capfd):
@@ -423,7 +439,7 @@ def test_a_stop_reason_is_one_printable_line(trained, tmp_path, monkeypatch, cap
 
 def test_a_refused_resume_leaves_the_run_failed_with_its_reason(trained, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    assert _train_with(trained, tmp_path, _Raises(KeyboardInterrupt()))["status"] == "preempted"
+    assert _train_with(trained, tmp_path, _Raises(KeyboardInterrupt()))["status"] == "interrupted"
     log = tmp_path / "experiments" / "cb" / "train.log"
     log.rename(tmp_path / "elsewhere.log")
     log.symlink_to(tmp_path / "elsewhere.log")

@@ -85,18 +85,24 @@ def _summary(run: Path) -> dict:
     return json.loads((run / "metrics.json").read_text())
 
 
-def test_sigterm_to_the_launcher_snapshots_exits_75_and_the_rerun_ends_as_if_never_stopped(tmp_path, corpus):
+@pytest.mark.parametrize(
+    ("sig", "code", "status"), [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_stop_signal_to_the_launcher_snapshots_and_the_rerun_ends_as_if_never_stopped(
+    tmp_path, corpus, sig, code, status
+):
+    """SIGTERM: pre-empted, exit 75; Ctrl-C (the launcher passes it on as SIGINT): interrupted, exit 130."""
     reference = launched_gpt()  # this job never stopped, trained once per session (test_ddp.py reads it too)
     proc, tag, out = start(launcher(corpus, "r"), tmp_path)
     wait_for_step(proc, out)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
     assert wait_until_gone(tag, 10) < 10  # agent and both workers ended with it
     run = tmp_path / "experiments" / "r"
     summary = _summary(run)
     stopped = summary["aggregates"]["steps"]
-    assert summary["status"] == "preempted" and 2 <= stopped < 20
+    assert summary["status"] == status and 2 <= stopped < 20
     assert Checkpointer(run / "checkpoints", is_main=False).latest().name == f"step-{stopped:09d}"
     assert "Traceback" not in err and "SignalException" not in err
 
@@ -207,9 +213,12 @@ def test_sigterm_to_verify_reaches_its_workers_exits_75_and_the_same_command_con
     assert not work.exists()  # compared, then removed
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job_with_75(tmp_path, corpus, sig):
-    """Not a failure for torchrun to restart: the agent ends with the job, the same command continues."""
+@pytest.mark.parametrize(
+    ("sig", "code", "status"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 75, "preempted")]
+)
+def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job(tmp_path, corpus, sig, code, status):
+    """Not a failure for torchrun to restart: the agent ends with the job, the same command continues. Ctrl-C
+    (SIGINT) is an interruption (130), SIGTERM a pre-emption (75), whichever rank it reached."""
     proc, tag, out = start(
         [*launcher(corpus, "w", SLOW)[:6], "--max-restarts", "1", *_args(corpus, "w", SLOW)[1:]], tmp_path
     )
@@ -223,9 +232,9 @@ def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job_with_75(tm
     finally:
         for pid in tagged(tag):
             os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 75, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
     summary = _summary(tmp_path / "experiments" / "w")
-    assert summary["status"] == "preempted" and summary["aggregates"]["resumes"] == 0, summary["status"]
+    assert summary["status"] == status and summary["aggregates"]["resumes"] == 0, summary["status"]
     assert 2 <= summary["aggregates"]["steps"] < 20 and "Traceback" not in err
 
 
@@ -255,3 +264,15 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_job_ends_comple
     summary = _summary(tmp_path / "experiments" / "k")
     assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1
     assert summary["aggregates"]["steps"] == 20
+
+
+@pytest.mark.parametrize(("status", "code"), [("interrupted", 130), ("preempted", 75)])
+def test_the_launcher_exits_as_the_workers_stop_was_recorded(tmp_path, status, code):
+    """A Ctrl-C's snapshot (the workers' report) ends the job with 130 even where the agent, stopped after it,
+    exited with a failure; a pre-emption's with 75; both when a worker's Ctrl-C met another's SIGTERM."""
+    from ddplab.launch import outcome
+
+    (tmp_path / f"{status}-rank00001").write_text("")
+    assert outcome(tmp_path, 1, stopped=True) == (code, None)
+    (tmp_path / "preempted-rank00000").write_text("")
+    assert outcome(tmp_path, 1, stopped=True) == (130 if status == "interrupted" else 75, None)

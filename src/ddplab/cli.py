@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         "min-max; default: experiment.repeats of the config (1)",
     )
 
-    ss = sub.add_parser("status", help="a run folder's status; exit 0 complete, 75 pre-empted (requeue), 1 otherwise")
+    ss = sub.add_parser(
+        "status",
+        help="a run folder's status; exit 0 complete, 75 pre-empted (requeue), 130 interrupted (Ctrl-C), 1 otherwise",
+    )
     ss.add_argument("run", help="run folder")
 
     r = sub.add_parser("report", help="tables and plots (report.md, report.csv, PNGs) from run folders")
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.args += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    ns.program = argv is None  # the command line's own process (`ddplab`, `python -m ddplab`), not a caller's
     try:
         with process_state.changes():  # called in a Python process of the user's: it is left as it was
             module = next(m for m, commands in MODULES.items() if ns.command in commands)
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as err:  # a failure at run time whose cause is known, recorded in the run folder
         tell("failure", f"failed: {err}")
         return err.exit_code
-    except Preempted as stop:  # a job this command launched saved its snapshot
+    except Preempted as stop:  # a job this command launched saved its snapshot (Interrupted: after a Ctrl-C)
         print(f"ddplab: {stop}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:

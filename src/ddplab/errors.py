@@ -38,6 +38,24 @@ class Preempted(Exception):
     exit_code = ExitCode.PREEMPTED
 
 
+class Interrupted(Preempted):
+    """A job stopped by Ctrl-C, its snapshot saved: exit 130, and the same command continues it."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
+# A run's status in metrics.json -> the exit code of the command that ended it, and of `ddplab status` on it.
+STATUS_CODES = {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED, "interrupted": ExitCode.INTERRUPTED}
+
+
+def stopped(kind: str, what: str) -> Preempted:
+    """The exception for a job that a signal stopped (`kind`: "interrupted", a Ctrl-C; else a pre-emption),
+    `what` saying so with "{stop}" in place of "interrupted" or "pre-empted"."""
+    if kind == "interrupted":
+        return Interrupted(what.replace("{stop}", "interrupted"))
+    return Preempted(what.replace("{stop}", "pre-empted"))
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """An exception's first line of text ("" if it has none), for a one-line UserError about it."""
     return (str(exc).strip().splitlines() or [""])[0][:limit]

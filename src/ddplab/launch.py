@@ -2,9 +2,10 @@
 `ddplab study` (one torchrun agent per node on loopback, or `srun` under SLURM) and both runs
 of `ddplab verify` go through `run`, which stays in charge of the job:
 
-- SIGTERM, SIGINT and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to
-  its workers, which snapshot and exit 75); the launcher waits and exits 75 too. A second
-  signal kills the agents at once. A stop signal sent to one worker stops the job so too (never restarted).
+- SIGTERM and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to its workers,
+  which snapshot and exit 75, pre-empted); the launcher waits and exits 75 too. SIGINT (Ctrl-C) is
+  forwarded as SIGINT: the workers snapshot and the job exits 130, interrupted. A second signal
+  kills the agents at once. A stop signal sent to one worker stops the job so too (never restarted).
 - Nothing outlives the launcher: each agent (and `srun`) runs in its own session and asks the
   kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
   SIGKILL of the launcher or of an agent leaves no worker behind.
@@ -19,7 +20,6 @@ of `ddplab verify` go through `run`, which stays in charge of the job:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -34,11 +34,12 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+from ddplab.engine import torch_internals
 from ddplab.engine.files import open_append, read_json
-from ddplab.engine.preemption import StopSignals
+from ddplab.engine.preemption import STOPS, StopSignals
 from ddplab.engine.reports import STOPPING
 from ddplab.engine.run_folder import RunFolder, amend
-from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.errors import ExitCode, RunError, UserError, stopped
 from ddplab.handoff import Handoff
 from ddplab.process_state import die_with_parent
 
@@ -78,14 +79,16 @@ def quick_exit(code: int = 0) -> None:
     """End a process that has finished its work without the interpreter's teardown.
 
     Tearing down torch's modules takes 1.2-1.5 s on this machine (torch, torchvision and
-    TensorBoard loaded; os._exit: 0.08 s), paid by every worker and by the agent, at the end of
+    TensorBoard loaded; os._exit: 0.08 s), and 10-19 s with the machine's 2 cores loaded (a 1-process
+    `ddplab train` with 8 loader workers: from its last line in train.log to its exit; 0.5 s with this),
+    paid by every worker, by the agent, and by a `ddplab train` that is one process, at the end of
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
     writes is closed by then (a file a user's callback leaves open is not flushed: close it in
     on_train_end). Used only after a run completed, never on an error path. A worker forked from its agent
     returns instead: its return value must reach the agent, and multiprocessing ends it with os._exit then."""
     if _forked:
         return
-    atexit._run_exitfuncs()
+    torch_internals.run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -109,18 +112,20 @@ def under_agent() -> bool:
 
 # ------------------------------------------------------------------ launcher side
 class Ended(NamedTuple):
-    code: int  # ExitCode.PREEMPTED when a worker saved a snapshot, USAGE when one reported bad input
+    code: int  # PREEMPTED / INTERRUPTED when the workers saved a snapshot, USAGE when one reported bad input
     error: str | None  # that user error, one line (USAGE), or the failure report (FAILED)
     stopped: bool  # a signal asked the job to stop
     root_cause: tuple[int, str] | None = None  # torchrun's "Root Cause" of a failure no worker reported (rank 0 killed)
+    kind: str | None = None  # the stop's: "interrupted" (Ctrl-C) or "preempted"; None if no signal stopped it
+    saved: bool = False  # the workers agreed on the stop and saved its snapshot
 
 
 class _Job(StopSignals):
     """Agents started together (one per node; on loopback, several) and stopped together.
 
     Its signal handlers: the first SIGTERM, SIGINT or SIGUSR1 asks every agent to stop cleanly
-    (SIGTERM: the agent passes it to its workers and waits for them; SIGUSR1 would kill it), a
-    second kills them."""
+    (SIGTERM, SIGINT for a Ctrl-C: the agent passes it to its workers and waits for them; SIGUSR1 would
+    kill it), a second kills them."""
 
     SIGNALS = FORWARDED
 
@@ -152,22 +157,24 @@ class _Job(StopSignals):
     def _handle(self, signum, frame) -> None:
         self.caught.append(signum)
         if len(self.caught) == 1:
-            return self._stop_agents()
+            # Ctrl-C as itself (the workers record an interruption), any other stop as SIGTERM (SIGUSR1 would
+            # kill an agent): the agent passes on the signal it received.
+            return self._stop_agents(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
         for proc in (p for p in self.procs if p.poll() is None):
             proc.kill()
 
-    def _stop_agents(self) -> None:
+    def _stop_agents(self, sig: int = signal.SIGTERM) -> None:
         for proc in self.procs:
             if proc.poll() is None and proc.pid not in self._asked:
                 self._asked.add(proc.pid)
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
         (self.report / STOPPING).touch()
 
     def wait(self, independent: bool = False) -> int:
         """Until every agent has ended; the first to fail ends the others (`independent`: not, as replica
         groups go on without a failed one). The first failure's exit code, else 0."""
         while True:
-            if not (self.caught or self.requested) and any(self.report.glob("preempted-rank*")):
+            if not (self.caught or self.requested) and saved(self.report):
                 self.requested = True  # the ranks agreed on a stop signal one of them received and snapshotted
                 self._stop_agents()
             codes = [p.poll() for p in self.procs]
@@ -213,13 +220,21 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
         return ExitCode.OK, None
     if errors := sorted(report.glob("error-rank*")):
         return ExitCode.USAGE, errors[0].read_text().strip()
-    if any(report.glob("preempted-rank*")):
+    if saved(report) == "interrupted":
+        return ExitCode.INTERRUPTED, None
+    if saved(report):
         return ExitCode.PREEMPTED, None
     if failures := sorted(report.glob("failure-rank*")):
         return ExitCode.FAILED, failures[0].read_text().strip()
     if stopped and agent_code:
         return ExitCode.INTERRUPTED, None  # stopped before the workers could save anything
     return (128 - agent_code if agent_code < 0 else agent_code), None  # killed by signal N: 128 + N, as a shell says
+
+
+def saved(report: Path) -> str | None:
+    """How the workers' agreed stop was recorded, its snapshot saved (engine/reports.py: report_stopped):
+    "interrupted" (a Ctrl-C) or "preempted"; None if they saved none."""
+    return next((status for status in reversed(STOPS) if any(report.glob(f"{status}-rank*"))), None)
 
 
 def root_cause(lines) -> tuple[int, str] | None:
@@ -283,9 +298,12 @@ def run(
             job.stop()  # nothing is left running, whatever happened here; a second signal still kills
             job.restore()
         code, line = outcome(report, code, stopped := bool(job.caught) or job.requested)
+        kind = agreed = saved(report)
         if out and line:
             out.write(f"ddplab: {'error: ' if code == ExitCode.USAGE else ''}{line}\n")
-    return Ended(code, line, stopped, None if line or not code else root_cause(job.tail))
+    if stopped and kind is None:  # the launcher's own signal stopped the job before its workers saved anything
+        kind = "interrupted" if job.caught[:1] == [signal.SIGINT] else "preempted"
+    return Ended(code, line, stopped, None if line or not code else root_cause(job.tail), kind, agreed is not None)
 
 
 # The memory a worker holds of its own once torch is imported (about 290 MB measured with torch 2.x on CPU, before
@@ -311,7 +329,8 @@ def check_processes(nproc: int, groups: int = 0) -> None:
 
 def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
     """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
-    code. Raises Preempted when the workers saved a snapshot, UserError when one reported bad input.
+    code. Raises Preempted (Interrupted after a Ctrl-C) when the workers saved a snapshot, UserError when one
+    reported bad input.
 
     `groups`: that many replica groups of `nproc` processes (engine/replicas.py), each its own torchrun
     agent, with a torchft Lighthouse for them on this machine; a group that fails ends none of the others."""
@@ -329,8 +348,8 @@ def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, g
         print(f"ddplab: {ended.error}", file=sys.stderr)
     elif (locked := Handoff.read(env or {}).locked_run) and ended.code not in _NOT_FAILED:
         print(f"ddplab: {record_unreported(Path(locked), ended.root_cause)}", file=sys.stderr)
-    if ended.code == ExitCode.PREEMPTED:
-        raise Preempted("pre-empted; a snapshot was saved and the same command continues")
+    if ended.saved and ended.code in (ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        raise stopped(ended.kind or "preempted", "{stop}; a snapshot was saved and the same command continues")
     if ended.code == ExitCode.INTERRUPTED:
         print("ddplab: interrupted", file=sys.stderr)
     return ended.code
@@ -390,20 +409,18 @@ def agent() -> None:
     import torch.distributed.run as torchrun  # the agent only: the launcher never imports torch
 
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
-        plain = torchrun.config_from_args
 
-        def config_from_args(args):
-            config, cmd, cmd_args = plain(args)
+        def forked(config, cmd, cmd_args):
             if cmd_args[:3] != ["-u", "-m", "ddplab"]:
                 return config, cmd, cmd_args
-            import torch._dynamo  # noqa: F401 - what every worker imports, imported once
+            torch_internals.import_dynamo()  # what every worker imports, imported once
 
             import ddplab.run  # noqa: F401
 
             config.start_method = "fork"
             return config, _forked_worker, cmd_args[3:]
 
-        torchrun.config_from_args = config_from_args
+        torch_internals.fork_torchrun_workers(forked)
     torchrun.main()
 
 
@@ -412,24 +429,20 @@ def _forked_worker(*args: str) -> None:
     dropped, unbuffered output, and the interpreter's teardown left to multiprocessing (os._exit after the
     return value is handed back)."""
     # A worker's own needs, imported where it starts (torch is in memory already, from the agent).
-    import io
     import traceback
 
     import torch
 
     global _forked
     _forked = True
-    atexit._clear()
+    torch_internals.drop_exit_handlers()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        raw = io.FileIO(stream.fileno(), "w", closefd=False)
-        setattr(sys, name, io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True))
+    torch_internals.unbuffered_std_streams()
     if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit():
         torch.set_num_threads(int(threads))  # read by the agent's OpenMP when torch loaded, perhaps before it was set
-    sys.argv = [str(Path(__file__).with_name("__main__.py")), *args]
+    torch_internals.as_python_m(Path(__file__).with_name("__main__.py"), list(args))
     from ddplab.cli import main  # as `python -m ddplab` starts
 
     try:
@@ -438,7 +451,7 @@ def _forked_worker(*args: str) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        atexit._run_exitfuncs()
+        torch_internals.run_exit_handlers()
     if code:
         raise SystemExit(code)
 

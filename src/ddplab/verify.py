@@ -27,7 +27,7 @@ from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.errors import ExitCode, Preempted, RunError, UserError, stopped
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.registry import load_config
 
@@ -38,8 +38,8 @@ def _run(nproc: int, args: list[str], work: Path) -> None:
     # The 1-process reference is a plain process, as `ddplab train` without --nproc-per-node: no agent to start.
     command = torchrun_command(nproc, args) if nproc > 1 else [sys.executable, "-m", "ddplab", *args]
     ended = run([command], log=work / LOG_FILE, report_in=work)
-    if ended.stopped or ended.code == ExitCode.PREEMPTED:
-        raise Preempted("verify pre-empted; the same command continues it")
+    if ended.stopped or ended.code in (ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        raise stopped(ended.kind or "preempted", "verify {stop}; the same command continues it")
     if ended.error and ended.code == ExitCode.USAGE:
         raise UserError(ended.error)
     if ended.error and ended.code == ExitCode.FAILED and len(ended.error.splitlines()) == 1:

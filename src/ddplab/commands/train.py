@@ -18,7 +18,7 @@ from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.phases import note_launch
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import ExitCode, RunError, UserError
+from ddplab.errors import STATUS_CODES, ExitCode, RunError, UserError
 from ddplab.launch import check_processes, quick_exit, run_workers, under_agent
 from ddplab.process_state import die_with_parent
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
@@ -52,10 +52,10 @@ def train(ns) -> int:
 
     # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
     summary = record(train)(cfg)  # None: train() exited with SystemExit(0)
-    if summary is not None and summary["status"] == "preempted":
-        return ExitCode.PREEMPTED
-    if under_agent():
-        quick_exit(ExitCode.OK)  # the run is recorded and its files closed
+    if summary is not None and summary["status"] != "complete":
+        return STATUS_CODES[summary["status"]]  # preempted: 75, interrupted (Ctrl-C): 130
+    if under_agent() or ns.program:
+        quick_exit(ExitCode.OK)  # the run is recorded and its files closed: no interpreter teardown to wait for
     return ExitCode.OK
 
 
@@ -170,7 +170,7 @@ def status(ns) -> int:
         status = "failed"
     else:
         print(status)
-    return {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED}.get(status, ExitCode.FAILED)
+    return STATUS_CODES.get(status, ExitCode.FAILED)
 
 
 def _quorum(run: Path) -> str:

@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from ddplab.config import link_delay_s
 from ddplab.engine.clock import InFlight, Stamps
+from ddplab.engine.torch_internals import ddp_buckets, queue_after_backward
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's
 # low-rank payload depends on the tensor shapes; the uncompressed size is an upper bound.
@@ -170,12 +171,12 @@ class StepTimer:
             self._step.append(self.clock.now())
             # The engine runs its end-of-backward callbacks in the order queued: this one before DDP's own,
             # which waits for the all-reduces; no hook sees the end of the whole pass otherwise.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            queue_after_backward(self._end_backward)
 
     def _end_backward(self) -> None:
         self._step.append(self.clock.now())
         if self.monitor is not None:  # queued behind DDP's and FSDP's own callbacks, which wait for the reduction
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduced)
+            queue_after_backward(self._reduced)
 
     def _reduced(self) -> None:
         monitor = self.monitor
@@ -233,8 +234,7 @@ def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]
     params: list[torch.Tensor] = [p for p in reversed(list(model.parameters())) if p.requires_grad]
     if not params:
         return []
-    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)]
-    groups, _ = dist._compute_bucket_assignment_by_size(params, limits)
+    groups = ddp_buckets(params, bucket_cap_mb)
     return [_bucket_info(i, ps, ps) for i, ps in enumerate([params[j] for j in group] for group in groups)]
 
 

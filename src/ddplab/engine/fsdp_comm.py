@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from ddplab.engine.clock import InFlight
+from ddplab.engine.torch_internals import fsdp_comms
 
 if TYPE_CHECKING:  # FSDP's comm interfaces, from a private module: named for the checker only
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from ddplab.engine.torch_internals import AllGather, ReduceScatter
 
 
 class ShardedCommMonitor(InFlight):
@@ -61,17 +62,17 @@ def install(model: torch.nn.Module, device: torch.device, beat=None) -> ShardedC
 
     monitor = ShardedCommMonitor(device, beat)
     for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp_comms(module)
         if len(groups) > 1:
             return None
         if not groups:  # no parameters of its own, so no collectives
             continue
         group = groups[0]  # its own collectives, which a shard function may have set: wrapped, not replaced
         # A _Timed has the interface of the comm it wraps (allocate, __call__) without subclassing it.
-        module.set_custom_all_gather(cast("AllGather", _Timed(group._all_gather_comm, monitor, "all_gather")))
-        reduce = _Timed(group._reduce_scatter_comm, monitor, "reduce_scatter")
+        module.set_custom_all_gather(cast("AllGather", _Timed(group.all_gather, monitor, "all_gather")))
+        reduce = _Timed(group.reduce_scatter, monitor, "reduce_scatter")
         module.set_custom_reduce_scatter(cast("ReduceScatter", reduce))
-        if group._is_hsdp and group._all_reduce_hook is None:
+        if group.hsdp and group.all_reduce_hook is None:
 
             def all_reduce_hook(_: torch.Tensor, r: _Timed = reduce) -> None:
                 monitor.end(monitor.begin("all_reduce", r.last_end))

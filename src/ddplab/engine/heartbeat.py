@@ -41,6 +41,7 @@ from ddplab import process_state
 from ddplab.engine.failure import compose, exited, gist, log_traceback, place_text, where, where_raised
 from ddplab.engine.flight_recorder import unfinished
 from ddplab.engine.run_folder import amend
+from ddplab.engine.torch_internals import default_store, thread_frame
 from ddplab.errors import RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
@@ -84,7 +85,7 @@ class Heartbeat:
     def __init__(self, ctx, run, stall_warning: float, announce, interval: float = 1.0) -> None:
         self.ctx, self.beat, self.run = ctx, ctx.beat, run
         self.stall_warning, self.announce, self.interval = stall_warning, announce, interval
-        self.store = dist.distributed_c10d._get_default_store() if ctx.is_distributed else None
+        self.store = default_store() if ctx.is_distributed else None
         self.log_path = Path(run.path) / run.LOGS / f"rank{ctx.rank}.log"
         self.seen: dict[int, dict] = {}  # rank 0: every rank's last beat
         self.mine: dict | None = None
@@ -153,7 +154,7 @@ class Heartbeat:
         now, b = time.monotonic(), self.beat
         if b.ticks != self._ticks:
             self._ticks, self._since = b.ticks, now
-        frame = sys._current_frames().get(self._main)
+        frame = thread_frame(self._main)
         return {
             "rank": self.ctx.rank,
             "host": self._host,

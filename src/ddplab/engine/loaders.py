@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from ddplab import process_state
 from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.data.stream import Batch, Stream, Tagged, declared, is_stateful, is_stream
+from ddplab.engine.torch_internals import stop_loader_workers
 
 
 def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
@@ -105,11 +107,14 @@ class Loaders:
         """Stop the persistent workers of every loader made here, now. Torch stops them only when nothing holds
         their loader any more (the run's parts outlive the trainer), so they outlived `ddplab.train()` in a
         user's process; and at exit torch 2.11 joins each for 5 s before killing it, with pinned memory on CUDA:
-        a 16-core GPU host's 30 workers held a finished run for over 2 minutes."""
-        for loader in list(self._made):
-            iterator, loader._iterator = loader._iterator, None  # torch keeps persistent workers' iterator there
-            if iterator is not None:
-                iterator._shutdown_workers()  # type: ignore[attr-defined]  # a multi-process iterator's
+        a 16-core GPU host's 30 workers held a finished run for over 2 minutes. The loaders are stopped together:
+        torch joins a loader's workers one by one (each for up to 5 s), and one loader's need not wait for
+        another's (2 loaders of 8 workers on 2 loaded cores: 1.9 s one after the other)."""
+        stopping = [threading.Thread(target=stop_loader_workers, args=(loader,)) for loader in list(self._made)]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
 
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run

@@ -13,14 +13,12 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ddplab.engine.run_folder import amend
+from ddplab.engine.torch_internals import compile_callbacks
 from ddplab.errors import RunError
 from ddplab.handoff import Handoff
-
-if TYPE_CHECKING:
-    from torch._dynamo.callback import CompilationCallbackHandler
 
 
 def process_started_at() -> float | None:
@@ -104,13 +102,10 @@ class CompileClock:
 
     def __init__(self) -> None:
         self.seconds, self._began = 0.0, 0.0
-        self._handler: CompilationCallbackHandler | None = None
+        self._handler: Any = None  # dynamo's callback handler while hooked
 
     def start(self) -> None:
-        # Imported here: only a compiled run pays for dynamo's import.
-        from torch._dynamo.callback import callback_handler
-
-        self._handler = callback_handler
+        self._handler = callback_handler = compile_callbacks()  # only a compiled run pays for dynamo's import
         callback_handler.register_start_callback(self._begin)
         callback_handler.register_end_callback(self._end)
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torchft import Manager, ProcessGroupGloo
 from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
@@ -130,9 +129,10 @@ class Replicas:
         mark = torch.zeros(self.groups, dtype=stop.dtype, device=stop.device)
         mark[self.group] = 1
         tensors = [*grads, *(t.to(grads[0].dtype if grads else stop.dtype) for t in (stop, mark))]
-        flat = _flatten_dense_tensors(tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         self.manager.allreduce(flat).wait()
-        *reduced, self._carried, self._marks = _unflatten_dense_tensors(flat, tensors)
+        parts = [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+        *reduced, self._carried, self._marks = parts
         for grad, mean in zip(grads, reduced, strict=True):
             grad.copy_(mean)
 
@@ -152,7 +152,7 @@ class Replicas:
         """The stop flags raised by any group in the steps committed since the last call: the same in every group,
         so that all of them stop at the same step (a group's own flags are not: a signal reaches them at
         different moments)."""
-        flags, self._stop = (self._stop > 0).float(), torch.zeros_like(self._stop)
+        flags, self._stop = self._stop, torch.zeros_like(self._stop)  # a stop's code kept (preemption.py)
         return flags
 
     def spent(self) -> float:

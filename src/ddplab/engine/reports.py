@@ -36,10 +36,11 @@ def tell(kind: str, text: str, shown: str | None = None) -> None:
         print(f"ddplab: {shown or text}", file=sys.stderr, flush=True)
 
 
-def report_preempted() -> None:
-    """Then wait (10 s at most) until the launcher has asked the agents to stop: an agent that saw
-    this worker exit first would take it for a failure and restart the workers (--max-restarts)."""
-    if _report("preempted", ""):
+def report_stopped(status: str) -> None:
+    """A stop its snapshot was saved for (`status`: preempted or interrupted, engine/preemption.py). Then wait
+    (10 s at most) until the launcher has asked the agents to stop: an agent that saw this worker exit first
+    would take it for a failure and restart the workers (--max-restarts)."""
+    if _report(status, ""):
         deadline, stopping = time.monotonic() + 10, Path(Handoff.read().report_dir or ".") / STOPPING
         while not stopping.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -25,7 +25,8 @@ from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder
 from ddplab.engine.parts import Builders
 from ddplab.engine.phases import Phases
-from ddplab.engine.reports import listened, report_preempted, tell
+from ddplab.engine.preemption import STOPS
+from ddplab.engine.reports import listened, report_stopped, tell
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
@@ -72,7 +73,7 @@ class Session:
                 self.fail(ctx, run_dir, exc)
             finally:
                 self.close(trackers)
-        if ctx.is_main and result["status"] != "preempted":  # after the process group is gone: teardown counted
+        if ctx.is_main and result["status"] not in STOPS:  # after the process group is gone: teardown counted
             self.phases.add_teardown(run_dir)
         return result
 
@@ -120,11 +121,12 @@ class Session:
         start = time.time()
         state = trainer.fit()
         self.phases.mark("training")
-        if state.stop_reason == "preempted":
-            result = summary(trainer.view, "preempted", self.code)
+        if state.stop_reason in STOPS:  # a signal's stop: the snapshot is saved, the run goes on when rerun
+            result = summary(trainer.view, state.stop_reason, self.code)
             run.write_json(RunFolder.METRICS_JSON, result)
-            run.log(f"pre-empted after step {state.step}; the same command continues from the snapshot")
-            report_preempted()  # now, not after the teardown: a process that aborts at exit has told the launcher
+            said = "pre-empted" if state.stop_reason == "preempted" else "interrupted"
+            run.log(f"{said} after step {state.step}; the same command continues from the snapshot")
+            report_stopped(state.stop_reason)  # now, not after the teardown: one that aborts at exit has told
         else:
             result = self.record(ctx, run, trainer, state, start)
         trainer.end(result)

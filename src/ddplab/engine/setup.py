@@ -27,9 +27,20 @@ from ddplab.engine.comm import install_comm_hook
 from ddplab.engine.failure import place_of
 from ddplab.engine.loaders import data_workers
 from ddplab.engine.sharding import shard
+from ddplab.engine.torch_internals import mark_batch_dynamic, uncompiled
 from ddplab.errors import RunError, UserError, first_line
 from ddplab.tasks import Task, call_model
 from ddplab.workload import Assets, Data, Workload, build_config
+
+# Every dropout layer torch has (those dropout_off turns off, those the model check counts).
+DROPOUT = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
@@ -90,7 +101,7 @@ def _inputs_channels_last(module, args, kwargs):
 def _batch_dynamic(module, args, kwargs):
     def mark(t):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            mark_batch_dynamic(t)
         return t
 
     return _each_tensor(args, kwargs, mark)
@@ -312,13 +323,11 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
         raise UserError(f"model.name={cfg.model.name} returned {type(model).__name__}, not a torch.nn.Module")
     # Already torch.compile'd: the plain module is trained, checked without compiling it, and saved with its
     # own keys (no _orig_mod.); training.compile compiles it where ddplab compiles its own (after DDP).
-    dynamo = sys.modules.get("torch._dynamo")  # imported already by whoever compiled it (slow to import for nothing)
-    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
-        model = model._orig_mod
+    model = uncompiled(model)
     check_output(model, data)
     if cfg.model.dropout_off:
         for module in model.modules():
-            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            if isinstance(module, DROPOUT):
                 module.p = 0.0
     return model
 
@@ -343,7 +352,7 @@ def stochastic_parts(model: torch.nn.Module, data: Data) -> dict:
     """What makes an N-process run differ from one process by more than rounding, as far as it can be
     seen: dropout modules still drawing (each rank its own masks), BatchNorm (statistics of each rank's
     batch), random transforms on the training set (each rank's own draws)."""
-    dropout = sum(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    dropout = sum(isinstance(m, DROPOUT) and m.p > 0 for m in model.modules())
     batchnorm = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     transforms, dataset = [], data.train
     while dataset is not None:  # Subset / wrappers keep the dataset that holds the transform

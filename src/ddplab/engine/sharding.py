@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ddplab.engine.checkpoint import part
+from ddplab.engine.torch_internals import uncompiled
 from ddplab.errors import UserError
 from ddplab.workload import resolve
 
@@ -107,7 +108,7 @@ def precision(amp: str, device: torch.device):
 
 def micro_step(model: torch.nn.Module, last: bool):
     """The context of one micro-step: gradients are reduced (all-reduce, reduce-scatter) on the last only."""
-    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    inner = uncompiled(model)
     if _is_fsdp(inner):
         inner.set_requires_gradient_sync(last)
         return contextlib.nullcontext()

@@ -27,7 +27,7 @@ class TrainState:
     epoch_data_wait: float = 0.0  # seconds this rank waited for its next batch
     history: list = field(default_factory=list)  # one dict per epoch
     steps: list = field(default_factory=list)  # one dict per log interval
-    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted | a callback's request
+    stop_reason: str | None = None  # epochs | max_steps | time_budget | preempted | interrupted | a callback's request
     resumes: int = 0  # how many times this run was resumed from a snapshot
     snapshot_stalls: list = field(default_factory=list)  # {step, stall_s, async}: training held by each snapshot
     epoch_steps: int = 0  # optimizer steps of the epoch in progress

@@ -33,7 +33,7 @@ from ddplab.engine.evaluation import evaluate
 from ddplab.engine.ledger import LossLedger
 from ddplab.engine.optim import Schedule, plan_for_budget
 from ddplab.engine.parts import TrainParts
-from ddplab.engine.preemption import StopSignals
+from ddplab.engine.preemption import STOPS, StopSignals
 from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, unused_parameters
@@ -339,7 +339,7 @@ class Trainer:
         flags = self.replicas.stop() if self.replicas is not None else self._stop_flags()[:2]  # replicas: every group's
         over, signalled = self.ctx.all_reduce(flags.to(self.ctx.device), "max").tolist()
         if signalled:
-            s.stop_reason = "preempted"
+            s.stop_reason = STOPS[int(signalled) - 1]  # a Ctrl-C on any rank makes the job's stop one
             self.run.log(
                 f"stop signal ({self.signals.received or 'on another rank'}) after step {s.step}: "
                 f"snapshotting and exiting"
@@ -353,17 +353,17 @@ class Trainer:
         """This process's own reasons to stop (the time budget is over, a stop signal came), then its time spent."""
         spent = self.state.elapsed
         over = self.budget is not None and spent >= self.budget
-        return torch.tensor([float(over), float(self.signals.received is not None), spent], device=self.ctx.device)
+        return torch.tensor([float(over), float(self.signals.code), spent], device=self.ctx.device)
 
     def stop_mid_epoch(self) -> None:
-        """Snapshot where the stop happened; then (unless pre-empted) evaluate and record it."""
+        """Snapshot where the stop happened; then (unless pre-empted or interrupted) evaluate and record it."""
         s = self.state
         self.snapshot()
         self.run.log(
             f"stopped ({s.stop_reason}) after step {s.step}, {s.consumed} samples into epoch {s.epoch + 1}; "
             f"snapshot saved"
         )
-        if s.stop_reason != "preempted":
+        if s.stop_reason not in STOPS:
             # A row for the part-epoch, after the snapshot: a resumed run finishes the epoch
             # from the snapshot's sums, so metrics.csv never holds the epoch twice.
             self.end_of_epoch(partial=True)
@@ -511,7 +511,7 @@ class Trainer:
                 f"not restored from the snapshot (absent, or per rank at another world size), left as "
                 f"built: {', '.join(as_built)}"
             )
-        if s.stop_reason in ("epochs", "max_steps", "time_budget", "preempted"):  # the loop checks these again
+        if s.stop_reason in ("epochs", "max_steps", "time_budget", *STOPS):  # the loop checks these again
             s.stop_reason = None  # a callback's request stays: the run ended there
         s.resumes += 1
         self.run.log(

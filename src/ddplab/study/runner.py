@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from ddplab.engine.files import write_atomic
 from ddplab.engine.lock import finished
 from ddplab.engine.run_folder import RunFolder
-from ddplab.errors import ExitCode, Preempted, RunError, UserError
+from ddplab.errors import ExitCode, RunError, UserError, stopped
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.study.grid import Point, Setup
 from ddplab.world import expand_nodelist
@@ -102,10 +102,11 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
             start = time.perf_counter()
             # The report folder lies in the point's folder, which every node of the job sees.
             ended = run(commands, log=folder / LOG_FILE, report_in=folder)
-            if ended.stopped or ended.code == ExitCode.PREEMPTED:
-                raise Preempted(
-                    f"study pre-empted during point {point.name}; finished points are kept and "
-                    f"the same command continues the study"
+            if ended.stopped or ended.code in (ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+                raise stopped(
+                    ended.kind or "preempted",
+                    f"study {{stop}} during point {point.name}; finished points are kept and "
+                    f"the same command continues the study",
                 )
             if ended.code != 0 or not finished(folder):
                 if tail := log_tail(folder / LOG_FILE):

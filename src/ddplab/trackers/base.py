@@ -33,7 +33,7 @@ class Tracker:
         """After a snapshot: what it was sent so far is kept even if the process dies now."""
 
     def finish(self, view, status: str) -> None:
-        """The run ended (complete), stopped to be continued (preempted) or raised (failed)."""
+        """The run ended (complete), stopped to be continued (preempted; interrupted: Ctrl-C) or raised (failed)."""
 
 
 class TensorBoard(Tracker):

@@ -83,7 +83,8 @@ class MLflow(Tracker):
         for name in (RunFolder.CONFIG, RunFolder.METRICS_CSV):
             if (view.run.path / name).is_file():
                 self.client.log_artifact(self.run_id, str(view.run.path / name))
-        self.client.set_terminated(self.run_id, {"complete": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED"))
+        ended = {"complete": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}
+        self.client.set_terminated(self.run_id, ended.get(status, "FAILED"))
 
 
 def _experiment(client, name: str, uri: str) -> str:
