@@ -267,7 +267,7 @@ class DistributedConfig:
     )
     fault_tolerance: str = _f(
         "none",
-        "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
+        "replicas: the job runs as replica groups (torchft: ddplab's ft extra) "
         "that keep training when one dies and copy a rejoining group's state from a "
         "live one; see the fault-tolerance page",
         choices=("none", "replicas"),
@@ -313,7 +313,7 @@ class LoggingConfig:
     trackers: list = _f(
         ["tensorboard"],
         "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
-        "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
+        "folder), mlflow, wandb (ddplab's track extra); see the tracking page",
         choices=("tensorboard", "mlflow", "wandb"),
     )
     mlflow_uri: str | None = _f(
