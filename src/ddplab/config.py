@@ -98,7 +98,7 @@ class DataConfig:
         "raw",
         "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
         "(re-encoded at the training size, quality 90, decoded each epoch; a fifth of raw's disk) "
-        "or false (each file decoded every epoch); true still means raw",
+        "or false (each file decoded every epoch)",
         choices=("raw", "jpeg", "false"),
     )
     decode: str = _f(

@@ -224,8 +224,8 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
     if hint in (int, float):
         return _number(value, text, hint, dotted)
     if hint is str:
-        if isinstance(value, bool):  # YAML's true/false in a field of words; data.cache was a bool: true meant raw
-            return ("raw" if value else "false") if dotted == "data.cache" else str(value).lower()
+        if isinstance(value, bool):  # YAML's true/false in a field of words
+            return str(value).lower()
         if isinstance(value, (str, int, float)):
             return str(value)
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
@@ -278,7 +278,6 @@ def _shown(value: Any) -> str:
 
 def validate(cfg: Config) -> None:
     """Range and choice checks for every field, then cross-field checks."""
-    cfg.data.cache = {"true": "raw"}.get(cfg.data.cache, cfg.data.cache)  # data.cache=true: as before jpeg existed
     _check_fields(cfg, "")
     parse_duration(cfg.training.time_budget, "training.time_budget")
     name = cfg.experiment.name  # one folder inside output_dir: no path of its own, nothing a terminal would act on

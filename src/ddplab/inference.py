@@ -38,8 +38,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
 
 
 def recorded_task(ckpt: dict):
-    meta = ckpt.get("meta", {})
-    return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
+    return restore(ckpt.get("task"))
 
 
 def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, saved: Assets | None = None):
