@@ -21,12 +21,6 @@ def test_the_line_installs_the_extras_own_packages(extra):
     assert shlex.split(command) == ["pip", "install", *DECLARED[extra]] and name == f"ddplab's {extra} extra)"
 
 
-def test_an_extra_made_of_extras_names_their_packages_not_ddplab():
-    packages = shlex.split(extras.install_line("all").split(" (")[0])[2:]
-    assert "ddplab" not in " ".join(packages)
-    assert sorted(packages) == sorted(p for inner in ("text", "vision", "report", "track") for p in DECLARED[inner])
-
-
 def test_a_tree_that_was_never_installed_is_sent_to_its_clone(monkeypatch):
     def absent(name):
         raise metadata.PackageNotFoundError(name)

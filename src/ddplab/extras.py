@@ -39,18 +39,7 @@ def install_line(extra: str) -> str:
         declared = metadata.requires("ddplab") or []
     except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed: only its clone has it
         return f"pip install '.[{extra}]' in ddplab's clone"
-    return "pip install " + " ".join(map(shlex.quote, _packages(declared, extra))) + f" (ddplab's {extra} extra)"
-
-
-def _packages(declared: list[str], extra: str) -> list[str]:
-    """The requirements `extra` adds, an extra of ddplab's own it names (all = text, vision...) opened up."""
-    found = []
-    for requirement in map(Requirement, declared):
-        if requirement.marker is None or not requirement.marker.evaluate({"extra": extra}):
-            continue
-        if requirement.name == "ddplab":
-            found += [p for inner in sorted(requirement.extras) for p in _packages(declared, inner)]
-        else:
-            requirement.marker = None
-            found.append(str(requirement))
-    return found
+    wanted = [
+        r.split(";")[0].strip() for r in declared if (m := Requirement(r).marker) and m.evaluate({"extra": extra})
+    ]
+    return f"pip install {' '.join(map(shlex.quote, wanted))} (ddplab's {extra} extra)"
