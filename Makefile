@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 	$(PYTEST) -n auto --dist loadscope -m "not multiproc"
 
 # Lint, format and types, with zero findings (settings in pyproject.toml; mypy checks src/). `make test` runs it first.
-LINTED := src tests benchmarks
+LINTED := src tests benchmarks deploy
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)

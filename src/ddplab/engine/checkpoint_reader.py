@@ -30,7 +30,7 @@ def open_snapshot(folder: Path) -> tuple[dict, dict]:
     manifest = verify(folder)
     state = read_state(folder / STATE)
     progress = state.get("trainer")
-    if isinstance(progress, dict) and "step" in manifest and progress.get("step", manifest["step"]) != manifest["step"]:
+    if isinstance(progress, dict) and progress.get("step", manifest["step"]) != manifest["step"]:
         raise Damaged(f"{folder / STATE}: holds step {progress['step']}, the manifest says step {manifest['step']}")
     return manifest, state
 
