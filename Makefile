@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install bench docs dist core-check constraints clean
+.PHONY: demo test test-fast lint install bench docs dist core-check deploy-check constraints clean
 
 # Every extra and the test tools, at the versions in constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 	$(PYTEST) -n auto --dist loadscope -m "not multiproc"
 
 # Lint, format and types, with zero findings (settings in pyproject.toml; mypy checks src/). `make test` runs it first.
-LINTED := src tests benchmarks
+LINTED := src tests benchmarks deploy
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
@@ -71,7 +71,19 @@ core-check: dist
 		&& OMP_NUM_THREADS=1 $(CURDIR)/$(CORE)/bin/ddplab train model.name=$(CURDIR)/examples/my_workload.py:model \
 			data.name=$(CURDIR)/examples/my_workload.py:data training.epochs=2 training.warmup_steps=0 --nproc-per-node 2 \
 		&& ! $(CURDIR)/$(CORE)/bin/ddplab train data.name=synthetic_reviews model.name=transformer 2> err.txt \
-		&& grep -q "pip install 'ddplab\[text\]'" err.txt && echo "core install: OK"
+		&& grep -q "needs transformers.*: pip install 'transformers>=.* (ddplab's text extra)" err.txt && echo "core install: OK"
+
+# deploy/skypilot.yaml read by SkyPilot's own loader and task schema, and broken copies refused
+# (deploy/check_skypilot.py). skypilot is some 460 MB with its dependencies and pins versions of its own, so it
+# lives in a venv of its own, not in .venv; its installation took 162 s here
+# (386 s with other work on the machine: all of make deploy-check's time but 8 s). HOME is a scratch folder: SkyPilot
+# writes its state under ~/.sky.
+DEPLOY   := .venv-deploy
+SKYPILOT := skypilot==0.14.1
+deploy-check:
+	test -x $(DEPLOY)/bin/python || $(PYTHON) -m venv $(DEPLOY)
+	$(DEPLOY)/bin/python -m pip install -q '$(SKYPILOT)'
+	HOME=$$(mktemp -d) $(DEPLOY)/bin/python deploy/check_skypilot.py
 
 # After changing what .venv holds on purpose: write the versions it has as the new constraints.
 constraints: $(STAMP)
@@ -80,4 +92,4 @@ constraints: $(STAMP)
 	 $(PY) -m pip freeze | grep -v -E "^-e |^ddplab") > constraints.txt
 
 clean:
-	rm -rf $(VENV) $(CORE) experiments dist build
+	rm -rf $(VENV) $(CORE) $(DEPLOY) experiments dist build

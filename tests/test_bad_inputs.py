@@ -66,7 +66,7 @@ def place(tmp_path_factory) -> Path:
     (root / "hf_model" / "config.json").write_text("{not json")
     _, ckpt = load_checkpoint(done / "checkpoints" / "best")
     ckpt["config"]["model"].update(name="hf", pretrained=str(root / "hf_model"))
-    ckpt.update(task="classification", num_classes=2)
+    ckpt.update(task={"kind": "classification", "num_classes": 2})
     ckpt["meta"] = {"input": "text"}
     torch.save(ckpt, root / "moved_model.pt")
     return root

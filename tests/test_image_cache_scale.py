@@ -19,6 +19,7 @@ from torchvision.datasets import ImageFolder
 from conftest import _env, assert_ok, ddplab, main
 from ddplab.data import image_cache
 from ddplab.data.image_cache import CachedImages, EncodedImages
+from ddplab.errors import UserError
 from ddplab.registry import load_config
 from faults import command
 
@@ -107,10 +108,10 @@ def test_jpeg_cache_is_a_third_of_raw_or_less_and_close_to_it(tmp_path):
     assert (x_jpeg - x_raw).abs().mean() * 0.25 < 2 / 255  # under 2 grey levels apart on average
 
 
-def test_old_configs_cache_true_means_raw():
-    assert load_config(None, ["data.cache=true"]).data.cache == "raw"
-    assert load_config({"data": {"cache": True}}).data.cache == "raw"
+def test_the_cache_is_named_by_its_words_only():
     assert load_config({"data": {"cache": False}}).data.cache == "false"
+    with pytest.raises(UserError, match=r"data.cache.*raw, jpeg, false"):
+        load_config({"data": {"cache": True}})
 
 
 def test_encoded_batches_decode_on_arrival_to_the_pixels_of_the_workers_path(tmp_path):

@@ -113,7 +113,7 @@ def test_text_classification_predicts_after_its_csv_and_cache_are_deleted(tmp_pa
     after = predict(str(run), inputs)
     _same_rows(before, after)
     assert [r["label"] for r in after[:2]] == ["pos", "neg"]
-    shutil.rmtree(run / "inference")  # a run folder from before inference/ was saved
+    shutil.rmtree(run / "inference")  # as for a checkpoint taken away from its run folder: the rebuilt data's form
     _same_rows(before, predict(str(run), inputs))
 
 

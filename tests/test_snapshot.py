@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddplab
 import faults
 from conftest import _env, assert_ok, main
 from ddplab.distributed import DistContext, LaunchInfo
@@ -32,6 +33,8 @@ ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 # else in it, or in ddplab, knows of the counter: Data(state=...) is its one registration.
 WORKLOAD = """
 import torch
+
+import ddplab
 import ddplab
 from torch.utils.data import TensorDataset
 
@@ -103,9 +106,6 @@ def test_a_manifest_names_every_file_with_its_size_and_checksum(tmp_path):
     assert m["files"] == {STATE: [size, manifest.checksum(folder / STATE)]}
     assert manifest.verify(folder) == m
     assert torch.equal(load_snapshot(folder)["model"]["w"], torch.full((1000,), 3.0))
-    older = {**m, "checksum": "crc32", "files": {STATE: [size, manifest.checksum(folder / STATE, "crc32")]}}
-    (folder / MARKER).write_text(json.dumps(manifest.seal(older)))  # as written before CRC-32C: still verified
-    assert manifest.verify(folder) == manifest.seal(older)
     _flip(folder / STATE)
     with pytest.raises(Damaged, match="damaged"):
         manifest.verify(folder)
@@ -153,19 +153,14 @@ def _linked_state(folder: Path) -> None:
         (lambda f: (f / MARKER).write_text("{not json"), "COMPLETE: not a manifest (not JSON)"),
         (lambda f: (f / MARKER).write_text("[1, 2]"), "COMPLETE: not a manifest (a JSON list)"),
         (lambda f: (f / MARKER).write_text('{"step": "x"}'), "COMPLETE: not a manifest (no step)"),
-        (
-            lambda f: (f / MARKER).write_text('{"format": 2, "step": 4}'),
-            "COMPLETE: not a manifest (format 2, no files)",
-        ),
         (lambda f: _edit(f, lambda m: m.update(step=3), sealed=False), "COMPLETE: damaged (the manifest's own"),
         (lambda f: _nulled_and_flipped(f / STATE), "COMPLETE: 'state.pt' has no checksum, where the manifest's"),
-        (lambda f: _edit(f, lambda m: m.update(files={})), "COMPLETE: not a manifest (format 3, no files)"),
+        (lambda f: _edit(f, lambda m: m.update(files={})), "COMPLETE: not a manifest (no files)"),
         (lambda f: _edit(f, lambda m: m["files"].update({STATE: 5})), "the entry of 'state.pt' is 5, not [size"),
         (
             lambda f: _edit(f, lambda m: m["files"].update({"../../../../etc/hostname": [1, "00000000"]})),
             "names '../../../../etc/hostname', a path outside its snapshot",
         ),
-        (lambda f: _edit(f, lambda m: m.update(format=99)), "COMPLETE: format 99, which this version cannot read"),
         (_linked_state, "state.pt: leads outside its snapshot (a symbolic link)"),
     ],
 )
@@ -191,25 +186,21 @@ def test_files_of_different_steps_are_refused(tmp_path):
     shutil.copy(tmp_path / "step-000000002" / MARKER, four / MARKER)  # and a whole snapshot of step 2, misnamed
     with pytest.raises(Damaged, match="the manifest of step 2 in the folder of another step"):
         manifest.verify(four)
-    (four / MARKER).write_text(json.dumps({"step": 4, "world_size": 1}))  # format 1: no checksums, yet refused
-    with pytest.raises(Damaged, match="holds step 2, the manifest says step 4"):
+    _edit(four, lambda m: m.update(step=4, checksum=None, files={STATE: [(four / STATE).stat().st_size, None]}))
+    with pytest.raises(Damaged, match="holds step 2, the manifest says step 4"):  # sizes alone agree, yet refused
         open_snapshot(four)
 
 
-def test_a_snapshot_of_the_older_format_loads_unverified_in_one_line(tmp_path):
-    folder = tmp_path / "step-000000005"
-    folder.mkdir()
-    torch.save(
-        {"model": {"w": torch.ones(2)}, "trainer": {"step": 5}, "config": {"training": {"lr": 1.0}}, "world_size": 2},
-        folder / STATE,
-    )
-    (folder / MARKER).write_text(
-        json.dumps({"step": 5, "epoch": 0, "consumed": 40, "world_size": 2, "global_batch": 16})
-    )
-    lines = []
-    _, m, _ = Checkpointer(tmp_path, is_main=False).newest(lines.append)
-    assert lines == ["snapshot step-000000005 was written before snapshots had a manifest: loaded unverified"]
-    assert m["config"] == {"training": {"lr": 1.0}} and m["world_size"] == 2 and m["global_batch"] == 16
+@pytest.mark.parametrize("version", [2, None, True])
+def test_a_snapshot_of_another_format_is_refused_not_skipped(tmp_path, version):
+    """Format 1 is the only one written; a later (or no) format is refused in one line, never passed over for an
+    older snapshot that would resume the run from further back."""
+    ck = Checkpointer(tmp_path, is_main=True)
+    _save(ck, 2)
+    _edit(_save(ck, 4), lambda m: m.update(format=version))
+    says = f"step-000000004/COMPLETE: a snapshot of format {version!r}; ddplab {ddplab.__version__} reads format 1"
+    with pytest.raises(UserError, match=re.escape(says)):
+        ck.newest(print)
 
 
 def test_predict_export_and_generate_take_the_best_model_only_once_it_verifies(tmp_path):
@@ -448,3 +439,13 @@ def test_a_resume_checks_the_config_its_snapshot_holds_whatever_became_of_config
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1
     assert summary["aggregates"]["steps"] == 16
+
+
+def test_a_run_whose_newest_snapshot_has_another_format_is_refused_in_one_line(runs, tmp_path, monkeypatch, capfd):
+    run = tmp_path / "experiments" / "stop"
+    shutil.copytree(runs["root"] / "experiments" / "stop-ddp", run)
+    _edit(run / "checkpoints" / "step-000000006", lambda m: m.update(format=2))
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    code, err = main(*_args(runs["wl"], "stop", "ddp")), capfd.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "step-000000006/COMPLETE: a snapshot of format 2" in err, err

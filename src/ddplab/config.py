@@ -171,7 +171,7 @@ class DataConfig(_Section):
         "raw",
         "image_folder trees decoded once into a cache: raw (uint8 pixels, memory-mapped), jpeg "
         "(re-encoded at the training size, quality 90, decoded each epoch; a fifth of raw's disk) "
-        "or false (each file decoded every epoch); true still means raw",
+        "or false (each file decoded every epoch)",
         choices=("raw", "jpeg", "false"),
     )
     decode: str = _f(
@@ -340,7 +340,7 @@ class DistributedConfig(_Section):
     )
     fault_tolerance: str = _f(
         "none",
-        "replicas: the job runs as replica groups (torchft, pip install 'ddplab[ft]') "
+        "replicas: the job runs as replica groups (torchft: ddplab's ft extra) "
         "that keep training when one dies and copy a rejoining group's state from a "
         "live one; see the fault-tolerance page",
         choices=("none", "replicas"),
@@ -386,7 +386,7 @@ class LoggingConfig(_Section):
     trackers: list = _f(
         ["tensorboard"],
         "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
-        "folder), mlflow, wandb (pip install 'ddplab[track]'); see the tracking page",
+        "folder), mlflow, wandb (ddplab's track extra); see the tracking page",
         choices=("tensorboard", "mlflow", "wandb"),
     )
     mlflow_uri: str | None = _f(

@@ -224,8 +224,6 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
     if hint in (int, float):
         return _number(value, text, hint, dotted)
     if hint is str:
-        if dotted == "data.cache" and (isinstance(value, bool) or text == "true"):  # a bool before jpeg: true = raw
-            return "false" if value is False else "raw"
         if isinstance(value, bool):  # YAML's true/false in a field of words
             return str(value).lower()
         if isinstance(value, (str, int, float)):

@@ -4,6 +4,10 @@ trains any workload of plain tensors; what needs more names its extra in one lin
 from __future__ import annotations
 
 import importlib.util
+import shlex
+from importlib import metadata
+
+from packaging.requirements import Requirement
 
 from ddplab.errors import UserError
 
@@ -25,4 +29,17 @@ def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:
 def require(extra: str, what: str, modules: tuple[str, ...] | None = None) -> None:
     """One line naming the extra when `what` (a command, a config value) cannot run without it."""
     if gone := missing(extra, modules):
-        raise UserError(f"{what} needs {', '.join(gone)}: pip install 'ddplab[{extra}]'")
+        raise UserError(f"{what} needs {', '.join(gone)}: {install_line(extra)}")
+
+
+def install_line(extra: str) -> str:
+    """How to install an extra without asking a registry for ddplab (none hosts it): the extra's packages as the
+    installed ddplab's own metadata declares them, so the line works for a wheel and a clone alike."""
+    try:
+        declared = metadata.requires("ddplab") or []
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed: only its clone has it
+        return f"pip install '.[{extra}]' in ddplab's clone"
+    wanted = [
+        r.split(";")[0].strip() for r in declared if (m := Requirement(r).marker) and m.evaluate({"extra": extra})
+    ]
+    return f"pip install {' '.join(map(shlex.quote, wanted))} (ddplab's {extra} extra)"

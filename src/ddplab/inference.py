@@ -20,7 +20,7 @@ from ddplab.config import Config, freeze
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine.checkpoint_reader import load_checkpoint
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles, RunFolder
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import RunError, UserError, first_line
 from ddplab.registry import workload
@@ -38,8 +38,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
 
 
 def recorded_task(ckpt: dict):
-    meta = ckpt.get("meta", {})
-    return restore(ckpt.get("task"), ckpt.get("num_classes"), ckpt.get("vocab_size") or meta.get("vocab_size"))
+    return restore(ckpt.get("task"))
 
 
 def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, saved: Assets | None = None):
@@ -48,8 +47,9 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
     `checkpoint`: what read_checkpoint(path) gave, when the caller has read it already."""
     ckpt, cfg, _ = checkpoint or read_checkpoint(path)
     meta = ckpt.get("meta", {})
-    check_trusted(cfg.model.name, trust_code, "model.name", path)
-    check_trusted(cfg.data.name, trust_code, "data.name", path)
+    run = RunFiles.around(path)  # code inside the run folder it was read from is the run's own
+    check_trusted(cfg.model.name, trust_code, "model.name", run.path if run else path)
+    check_trusted(cfg.data.name, trust_code, "data.name", run.path if run else path)
     work = workload(cfg)
     if saved is not None:
         data = _data(cfg, work, saved)

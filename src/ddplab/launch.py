@@ -40,6 +40,7 @@ from ddplab.engine.preemption import STOPS, StopSignals
 from ddplab.engine.reports import STOPPING
 from ddplab.engine.run_folder import RunFolder, amend
 from ddplab.errors import ExitCode, RunError, UserError, stopped
+from ddplab.extras import install_line
 from ddplab.handoff import Handoff
 from ddplab.process_state import die_with_parent
 
@@ -369,7 +370,7 @@ def lighthouse():
     found = Path(sys.executable).with_name("torchft_lighthouse")
     program = str(found) if found.exists() else shutil.which("torchft_lighthouse")
     if program is None:
-        raise UserError("--replica-groups needs torchft's torchft_lighthouse on PATH: pip install 'ddplab[ft]'")
+        raise UserError(f"--replica-groups needs torchft's torchft_lighthouse on PATH: {install_line('ft')}")
     with socket.socket() as probe:  # a free port, handed straight on
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]

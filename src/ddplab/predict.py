@@ -92,7 +92,7 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
 
 
 def _example(data) -> dict:
-    """The form of the data's first item, for a run folder saved before inference/ was; where its data
+    """The form of the data's first item, for a checkpoint away from its run folder (no inference/); where its data
     function built no dataset, the built-ins' form: (inputs, an integer target)."""
     dataset = next((d for d in (data.val, data.train) if d is not None), None)
     if dataset is None:
@@ -161,7 +161,7 @@ def predict(
     # cfg.assets for the data function, and the form of one training item
     saved, example = assets.load(found, ckpt.get("meta", {}), recorded)
     model, _, data = load_model(run, trust_code, checkpoint=checkpoint, saved=saved)
-    example = example or _example(data)  # a run folder saved before inference/ was: the rebuilt data's
+    example = example or _example(data)  # a checkpoint away from its run folder: the rebuilt data's
     encode, task = encoder(data, example), data.task
     collate = data.collate_fn or torch.utils.data.default_collate
     sample = _sample(example)

@@ -20,7 +20,7 @@ from ddplab.config import INT_MAX, MAX_PROCESSES, Config, DistributedConfig, fre
 from ddplab.config_io import read_config
 from ddplab.data.checks import check_memory, check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
-from ddplab.extras import missing, require
+from ddplab.extras import install_line, missing, require
 from ddplab.models.checks import check_image_input
 from ddplab.workload import Workload, is_reference, reference_of, resolve
 
@@ -95,7 +95,7 @@ def model_entry(name: str) -> Builtin | None:
     if missing("vision", ("torchvision",)):
         raise UserError(
             f"model.name: unknown model '{name}'; choose one of {', '.join(MODELS)}, a torchvision "
-            f"classifier (pip install 'ddplab[vision]'), or your own file.py:function"
+            f"classifier ({install_line('vision')}), or your own file.py:function"
         )
     from ddplab.models import vision  # imports torchvision: only for a name that is none of ddplab's own
 

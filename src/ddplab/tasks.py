@@ -315,11 +315,9 @@ class Regression(Task):
         return {"kind": self.kind, "outputs": self.outputs}
 
 
-def restore(info: dict | str | None, num_classes: int | None = None, vocab_size: int | None = None) -> Task:
-    """The task a checkpoint describes (older checkpoints stored only its kind as a string)."""
-    if isinstance(info, str) or info is None:
-        info = {"kind": info or "lm", "num_classes": num_classes, "vocab_size": vocab_size}
-    kind = info.get("kind")
+def restore(info: dict | None) -> Task:
+    """The task a checkpoint describes (Task.describe()); a plain Task for a checkpoint file that describes none."""
+    kind = (info := info or {}).get("kind")
     if kind == "classification":
         return Classification(info["num_classes"], info.get("class_names"))
     if kind == "lm":

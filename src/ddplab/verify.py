@@ -25,8 +25,7 @@ import torch
 
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
-from ddplab.engine.lock import finished
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles, RunFolder
 from ddplab.errors import ExitCode, Preempted, RunError, UserError, stopped
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.registry import load_config
@@ -51,10 +50,10 @@ def _run(nproc: int, args: list[str], work: Path) -> None:
 
 def _result(run_dir: Path) -> tuple[dict[int, float], dict[str, torch.Tensor], dict]:
     """(loss per step, final weights, the stochastic parts of model and data) one of the two runs recorded."""
-    summary = json.loads((run_dir / RunFolder.METRICS_JSON).read_text())
+    summary = RunFiles(run_dir).summary()
     latest = Checkpointer(run_dir / RunFolder.CHECKPOINTS, is_main=False).latest()
-    if latest is None:
-        raise RunError(f"verify: {run_dir} holds no snapshot")
+    if summary is None or latest is None:
+        raise RunError(f"verify: {run_dir} holds no {'snapshot' if summary else 'metrics.json'}")
     losses = {row["step"]: row["loss"] for row in summary["steps"]}
     found = {**summary["model"].get("stochastic", {}), "loss_average": summary["model"].get("loss_average")}
     return losses, load_snapshot(latest)["model"], found
@@ -95,7 +94,7 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
             ("ddp", nproc, []),
             ("single", 1, [f"training.batch_size={nproc * batch}"]),
         ):
-            if not finished(work / name):  # done before a pre-emption: kept
+            if not RunFiles(work / name).finished():  # done before a pre-emption: kept
                 _run(procs, ["train", *base, f"experiment.name={name}", *extra], work)
         (a, wa, _), (b, wb, found) = _result(work / "ddp"), _result(work / "single")
         common = sorted(set(a) & set(b))

@@ -302,24 +302,19 @@ def remember_code(references) -> None:
                 record.write("".join(lines))
 
 
-def _run_root(path: Path) -> Path:
-    """The run folder a path lies in (the folder holding metrics.json), else the path's folder."""
-    folder = path if path.is_dir() else path.parent
-    return next((p for p in (folder, *folder.parents) if (p / "metrics.json").is_file()), folder)
-
-
 def check_trusted(reference: str, trust_code: bool, field_name: str, run: str | Path = ".") -> None:
-    """Code a run folder or checkpoint names (`run`) is imported only when this machine trained with
-    that very code (its file's content is in trust_file()), when it is an installed module (found on
-    the module path, outside the current directory and the run folder), or with --trust-code. Decided
-    before anything is imported."""
+    """Code a run folder or checkpoint names (`run`: the run folder, or the checkpoint where it lies in none) is
+    imported only when this machine trained with that very code (its file's content is in trust_file()), when it
+    is an installed module (found on the module path, outside the current directory and the run folder), or
+    with --trust-code. Decided before anything is imported."""
     if not is_reference(reference):
         return  # a built-in name
     files = code_files(reference)
     if files is None:
         raise UserError(f"{field_name}: no module named '{reference.rpartition(':')[0]}' (from '{reference}')")
     module = not _is_file_reference(reference.rpartition(":")[0])
-    places = (Path.cwd().resolve(), _run_root(Path(run).resolve()))
+    run = Path(run).resolve()
+    places = (Path.cwd().resolve(), run if run.is_dir() else run.parent)
     known = _trained_with()
     unknown = [
         f

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles
 from ddplab.errors import UserError
 
 
@@ -38,11 +38,8 @@ def output_file(given: str | Path, force: bool, option: str = "--output") -> Pat
         return path
     if path.exists():
         raise UserError(f"{option} {given}: the file exists; pass --force to replace it")
-    run = next(
-        (p for p in (path.parent, *path.parent.resolve().parents) if (p / RunFolder.METRICS_JSON).is_file()), None
-    )
-    if run is not None:
-        raise UserError(f"{option} {given}: inside the run folder {run}; write elsewhere, or pass --force")
+    if run := RunFiles.around(path.parent):
+        raise UserError(f"{option} {given}: inside the run folder {run.path}; write elsewhere, or pass --force")
     return path
 
 

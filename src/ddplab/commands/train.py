@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import itertools
-import json
 import os
 import time
 from pathlib import Path
@@ -13,11 +11,10 @@ from pathlib import Path
 from ddplab.commands import at_least, split_args
 from ddplab.config import keep_global_batch
 from ddplab.config_io import format_duration
-from ddplab.engine.files import read_json
 from ddplab.engine.lock import claim, held, resolve_run_dir
 from ddplab.engine.manifest import Damaged, newest, read
 from ddplab.engine.phases import note_launch
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles, RunFolder
 from ddplab.errors import STATUS_CODES, ExitCode, RunError, UserError
 from ddplab.launch import check_processes, quick_exit, run_workers, under_agent
 from ddplab.process_state import die_with_parent
@@ -153,17 +150,14 @@ def verify(ns) -> int:
 def status(ns) -> int:
     """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'; and for a
     person: a dead job (its lock's owner gone) says failed and why, a live one its step and ETA."""
-    run = Path(ns.run)
-    path = run / "metrics.json"
-    if not path.is_file():
+    run = RunFiles(ns.run)
+    if not run.exists():
         raise UserError(f"no run folder at {ns.run} (no metrics.json)")
-    try:
-        summary = json.loads(path.read_text())
-        status = summary.get("status", "unknown")
-    except (OSError, ValueError, AttributeError):
-        raise UserError(f"{path} is not a ddplab metrics.json") from None
-    if status in ("running", "failed") and held(run):
-        print(f"running: {_progress(run)}{_quorum(run)}")
+    if (summary := run.summary()) is None:
+        raise UserError(f"{run.path / RunFolder.METRICS_JSON} is not a ddplab metrics.json")
+    status = summary.get("status", "unknown")
+    if status in ("running", "failed") and held(run.path):
+        print(f"running: {_progress(run.path)}{_quorum(run.path)}")
     elif status in ("running", "failed"):
         why = (summary.get("failure") or {}).get("summary", "").removeprefix("job failed: ")
         print(f"failed: {why or 'the job ended without a report (killed?); see train.log'}")
@@ -176,12 +170,7 @@ def status(ns) -> int:
 def _quorum(run: Path) -> str:
     """A replica group's run (distributed.fault_tolerance=replicas): the groups in its last step's quorum, and
     since which step, from its replicas.csv."""
-    try:
-        with (run / "replicas.csv").open() as f:
-            rows = [row for row in csv.DictReader(f) if row.get("time")]
-    except OSError:
-        return ""
-    if not rows:
+    if not (rows := RunFiles(run).quorum_steps()):
         return ""
     last = rows[-1]
     *_, since = itertools.takewhile(lambda row: row["replicas"] == last["replicas"], reversed(rows))
@@ -191,8 +180,7 @@ def _quorum(run: Path) -> str:
 
 def _progress(run: Path) -> str:
     """The last step and its age, elapsed time and ETA, from rank 0's heartbeat.json."""
-    beat = read_json(run / RunFolder.HEARTBEAT)
-    if not beat:
+    if not (beat := RunFiles(run).heartbeat()):
         return "starting (no heartbeat yet)"
     now, first = time.time(), beat["ranks"].get("0", {})
     text = f"step {first.get('step')} ({format_duration(now - beat['time'] + first.get('still_s', 0))} ago)"

@@ -308,7 +308,7 @@ class Checkpointer:
         each one skipped gets one line."""
         for folder in reversed(step_snapshots(self.root)):
             try:
-                return (folder, *open_snapshot(folder, log))
+                return (folder, *open_snapshot(folder))
             except Damaged as err:
                 log(f"skipping snapshot {folder.name}: {err}")
         return None
@@ -320,8 +320,8 @@ class Checkpointer:
         named = named.parent if named is not None and named.is_file() else named  # a snapshot's state.pt: its folder
         if self.is_main:
             try:
-                found = (named, *open_snapshot(named, log)) if named else self.newest(log)
-            except Damaged as err:
+                found = (named, *open_snapshot(named)) if named else self.newest(log)
+            except (Damaged, UserError) as err:  # a snapshot of another format too: every rank stops
                 error = f"checkpoint.resume: {err}"
         error, chosen = ctx.broadcast_object((error, found and (str(found[0]), found[1])))
         if error:

@@ -25,24 +25,20 @@ SHARDS = "shards"
 BEST = "best"
 
 
-def open_snapshot(folder: Path, log=print) -> tuple[dict, dict]:
-    """(manifest, what state.pt holds) of a snapshot whose files match its manifest; Damaged otherwise.
-    A snapshot written before manifests is loaded unverified, with one line saying so."""
+def open_snapshot(folder: Path) -> tuple[dict, dict]:
+    """(manifest, what state.pt holds) of a snapshot whose files match its manifest; Damaged otherwise."""
     manifest = verify(folder)
     state = read_state(folder / STATE)
     progress = state.get("trainer")
-    if manifest.get("format") is None:
-        log(f"snapshot {folder.name} was written before snapshots had a manifest: loaded unverified")
-        manifest = {"config": state.get("config"), "world_size": state.get("world_size"), **manifest}
-    if isinstance(progress, dict) and "step" in manifest and progress.get("step", manifest["step"]) != manifest["step"]:
+    if isinstance(progress, dict) and progress.get("step", manifest["step"]) != manifest["step"]:
         raise Damaged(f"{folder / STATE}: holds step {progress['step']}, the manifest says step {manifest['step']}")
     return manifest, state
 
 
-def _contents(folder: Path, log, weights: bool = True) -> dict:
+def _contents(folder: Path, weights: bool = True) -> dict:
     """What a checked snapshot holds, its config (the manifest's) and its model's weights: gathered whole
     from the shards in this process, or (weights=False) only their shapes."""
-    manifest, state = open_snapshot(folder, log)
+    manifest, state = open_snapshot(folder)
     return _whole(folder, {**state, "config": manifest.get("config")}, weights)
 
 
@@ -79,14 +75,14 @@ def load_file(path: str | Path, weights: bool = True) -> dict:
     return state
 
 
-def load_snapshot(path: str | Path, weights: bool = True, log=print) -> dict:
+def load_snapshot(path: str | Path, weights: bool = True) -> dict:
     """What a snapshot folder (or its state.pt) holds, checked first, the model's weights whole
     (weights=False, sharded: their shapes only); a file of its own, not a snapshot's, loaded as it is."""
     path = Path(path)
     if path.is_file() and not (path.parent / MARKER).is_file():
         return load_file(path, weights)  # nothing to check it against
     try:
-        return _contents(path if path.is_dir() else path.parent, log, weights)
+        return _contents(path if path.is_dir() else path.parent, weights)
     except Damaged as err:
         raise UserError(str(err)) from None
 
@@ -101,17 +97,15 @@ def load_checkpoint(path: str | Path, log=_warn) -> tuple[Path, dict]:
     A snapshot is checked against its manifest first; in a run folder one that fails is skipped with
     one line, and the next is tried."""
     p = Path(path)
-    if p.is_file() or (p / MARKER).is_file():  # a file (a best.pt written before manifests, a user's) or a snapshot
-        return p.parent if p.is_file() and (p.parent / MARKER).is_file() else p, load_snapshot(p, log=log)
+    if p.is_file() or (p / MARKER).is_file():  # a file (a snapshot's state.pt, a user's) or a snapshot
+        return p.parent if p.is_file() and (p.parent / MARKER).is_file() else p, load_snapshot(p)
     if not p.is_dir():
         raise UserError(f"no such run folder or checkpoint: {path}")
     for root in (p / "checkpoints", p):
-        if (root / "best.pt").is_file() and not (root / BEST / MARKER).is_file():
-            return root / "best.pt", load_file(root / "best.pt")  # written before the best model had a manifest
         candidates = [root / BEST] * (root / BEST / MARKER).is_file() + step_snapshots(root)[::-1]
         for folder in candidates:
             try:
-                return folder, _contents(folder, log)
+                return folder, _contents(folder)
             except Damaged as err:
                 log(f"skipping snapshot {folder.name}: {err}")
         if candidates:

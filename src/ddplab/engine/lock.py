@@ -24,7 +24,7 @@ import socket
 from pathlib import Path
 
 from ddplab.engine.files import read_json, write_atomic
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles
 from ddplab.errors import UserError
 from ddplab.handoff import Handoff
 
@@ -32,18 +32,13 @@ HOLDER_FILE = ".lock"
 LOCKED_ENV = Handoff.variable("locked_run")  # what a refusal names
 
 
-def finished(run_dir: Path) -> bool:
-    """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
-    return read_json(run_dir / RunFolder.METRICS_JSON).get("status") == "complete"
-
-
 def resolve_run_dir(cfg) -> tuple[Path, str | None]:
     """experiments/<name>; a folder holding a finished run is kept, and the new run gets <name>-2, -3, ..."""
     base = Path(cfg.experiment.output_dir) / cfg.run_name()
-    if not base.exists() or (cfg.checkpoint.resume != "never" and not finished(base)):
+    if not base.exists() or (cfg.checkpoint.resume != "never" and not RunFiles(base).finished()):
         return base, None
     i = 2
-    while Path(f"{base}-{i}").exists() and (finished(Path(f"{base}-{i}")) or cfg.checkpoint.resume == "never"):
+    while Path(f"{base}-{i}").exists() and (RunFiles(f"{base}-{i}").finished() or cfg.checkpoint.resume == "never"):
         i += 1
     return Path(f"{base}-{i}"), f"{base} holds a finished run; this run writes {base}-{i}"
 

@@ -2,7 +2,8 @@
 
 config.yaml, env.json, metrics.csv (one row per epoch), metrics.json, train.log,
 tensorboard/ and trackers.json (ddplab.trackers), checkpoints/ (SPEC section 4), inference/
-(engine/assets.py). Reports read only these files.
+(engine/assets.py). RunFolder writes them; RunFiles reads them for everyone else (reports read only these
+files).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class RunFolder:
     POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
     HEARTBEAT = "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status` (engine/heartbeat.py)
     LOGS = "logs"  # rank<N>.log: a failed rank's traceback and every thread's stack
+    REPLICAS = "replicas.csv"  # replica groups: one row per step, the groups in its quorum (engine/replicas.py)
     INFERENCE = "inference"  # what predict needs of the data: assets.json and Data.assets' files (engine/assets.py)
 
     def __init__(self, path: Path, is_main: bool) -> None:
@@ -145,3 +147,56 @@ def amend(path: Path, line: str, **fields) -> None:
         run.log(line, echo=False)
     finally:
         run.close()
+
+
+class RunFiles:
+    """A run folder as any process reads it, written or being written: `ddplab status`, reports, studies, verify,
+    workloads. Every reading of its files goes through here; nothing is written."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def around(cls, path: str | Path) -> RunFiles | None:
+        """The run folder `path` lies in (a folder holding metrics.json: the path's own, or one above it)."""
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        return next((cls(p) for p in (folder, *folder.resolve().parents) if cls(p).exists()), None)
+
+    @classmethod
+    def under(cls, root: str | Path) -> list[RunFiles]:
+        """`root` when it is a run folder, else every run folder below it (snapshot folders excepted), once each."""
+        if cls(root).exists():
+            return [cls(root)]
+        found = {m.parent.resolve(): m.parent for m in sorted(Path(root).rglob(RunFolder.METRICS_JSON))}
+        return [cls(folder) for folder in found.values() if RunFolder.CHECKPOINTS not in folder.parts]
+
+    def exists(self) -> bool:
+        return (self.path / RunFolder.METRICS_JSON).is_file()
+
+    def summary(self) -> dict | None:
+        """metrics.json; None when it is missing or holds no JSON object (not yet written, or not ddplab's)."""
+        try:
+            summary = json.loads((self.path / RunFolder.METRICS_JSON).read_text())
+        except (OSError, ValueError):
+            return None
+        return summary if isinstance(summary, dict) else None
+
+    def finished(self) -> bool:
+        """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
+        return (self.summary() or {}).get("status") == "complete"
+
+    def point(self) -> dict:
+        """A study point's place in its study's grid ({} for a run outside a study)."""
+        return read_json(self.path / RunFolder.POINT)
+
+    def heartbeat(self) -> dict:
+        """Every rank's last heartbeat and the ETA ({} before the first)."""
+        return read_json(self.path / RunFolder.HEARTBEAT)
+
+    def quorum_steps(self) -> list[dict]:
+        """replicas.csv's rows of steps taken (replica groups: how many groups made each one)."""
+        try:
+            with (self.path / RunFolder.REPLICAS).open() as f:
+                return [row for row in csv.DictReader(f) if row.get("time")]
+        except OSError:
+            return []

@@ -1,4 +1,5 @@
-"""Read run folders: metrics.json (and, for study points, study_point.json). Nothing else."""
+"""Finished run folders as reports see them: metrics.json (and, for study points, study_point.json), read through
+RunFiles. Nothing else."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplab.engine.files import read_json
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles
 from ddplab.errors import UserError
 
 # Sections that name or present a run but do not change what it computes.
@@ -56,19 +56,15 @@ def find_runs(dirs: Sequence[str | Path], command: str = "report") -> tuple[list
         root = Path(d)
         if not root.exists():
             raise UserError(f"{command}: no such folder: {d}")
-        candidates = (
-            [root / "metrics.json"] if (root / "metrics.json").is_file() else sorted(root.rglob("metrics.json"))
-        )
-        for metrics in candidates:
-            folder = metrics.parent
-            if folder.resolve() in seen or "checkpoints" in folder.parts:
+        for found in RunFiles.under(root):
+            if found.path.resolve() in seen:
                 continue
-            seen.add(folder.resolve())
-            summary = read_json(metrics)
+            seen.add(found.path.resolve())
+            summary = found.summary() or {}
             if summary.get("status") != "complete":
-                unfinished.append(folder)
+                unfinished.append(found.path)
                 continue
-            runs.append(Run(folder, summary, read_json(folder / RunFolder.POINT)))
+            runs.append(Run(found.path, summary, found.point()))
     if not runs:
         where = ", ".join(str(d) for d in dirs)
         raise UserError(f"{command}: no finished run folders (metrics.json with status complete) under {where}")

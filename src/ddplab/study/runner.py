@@ -17,8 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ddplab.engine.files import write_atomic
-from ddplab.engine.lock import finished
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles, RunFolder
 from ddplab.errors import ExitCode, RunError, UserError, stopped
 from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.study.grid import Point, Setup
@@ -74,7 +73,7 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
         for index, point in enumerate(points):
             folder = study_dir / point.name
             label = f"[{index + 1}/{len(points)}] {point.name} ({point.setup.processes} processes)"
-            if finished(folder):
+            if RunFiles(folder).finished():
                 console.print(f"{label}: complete, skipped")
                 progress.advance(task)
                 continue
@@ -108,14 +107,14 @@ def run_study(study_dir: Path, config: str | None, points: list[Point]) -> None:
                     f"study {{stop}} during point {point.name}; finished points are kept and "
                     f"the same command continues the study",
                 )
-            if ended.code != 0 or not finished(folder):
+            if ended.code != 0 or not RunFiles(folder).finished():
                 if tail := log_tail(folder / LOG_FILE):
                     print(tail, file=sys.stderr)
                 raise RunError(
                     f"study stopped: point {point.name} failed (exit {ended.code}); log {folder / LOG_FILE}; "
                     f"finished points are kept and the same command resumes the study"
                 )
-            rate = json.loads((folder / "metrics.json").read_text()).get("aggregates", {}).get("mean_samples_per_s")
+            rate = (RunFiles(folder).summary() or {}).get("aggregates", {}).get("mean_samples_per_s")
             console.print(
                 f"{label}: done in {time.perf_counter() - start:.1f} s" + (f", {rate:,.0f} samples/s" if rate else "")
             )

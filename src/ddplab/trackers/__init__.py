@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ddplab.callbacks import Callback
 from ddplab.engine.files import read_json
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import RunFiles, RunFolder
 from ddplab.trackers.base import LOG_ROW_SKIP, TensorBoard, numbers
 from ddplab.trackers.mlflow_run import MLflow, finish_study
 from ddplab.trackers.wandb_run import WandB
@@ -34,7 +34,7 @@ class Trackers(Callback):
         if not view.is_main or self.view is not None:
             return
         self.view, self.record = view, read_json(view.run.path / RunFolder.TRACKERS)
-        study = read_json(view.run.path / RunFolder.POINT) or None
+        study = RunFiles(view.run.path).point() or None
         for name in self.names:
             tracker = BACKENDS[name]()
             try:
