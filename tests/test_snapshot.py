@@ -192,15 +192,19 @@ def test_files_of_different_steps_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("version", [2, None, True])
-def test_a_snapshot_of_another_format_is_refused_not_skipped(tmp_path, version):
-    """Format 1 is the only one written; a later (or no) format is refused in one line, never passed over for an
-    older snapshot that would resume the run from further back."""
+def test_a_snapshot_of_another_format_is_untrusted_and_skipped_in_one_line(tmp_path, version):
+    """Format 1 is the only one written; a snapshot of a later (or no) format is untrusted: passed over for the one
+    before with a line naming why, and refused where it is named."""
     ck = Checkpointer(tmp_path, is_main=True)
     _save(ck, 2)
-    _edit(_save(ck, 4), lambda m: m.update(format=version))
+    four = _save(ck, 4)
+    _edit(four, lambda m: m.update(format=version))
     says = f"step-000000004/COMPLETE: a snapshot of format {version!r}; ddplab {ddplab.__version__} reads format 1"
-    with pytest.raises(UserError, match=re.escape(says)):
-        ck.newest(print)
+    lines: list[str] = []
+    assert ck.newest(lines.append)[0].name == "step-000000002"
+    assert len(lines) == 1 and lines[0].startswith("skipping snapshot step-000000004: ") and says in lines[0], lines
+    with pytest.raises(Damaged, match=re.escape(says)):
+        open_snapshot(four)
 
 
 def test_predict_export_and_generate_take_the_best_model_only_once_it_verifies(tmp_path):
@@ -441,11 +445,12 @@ def test_a_resume_checks_the_config_its_snapshot_holds_whatever_became_of_config
     assert summary["aggregates"]["steps"] == 16
 
 
-def test_a_run_whose_newest_snapshot_has_another_format_is_refused_in_one_line(runs, tmp_path, monkeypatch, capfd):
+def test_a_run_whose_newest_snapshot_has_another_format_resumes_from_the_one_before(runs, tmp_path, monkeypatch, capfd):
     run = tmp_path / "experiments" / "stop"
     shutil.copytree(runs["root"] / "experiments" / "stop-ddp", run)
     _edit(run / "checkpoints" / "step-000000006", lambda m: m.update(format=2))
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
-    code, err = main(*_args(runs["wl"], "stop", "ddp")), capfd.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "step-000000006/COMPLETE: a snapshot of format 2" in err, err
+    code, out = main(*_args(runs["wl"], "stop", "ddp")), capfd.readouterr().out
+    assert code == 0 and "skipping snapshot step-000000006: " in out and "a snapshot of format 2" in out, out[-2000:]
+    assert "resumed from experiments/stop/checkpoints/step-" in out and "step-000000006" not in out.split("resumed")[1]

@@ -321,7 +321,7 @@ class Checkpointer:
         if self.is_main:
             try:
                 found = (named, *open_snapshot(named)) if named else self.newest(log)
-            except (Damaged, UserError) as err:  # a snapshot of another format too: every rank stops
+            except Damaged as err:  # the snapshot named is untrusted: every rank stops
                 error = f"checkpoint.resume: {err}"
         error, chosen = ctx.broadcast_object((error, found and (str(found[0]), found[1])))
         if error:

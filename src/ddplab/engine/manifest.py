@@ -21,9 +21,9 @@ manifest guards against damage, not forgery, since whoever can change a file can
 
 A manifest is untrusted (Damaged) when it fails its own checksum, names no files, has an entry that is not
 [size, checksum], names a path outside its snapshot (or a link), or has an entry without a checksum where
-its checksums are on. `format` is the version of the run folder's snapshots, 1 since the first release; a
-snapshot of another format (a later ddplab's) is refused in one line (a UserError, exit 2), never skipped
-for an older one.
+its checksums are on, or is of a format other than 1 (the version of the run folder's snapshots since the
+first release): resume then falls back to the snapshot before with a line naming why, and export, generate
+and predict refuse it in one line.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pathlib import Path
 import crc32c
 
 import ddplab
-from ddplab.errors import UserError
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -96,7 +95,7 @@ def read(folder: Path) -> dict:
     if not isinstance(manifest.get("step"), int):
         raise Damaged(f"{path}: not a manifest (no step)")
     if (version := manifest.get("format")) != FORMAT or isinstance(version, bool):
-        raise UserError(f"{path}: a snapshot of format {version!r}; ddplab {ddplab.__version__} reads format {FORMAT}")
+        raise Damaged(f"{path}: a snapshot of format {version!r}; ddplab {ddplab.__version__} reads format {FORMAT}")
     if manifest.get("manifest") != _own(manifest):
         raise Damaged(f"{path}: damaged (the manifest's own checksum differs from its content)")
     _check_files(path, manifest)
