@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import _env, main
+from conftest import TINY_GPT, _env, main
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
 
@@ -64,6 +65,80 @@ def test_refused_without_torchft(monkeypatch, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "distributed.fault_tolerance=replicas" in err[0], err
     assert "pip install 'ddplab[ft]'" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        ([], None, "distributed.fault_tolerance=replicas needs a torchft Lighthouse: set distributed.lighthouse="),
+        (["distributed.lighthouse=not a url"], None, "distributed.lighthouse='not a url' is not a Lighthouse address"),
+        (["distributed.lighthouse=http://localhost"], None, "'http://localhost' is not a Lighthouse address"),
+        (["distributed.lighthouse=ftp://localhost:29510"], None, "'ftp://localhost:29510' is not a Lighthouse"),
+        (["distributed.lighthouse=http://localhost:99999"], None, "'http://localhost:99999' is not a Lighthouse"),
+        ([], "localhost:29510", "TORCHFT_LIGHTHOUSE='localhost:29510' in the environment is not a Lighthouse address"),
+    ],
+)
+def test_no_lighthouse_or_one_that_cannot_be_is_refused_before_a_run_folder(
+    tmp_path, monkeypatch, capfd, args, env, words
+):
+    """torchft's client takes any text and waits distributed.timeout for it (a KeyError after the run folder where
+    none was given): refused at once instead, in one line naming the setting."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    if env is not None:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", env)
+    start = time.monotonic()
+    assert main("train", "distributed.fault_tolerance=replicas", "training.max_steps=1", *args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert time.monotonic() - start < 10 and not (tmp_path / "experiments").exists()
+
+
+def _closed_port() -> int:
+    """A port nobody listens on: bound, read and closed."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_a_lighthouse_nobody_listens_on_fails_the_run_within_the_timeout_naming_it(
+    corpus, tmp_path, monkeypatch, capfd
+):
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    from ddplab.engine import replicas
+
+    monkeypatch.chdir(tmp_path)
+    address, timeout = f"http://localhost:{_closed_port()}", 4
+    connecting = []  # when the manager began to connect: the model and data built before it take long on a busy host
+
+    real = replicas.Manager
+
+    def manager(*args, **kwargs):
+        connecting.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replicas, "Manager", manager)
+    code = main(
+        "train",
+        "distributed.fault_tolerance=replicas",
+        f"distributed.lighthouse={address}",
+        f"distributed.timeout={timeout}",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.max_steps=2",
+        "experiment.name=lost",
+    )
+    took = time.monotonic() - connecting[0]
+    run = tmp_path / "experiments" / "lost-group0"
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ddplab")]
+    assert code == 1 and len(err) == 1, err
+    assert f"the torchft Lighthouse at {address} (distributed.lighthouse) did not answer within {timeout} s" in err[0]
+    assert "rank" not in err[0], err[0]
+    failure = json.loads((run / "metrics.json").read_text())
+    assert failure["status"] == "failed" and address in failure["failure"]["summary"], failure
+    assert failure["failure"]["culprit"]["rank"] is None and "rank" not in failure["failure"]["summary"]
+    assert took < timeout + 10, f"{took:.1f} s"
 
 
 def _cmdline(pid: int | str) -> list[bytes]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ddplab.config import INT_MAX, MAX_PROCESSES, Config
 from ddplab.config_io import read_config
@@ -237,10 +238,12 @@ def load_config(
     *,
     model: Callable | None = None,
     data: Callable | None = None,
+    lighthouse_started: bool = False,
 ) -> Config:
     """The one config loader every command uses: YAML path (None: the embedded default), dict or
     Config, then `key=value` overrides; types, ranges, names and pairings checked. Functions
-    handed to ddplab.train() take the place of model.name / data.name."""
+    handed to ddplab.train() take the place of model.name / data.name. `lighthouse_started`: the caller
+    starts the replica groups' Lighthouse itself (`--replica-groups`), so the config needs none."""
     cfg = read_config(source, overrides)
     replica_place(cfg, os.environ)
     if model is not None:
@@ -248,6 +251,8 @@ def load_config(
     if data is not None:
         cfg.data.name = reference_of(data)
     check_config(cfg, tuple(s for s, fn in (("model", model), ("data", data)) if fn is not None))
+    if cfg.distributed.fault_tolerance == "replicas":  # torchft is there (check_config): where its Lighthouse is
+        cfg.distributed.lighthouse = _lighthouse(cfg.distributed.lighthouse, os.environ, lighthouse_started)
     absolute_references(cfg)
     return cfg
 
@@ -279,6 +284,44 @@ def replica_place(cfg: Config, env: Mapping[str, str]) -> None:
         hint = "; a SLURM job array of N groups is --array=0-<N-1>" if group[0].startswith("SLURM") else ""
         raise UserError(f"{group[0]} is not below {groups[0]}{hint}")
     d.replica_group, d.replica_groups = group[1], groups[1]
+
+
+def _lighthouse(given: str | None, env: Mapping[str, str], started: bool) -> str | None:
+    """The Lighthouse's address, checked for its form: torchft's client takes any text and waits the whole
+    distributed.timeout on one it cannot use, then fails after the run folder exists. A launcher that starts
+    one (`started`) hands its address to the groups, which check it."""
+    if started:
+        return given
+    named, address = (
+        ("distributed.lighthouse", given)
+        if given is not None
+        else ("TORCHFT_LIGHTHOUSE", env.get("TORCHFT_LIGHTHOUSE"))
+    )
+    if not address:
+        raise UserError(
+            "distributed.fault_tolerance=replicas needs a torchft Lighthouse: set distributed.lighthouse="
+            "http://HOST:PORT (or $TORCHFT_LIGHTHOUSE) to one that runs, or start one with the job: "
+            "ddplab train --replica-groups N"
+        )
+    if not _lighthouse_address(address):
+        where = "" if named.startswith("distributed.") else " in the environment"
+        raise UserError(f"{named}={address!r}{where} is not a Lighthouse address: give http://HOST:PORT (or https://)")
+    return address
+
+
+def _lighthouse_address(text: str) -> bool:
+    """`text` is an address torchft's client can reach: http(s)://HOST:PORT, nothing after the port."""
+    try:
+        url = urlsplit(text)
+        port = url.port  # a port that is no number from 0 to 65535 raises, as does a bracket left open
+    except ValueError:
+        return False
+    return (
+        url.scheme in ("http", "https")
+        and bool(url.hostname and port)
+        and url.path in ("", "/")
+        and not (url.query or url.fragment or any(c.isspace() for c in text))
+    )
 
 
 def _given(dotted: str, value: int | None) -> tuple[str, int] | None:

@@ -155,7 +155,10 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
         key=lambda b: -b["still_s"],
     )
     stalled = [] if known else gone or still
-    if stalled:
+    outside = next((e for e in errors.values() if e.get("outside")), None)  # a service the job needs failed
+    if outside is not None:
+        culprit, head = {"rank": None, "error": outside["error"]}, outside["error"]
+    elif stalled:
         b = stalled[0]
         culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
         head = (

@@ -41,7 +41,7 @@ from ddplab import process_state
 from ddplab.engine.failure import compose, exited, gist, log_traceback, place_text, where, where_raised
 from ddplab.engine.flight_recorder import unfinished
 from ddplab.engine.run_folder import amend
-from ddplab.errors import RunError
+from ddplab.errors import LighthouseLost, RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
 _DONE = "ddplab/done"  # how many of the other ranks no longer use the store, once the report is written
@@ -257,7 +257,8 @@ class Heartbeat:
         with _BEATING:
             waited = self.mine is not None and self.mine["waiting"]
             beat = self.mine if waited else {**self._describe(), "where": raised}
-        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "beat": beat}
+        outside = isinstance(exc, LighthouseLost)  # no rank's doing: the report blames none
+        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "outside": outside, "beat": beat}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         with contextlib.suppress(Exception):  # the store is gone with rank 0: nothing more to tell
@@ -320,7 +321,7 @@ class Heartbeat:
         # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
         # says what every other rank was doing.
         rank = failure["culprit"]["rank"]
-        error = errors.get(rank, {})
+        error = errors.get(rank) or next((e for e in errors.values() if e.get("outside")), {})
         self.announce(
             error["line"]
             if error.get("known") and error.get("line")
