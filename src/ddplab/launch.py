@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
@@ -81,8 +82,10 @@ def quick_exit(code: int = 0) -> None:
     TensorBoard loaded; os._exit: 0.08 s), paid by every worker and by the agent, at the end of
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
     writes is closed by then (a file a user's callback leaves open is not flushed: close it in
-    on_train_end). Used only after a run completed, never on an error path. A worker forked from its agent
-    returns instead: its return value must reach the agent, and multiprocessing ends it with os._exit then."""
+    on_train_end). Used only after a run completed, never on a worker's error path (the agent's, once its
+    workers have ended, is the exception: a failed job ends no later than one that succeeded). A worker forked
+    from its agent returns instead: its return value must reach the agent, and multiprocessing ends it with
+    os._exit then."""
     if _forked:
         return
     atexit._run_exitfuncs()
@@ -404,7 +407,41 @@ def agent() -> None:
             return config, _forked_worker, cmd_args[3:]
 
         torchrun.config_from_args = config_from_args
+    _continue_before_closing()
     torchrun.main()
+
+
+def _continue_before_closing() -> None:
+    """A worker stopped (SIGSTOP, Ctrl-Z) acts on no signal but SIGKILL, and torchrun's agent, ending the workers
+    after one failed, sends SIGTERM and waits 30 s before SIGKILL: the stopped rank held the whole job that long.
+    As a shell continues a stopped job it sends SIGTERM to, the agent continues each worker it asks to end: it
+    acts on SIGTERM, and on its heartbeat's news of the failure, at once. Checked on torch 2.14: forked workers
+    are ended by torch.multiprocessing's ProcessContext.join (Process.terminate, then 30 s; --shutdown-timeout
+    does not reach it), exec'd ones and any stop signal by PContext.close."""
+    import multiprocessing.process
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    terminate, close = multiprocessing.process.BaseProcess.terminate, PContext.close
+
+    def terminate_continued(self) -> None:
+        terminate(self)
+        _continue(self.pid)
+
+    def close_continued(self, death_sig=None, timeout=30):
+        with contextlib.suppress(Exception):  # none started, or gone already
+            for pid in self.pids().values():
+                _continue(pid)
+        return close(self, death_sig, timeout)
+
+    multiprocessing.process.BaseProcess.terminate = terminate_continued  # type: ignore[method-assign]
+    PContext.close = close_continued  # type: ignore[method-assign]
+
+
+def _continue(pid: int | None) -> None:
+    if pid is not None:  # a process not yet started has none
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def _forked_worker(*args: str) -> None:
@@ -449,5 +486,11 @@ if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; -
         os.execvp(sys.argv[2], sys.argv[2:])  # the parent-death signal survives exec
     from ddplab import launch  # this module under its own name, where the forked workers find _forked
 
-    launch.agent()
-    quick_exit(0)  # every worker succeeded (a failure raises above, and exits the usual way)
+    try:
+        launch.agent()
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - torchrun's failure summary is this exception, printed as Python would
+        traceback.print_exc()
+        quick_exit(1)  # the workers have ended: the teardown (4-8 s on a loaded machine) would only delay the job's end
+    quick_exit(0)  # every worker succeeded

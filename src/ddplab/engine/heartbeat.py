@@ -187,7 +187,7 @@ class Heartbeat:
             if failed and not self._ended:
                 self._end_rank()
                 return
-        if self.ctx.is_main:
+        if self.ctx.is_main and not self._ended:  # once the job has failed, its report says what each rank did
             with _BEATING:
                 seen = dict(self.seen)
             self._warn(seen)
@@ -331,6 +331,6 @@ class Heartbeat:
         )
         if self.store is not None:
             self.store.set(_REPORTED, "1")
-            if self.ctx.is_main:
-                self._others_done()
+            if self.ctx.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                self._others_done()  # rank 0 holds the store (srun); torchrun's agent keeps its own up
         return failure
