@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +140,52 @@ def test_a_lighthouse_nobody_listens_on_fails_the_run_within_the_timeout_naming_
     assert failure["status"] == "failed" and address in failure["failure"]["summary"], failure
     assert failure["failure"]["culprit"]["rank"] is None and "rank" not in failure["failure"]["summary"]
     assert took < timeout + 10, f"{took:.1f} s"
+
+
+def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(corpus, tmp_path):
+    """The report blamed "rank 1 stalled", or a rank's TimeoutError: the step's quorum fails with the Lighthouse
+    gone, and the job ends within the timeout (+ 10 s) with one line naming it."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    from ddplab.launch import LIGHTHOUSE_OPTIONS
+
+    port, timeout = _closed_port(), 5
+    program = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
+    house = subprocess.Popen([program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS], stderr=subprocess.DEVNULL)
+    address, run = f"http://localhost:{port}", tmp_path / "experiments" / "closed-group0"
+    job = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", "distributed.fault_tolerance=replicas"),
+            *(f"distributed.lighthouse={address}", f"distributed.timeout={timeout}", f"data.path={corpus}", *TINY_GPT),
+            *("generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1", "experiment.name=closed"),
+        ],
+        cwd=tmp_path,
+        env={**_env(), "RUST_LOG": "warn"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log = run / "train.log"
+        _wait(lambda: True if log.exists() and " step 5: " in log.read_text() else None, 240, job)
+        house.kill()
+        closed = time.monotonic()
+        err = job.communicate(timeout=timeout + 120)[1]
+        took = time.monotonic() - closed
+    finally:
+        house.kill()
+        house.wait()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    ours = [line for line in err.splitlines() if line.startswith("ddplab")]
+    assert job.returncode == 1 and len(ours) == 1, err[-3000:]
+    assert f"the torchft Lighthouse at {address} (distributed.lighthouse) formed no quorum" in ours[0], ours
+    assert "rank" not in ours[0], ours[0]
+    failure = json.loads((run / "metrics.json").read_text())
+    assert failure["status"] == "failed" and failure["failure"]["culprit"]["rank"] is None, failure["failure"]
+    assert failure["failure"]["summary"].startswith(f"job failed: the torchft Lighthouse at {address}")
+    assert took < timeout + 10, f"the job ended {took:.1f} s after the Lighthouse"
 
 
 def _cmdline(pid: int | str) -> list[bytes]:
