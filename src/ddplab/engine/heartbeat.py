@@ -299,12 +299,14 @@ class Heartbeat:
                 self._thread.join(timeout=2)
             store.add(_DONE, 1)
 
-    def _others_done(self, patience: float = 5) -> None:
-        """Rank 0 holds the store when no agent does (srun): it stays until every other rank is done with it
-        (`patience` seconds at most: a dead rank never says), so that none meets a closed store."""
+    def _others_done(self, seen: dict[int, dict], patience: float = 5) -> None:
+        """Rank 0 stays until every other rank is done with the store (`patience` seconds at most): under srun it
+        holds the store, which none must meet closed; under torchrun the agent ends the others once rank 0 has
+        left, before they end on their own. A rank frozen or gone never says: it is not waited for."""
+        silent = sum(1 for r, b in seen.items() if r != self.ctx.rank and (b.get("frozen") or exited(b)))
         deadline = time.monotonic() + patience
         with contextlib.suppress(Exception):
-            while self._store().add(_DONE, 0) < self.ctx.world_size - 1 and time.monotonic() < deadline:
+            while self._store().add(_DONE, 0) < self.ctx.world_size - 1 - silent and time.monotonic() < deadline:
                 time.sleep(0.1)
 
     def _report(self, errors: dict[int, dict]) -> dict:
@@ -331,6 +333,6 @@ class Heartbeat:
         )
         if self.store is not None:
             self.store.set(_REPORTED, "1")
-            if self.ctx.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-                self._others_done()  # rank 0 holds the store (srun); torchrun's agent keeps its own up
+            if self.ctx.is_main:
+                self._others_done(seen)
         return failure
