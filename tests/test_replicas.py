@@ -428,7 +428,14 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
         run=SimpleNamespace(log=lines.append),
         batch=batch_arithmetic(32, 1, 2 * 3, 600),  # 2 processes x 3 groups: the shares
         dist=SimpleNamespace(launch=SimpleNamespace(launcher="torchrun", describe=lambda: "torchrun"), backend="gloo"),
-        config=load_config(None, ["distributed.fault_tolerance=replicas", "distributed.replica_groups=3"]),
+        config=load_config(
+            None,
+            [
+                "distributed.fault_tolerance=replicas",
+                "distributed.replica_groups=3",
+                "distributed.lighthouse=http://lighthouse:29510",
+            ],
+        ),
         world_size=2,
         device="cpu",
         lr=1e-3,
