@@ -488,9 +488,7 @@ if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; -
 
     try:
         launch.agent()
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: BLE001 - torchrun's failure summary is this exception, printed as Python would
+    except Exception:  # noqa: BLE001 - torchrun's failure summary (ChildFailedError), printed as Python would
         traceback.print_exc()
         quick_exit(1)  # the workers have ended: the teardown (4-8 s on a loaded machine) would only delay the job's end
     quick_exit(0)  # every worker succeeded
