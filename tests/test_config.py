@@ -111,9 +111,11 @@ ENV_NAMES = (
 
 @pytest.fixture
 def launcher_env(monkeypatch):
-    """Sets the variables a cluster's launcher would; none come from the machine running the tests."""
+    """Sets the variables a cluster's launcher would; none come from the machine running the tests. The groups'
+    Lighthouse is one such (a job in replica groups needs its address)."""
     for name in ENV_NAMES:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
 
     def put(**values):
         for name, value in values.items():

@@ -8,7 +8,9 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import _env, main
+from conftest import TINY_GPT, _env, main
 from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import load_snapshot
 
@@ -64,6 +66,126 @@ def test_refused_without_torchft(monkeypatch, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "distributed.fault_tolerance=replicas" in err[0], err
     assert re.search(r": pip install 'torchft\S*' \(ddplab's ft extra\)$", err[0]), err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        ([], None, "distributed.fault_tolerance=replicas needs a torchft Lighthouse: set distributed.lighthouse="),
+        (["distributed.lighthouse=not a url"], None, "distributed.lighthouse='not a url' is not a Lighthouse address"),
+        (["distributed.lighthouse=http://localhost"], None, "'http://localhost' is not a Lighthouse address"),
+        (["distributed.lighthouse=ftp://localhost:29510"], None, "'ftp://localhost:29510' is not a Lighthouse"),
+        (["distributed.lighthouse=http://localhost:99999"], None, "'http://localhost:99999' is not a Lighthouse"),
+        ([], "localhost:29510", "TORCHFT_LIGHTHOUSE='localhost:29510' in the environment is not a Lighthouse address"),
+    ],
+)
+def test_no_lighthouse_or_one_that_cannot_be_is_refused_before_a_run_folder(
+    tmp_path, monkeypatch, capfd, args, env, words
+):
+    """torchft's client takes any text and waits distributed.timeout for it (a KeyError after the run folder where
+    none was given): refused at once instead, in one line naming the setting."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    if env is not None:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", env)
+    start = time.monotonic()
+    assert main("train", "distributed.fault_tolerance=replicas", "training.max_steps=1", *args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert time.monotonic() - start < 10 and not (tmp_path / "experiments").exists()
+
+
+def _closed_port() -> int:
+    """A port nobody listens on: bound, read and closed."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_a_lighthouse_nobody_listens_on_fails_the_run_within_the_timeout_naming_it(
+    corpus, tmp_path, monkeypatch, capfd
+):
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    from ddplab.engine import replicas
+
+    monkeypatch.chdir(tmp_path)
+    address, timeout = f"http://localhost:{_closed_port()}", 4
+    connecting = []  # when the manager began to connect: the model and data built before it take long on a busy host
+
+    real = replicas.Manager
+
+    def manager(*args, **kwargs):
+        connecting.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replicas, "Manager", manager)
+    code = main(
+        "train",
+        "distributed.fault_tolerance=replicas",
+        f"distributed.lighthouse={address}",
+        f"distributed.timeout={timeout}",
+        f"data.path={corpus}",
+        *TINY_GPT,
+        "training.max_steps=2",
+        "experiment.name=lost",
+    )
+    took = time.monotonic() - connecting[0]
+    run = tmp_path / "experiments" / "lost-group0"
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ddplab")]
+    assert code == 1 and len(err) == 1, err
+    assert f"the torchft Lighthouse at {address} (distributed.lighthouse) did not answer within {timeout} s" in err[0]
+    assert "rank" not in err[0], err[0]
+    failure = json.loads((run / "metrics.json").read_text())
+    assert failure["status"] == "failed" and address in failure["failure"]["summary"], failure
+    assert failure["failure"]["culprit"]["rank"] is None and "rank" not in failure["failure"]["summary"]
+    assert took < timeout + 10, f"{took:.1f} s"
+
+
+def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(corpus, tmp_path):
+    """The report blamed "rank 1 stalled", or a rank's TimeoutError: the step's quorum fails with the Lighthouse
+    gone, and the job ends within the timeout (+ 10 s) with one line naming it."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    from ddplab.launch import LIGHTHOUSE_OPTIONS
+
+    port, timeout = _closed_port(), 5
+    program = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
+    house = subprocess.Popen([program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS], stderr=subprocess.DEVNULL)
+    address, run = f"http://localhost:{port}", tmp_path / "experiments" / "closed-group0"
+    job = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", "distributed.fault_tolerance=replicas"),
+            *(f"distributed.lighthouse={address}", f"distributed.timeout={timeout}", f"data.path={corpus}", *TINY_GPT),
+            *("generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1", "experiment.name=closed"),
+        ],
+        cwd=tmp_path,
+        env={**_env(), "RUST_LOG": "warn"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log = run / "train.log"
+        _wait(lambda: True if log.exists() and " step 5: " in log.read_text() else None, 240, job)
+        house.kill()
+        closed = time.monotonic()
+        err = job.communicate(timeout=timeout + 120)[1]
+        took = time.monotonic() - closed
+    finally:
+        house.kill()
+        house.wait()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    ours = [line for line in err.splitlines() if line.startswith("ddplab")]
+    assert job.returncode == 1 and len(ours) == 1, err[-3000:]
+    assert f"the torchft Lighthouse at {address} (distributed.lighthouse) formed no quorum" in ours[0], ours
+    assert "rank" not in ours[0], ours[0]
+    failure = json.loads((run / "metrics.json").read_text())
+    assert failure["status"] == "failed" and failure["failure"]["culprit"]["rank"] is None, failure["failure"]
+    assert failure["failure"]["summary"].startswith(f"job failed: the torchft Lighthouse at {address}")
+    assert took < timeout + 10, f"the job ended {took:.1f} s after the Lighthouse"
 
 
 def _cmdline(pid: int | str) -> list[bytes]:
@@ -306,7 +428,14 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
         run=SimpleNamespace(log=lines.append),
         batch=batch_arithmetic(32, 1, 2 * 3, 600),  # 2 processes x 3 groups: the shares
         dist=SimpleNamespace(launch=SimpleNamespace(launcher="torchrun", describe=lambda: "torchrun"), backend="gloo"),
-        config=load_config(None, ["distributed.fault_tolerance=replicas", "distributed.replica_groups=3"]),
+        config=load_config(
+            None,
+            [
+                "distributed.fault_tolerance=replicas",
+                "distributed.replica_groups=3",
+                "distributed.lighthouse=http://lighthouse:29510",
+            ],
+        ),
         world_size=2,
         device="cpu",
         lr=1e-3,

@@ -288,7 +288,13 @@ def _replica_group_folder(root, name, epochs):
     from ddplab.registry import load_config
 
     cfg = load_config(
-        None, ["distributed.fault_tolerance=replicas", "distributed.replica_groups=2", f"experiment.name={name}"]
+        None,
+        [
+            "distributed.fault_tolerance=replicas",
+            "distributed.replica_groups=2",
+            "distributed.lighthouse=http://lighthouse:29510",
+            f"experiment.name={name}",
+        ],
     )
     tally = Replicas.__new__(Replicas)  # its epoch tally only: no quorum, no torchft manager
     tally.groups = 2

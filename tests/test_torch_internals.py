@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +138,34 @@ def test_torchrun_reads_its_command_line_through_config_from_args(monkeypatch):
     [(config, _, args)] = seen
     assert hasattr(config, "start_method") and args[-3:] == ["-m", "ddplab", "env"], moved(
         "torch.distributed.run.config_from_args", internals.fork_torchrun_workers, f"returned {seen}"
+    )
+
+
+def test_the_agent_continues_each_worker_it_ends(monkeypatch):
+    import multiprocessing
+    import multiprocessing.process
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    takes(
+        "torch.distributed.elastic.multiprocessing.api.PContext.close",
+        internals.continue_workers_it_ends,
+        "self",
+        "death_sig",
+        "timeout",
+    )
+    takes("torch.distributed.elastic.multiprocessing.api.PContext.pids", internals.continue_workers_it_ends, "self")
+    monkeypatch.setattr(PContext, "close", PContext.close)  # both restored after
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", multiprocessing.process.BaseProcess.terminate)
+    internals.continue_workers_it_ends()
+    stopped = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    stopped.start()
+    os.kill(stopped.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    stopped.terminate()  # SIGTERM, then SIGCONT: a stopped process acts on it
+    stopped.join(10)
+    assert stopped.exitcode == -signal.SIGTERM and time.monotonic() - start < 5, moved(
+        "multiprocessing's Process.terminate", internals.continue_workers_it_ends, f"left it {stopped.exitcode}"
     )
 
 

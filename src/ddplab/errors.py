@@ -32,6 +32,11 @@ class RunError(Exception):
     exit_code = ExitCode.FAILED
 
 
+class LighthouseLost(RunError):
+    """The replica groups' torchft Lighthouse cannot be reached, at the start or mid-run: a failure outside
+    the job's processes, which the failure report blames none of."""
+
+
 class Preempted(Exception):
     """A job stopped by a signal, its snapshot saved: exit 75, and the same command continues it."""
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
@@ -85,8 +86,10 @@ def quick_exit(code: int = 0) -> None:
     paid by every worker, by the agent, and by a `ddplab train` that is one process, at the end of
     every command. The exit handlers run and standard streams are flushed first; every file ddplab
     writes is closed by then (a file a user's callback leaves open is not flushed: close it in
-    on_train_end). Used only after a run completed, never on an error path. A worker forked from its agent
-    returns instead: its return value must reach the agent, and multiprocessing ends it with os._exit then."""
+    on_train_end). Used only after a run completed, never on a worker's error path (the agent's, once its
+    workers have ended, is the exception: a failed job ends no later than one that succeeded). A worker forked
+    from its agent returns instead: its return value must reach the agent, and multiprocessing ends it with
+    os._exit then."""
     if _forked:
         return
     torch_internals.run_exit_handlers()
@@ -422,6 +425,7 @@ def agent() -> None:
             return config, _forked_worker, cmd_args[3:]
 
         torch_internals.fork_torchrun_workers(forked)
+    torch_internals.continue_workers_it_ends()
     torchrun.main()
 
 
@@ -463,5 +467,9 @@ if __name__ == "__main__":  # the agent: torchrun that dies with the launcher; -
         os.execvp(sys.argv[2], sys.argv[2:])  # the parent-death signal survives exec
     from ddplab import launch  # this module under its own name, where the forked workers find _forked
 
-    launch.agent()
-    quick_exit(0)  # every worker succeeded (a failure raises above, and exits the usual way)
+    try:
+        launch.agent()
+    except Exception:  # noqa: BLE001 - torchrun's failure summary (ChildFailedError), printed as Python would
+        traceback.print_exc()
+        quick_exit(1)  # the workers have ended: the teardown (4-8 s on a loaded machine) would only delay the job's end
+    quick_exit(0)  # every worker succeeded

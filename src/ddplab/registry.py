@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ddplab.config import INT_MAX, MAX_PROCESSES, Config, DistributedConfig, freeze
 from ddplab.config_io import read_config
@@ -237,15 +238,21 @@ def load_config(
     *,
     model: Callable | None = None,
     data: Callable | None = None,
+    lighthouse_started: bool = False,
 ) -> Config:
     """The one config loader every command uses: YAML path (None: the embedded default), dict or
     Config (read as a copy: the caller's stays theirs), then `key=value` overrides; types, ranges, names and
-    pairings checked. Functions handed to ddplab.train() take the place of model.name / data.name. What it
-    returns is frozen (config.freeze): what every part of the run reads is what this loaded."""
+    pairings checked. Functions handed to ddplab.train() take the place of model.name / data.name.
+    `lighthouse_started`: the caller starts the replica groups' Lighthouse itself (`--replica-groups`), so the
+    config needs none. What it returns is frozen (config.freeze): what every part of the run reads is what this
+    loaded."""
     handed = [(section, fn) for section, fn in (("model", model), ("data", data)) if fn is not None]
     cfg = read_config(source, [*overrides, *(f"{section}.name={reference_of(fn)}" for section, fn in handed)])
     cfg = replace(cfg, distributed=replica_place(cfg.distributed, os.environ))
     check_config(cfg, tuple(section for section, _ in handed))
+    if cfg.distributed.fault_tolerance == "replicas":  # torchft is there (check_config): where its Lighthouse is
+        address = _lighthouse(cfg.distributed.lighthouse, os.environ, lighthouse_started)
+        cfg = replace(cfg, distributed=replace(cfg.distributed, lighthouse=address))
     return freeze(absolute_references(cfg))
 
 
@@ -275,6 +282,44 @@ def replica_place(d: DistributedConfig, env: Mapping[str, str]) -> DistributedCo
         hint = "; a SLURM job array of N groups is --array=0-<N-1>" if group[0].startswith("SLURM") else ""
         raise UserError(f"{group[0]} is not below {groups[0]}{hint}")
     return replace(d, replica_group=group[1], replica_groups=groups[1])
+
+
+def _lighthouse(given: str | None, env: Mapping[str, str], started: bool) -> str | None:
+    """The Lighthouse's address, checked for its form: torchft's client takes any text and waits the whole
+    distributed.timeout on one it cannot use, then fails after the run folder exists. A launcher that starts
+    one (`started`) hands its address to the groups, which check it."""
+    if started:
+        return given
+    named, address = (
+        ("distributed.lighthouse", given)
+        if given is not None
+        else ("TORCHFT_LIGHTHOUSE", env.get("TORCHFT_LIGHTHOUSE"))
+    )
+    if not address:
+        raise UserError(
+            "distributed.fault_tolerance=replicas needs a torchft Lighthouse: set distributed.lighthouse="
+            "http://HOST:PORT (or $TORCHFT_LIGHTHOUSE) to one that runs, or start one with the job: "
+            "ddplab train --replica-groups N"
+        )
+    if not _lighthouse_address(address):
+        where = "" if named.startswith("distributed.") else " in the environment"
+        raise UserError(f"{named}={address!r}{where} is not a Lighthouse address: give http://HOST:PORT (or https://)")
+    return address
+
+
+def _lighthouse_address(text: str) -> bool:
+    """`text` is an address torchft's client can reach: http(s)://HOST:PORT, nothing after the port."""
+    try:
+        url = urlsplit(text)
+        port = url.port  # a port that is no number from 0 to 65535 raises, as does a bracket left open
+    except ValueError:
+        return False
+    return (
+        url.scheme in ("http", "https")
+        and bool(url.hostname and port)
+        and url.path in ("", "/")
+        and not (url.query or url.fragment or any(c.isspace() for c in text))
+    )
 
 
 def _given(dotted: str, value: int | None) -> tuple[str, int] | None:

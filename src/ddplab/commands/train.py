@@ -31,7 +31,7 @@ def train(ns) -> int:
     if ns.replica_groups:  # its groups are numbered here (run_workers), whatever the environment says of others
         overrides += [f"distributed.replica_groups={ns.replica_groups}", "distributed.replica_group=0"]
     nodes = None if "RANK" in os.environ else detect_nodes()  # before the config: a bad variable is bad input too
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, lighthouse_started=bool(ns.replica_groups))
     check_files(cfg)
     if nodes is not None and (nodes.nnodes > 1 or not nodes.nproc_per_node.isdigit()):
         return launch_node(nodes, ns)

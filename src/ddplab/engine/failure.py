@@ -136,6 +136,14 @@ def record(run_dir: Path, rank: int, exc: BaseException, line: str) -> None:
             amend(run_dir, f"failed: {line}", status="failed", failure=failure)
 
 
+def _reached(b: dict, beats: dict[int, dict]) -> int:
+    """The step a rank whose beats stopped (frozen or gone) had reached. Its last beat can be a second older than
+    its end, steps behind it; the peers waiting in a collective took every earlier collective with it, so it
+    reached the step they wait in."""
+    waited = [o["step"] for r, o in beats.items() if o["waiting"] and r != b["rank"]]
+    return max(b["step"], min(waited)) if waited else b["step"]
+
+
 def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, run_dir, stuck=None) -> dict:
     """The failure section: the stalled (or failing) rank first, then what the others were waiting in."""
     beats = {**beats, **{r: e["beat"] for r, e in errors.items() if e.get("beat")}}
@@ -155,16 +163,25 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
         key=lambda b: -b["still_s"],
     )
     stalled = [] if known else gone or still
-    if stalled:
+    outside = next((e for e in errors.values() if e.get("outside")), None)  # a service the job needs failed
+    if outside is not None:
+        culprit, head = {"rank": None, "error": outside["error"]}, outside["error"]
+    elif stalled:
         b = stalled[0]
-        culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": b["step"], "where": b["where"]}
+        step = _reached(b, beats) if gone or b.get("frozen") else b["step"]
+        seen = (
+            f"in {b['phase']} at step {step}"
+            if step == b["step"]
+            else f"at step {step} (where its peers wait for it; its last heartbeat: {b['phase']} at step {b['step']})"
+        )
+        culprit = {"rank": b["rank"], "host": b["host"], "phase": b["phase"], "step": step, "where": b["where"]}
         head = (
             f"rank {b['rank']} died or froze before its first heartbeat"
             if gone and b["host"] is None
-            else f"rank {b['rank']} died or froze (its heartbeat ended), last seen in {b['phase']} at step {b['step']} "
+            else f"rank {b['rank']} died or froze (its heartbeat ended), last seen {seen} "
             f"(host {b['host']}): {place_text(b['where'])}"
             if gone
-            else f"rank {b['rank']} stalled in {b['phase']} at step {b['step']} (host {b['host']}, no progress for "
+            else f"rank {b['rank']} stalled {seen} (host {b['host']}, no progress for "
             f"{b['still_s']:.0f} s{', its heartbeat stopped too: the process is frozen' if b.get('frozen') else ''}"
             f"): {place_text(b['where'])}"
         )

@@ -42,7 +42,7 @@ from ddplab.engine.failure import compose, exited, gist, log_traceback, place_te
 from ddplab.engine.flight_recorder import unfinished
 from ddplab.engine.run_folder import amend
 from ddplab.engine.torch_internals import default_store, thread_frame
-from ddplab.errors import RunError
+from ddplab.errors import LighthouseLost, RunError
 
 _FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
 _DONE = "ddplab/done"  # how many of the other ranks no longer use the store, once the report is written
@@ -188,7 +188,7 @@ class Heartbeat:
             if failed and not self._ended:
                 self._end_rank()
                 return
-        if self.ctx.is_main:
+        if self.ctx.is_main and not self._ended:  # once the job has failed, its report says what each rank did
             with _BEATING:
                 seen = dict(self.seen)
             self._warn(seen)
@@ -258,7 +258,8 @@ class Heartbeat:
         with _BEATING:
             waited = self.mine is not None and self.mine["waiting"]
             beat = self.mine if waited else {**self._describe(), "where": raised}
-        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "beat": beat}
+        outside = isinstance(exc, LighthouseLost)  # no rank's doing: the report blames none
+        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "outside": outside, "beat": beat}
         if self.store is None:
             return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
         with contextlib.suppress(Exception):  # the store is gone with rank 0: nothing more to tell
@@ -299,12 +300,14 @@ class Heartbeat:
                 self._thread.join(timeout=2)
             store.add(_DONE, 1)
 
-    def _others_done(self, patience: float = 5) -> None:
-        """Rank 0 holds the store when no agent does (srun): it stays until every other rank is done with it
-        (`patience` seconds at most: a dead rank never says), so that none meets a closed store."""
+    def _others_done(self, seen: dict[int, dict], patience: float = 5) -> None:
+        """Rank 0 stays until every other rank is done with the store (`patience` seconds at most): under srun it
+        holds the store, which none must meet closed; under torchrun the agent ends the others once rank 0 has
+        left, before they end on their own. A rank frozen or gone never says: it is not waited for."""
+        silent = sum(1 for r, b in seen.items() if r != self.ctx.rank and (b.get("frozen") or exited(b)))
         deadline = time.monotonic() + patience
         with contextlib.suppress(Exception):
-            while self._store().add(_DONE, 0) < self.ctx.world_size - 1 and time.monotonic() < deadline:
+            while self._store().add(_DONE, 0) < self.ctx.world_size - 1 - silent and time.monotonic() < deadline:
                 time.sleep(0.1)
 
     def _report(self, errors: dict[int, dict]) -> dict:
@@ -321,7 +324,7 @@ class Heartbeat:
         # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
         # says what every other rank was doing.
         rank = failure["culprit"]["rank"]
-        error = errors.get(rank, {})
+        error = errors.get(rank) or next((e for e in errors.values() if e.get("outside")), {})
         self.announce(
             error["line"]
             if error.get("known") and error.get("line")
@@ -332,5 +335,5 @@ class Heartbeat:
         if self.store is not None:
             self.store.set(_REPORTED, "1")
             if self.ctx.is_main:
-                self._others_done()
+                self._others_done(seen)
         return failure

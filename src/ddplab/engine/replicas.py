@@ -15,16 +15,21 @@ Each group trains on its own share of every epoch's order (rank `group * world +
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from torchft import Manager, ProcessGroupGloo
 from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+from ddplab.errors import LighthouseLost, RunError
 
 STEPS_CSV = "replicas.csv"  # one row per step taken (or dropped): how many groups made it, and its global batch
 
@@ -56,29 +61,73 @@ class Replicas:
         self.members = list(range(self.groups))  # which groups: as of the last committed step whose count changed
         self._epoch: list[int] = []  # the global batch of each step committed this epoch
         self._fewest = self.groups  # the fewest groups in a committed step this epoch
-        self.timeout = d.timeout
-        timeout = datetime.timedelta(seconds=d.timeout)
+        self.timeout, self.lighthouse = d.timeout, d.lighthouse
         store = self._attempt_store() if os.environ.get("MASTER_ADDR") else self._own_store()
-        lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            min_replica_size=1,
-            load_state_dict=self._rejoin,
-            state_dict=state_dict,
-            use_async_quorum=False,
-            init_sync=False,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            lighthouse_addr=lighthouse,
-            replica_id=f"group{self.group}",
-            **store,
-        )
+        self.manager = self._connect(state_dict, store)
         self.csv = (folder / STEPS_CSV).open("a", newline="") if ctx.is_main else None
         if self.csv is not None and self.csv.tell() == 0:
             csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time", "groups"])
+
+    def _connect(self, state_dict: Callable[[], dict], store: dict) -> Manager:
+        """This process's torchft manager; group rank 0's connects to the Lighthouse (distributed.timeout at most).
+        The other ranks first wait for it (_await_manager): torchft's own wait for rank 0's address lasts 300 s
+        where rank 0 failed, and no signal ends it."""
+        timeout = datetime.timedelta(seconds=self.timeout)
+
+        def manager() -> Manager:
+            return Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                min_replica_size=1,
+                load_state_dict=self._rejoin,
+                state_dict=state_dict,
+                use_async_quorum=False,
+                init_sync=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                lighthouse_addr=self.lighthouse,
+                replica_id=f"group{self.group}",
+                **store,
+            )
+
+        if not self.ctx.is_main:
+            self._await_manager()
+            return manager()
+        with self._lighthouse_needed("did not answer"):
+            return manager()
+
+    @contextlib.contextmanager
+    def _lighthouse_needed(self, failed: str):
+        """A torchft error where the Lighthouse no longer takes connections is its failure, said as such (no rank
+        caused it); any other (a peer gone, whose beat names it) goes up as it came."""
+        try:
+            yield
+        except (RuntimeError, TimeoutError) as exc:
+            url = urlsplit(self.lighthouse or "")
+            try:
+                socket.create_connection((url.hostname, url.port or 0), timeout=min(self.timeout, 2)).close()
+            except OSError as why:
+                raise LighthouseLost(
+                    f"the torchft Lighthouse at {self.lighthouse} (distributed.lighthouse) {failed} within "
+                    f"{self.timeout:g} s (distributed.timeout) and takes no connection ({why.strerror or why}); "
+                    "torchft's error is in the traceback in logs/"
+                ) from exc
+            raise
+
+    def _await_manager(self) -> None:
+        """Until group rank 0's manager has put its address in torchrun's store, in a loop a signal can end (the
+        heartbeat's when rank 0 failed). Rank 0 gives up on the Lighthouse after distributed.timeout: twice
+        that is a rank 0 that is gone."""
+        store = torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        deadline = time.monotonic() + 2 * self.timeout
+        while not store.check([MANAGER_ADDR_KEY]):
+            if time.monotonic() > deadline:
+                raise RunError(f"group rank 0 started no torchft manager within {2 * self.timeout:g} s")
+            time.sleep(0.1)
 
     def _attempt_store(self) -> dict:
         """torchrun's store, rid of the address a previous attempt's manager left in it: the store outlives a
@@ -109,11 +158,12 @@ class Replicas:
         apart, a whole job resumed from its snapshots too, and one that began alone would train alone until the
         others arrive."""
         self.rejoined = False
-        self.manager.start_quorum()
-        deadline = time.monotonic() + self.timeout
-        while self._first and self.manager.num_participants() < self.groups and time.monotonic() < deadline:
-            time.sleep(0.2)
+        with self._lighthouse_needed(f"formed no quorum for step {self.manager.current_step() + 1}"):
             self.manager.start_quorum()
+            deadline = time.monotonic() + self.timeout
+            while self._first and self.manager.num_participants() < self.groups and time.monotonic() < deadline:
+                time.sleep(0.2)
+                self.manager.start_quorum()
         self._first = False
         self.present = self.manager.num_participants()
         if self.rejoined:

@@ -33,7 +33,7 @@ from ddplab.engine.setup import build_data, build_model
 from ddplab.engine.state import TrainState
 from ddplab.engine.summary import parameter_digest, summary
 from ddplab.engine.trainer import Trainer
-from ddplab.errors import ExitCode, UserError
+from ddplab.errors import ExitCode, LighthouseLost, UserError
 from ddplab.workload import Data, Workload, reference_file, remember_code
 
 
@@ -163,7 +163,10 @@ class Session:
         if isinstance(exc, UserError) and self.run is None:
             raise exc
         error, known = failure.as_run_error(exc, run_dir)
-        line = f"rank {ctx.rank}: {error}" if ctx.world_size > 1 else str(error)
+        # Each rank's own, but a failure outside the job's processes (the Lighthouse), which no rank caused.
+        line = (
+            f"rank {ctx.rank}: {error}" if ctx.world_size > 1 and not isinstance(error, LighthouseLost) else str(error)
+        )
         # Plain torchrun: ranks' output interleaves, so each says whose, at once (what rank 0 announces
         # below is this same line when its cause is known, or when it failed before the heartbeat began).
         if ctx.is_distributed and not listened() and not (ctx.is_main and (known or self.beat is None)):

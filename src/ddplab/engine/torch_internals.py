@@ -10,6 +10,7 @@ this module and never torch (launch.py: the agent does, as torchrun).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import sys
 from collections.abc import Callable
@@ -132,6 +133,41 @@ def fork_torchrun_workers(change: Callable[[Any, Any, list[str]], tuple[Any, Any
         return change(*plain(args))
 
     torchrun.config_from_args = config_from_args
+
+
+def continue_workers_it_ends() -> None:
+    """Make torchrun's agent send SIGCONT to each worker it ends, as a shell does for a stopped job it kills.
+    A worker stopped (SIGSTOP, Ctrl-Z) acts on no signal but SIGKILL, and the agent, ending the workers after
+    one failed, sends SIGTERM and waits 30 s before SIGKILL: a stopped rank held the whole job that long.
+    Continued, it acts on SIGTERM (and on its heartbeat's news of the failure) at once. No public hook runs
+    when the agent ends its workers: forked ones are ended by torch.multiprocessing's ProcessContext.join
+    (multiprocessing's Process.terminate, then 30 s, which --shutdown-timeout does not reach), exec'd ones
+    and any stop signal by PContext.close; both are wrapped here."""
+    import multiprocessing.process
+    import os
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    def resume(pid: int | None) -> None:
+        if pid is not None:  # a process not yet started has none
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    terminate, close = multiprocessing.process.BaseProcess.terminate, PContext.close
+
+    def terminate_continued(self) -> None:
+        terminate(self)
+        resume(self.pid)
+
+    def close_continued(self, death_sig=None, timeout=30):
+        with contextlib.suppress(Exception):  # none started, or gone already
+            for pid in self.pids().values():
+                resume(pid)
+        return close(self, death_sig, timeout)
+
+    multiprocessing.process.BaseProcess.terminate = terminate_continued  # type: ignore[method-assign]
+    PContext.close = close_continued  # type: ignore[method-assign]
 
 
 def thread_frame(ident: int):
