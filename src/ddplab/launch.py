@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.engine import torch_internals
-from ddplab.engine.files import open_append, read_json
+from ddplab.engine.files import open_append
 from ddplab.engine.preemption import STOPS, StopSignals
 from ddplab.engine.reports import STOPPING
-from ddplab.engine.run_folder import RunFolder, amend
+from ddplab.engine.run_folder import RunFiles, amend
 from ddplab.errors import ExitCode, RunError, UserError, stopped
 from ddplab.extras import install_line
 from ddplab.handoff import Handoff
@@ -260,7 +260,7 @@ def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
     the launcher marks the run failed with what torchrun saw, so that `ddplab status` does not guess."""
     rank, said = cause or (None, "a worker died")
     summary = f"job failed: {said}; no rank could report (see {run_dir / 'train.log'} and {run_dir / 'logs'})"
-    if read_json(run_dir / RunFolder.METRICS_JSON).get("status") == "running":
+    if (RunFiles(run_dir).summary() or {}).get("status") == "running":
         with contextlib.suppress(OSError, RunError):
             amend(
                 run_dir,

@@ -29,9 +29,8 @@ import torch
 from torchft import Manager, ProcessGroupGloo
 from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
+from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import LighthouseLost, RunError
-
-STEPS_CSV = "replicas.csv"  # one row per step taken (or dropped): how many groups made it, and its global batch
 
 
 class Replicas:
@@ -64,7 +63,7 @@ class Replicas:
         self.timeout, self.lighthouse = d.timeout, d.lighthouse
         store = self._attempt_store() if os.environ.get("MASTER_ADDR") else self._own_store()
         self.manager = self._connect(state_dict, store)
-        self.csv = (folder / STEPS_CSV).open("a", newline="") if ctx.is_main else None
+        self.csv = (folder / RunFolder.REPLICAS).open("a", newline="") if ctx.is_main else None
         if self.csv is not None and self.csv.tell() == 0:
             csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time", "groups"])
 
