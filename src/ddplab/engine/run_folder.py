@@ -76,7 +76,7 @@ class RunFolder:
     POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
     HEARTBEAT = "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status` (engine/heartbeat.py)
     LOGS = "logs"  # rank<N>.log: a failed rank's traceback and every thread's stack
-    REPLICAS = "replicas.csv"  # replica groups: one row per step taken (or dropped), the groups in its quorum, its global batch
+    REPLICAS = "replicas.csv"  # replica groups: a row a step taken or dropped, its quorum and its global batch
     INFERENCE = "inference"  # what predict needs of the data: assets.json and Data.assets' files (engine/assets.py)
 
     def __init__(self, path: Path, is_main: bool) -> None:

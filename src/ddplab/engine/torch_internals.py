@@ -143,11 +143,11 @@ def continue_workers_it_ends() -> None:
     when the agent ends its workers: forked ones are ended by torch.multiprocessing's ProcessContext.join
     (multiprocessing's Process.terminate, then 30 s, which --shutdown-timeout does not reach), exec'd ones
     and any stop signal by PContext.close; both are wrapped here."""
-    import multiprocessing.process
+    import multiprocessing.process  # here: the agent only
     import os
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.distributed.elastic.multiprocessing.api import PContext  # here: the launcher never imports torch
 
     def resume(pid: int | None) -> None:
         if pid is not None:  # a process not yet started has none
