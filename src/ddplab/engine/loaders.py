@@ -312,6 +312,46 @@ class TrainFeed:
             self.untrained += sum(b.items for b in micro[agreed:]) + sum(b.items for b in batches)
         return [b.batch for b in micro[:agreed]]
 
+    def end_epoch(self, n: int, steps: int, planned: int | None, notes: list, replan: Callable[[int], float]) -> dict:
+        """Epoch `n` is whole, in `steps` steps: a stream's columns of its row (samples read by every rank, of them
+        untrained), its length checked, not trusted (map-style data: none, the sampler's length is exact). Steps
+        other than `planned` (a __len__ that is wrong, uneven ranks, a stream without one) plan the schedule and
+        the ETA again over the measured steps from the next epoch on (`replan`: the steps planned in all); said
+        in one line and recorded in `notes` (metrics.json: data_notes)."""
+        if self.source is None:
+            return {}
+        read, untrained = self.read()
+        columns = {"read_samples": read, "untrained_samples": untrained}
+        if steps == planned:
+            if untrained:  # the planned length, but uneven ranks left some of it
+                self.log(f"epoch {n}: {untrained} of the stream's {read} samples untrained (uneven ranks)")
+                notes.append({"epoch": n, "read_samples": read, "untrained_samples": untrained})
+            return columns
+        said = (
+            f"WARNING: epoch {n}: Data.train's __len__ says {self.size} samples, the stream gave {read}"
+            if self.size is not None and read != self.size
+            else f"epoch {n}: the stream gave {read} samples"
+        )
+        untold = f", {untrained} of them untrained (uneven ranks)" if untrained else ""
+        total = replan(steps)
+        self.log(
+            f"{said}{untold}: {steps} steps"
+            + (f", not the {planned} planned" if planned is not None else "")
+            + f"; the schedule and ETA are planned again over {steps} steps an epoch ({total} steps in all) "
+            f"from epoch {n + 1}"
+        )
+        notes.append(
+            {
+                "epoch": n,
+                "declared_samples": self.size,
+                "read_samples": read,
+                "untrained_samples": untrained,
+                "planned_steps": planned,
+                "measured_steps": steps,
+            }
+        )
+        return columns
+
     def read(self) -> tuple[int, int]:
         """A collective for a stream: (samples of the epoch read by every rank, of them left untrained)."""
         this = sum(self.taken) - self.skipped + self.untrained

@@ -20,6 +20,7 @@ from ddplab import distributed, process_state
 from ddplab.config import Config
 from ddplab.distributed import DistContext
 from ddplab.engine import assets, env, failure, flight_recorder
+from ddplab.engine.fault_tolerance import fault_tolerance
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder
@@ -108,7 +109,8 @@ class Session:
         """The trainer, handed its parts, resumed from the last snapshot; metrics.json says `running`."""
         cfg = self.cfg
         self.code = {k: {"reference": r, "file": str(reference_file(r) or "")} for k, r in work.references.items()}
-        trainer = self.trainer = Trainer(cfg, ctx, data, builders.build(cfg, ctx, data, model, run.log), run, callbacks)
+        parts = builders.build(cfg, ctx, data, model, run.log)
+        trainer = self.trainer = Trainer(cfg, ctx, data, parts, run, callbacks, fault_tolerance(cfg, ctx, run))
         trainer.resume()
         self.phases.mark("trainer")
         self.phases.watch_first_step(trainer.view.optimizer, compiles=cfg.training.compile)
