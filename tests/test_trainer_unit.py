@@ -113,11 +113,12 @@ def trainer(tmp_path, data, *overrides, faults=None, strategy=None, callbacks=()
         batch_arithmetic(BATCH, accum, 1, feed.size),
         1,
         strategy or Replicated(),
+        faults or NoReplicas(),
     )
     work = ddplab.Data(train=data, task=ddplab.Regression())
     lines: list[str] = []
     run = SimpleNamespace(path=tmp_path / "run", log=lines.append, lines=lines)
-    return Trainer(cfg, FakeCtx(), work, parts, run, callbacks, faults)  # type: ignore[arg-type]
+    return Trainer(cfg, FakeCtx(), work, parts, run, callbacks)  # type: ignore[arg-type]
 
 
 def sgd_step(model, inputs, target):

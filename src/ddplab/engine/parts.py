@@ -1,5 +1,6 @@
 """What the Trainer trains with, built before it and handed to it: the model as it is distributed, the
-optimizer, the learning-rate schedule, the gradient scaler and the data (loaders and the training feed).
+optimizer, the learning-rate schedule, the gradient scaler, the data (loaders and the training feed) and
+its modes (the sharding strategy, engine/sharding.py; the fault tolerance, engine/fault_tolerance.py).
 
 `Builders` is the table of how each part is built, as torchtitan's TrainSpec hands its trainer builders.
 Its defaults are ddplab's config-driven builders: training.optimizer and training.schedule name a recipe, a
@@ -21,6 +22,7 @@ from ddplab.config import batch_arithmetic
 from ddplab.data.stream import declared, is_stream
 from ddplab.engine.checkpoint import PER_RANK, Parts, part
 from ddplab.engine.clock import InFlight
+from ddplab.engine.fault_tolerance import NoReplicas
 from ddplab.engine.loaders import Loaders, TrainFeed
 from ddplab.engine.optim import build_optimizer, build_schedule, scaled_lr
 from ddplab.engine.rng import rng_state, set_rng_state
@@ -52,6 +54,7 @@ class TrainParts:
     batch: dict  # batch_arithmetic over those shares
     epochs: float  # to train: training.epochs; a stream with training.max_steps and no epochs set, until then (inf)
     strategy: Replicated = field(default_factory=Replicated)  # how the model is held: whole (DDP) or sharded
+    faults: NoReplicas = field(default_factory=NoReplicas)  # fault tolerance: none, or replica groups (set-up's)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ddplab.engine.lock import own_run_folder
 from ddplab.engine.parts import Builders
 from ddplab.engine.phases import Phases
 from ddplab.engine.reports import listened, report_preempted, tell
+from ddplab.engine.resume import resume
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
@@ -110,8 +111,9 @@ class Session:
         cfg = self.cfg
         self.code = {k: {"reference": r, "file": str(reference_file(r) or "")} for k, r in work.references.items()}
         parts = builders.build(cfg, ctx, data, model, run.log)
-        trainer = self.trainer = Trainer(cfg, ctx, data, parts, run, callbacks, fault_tolerance(cfg, ctx, run))
-        trainer.resume()
+        parts.faults = fault_tolerance(cfg, ctx, run)  # replica groups write replicas.csv into the run folder
+        trainer = self.trainer = Trainer(cfg, ctx, data, parts, run, callbacks)
+        resume(trainer)
         self.phases.mark("trainer")
         self.phases.watch_first_step(trainer.view.optimizer, compiles=cfg.training.compile)
         run.write_json(RunFolder.METRICS_JSON, summary(trainer.view, "running", self.code))

@@ -155,19 +155,15 @@ class Sharded(Replicated):
 
     def register(self, parts, model: torch.nn.Module, optimizer) -> None:
         """The model and the optimizer as this rank's shards keyed by parameter names."""
-        from torch.distributed.checkpoint.state_dict import (  # sharded runs only: see _is_fsdp
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp  # sharded runs only: see _is_fsdp
 
-        parts.add("model", part(lambda: get_model_state_dict(model), lambda s: set_model_state_dict(model, s)), SHARDED)
+        model_part = part(lambda: dcp.get_model_state_dict(model), lambda s: dcp.set_model_state_dict(model, s))
+        parts.add("model", model_part, SHARDED)
         parts.add(
             "optimizer",
             part(
-                lambda: get_optimizer_state_dict(model, optimizer),
-                lambda s: set_optimizer_state_dict(model, optimizer, s),
+                lambda: dcp.get_optimizer_state_dict(model, optimizer),
+                lambda s: dcp.set_optimizer_state_dict(model, optimizer, s),
             ),
             SHARDED,
         )

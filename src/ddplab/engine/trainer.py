@@ -24,7 +24,6 @@ import time
 import torch
 
 from ddplab.config import Config
-from ddplab.config_io import parse_duration
 from ddplab.data.stream import size
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
@@ -33,53 +32,39 @@ from ddplab.engine.checkpoint_reader import BEST, load_snapshot
 from ddplab.engine.clock import Clock
 from ddplab.engine.data_identity import DataIdentity
 from ddplab.engine.evaluation import evaluate
-from ddplab.engine.fault_tolerance import NoReplicas
-from ddplab.engine.ledger import LossLedger
+from ddplab.engine.ledger import LossLedger, loss_weights
 from ddplab.engine.optim import Schedule, plan_for_budget
 from ddplab.engine.parts import TrainParts, snapshot_parts
-from ddplab.engine.preemption import StopSignals
-from ddplab.engine.resume import resume
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, unused_parameters
 from ddplab.engine.sharding import load_full
 from ddplab.engine.state import TrainState
-from ddplab.errors import RunError
+from ddplab.engine.stops import Stops
 from ddplab.tasks import call_model, item_counter, to_device
 
 
 class Trainer:
-    """A run is driven through resume() / fit() / test() / end() / close() (engine/session.py) and observed through
-    `view` (what callbacks get). It is handed its parts, built (engine/parts.py), and its fault tolerance
-    (`faults`, engine/fault_tolerance.py); its state is what snapshot_parts() registers."""
+    """A run is driven through fit() / test() / end() / close() (engine/session.py; engine/resume.py continues
+    it) and observed through `view` (what callbacks get). It is handed its parts and modes, built
+    (engine/parts.py); its state is what snapshot_parts() registers."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        ctx: DistContext,
-        data,
-        parts: TrainParts,
-        run: RunFolder,
-        callbacks=(),
-        faults: NoReplicas | None = None,
-    ) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, data, parts: TrainParts, run: RunFolder, callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
         t = cfg.training
         self.task = data.task
         self.model, self.raw, self.comm = parts.model, parts.raw, parts.comm
         self.items = item_counter(self.task, self.raw)  # what the loss of a batch is a mean over (Task.items)
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
-        self.loaders, self.feed, self.strategy = parts.loaders, parts.feed, parts.strategy
-        self.faults = faults or NoReplicas()
+        self.loaders, self.feed, self.faults, self.strategy = parts.loaders, parts.feed, parts.faults, parts.strategy
         self.lr, self.shares, self.batch, self.epochs = parts.lr, parts.shares, parts.batch, parts.epochs
         self.autocast = autocast(t.amp, ctx.device)
-        self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.clock = Clock(self.state, ctx)
         self.checkpoints = Checkpointer(
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
-        self.signals = StopSignals()
-        self.callbacks = CallbackList(callbacks, self.signals.interrupt)
+        self.stops = Stops(cfg, ctx, self.state, run.log, self.faults)
+        self.callbacks = CallbackList(callbacks, self.stops.signals.interrupt)
         self.view = TrainView(self)
         self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
@@ -88,7 +73,6 @@ class Trainer:
         self.eval_at = "train"  # train (training.eval_every) | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
-        self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
         self.loss_average: str | None = None  # items | samples[, each with many targets]: for metrics.json
 
@@ -112,7 +96,7 @@ class Trainer:
         t, s = self.cfg.training, self.state
         self.clock.restart()  # callbacks' time counts, on_train_start's in epoch 1
         self.callbacks.on_train_start(self.view)
-        self.signals.install()
+        self.stops.signals.install()
         try:
             if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
                 self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
@@ -129,7 +113,7 @@ class Trainer:
             self.checkpoints.settle()  # a background snapshot already written still gets its marker
             raise
         finally:
-            self.signals.restore()
+            self.stops.signals.restore()
         if s.stop_reason is None:
             s.stop_reason = "epochs"
         return s
@@ -164,7 +148,7 @@ class Trainer:
             if t.eval_every and s.step % t.eval_every == 0:
                 self.evaluate(self.data.val, "val")
             self.clock.tick()  # after the log interval's sync: the time budget sees the device's work
-            if self._should_stop():
+            if self.stops.after_step():
                 break
         if left > 0 and s.stop_reason is not None:
             return False
@@ -177,7 +161,7 @@ class Trainer:
         step = self.state.step + 1
         samples = self.forward_backward(micro, step)
         self.ctx.beat.mark("optimizer")
-        if self.faults.agree(self.raw.parameters(), self.optimizer, self._stop_flags, step, samples):
+        if self.faults.agree(self.raw.parameters(), self.optimizer, self.stops.own, step, samples):
             self.update(step)
         else:  # its gradients and loss are dropped; its data stays read (skipped)
             self.optimizer.zero_grad(set_to_none=True)
@@ -190,7 +174,7 @@ class Trainer:
         ranks on the last only); this rank's samples."""
         n, mark, samples = len(micro), self.ctx.beat.mark, 0
         unpacked = [self.task.unpack(to_device(batch, self.ctx.device)) for batch in micro]
-        counts, weights = self._loss_weights(unpacked)
+        counts, weights, self.loss_average = loss_weights(self.items, unpacked, self.ctx)
         for i, (inputs, target, n_samples) in enumerate(unpacked):
             samples += n_samples
             with self.strategy.micro_step(self.model, last=i == n - 1):
@@ -228,22 +212,6 @@ class Trainer:
         s.step = step
         s.epoch_steps += 1
 
-    def _loss_weights(self, unpacked: list) -> tuple[list, list]:
-        """(each micro-batch's count of the items its loss is a mean over, the weight of its loss) where the task
-        counts them (tasks.Task.items): weight = count x world size / the count over every rank and micro-batch
-        of the step, so that the gradient DDP averages over ranks is that of the global mean. One all-reduce of
-        one number per step, with no host sync. ([], []) where the loss is a mean over samples: DDP's average of
-        the ranks' means is then the global mean already, and the accumulated micro-batches are averaged."""
-        counts = [self.items(target) for _, target, _ in unpacked]
-        if any(c is None for c in counts):
-            target = unpacked[0][1]
-            many = isinstance(target, torch.Tensor) and target.dim() >= 2  # verify names it as a cause
-            self.loss_average = "samples, each with many targets" if many else "samples"
-            return [], []
-        self.loss_average = "items"
-        total = self.ctx.all_reduce(torch.stack(counts).sum().float().reshape(1)).clamp_min(1)
-        return counts, [c * self.ctx.world_size / total[0] for c in counts]
-
     def _all_finite(self, loss_sum: torch.Tensor) -> bool:
         flag = (~torch.isfinite(loss_sum)).float().reshape(1)
         return self.ctx.all_reduce(flag, "max").item() == 0
@@ -252,19 +220,10 @@ class Trainer:
         """Reduce the train loss since the last log: the only host sync of the loop. Whether any rank's
         callback asked to stop rides along in the same reduction."""
         s = self.state
-        sums, first_bad = self.ledger.totals()
-        bad = self.ctx.all_reduce(first_bad, "min").item()
-        if math.isfinite(bad):
-            raise RunError(
-                f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
-                f"as the train loss is logged, each logging.log_every={self.cfg.logging.log_every} steps; "
-                f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
-                f"training.nonfinite=skip to skip such steps"
-            )
-        asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
-        loss_sum, weight, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
+        asked = self.stops.request is not None
+        loss_sum, weight, samples, tokens, asking = self.ledger.reduce(self.ctx, self.cfg.logging.log_every, asked)
         if asking and s.stop_reason is None:
-            self._agree_on_request()
+            self.stops.agree_on_request()
         if samples == 0:
             return
         s.epoch_loss_sum += loss_sum
@@ -276,48 +235,8 @@ class Trainer:
         # With a time budget the schedule is planned over the steps the budget allows, re-estimated
         # here, where all ranks meet anyway (the slowest rank's clock counts).
         spent = self.faults.spent(s.elapsed)  # replica groups: the same in every group
-        plan_for_budget(self.scheduler, self.ctx, s.step, spent, self.budget)
+        plan_for_budget(self.scheduler, self.ctx, s.step, spent, self.stops.budget)
         self.callbacks.on_log(self.view, values)
-
-    def _agree_on_request(self) -> None:
-        """Some rank's callback asked to stop: every rank takes the lowest asking rank's reason (one
-        gather, once in a run)."""
-        reasons = self.ctx.gather_objects(self.stop_request)
-        rank, reason = next((r, why) for r, why in enumerate(reasons) if why is not None)
-        self.state.stop_reason = reason
-        self.run.log(f"stop requested ({reason}, by a callback on rank {rank}) after step {self.state.step}")
-
-    def _should_stop(self) -> bool:
-        """Agree on stopping after this step: every rank must stop at the same step, or one
-        would wait forever in a collective for another."""
-        s, t = self.state, self.cfg.training
-        if s.stop_reason is not None:  # a request, agreed at this step's log interval or snapshot
-            return True
-        if t.max_steps and s.step >= t.max_steps:
-            s.stop_reason = "max_steps"  # the same on every rank without asking
-            return True
-        if s.step % self.cfg.logging.log_every:
-            # Asking every step would put a collective and a host sync in every step; the
-            # log interval is a schedule all ranks share, and where the loop syncs anyway.
-            return False
-        flags = self.faults.stop(self._stop_flags)  # replica groups: raised in any group
-        over, signalled = self.ctx.all_reduce(flags.to(self.ctx.device), "max").tolist()
-        if signalled:
-            s.stop_reason = "preempted"
-            self.run.log(
-                f"stop signal ({self.signals.received or 'on another rank'}) after step {s.step}: "
-                f"snapshotting and exiting"
-            )
-        elif over:
-            s.stop_reason = "time_budget"
-            self.run.log(f"time budget {t.time_budget} reached after step {s.step} ({s.elapsed:.1f} s spent)")
-        return s.stop_reason is not None
-
-    def _stop_flags(self) -> torch.Tensor:
-        """This process's own reasons to stop (the time budget is over, a stop signal came), then its time spent."""
-        spent = self.state.elapsed
-        over = self.budget is not None and spent >= self.budget
-        return torch.tensor([float(over), float(self.signals.received is not None), spent], device=self.ctx.device)
 
     def stop_mid_epoch(self) -> None:
         """Snapshot where the stop happened; then (unless pre-empted) evaluate and record it."""
@@ -389,10 +308,6 @@ class Trainer:
             ).item()
             s.snapshot_stalls.append({"step": s.step, "stall_s": stall, "async": background})
             self.callbacks.on_snapshot(self.view, path)
-
-    def resume(self) -> None:
-        """Continue from the last snapshot (engine/resume.py)."""
-        resume(self)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
