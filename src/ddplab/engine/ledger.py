@@ -40,9 +40,10 @@ class LossLedger:
         else:
             self.tokens += tokens
 
-    def step_loss(self, step: int) -> torch.Tensor:
-        """The summed loss of one step's micro-batches (for the skip-a-non-finite-step check)."""
-        return self.losses[self.steps.index(step) : len(self.steps), 0].sum()
+    def finite(self, step: int, ctx) -> bool:
+        """Whether the loss of `step`'s micro-batches is finite on every rank (for training.nonfinite=skip)."""
+        loss_sum = self.losses[self.steps.index(step) : len(self.steps), 0].sum()
+        return ctx.all_reduce((~torch.isfinite(loss_sum)).float().reshape(1), "max").item() == 0
 
     def drop_step(self, step: int) -> None:
         """Forget a skipped step: its loss stays out of the logged mean."""

@@ -23,7 +23,7 @@ from ddplab.data.stream import declared, is_stream
 from ddplab.engine.checkpoint import PER_RANK, Parts, part
 from ddplab.engine.clock import InFlight
 from ddplab.engine.fault_tolerance import NoReplicas
-from ddplab.engine.loaders import Loaders, TrainFeed
+from ddplab.engine.loaders import Loaders, TrainFeed, train_feed
 from ddplab.engine.optim import build_optimizer, build_schedule, scaled_lr
 from ddplab.engine.rng import rng_state, set_rng_state
 from ddplab.engine.setup import distribute
@@ -64,7 +64,7 @@ class Builders:
     schedule: Callable = build_schedule  # (cfg, ctx, optimizer, total_steps) -> LR scheduler
     scaler: Callable = grad_scaler  # (cfg, ctx) -> torch.amp.GradScaler
     loaders: Callable = Loaders  # (cfg, ctx, collate_fn) -> Loaders
-    feed: Callable = TrainFeed  # (dataset, loaders, cfg, ctx, log, (share, shares)) -> TrainFeed
+    feed: Callable = train_feed  # (dataset, loaders, cfg, ctx, log, (share, shares)) -> TrainFeed
 
     def build(self, cfg, ctx, data, model: torch.nn.Module, log: Callable[[str], None]) -> TrainParts:
         """Each part after those it needs: the optimizer takes the parameters as distributing left them

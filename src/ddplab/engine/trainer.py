@@ -199,7 +199,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), t.clip_grad_norm)
         # Every rank agrees (reduced flag), so all skip the same step and stay identical. A non-finite
         # loss under training.nonfinite=stop is found by the ledger at the next log interval.
-        skip = t.nonfinite == "skip" and not self._all_finite(self.ledger.step_loss(step))
+        skip = t.nonfinite == "skip" and not self.ledger.finite(step, self.ctx)
         if skip:
             self.run.log(f"step {step}: non-finite loss on some rank; step skipped (training.nonfinite=skip)")
             self.ledger.drop_step(step)
@@ -211,10 +211,6 @@ class Trainer:
         self.scheduler.step()
         s.step = step
         s.epoch_steps += 1
-
-    def _all_finite(self, loss_sum: torch.Tensor) -> bool:
-        flag = (~torch.isfinite(loss_sum)).float().reshape(1)
-        return self.ctx.all_reduce(flag, "max").item() == 0
 
     def log_interval(self) -> None:
         """Reduce the train loss since the last log: the only host sync of the loop. Whether any rank's
