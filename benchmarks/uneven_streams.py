@@ -1,7 +1,7 @@
 """Streams of uneven length across ranks: what counting the samples they leave untrained costs, printed as ratios.
 
 Each rank's epoch ends when the first rank's stream does (one all-reduce of a count a step, as before). What the
-longer ranks still hold is now read to its end and counted (TrainFeed.next_step, metrics.csv untrained_samples),
+longer ranks still hold is now read to its end and counted (StreamFeed.next_step, metrics.csv untrained_samples),
 and every batch comes tagged with its loader worker and size (a stream that shards itself is resumed from each
 worker's own count, its batches put in the loader's turn). This times the training feed alone, no model, on 2
 gloo processes, against today's agreed-count path before that change (the loop below, `today`), alternating:
@@ -61,7 +61,7 @@ def today(ctx, loader) -> tuple[int, float, float]:
 
 
 def counted(feed) -> tuple[int, float, float, tuple[int, int]]:
-    """ddplab's TrainFeed: the same, and the epoch's counts (read, untrained) all-reduced at its end."""
+    """ddplab's StreamFeed: the same, and the epoch's counts (read, untrained) all-reduced at its end."""
     began = time.perf_counter()
     batches, steps, last = feed.epoch(0, 0), 0, began
     while feed.next_step(batches, 1):
@@ -79,13 +79,13 @@ def rank_main(rank: int, port: int, args, out) -> None:
     from ddplab import distributed
     from ddplab.config_io import read_config
     from ddplab.data.stream import Stream
-    from ddplab.engine.loaders import Loaders, TrainFeed
+    from ddplab.engine.loaders import Loaders, train_feed
 
     with distributed.session("gloo") as ctx:
         dataset = Uneven(args.items, args.extra, rank)
         for workers in (0, 2):
             cfg = read_config(None, [f"training.batch_size={BATCH}", f"data.num_workers={workers}"])
-            feed = TrainFeed(dataset, Loaders(cfg, ctx, None), cfg, ctx, lambda line: None, (rank, 2))
+            feed = train_feed(dataset, Loaders(cfg, ctx, None), cfg, ctx, lambda line: None, (rank, 2))
             plain = DataLoader(
                 Stream(dataset, rank, 2, BATCH), batch_size=BATCH, num_workers=workers, collate_fn=default_collate
             )

@@ -453,19 +453,22 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
 def test_a_resume_that_keeps_the_global_batch_says_it_is_planned_with_every_group():
     from types import SimpleNamespace
 
-    from ddplab.engine.trainer import Trainer
+    from ddplab.engine.replicas import Replicas
+    from ddplab.engine.resume import keep_batch
 
+    replicas = Replicas.__new__(Replicas)  # what the line reads of it only: no quorum, no torchft manager
+    replicas.groups = 2
     lines: list[str] = []
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(training=SimpleNamespace(batch_size=16, grad_accum_steps=1)),
         shares=2 * 2,  # 2 processes x 2 groups
         ctx=SimpleNamespace(world_size=2),
-        replicas=SimpleNamespace(groups=2),
+        faults=replicas,
         run=SimpleNamespace(log=lines.append),
         feed=SimpleNamespace(size=640),
     )
     manifest = {"global_batch": 128, "world_size": 2, "config": {"training": {"batch_size": 32, "grad_accum_steps": 1}}}
-    Trainer._keep_global_batch(trainer, manifest)  # type: ignore[arg-type]
+    keep_batch(trainer, manifest)
     assert trainer.batch["grad_accum_steps"] == 2 and lines == [
         "training.grad_accum_steps 1 -> 2: the global batch stays 128 on 2 processes x 2 replica groups, "
         "with every group present"

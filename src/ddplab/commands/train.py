@@ -100,7 +100,7 @@ def launch_node(nodes: NodeLaunch, ns) -> int:
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
-    """A resume at another world size keeps the run's global batch (engine/trainer.py); where no
+    """A resume at another world size keeps the run's global batch (engine/resume.py); where no
     accumulation can, one line says so before any worker starts. A marker that is not a manifest is
     left to the workers, which skip its snapshot and say so."""
     if cfg.checkpoint.resume == "never":

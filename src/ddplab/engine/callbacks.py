@@ -59,7 +59,7 @@ class TrainView:
     device = property(lambda v: v._t.ctx.device, doc="This process's torch.device.")
     # what ddplab's own columns and files are made from
     lr = property(lambda v: v._t.lr, doc="The peak learning rate, after training.lr_scaling.")
-    time_budget_s = property(lambda v: v._t.budget, doc="training.time_budget in seconds, or None.")
+    time_budget_s = property(lambda v: v._t.stops.budget, doc="training.time_budget in seconds, or None.")
     comm = property(lambda v: v._t.comm, doc="The gradient all-reduce monitor (None in a one-process run).")
     evaluator = property(lambda v: v._t.evaluator, doc="The last evaluation's (classification: a confusion matrix).")
     data_workers = property(lambda v: v._t.loaders.workers, doc="DataLoader worker processes per rank.")
@@ -104,7 +104,7 @@ class TrainView:
         snapshot: running the same command again does not train on."""
         if not isinstance(reason, str) or not reason.strip():
             raise TypeError(f"request_stop: give the reason as a word or two (a string), got {reason!r}")
-        self._t.stop_request = printable(reason.strip())  # one printable line, in the console and train.log
+        self._t.stops.request = printable(reason.strip())  # one printable line, in the console and train.log
 
     @property
     def epoch_samples(self) -> int | None:

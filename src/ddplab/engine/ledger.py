@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ddplab.errors import RunError
+
 
 class LossLedger:
     def __init__(self, capacity: int, device: torch.device) -> None:
@@ -38,9 +40,10 @@ class LossLedger:
         else:
             self.tokens += tokens
 
-    def step_loss(self, step: int) -> torch.Tensor:
-        """The summed loss of one step's micro-batches (for the skip-a-non-finite-step check)."""
-        return self.losses[self.steps.index(step) : len(self.steps), 0].sum()
+    def finite(self, step: int, ctx) -> bool:
+        """Whether the loss of `step`'s micro-batches is finite on every rank (for training.nonfinite=skip)."""
+        loss_sum = self.losses[self.steps.index(step) : len(self.steps), 0].sum()
+        return ctx.all_reduce((~torch.isfinite(loss_sum)).float().reshape(1), "max").item() == 0
 
     def drop_step(self, step: int) -> None:
         """Forget a skipped step: its loss stays out of the logged mean."""
@@ -63,3 +66,35 @@ class LossLedger:
         sums = torch.stack([losses.sum(), weights.sum(), samples.sum(), tokens])
         self.samples, self.steps, self.tokens, self.device_tokens = [], [], 0, None
         return sums, first_bad.reshape(1)
+
+    def reduce(self, ctx, log_every: int, asked: bool) -> list[float]:
+        """(loss sum, what it is a sum over, samples, tokens) since the last log over every rank, and whether any
+        rank `asked` (a callback's stop request rides along): the loop's one host sync. A non-finite loss of any
+        micro-batch on any rank ends the run (training.nonfinite=stop; skipped steps were dropped)."""
+        sums, first_bad = self.totals()
+        bad = ctx.all_reduce(first_bad, "min").item()
+        if math.isfinite(bad):
+            raise RunError(
+                f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
+                f"as the train loss is logged, each logging.log_every={log_every} steps; "
+                f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
+                f"training.nonfinite=skip to skip such steps"
+            )
+        flag = torch.tensor([float(asked)], dtype=sums.dtype, device=sums.device)
+        return ctx.all_reduce(torch.cat([sums, flag])).tolist()
+
+
+def loss_weights(items, unpacked: list, ctx) -> tuple[list, list, str]:
+    """(each micro-batch's count of the items its loss is a mean over, the weight of its loss, what the loss is
+    averaged over: metrics.json's loss_average) where the task counts them (tasks.Task.items): weight = count x
+    world size / the count over every rank and micro-batch of the step, so that the gradient DDP averages over
+    ranks is that of the global mean. One all-reduce of one number per step, with no host sync. No counts and no
+    weights where the loss is a mean over samples: DDP's average of the ranks' means is then the global mean
+    already, and the accumulated micro-batches are averaged."""
+    counts = [items(target) for _, target, _ in unpacked]
+    if any(c is None for c in counts):
+        target = unpacked[0][1]
+        many = isinstance(target, torch.Tensor) and target.dim() >= 2  # verify names it as a cause
+        return [], [], "samples, each with many targets" if many else "samples"
+    total = ctx.all_reduce(torch.stack(counts).sum().float().reshape(1)).clamp_min(1)
+    return counts, [c * ctx.world_size / total[0] for c in counts], "items"

@@ -1,5 +1,5 @@
 """DataLoaders for training and evaluation (worker counts, pinning, their own generators), and
-`TrainFeed`: where training stands in its data, for map-style datasets and streams alike."""
+`TrainFeed` / `StreamFeed`: where training stands in its data, map-style or a stream."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class Loaders:
         if sampler is not None:
             return self._make(dataset, sampler, generator=generator)
         # A stream's workers start afresh each epoch: persistent ones would keep the first epoch's position. Its
-        # batches come tagged with their worker and size (TrainFeed counts each worker's share trained).
+        # batches come tagged with their worker and size (StreamFeed counts each worker's share trained).
         tagged = Tagged(self.collate_fn or default_collate)
         workers = self.stream_workers(dataset.dataset)
         return self._make(dataset, workers=workers, persistent=False, collate=tagged, generator=generator)
@@ -148,14 +148,9 @@ class Loaders:
 
 class TrainFeed:
     """The training data's position: an epoch, and how many samples of its global order are consumed
-    (TrainState.consumed). Map-style data go through ResumableDistributedSampler, which resumes by
-    slicing its permutation, and are read under a per-sample seed (data.per_sample_seed); a stream through
-    data.stream.Stream, which resumes a stream that seeks itself (ddplab.Shards) at `consumed`, else from
-    the dataset's own state_dict() where it has one, else by reading past the samples already consumed (a
-    stream that shards itself: each loader worker past its own share already trained).
-
-    state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: a stream's own state,
-    and each rank's and loader worker's count of its items trained in the epoch.
+    (TrainState.consumed). This is the plain feed, map-style data: it goes through ResumableDistributedSampler,
+    which resumes by slicing its permutation, and is read under a per-sample seed (data.per_sample_seed). A stream
+    goes through StreamFeed below; train_feed() picks one. The Trainer calls either the same way.
     """
 
     def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
@@ -163,38 +158,82 @@ class TrainFeed:
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
         if loaders.cut:
             log(loaders.cut)
-        rank, world = share
         self.seed = cfg.experiment.seed
         self.size = declared(dataset, cfg.data.limit)  # None: a stream that does not know its length
-        self.sampler: ResumableDistributedSampler | None = None  # map-style data
-        self.source: Stream | None = None  # a stream
-        self.workers = 0  # a stream's loader workers
-        if is_stream(dataset):
-            self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit, marked=True)
-            self.workers = loaders.stream_workers(dataset)
-            if is_stateful(dataset) and loaders.workers:
-                log(
-                    f"the training stream keeps its own position (state_dict()): it is read in the training process, "
-                    f"not by {loaders.workers} loader workers"
-                )
-        else:
-            self.sampler = ResumableDistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed)
-            if cfg.data.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
-                self.dataset = PerSampleSeed(dataset, self.seed)
-                self.sampler.keyed = True
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
-        self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
-        self.taken = [0] * max(self.workers, 1)  # a stream: this rank's items trained this epoch, per loader worker
-        self.untrained = 0  # a stream: this rank's items the epoch ended without (uneven ranks)
-        self.turn, self.done = 0, [False]  # a stream that shards itself: the worker whose batch is next; ended ones
-        self.before = self.skipped = 0  # a stream: samples of the epoch read before this attempt (all ranks; this one)
         self.inexact: dict | None = None  # a resume that is not exact: how many samples may be read twice or skipped
+        self.sampler: ResumableDistributedSampler | None = None
+        self.start(cfg, *share)
 
     @property
     def how(self) -> str | None:
         """How the training stream is split, for the start line (None: map-style data)."""
-        if self.source is None:
-            return None
+        return None
+
+    def start(self, cfg, rank: int, world: int) -> None:
+        self.sampler = ResumableDistributedSampler(self.dataset, world, rank, shuffle=True, seed=self.seed)
+        if cfg.data.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
+            self.dataset = PerSampleSeed(self.dataset, self.seed)
+            self.sampler.keyed = True
+
+    def epoch(self, epoch: int, consumed: int) -> Iterator:
+        """The batches of `epoch` after its first `consumed` samples (all ranks together)."""
+        if self.loader is None:
+            self.loader = self.loaders.train(self.dataset, self.sampler)
+        # Worker seeds come from the loader's own generator: a function of the epoch only,
+        # so a resumed epoch hands its workers the same seeds.
+        self.loader.generator.manual_seed(self.seed + epoch)
+        assert self.sampler is not None  # made by start()
+        self.sampler.set_epoch(epoch, start=consumed)
+        return iter(self.loader)
+
+    def left(self) -> float:
+        """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
+        assert self.sampler is not None
+        return len(self.sampler)
+
+    def next_step(self, batches: Iterator, accum: int) -> list:
+        """The micro-batches of the next optimizer step; none when the epoch is over (the sampler gives every
+        rank the same count)."""
+        return list(islice(batches, accum))
+
+    def end_epoch(self, n: int, steps: int, planned: int | None, notes: list, replan: Callable[[int], float]) -> dict:
+        """Epoch `n` is whole, in `steps` steps: its row's columns (none: the sampler's length is exact)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}  # TrainState's position is all
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
+
+
+class StreamFeed(TrainFeed):
+    """A stream, through data.stream.Stream, which resumes a stream that seeks itself (ddplab.Shards) at
+    `consumed`, else from the dataset's own state_dict() where it has one, else by reading past the samples
+    already consumed (a stream that shards itself: each loader worker past its own share already trained).
+
+    state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: the stream's own state,
+    and each rank's and loader worker's count of its items trained in the epoch.
+    """
+
+    def start(self, cfg, rank: int, world: int) -> None:
+        dataset, loaders = self.dataset, self.loaders
+        self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit, marked=True)
+        self.workers = loaders.stream_workers(dataset)  # its loader workers
+        if is_stateful(dataset) and loaders.workers:
+            self.log(
+                f"the training stream keeps its own position (state_dict()): it is read in the training process, "
+                f"not by {loaders.workers} loader workers"
+            )
+        self._restored: dict = {}  # a snapshot's stream state, used when the epoch it was taken in resumes
+        self.taken = [0] * max(self.workers, 1)  # this rank's items trained this epoch, per loader worker
+        self.untrained = 0  # this rank's items the epoch ended without (uneven ranks)
+        self.turn, self.done = 0, [False]  # a stream that shards itself: the worker whose batch is next; ended ones
+        self.before = self.skipped = 0  # samples of the epoch read before this attempt (all ranks; this one)
+
+    @property
+    def how(self) -> str | None:
         if self.source.seeks:
             return "the training stream seeks its own share of one global order"
         if self.source.own:
@@ -202,21 +241,15 @@ class TrainFeed:
         return "the training stream is one global order: ddplab splits it among ranks and loader workers"
 
     def epoch(self, epoch: int, consumed: int) -> Iterator:
-        """The batches of `epoch` after its first `consumed` samples (all ranks together)."""
-        if self.loader is None:  # map-style data with their sampler; a stream (no sampler) through its Stream
-            self.loader = self.loaders.train(self.dataset if self.source is None else self.source, self.sampler)
-        # Worker seeds come from the loader's own generator: a function of the epoch only,
-        # so a resumed epoch hands its workers the same seeds.
+        if self.loader is None:  # no sampler: the Stream splits the order itself
+            self.loader = self.loaders.train(self.source)
         self.loader.generator.manual_seed(self.seed + epoch)
-        if self.sampler is not None:
-            self.sampler.set_epoch(epoch, start=consumed)
-        else:
-            self.taken, self.untrained = [0] * max(self.workers, 1), 0
-            self.turn, self.done = 0, [False] * max(self.workers, 1)
-            self._stream_start(epoch, consumed)
-            self.before, self.skipped = consumed, sum(self.taken)  # read before this attempt: all ranks', this rank's
-            if self.workers > 1 and self.source is not None and self.source.own:
-                return self._in_turn(iter(self.loader))
+        self.taken, self.untrained = [0] * max(self.workers, 1), 0
+        self.turn, self.done = 0, [False] * max(self.workers, 1)
+        self._stream_start(epoch, consumed)
+        self.before, self.skipped = consumed, sum(self.taken)  # read before this attempt: all ranks', this rank's
+        if self.workers > 1 and self.source.own:
+            return self._in_turn(iter(self.loader))
         return iter(self.loader)
 
     def _in_turn(self, batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -244,7 +277,6 @@ class TrainFeed:
 
     def _stream_start(self, epoch: int, consumed: int) -> None:
         source = self.source
-        assert source is not None  # a stream's, made by epoch()
         restored, self._restored = self._restored, {}
         if not consumed:
             source.set_epoch(epoch)
@@ -299,23 +331,57 @@ class TrainFeed:
         source.set_epoch(epoch, per_worker=self.taken)
 
     def left(self) -> float:
-        """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
-        return len(self.sampler) if self.sampler is not None else math.inf
+        return math.inf
 
     def next_step(self, batches: Iterator, accum: int) -> list:
-        """The micro-batches of the next optimizer step; none when the epoch is over. A stream's ranks
-        agree (one all-reduce of a count) to take as many as the rank with the fewest has, so that
-        shards of uneven length end the epoch together instead of leaving a rank in a collective alone;
+        """Ranks agree (one all-reduce of a count) to take as many micro-batches as the rank with the fewest has,
+        so that shards of uneven length end the epoch together instead of leaving a rank in a collective alone;
         what the others still hold is read to its end and counted (`untrained`), never trained unsaid."""
         micro = list(islice(batches, accum))
-        if self.sampler is not None:
-            return micro  # the sampler gives every rank the same count
         agreed = int(self.ctx.all_reduce(torch.tensor([float(len(micro))], device=self.ctx.device), "min").item())
         for b in micro[:agreed]:
             self.taken[b.worker] += b.items
         if agreed < accum:  # the epoch's last step, on every rank
             self.untrained += sum(b.items for b in micro[agreed:]) + sum(b.items for b in batches)
         return [b.batch for b in micro[:agreed]]
+
+    def end_epoch(self, n: int, steps: int, planned: int | None, notes: list, replan: Callable[[int], float]) -> dict:
+        """Epoch `n` is whole, in `steps` steps: a stream's columns of its row (samples read by every rank, of them
+        untrained), its length checked, not trusted. Steps
+        other than `planned` (a __len__ that is wrong, uneven ranks, a stream without one) plan the schedule and
+        the ETA again over the measured steps from the next epoch on (`replan`: the steps planned in all); said
+        in one line and recorded in `notes` (metrics.json: data_notes)."""
+        read, untrained = self.read()
+        columns = {"read_samples": read, "untrained_samples": untrained}
+        if steps == planned:
+            if untrained:  # the planned length, but uneven ranks left some of it
+                self.log(f"epoch {n}: {untrained} of the stream's {read} samples untrained (uneven ranks)")
+                notes.append({"epoch": n, "read_samples": read, "untrained_samples": untrained})
+            return columns
+        said = (
+            f"WARNING: epoch {n}: Data.train's __len__ says {self.size} samples, the stream gave {read}"
+            if self.size is not None and read != self.size
+            else f"epoch {n}: the stream gave {read} samples"
+        )
+        untold = f", {untrained} of them untrained (uneven ranks)" if untrained else ""
+        total = replan(steps)
+        self.log(
+            f"{said}{untold}: {steps} steps"
+            + (f", not the {planned} planned" if planned is not None else "")
+            + f"; the schedule and ETA are planned again over {steps} steps an epoch ({total} steps in all) "
+            f"from epoch {n + 1}"
+        )
+        notes.append(
+            {
+                "epoch": n,
+                "declared_samples": self.size,
+                "read_samples": read,
+                "untrained_samples": untrained,
+                "planned_steps": planned,
+                "measured_steps": steps,
+            }
+        )
+        return columns
 
     def read(self) -> tuple[int, int]:
         """A collective for a stream: (samples of the epoch read by every rank, of them left untrained)."""
@@ -325,9 +391,7 @@ class TrainFeed:
         return self.before + int(read), int(untrained)
 
     def state_dict(self) -> dict:
-        """A collective for a stream: every rank's stream state and counts are gathered."""
-        if self.source is None:  # map-style data: TrainState's position is all
-            return {}
+        """A collective: every rank's stream state and counts are gathered."""
         states = self.ctx.gather_objects(self.dataset.state_dict()) if is_stateful(self.dataset) else None
         taken, turns, done = zip(*self.ctx.gather_objects((list(self.taken), self.turn, list(self.done))), strict=True)
         return {
@@ -342,3 +406,8 @@ class TrainFeed:
 
     def load_state_dict(self, state: dict | None) -> None:
         self._restored = dict(state or {})
+
+
+def train_feed(dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> TrainFeed:
+    """The feed of the training split: a StreamFeed for a stream, else the plain (map-style) TrainFeed."""
+    return (StreamFeed if is_stream(dataset) else TrainFeed)(dataset, loaders, cfg, ctx, log, share)

@@ -29,13 +29,16 @@ import torch
 from torchft import Manager, ProcessGroupGloo
 from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
+from ddplab.engine.fault_tolerance import LIVE, NoReplicas
 from ddplab.engine.run_folder import RunFolder
 from ddplab.errors import LighthouseLost, RunError
 
 
-class Replicas:
+class Replicas(NoReplicas):
     """This process's side of the replica groups: the quorum at each step's start, the gradient
-    average across groups, and whether the step counts."""
+    average across groups, and whether the step counts (the Trainer's fault-tolerance mode)."""
+
+    _parts = None  # the snapshot's parts (register()): what a rejoining group receives is read from them
 
     def __init__(
         self,
@@ -197,14 +200,44 @@ class Replicas:
                 group["lr"] *= self.present / self.groups
         return True
 
-    def stop(self) -> torch.Tensor:
+    def register(self, parts) -> None:
+        """The epoch's tally of groups present is a snapshot part (its row's columns); the live state is read from
+        `parts` when a group rejoins."""
+        parts.add("replicas", self)
+        self._parts = parts
+
+    def live_state(self) -> dict:
+        """The state a healthy replica group sends one that rejoins."""
+        assert self._parts is not None  # registered before the first quorum
+        return {name: self._parts.objects[name].state_dict() for name in LIVE}
+
+    def load_live_state(self, state: dict) -> None:
+        assert self._parts is not None
+        for name in LIVE:
+            self._parts.objects[name].load_state_dict(state[name])
+
+    def agree(self, params, optimizer, stop: Callable[[], torch.Tensor], step: int, samples: int) -> bool:
+        """Average the gradients over the groups in the quorum (this process's stop flags ride along); False when
+        the step does not count (a group failed during it): the trainer drops its gradients and loss, its data
+        stays read (skipped). `samples`: this process's in the step."""
+        self.reduce(params, stop())
+        committed = self.commit(optimizer)
+        self.record(step, samples * self.ctx.world_size * self.present, committed)
+        if not committed:
+            self.log(f"step {step}: not committed (a replica group failed during it); taken again")
+        return committed
+
+    def shares(self, world_size: int, shares: int) -> str:
+        return f"{world_size} processes x {self.groups} replica groups, with every group present"
+
+    def stop(self, own: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The stop flags raised by any group in the steps committed since the last call: the same in every group,
-        so that all of them stop at the same step (a group's own flags are not: a signal reaches them at
+        so that all of them stop at the same step (a group's `own` flags are not: a signal reaches them at
         different moments)."""
         flags, self._stop = self._stop, torch.zeros_like(self._stop)  # a stop's code kept (preemption.py)
         return flags
 
-    def spent(self) -> float:
+    def spent(self, own: float) -> float:
         """The groups' mean time spent as of the last committed step: the same in every group, so that a schedule
         planned over a time budget gives every group the same learning rate (a host sync: at log intervals only)."""
         return float(self._spent)

@@ -20,6 +20,7 @@ from ddplab import distributed, process_state
 from ddplab.config import Config
 from ddplab.distributed import DistContext
 from ddplab.engine import assets, env, failure, flight_recorder
+from ddplab.engine.fault_tolerance import fault_tolerance
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder
@@ -27,6 +28,7 @@ from ddplab.engine.parts import Builders
 from ddplab.engine.phases import Phases
 from ddplab.engine.preemption import STOPS
 from ddplab.engine.reports import listened, report_stopped, tell
+from ddplab.engine.resume import resume
 from ddplab.engine.rng import seed_everything
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import build_data, build_model
@@ -109,8 +111,10 @@ class Session:
         """The trainer, handed its parts, resumed from the last snapshot; metrics.json says `running`."""
         cfg = self.cfg
         self.code = {k: {"reference": r, "file": str(reference_file(r) or "")} for k, r in work.references.items()}
-        trainer = self.trainer = Trainer(cfg, ctx, data, builders.build(cfg, ctx, data, model, run.log), run, callbacks)
-        trainer.resume()
+        parts = builders.build(cfg, ctx, data, model, run.log)
+        parts.faults = fault_tolerance(cfg, ctx, run)  # replica groups write replicas.csv into the run folder
+        trainer = self.trainer = Trainer(cfg, ctx, data, parts, run, callbacks)
+        resume(trainer)
         self.phases.mark("trainer")
         self.phases.watch_first_step(trainer.view.optimizer, compiles=cfg.training.compile)
         run.write_json(RunFolder.METRICS_JSON, summary(trainer.view, "running", self.code))

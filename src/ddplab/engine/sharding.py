@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeGuard
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddplab.engine.checkpoint import part
+from ddplab.engine.checkpoint import SHARDED, part
 from ddplab.engine.torch_internals import uncompiled
 from ddplab.errors import UserError
 from ddplab.workload import resolve
@@ -106,15 +106,6 @@ def precision(amp: str, device: torch.device):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def micro_step(model: torch.nn.Module, last: bool):
-    """The context of one micro-step: gradients are reduced (all-reduce, reduce-scatter) on the last only."""
-    inner = uncompiled(model)
-    if _is_fsdp(inner):
-        inner.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    return inner.no_sync() if not last and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
-
-
 def is_sharded(model: torch.nn.Module) -> bool:
     # Not its parameters' type: after a forward pass FSDP2 leaves the root's parameters gathered, plain tensors.
     return any(_is_fsdp(m) for m in model.modules())
@@ -139,24 +130,56 @@ def load_full(model: torch.nn.Module, state: dict) -> None:
         model.load_state_dict(state)
 
 
-def sharded_parts(model: torch.nn.Module, optimizer) -> tuple:
-    """The model and the optimizer of a sharded run as a snapshot's parts: this rank's shards keyed by
-    parameter names, as torch.distributed.checkpoint stores them (and reshards them on load, to any world size)."""
-    # Sharded runs only: see _is_fsdp.
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+class Replicated:
+    """distributed.strategy=ddp, the plain default: every process holds the whole model and optimizer, a snapshot
+    writes them once (rank 0's), and the gradients are all-reduced on a step's last micro-batch only (no_sync)."""
 
-    return (
-        part(lambda: get_model_state_dict(model), lambda state: set_model_state_dict(model, state)),
-        part(
-            lambda: get_optimizer_state_dict(model, optimizer),
-            lambda state: set_optimizer_state_dict(model, optimizer, state),
-        ),
-    )
+    background = False  # a snapshot of whole state is written before training goes on
+
+    def register(self, parts, model: torch.nn.Module, optimizer) -> None:
+        parts.add("model", model)
+        parts.add("optimizer", optimizer)
+
+    def micro_step(self, model: torch.nn.Module, last: bool):
+        """The context of one micro-step: DDP reduces the gradients on the last only."""
+        inner = uncompiled(model)
+        return inner.no_sync() if not last and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
+
+class Sharded(Replicated):
+    """distributed.strategy=fsdp | hsdp: each process holds its shards, which a snapshot writes as
+    torch.distributed.checkpoint does (and reshards on load, to any world size), in the background with
+    checkpoint.async_save; gradients are reduce-scattered on a step's last micro-batch only."""
+
+    def __init__(self, background: bool) -> None:
+        self.background = background
+
+    def register(self, parts, model: torch.nn.Module, optimizer) -> None:
+        """The model and the optimizer as this rank's shards keyed by parameter names."""
+        from torch.distributed.checkpoint import state_dict as dcp  # sharded runs only: see _is_fsdp
+
+        model_part = part(lambda: dcp.get_model_state_dict(model), lambda s: dcp.set_model_state_dict(model, s))
+        parts.add("model", model_part, SHARDED)
+        parts.add(
+            "optimizer",
+            part(
+                lambda: dcp.get_optimizer_state_dict(model, optimizer),
+                lambda s: dcp.set_optimizer_state_dict(model, optimizer, s),
+            ),
+            SHARDED,
+        )
+
+    def micro_step(self, model: torch.nn.Module, last: bool):
+        inner = uncompiled(model)
+        if _is_fsdp(inner):
+            inner.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return super().micro_step(model, last)  # one process: the model is not sharded
+
+
+def strategy(cfg) -> Replicated:
+    """The sharding strategy distributed.strategy names, as the Trainer is handed it."""
+    return Replicated() if cfg.distributed.strategy == "ddp" else Sharded(cfg.checkpoint.async_save)
 
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict:

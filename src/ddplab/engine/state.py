@@ -34,6 +34,34 @@ class TrainState:
     steps_per_epoch: int | None = None  # a stream's, as its last whole epoch measured it (None: as planned)
     data_notes: list = field(default_factory=list)  # what the data did that was not as planned (metrics.json)
 
+    def epoch_row(self, epoch: int, val: dict, lr: float, data_wait: float) -> dict:
+        """The epoch's core row (metrics.csv), from its global sums; its training time is the clock's rest."""
+        took = self.epoch_time - self.epoch_eval_time - self.epoch_snapshot_time
+        return {
+            "epoch": epoch,
+            "step": self.step,
+            "train_loss": self.epoch_loss_sum / (self.epoch_loss_weight or self.epoch_samples)
+            if self.epoch_samples
+            else None,
+            **{f"val_{k}": v for k, v in val.items() if k != "samples"},
+            "epoch_time_s": took,
+            "eval_time_s": self.epoch_eval_time,
+            "snapshot_time_s": self.epoch_snapshot_time,
+            "elapsed_s": self.elapsed,
+            "samples_per_s": self.epoch_samples / took if took else None,
+            "tokens_per_s": self.epoch_tokens / took if took and self.epoch_tokens else None,
+            "lr": lr,
+            "data_wait_s": data_wait,
+        }
+
+    def next_epoch(self) -> None:
+        """A whole epoch is recorded: its sums start over (a stopped epoch keeps them, so that a resumed run
+        finishes the same epoch's numbers). The clock runs on: what follows its row (its files, the best model,
+        the snapshot) is counted in the next epoch's."""
+        self.epoch_loss_sum = self.epoch_loss_weight = self.epoch_samples = self.epoch_tokens = 0.0
+        self.epoch_data_wait = self.epoch_time = self.epoch_eval_time = self.epoch_snapshot_time = 0.0
+        self.epoch_steps = 0
+
     def state_dict(self) -> dict:
         return asdict(self)
 

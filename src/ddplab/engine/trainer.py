@@ -5,10 +5,14 @@ It steps, accumulates, evaluates and stops; everything else (rows' extra columns
 console, progress) hangs on callbacks (engine/callbacks.py), which see a read-only TrainView.
 Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
 
+It is handed its modes, built before it, and never asks which it has: the fault tolerance
+(engine/fault_tolerance.py: none, or replica groups), the sharding strategy (engine/sharding.py: DDP, or
+FSDP2 / HSDP) and the data feed (engine/loaders.py: map-style data or a stream).
+
 Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1, a callback's
 view.request_stop), so they all snapshot the same step. What a resume needs is the set of stateful
-parts registered in _register_parts(), written and read by engine/checkpoint.py: nothing else saves
-or restores a run.
+parts engine/parts.py's snapshot_parts() registers, written and read by engine/checkpoint.py: nothing
+else saves or restores a run (engine/resume.py continues one).
 """
 
 from __future__ import annotations
@@ -16,37 +20,34 @@ from __future__ import annotations
 import gc
 import math
 import time
-from pathlib import Path
 
 import torch
 
-from ddplab.config import Config, batch_arithmetic, keep_global_batch
-from ddplab.config_io import parse_duration
+from ddplab.config import Config
 from ddplab.data.stream import size
 from ddplab.distributed import DistContext
 from ddplab.engine.callbacks import CallbackList, TrainView
-from ddplab.engine.checkpoint import PER_RANK, SHARDED, SHARED, Checkpointer, Parts, part
+from ddplab.engine.checkpoint import Checkpointer
 from ddplab.engine.checkpoint_reader import BEST, load_snapshot
 from ddplab.engine.clock import Clock
 from ddplab.engine.data_identity import DataIdentity
 from ddplab.engine.evaluation import evaluate
-from ddplab.engine.ledger import LossLedger
+from ddplab.engine.ledger import LossLedger, loss_weights
 from ddplab.engine.optim import Schedule, plan_for_budget
-from ddplab.engine.parts import TrainParts
-from ddplab.engine.preemption import STOPS, StopSignals
-from ddplab.engine.rng import rng_state, seed_everything, set_rng_state
+from ddplab.engine.parts import TrainParts, snapshot_parts
+from ddplab.engine.preemption import STOPS
 from ddplab.engine.run_folder import RunFolder
 from ddplab.engine.setup import autocast, unused_parameters
-from ddplab.engine.sharding import full_state, load_full, micro_step, sharded_parts
+from ddplab.engine.sharding import load_full
 from ddplab.engine.state import TrainState
-from ddplab.errors import RunError, UserError
+from ddplab.engine.stops import Stops
 from ddplab.tasks import call_model, item_counter, to_device
 
 
 class Trainer:
-    """A run is driven through resume() / fit() / test() / end() / close() (engine/session.py) and observed through
-    `view` (what callbacks get). It is handed its parts, built (engine/parts.py); its state is what
-    _register_parts() registers."""
+    """A run is driven through fit() / test() / end() / close() (engine/session.py; engine/resume.py continues
+    it) and observed through `view` (what callbacks get). It is handed its parts and modes, built
+    (engine/parts.py); its state is what snapshot_parts() registers."""
 
     def __init__(self, cfg: Config, ctx: DistContext, data, parts: TrainParts, run: RunFolder, callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
@@ -55,73 +56,26 @@ class Trainer:
         self.model, self.raw, self.comm = parts.model, parts.raw, parts.comm
         self.items = item_counter(self.task, self.raw)  # what the loss of a batch is a mean over (Task.items)
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
-        self.loaders, self.feed = parts.loaders, parts.feed
+        self.loaders, self.feed, self.faults, self.strategy = parts.loaders, parts.feed, parts.faults, parts.strategy
         self.lr, self.shares, self.batch, self.epochs = parts.lr, parts.shares, parts.batch, parts.epochs
         self.autocast = autocast(t.amp, ctx.device)
-        self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.state = TrainState()
         self.clock = Clock(self.state, ctx)
         self.checkpoints = Checkpointer(
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
-        self.signals = StopSignals()
-        self.callbacks = CallbackList(callbacks, self.signals.interrupt)
+        self.stops = Stops(cfg, ctx, self.state, run.log, self.faults)
+        self.callbacks = CallbackList(callbacks, self.stops.signals.interrupt)
         self.view = TrainView(self)
         self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
-        self.sharded = cfg.distributed.strategy != "ddp"  # model and optimizer snapshotted in DCP shards
-        self.replicas = None
-        if cfg.distributed.fault_tolerance == "replicas":
-            from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
-
-            self.replicas = Replicas(cfg, ctx, self._live_state, self._load_live_state, run.log, run.path)
         self.identity = DataIdentity(data, ctx)
-        self.parts, self.best_parts = self._register_parts()
+        self.parts, self.best_parts = snapshot_parts(self)
         self.eval_at = "train"  # train (training.eval_every) | epoch_end | test: where an evaluation was asked for
         self.last_step_samples = 0  # this rank's samples in the last step
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
-        self.stop_request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
         self.improved = False  # the last epoch-end evaluation set a new best
         self.loss_average: str | None = None  # items | samples[, each with many targets]: for metrics.json
-
-    def _register_parts(self) -> tuple[Parts, Parts]:
-        """What a snapshot holds, by name: the one place a part is added (engine/checkpoint.py says how
-        each kind is written and read back). Then what the best model's snapshot holds."""
-        kind = SHARDED if self.sharded else SHARED
-        model, optimizer = sharded_parts(self.raw, self.optimizer) if self.sharded else (self.raw, self.optimizer)
-        about = {"meta": part(lambda: self.data.meta), "task": part(self.task.describe)}  # for predict, generate
-        parts = Parts()
-        parts.add("model", model, kind)
-        parts.add("optimizer", optimizer, kind)
-        parts.add("scheduler", self.scheduler)
-        parts.add("scaler", self.scaler)
-        parts.add("trainer", self.state)
-        parts.add("data", self.feed)  # a stream's own position (map-style data: the trainer's `consumed`)
-        parts.add("data_identity", self.identity)  # what the data was: a rerun over other data is refused
-        parts.add("rng", part(rng_state, set_rng_state), PER_RANK)
-        parts.add("callbacks", self.callbacks)
-        if self.replicas is not None:
-            parts.add("replicas", self.replicas)  # the epoch's tally of groups present (its row's columns)
-        for name, obj in about.items():
-            parts.add(name, obj)
-        for name, obj in self.data.state.items():  # the workload's own (ddplab.Data(state=...))
-            parts.add(name, obj, PER_RANK)
-        best = Parts()
-        best.add("model", part(lambda: full_state(self.raw)))  # whole weights: a collective when sharded
-        for name, obj in about.items():
-            best.add(name, obj)
-        return parts, best
-
-    LIVE = ("model", "optimizer", "scheduler", "scaler", "trainer")  # what a rejoining replica group receives
-
-    def _live_state(self) -> dict:
-        """The state a healthy replica group sends one that rejoins (engine/replicas.py)."""
-        return {name: self.parts.objects[name].state_dict() for name in self.LIVE}
-
-    def _load_live_state(self, state: dict) -> None:
-        for name in self.LIVE:
-            self.parts.objects[name].load_state_dict(state[name])
-        self.ledger.totals()  # the loss this group summed before it left is not the run's: dropped
 
     def _about(self, **extra) -> dict:
         """What a snapshot's manifest says of the run besides its files."""
@@ -139,12 +93,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
         """Train from the state resume() left (the session resumes first), until a stop or the last epoch."""
-        if self.replicas is not None:
-            self.replicas.sync_step(self.state.step)
+        self.faults.sync_step(self.state.step)
         t, s = self.cfg.training, self.state
         self.clock.restart()  # callbacks' time counts, on_train_start's in epoch 1
         self.callbacks.on_train_start(self.view)
-        self.signals.install()
+        self.stops.signals.install()
         try:
             if s.stop_reason is not None:  # kept by resume: a callback's request ended this run
                 self.run.log(f"this run stopped at step {s.step} ({s.stop_reason}): nothing left to train")
@@ -161,7 +114,7 @@ class Trainer:
             self.checkpoints.settle()  # a background snapshot already written still gets its marker
             raise
         finally:
-            self.signals.restore()
+            self.stops.signals.restore()
         if s.stop_reason is None:
             s.stop_reason = "epochs"
         return s
@@ -177,9 +130,9 @@ class Trainer:
         self.in_epoch = True
         self.callbacks.on_epoch_start(self.view)
         while left > 0:
-            if self.replicas is not None and self.replicas.begin_step():
-                batches = self.feed.epoch(s.epoch, s.consumed)  # a peer's state: its position in its epoch
-                left = self.feed.left()
+            if self.faults.begin_step():  # a peer's state replaced this one's: its position in its epoch
+                self.ledger.totals()  # the loss this process summed before it left is not the run's: dropped
+                batches, left = self.feed.epoch(s.epoch, s.consumed), self.feed.left()
             waited = time.perf_counter()
             self.ctx.beat.mark("data", s.step + 1)
             micro = self.feed.next_step(batches, self.batch["grad_accum_steps"])
@@ -196,7 +149,7 @@ class Trainer:
             if t.eval_every and s.step % t.eval_every == 0:
                 self.evaluate(self.data.val, "val")
             self.clock.tick()  # after the log interval's sync: the time budget sees the device's work
-            if self._should_stop():
+            if self.stops.after_step():
                 break
         if left > 0 and s.stop_reason is not None:
             return False
@@ -204,15 +157,28 @@ class Trainer:
         return True
 
     def train_step(self, micro: list) -> None:
-        """One optimizer step over `micro` batches, syncing gradients only on the last."""
-        s, t, n, mark = self.state, self.cfg.training, len(micro), self.ctx.beat.mark
-        step = s.step + 1
-        samples = 0
+        """One optimizer step over `micro` batches: forward and backward, then the update where the step counts
+        (replica groups: where every group in the quorum finished it)."""
+        step = self.state.step + 1
+        samples = self.forward_backward(micro, step)
+        self.ctx.beat.mark("optimizer")
+        if self.faults.agree(self.raw.parameters(), self.optimizer, self.stops.own, step, samples):
+            self.update(step)
+        else:  # its gradients and loss are dropped; its data stays read (skipped)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ledger.drop_step(step)
+        self.last_step_samples = samples
+        self.state.consumed += samples * self.shares
+
+    def forward_backward(self, micro: list, step: int) -> int:
+        """The micro-steps: each batch's loss, weighted into the global mean, and its gradients (reduced across
+        ranks on the last only); this rank's samples."""
+        n, mark, samples = len(micro), self.ctx.beat.mark, 0
         unpacked = [self.task.unpack(to_device(batch, self.ctx.device)) for batch in micro]
-        counts, weights = self._loss_weights(unpacked)
+        counts, weights, self.loss_average = loss_weights(self.items, unpacked, self.ctx)
         for i, (inputs, target, n_samples) in enumerate(unpacked):
             samples += n_samples
-            with micro_step(self.model, last=i == n - 1):
+            with self.strategy.micro_step(self.model, last=i == n - 1):
                 mark("forward")
                 try:
                     with self.autocast():
@@ -224,15 +190,17 @@ class Trainer:
                 mark("backward")
                 self.scaler.scale(loss * weights[i] if weights else loss / n if n > 1 else loss).backward()
             self.ledger.add(loss, n_samples, self.task.tokens(inputs, target), step, counts[i] if weights else None)
-        mark("optimizer")
-        if self.replicas is not None and not self._replicas_agree(step, samples):
-            return
+        return samples
+
+    def update(self, step: int) -> None:
+        """Clip, skip a non-finite step, step the optimizer (through the scaler) and the schedule; count the step."""
+        t, s = self.cfg.training, self.state
         if t.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), t.clip_grad_norm)
         # Every rank agrees (reduced flag), so all skip the same step and stay identical. A non-finite
         # loss under training.nonfinite=stop is found by the ledger at the next log interval.
-        skip = t.nonfinite == "skip" and not self._all_finite(self.ledger.step_loss(step))
+        skip = t.nonfinite == "skip" and not self.ledger.finite(step, self.ctx)
         if skip:
             self.run.log(f"step {step}: non-finite loss on some rank; step skipped (training.nonfinite=skip)")
             self.ledger.drop_step(step)
@@ -240,67 +208,19 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.replicas is not None:
-            self.replicas.restore_lr(self.optimizer)
+        self.faults.restore_lr(self.optimizer)
         self.scheduler.step()
-        self.last_step_samples = samples
         s.step = step
         s.epoch_steps += 1
-        s.consumed += self.last_step_samples * self.shares
-
-    def _loss_weights(self, unpacked: list) -> tuple[list, list]:
-        """(each micro-batch's count of the items its loss is a mean over, the weight of its loss) where the task
-        counts them (tasks.Task.items): weight = count x world size / the count over every rank and micro-batch
-        of the step, so that the gradient DDP averages over ranks is that of the global mean. One all-reduce of
-        one number per step, with no host sync. ([], []) where the loss is a mean over samples: DDP's average of
-        the ranks' means is then the global mean already, and the accumulated micro-batches are averaged."""
-        counts = [self.items(target) for _, target, _ in unpacked]
-        if any(c is None for c in counts):
-            target = unpacked[0][1]
-            many = isinstance(target, torch.Tensor) and target.dim() >= 2  # verify names it as a cause
-            self.loss_average = "samples, each with many targets" if many else "samples"
-            return [], []
-        self.loss_average = "items"
-        total = self.ctx.all_reduce(torch.stack(counts).sum().float().reshape(1)).clamp_min(1)
-        return counts, [c * self.ctx.world_size / total[0] for c in counts]
-
-    def _replicas_agree(self, step: int, samples: int) -> bool:
-        """Average the gradients over the replica groups in the quorum; False when the step does not count
-        (a group failed during it): its gradients and loss are dropped, its data stays read (skipped)."""
-        replicas = self.replicas
-        assert replicas is not None  # called in replica mode only
-        replicas.reduce(self.raw.parameters(), self._stop_flags())
-        committed = replicas.commit(self.optimizer)
-        replicas.record(step, samples * self.ctx.world_size * replicas.present, committed)
-        if not committed:
-            self.run.log(f"step {step}: not committed (a replica group failed during it); taken again")
-            self.optimizer.zero_grad(set_to_none=True)
-            self.ledger.drop_step(step)
-            self.last_step_samples = samples
-            self.state.consumed += samples * self.shares
-        return committed
-
-    def _all_finite(self, loss_sum: torch.Tensor) -> bool:
-        flag = (~torch.isfinite(loss_sum)).float().reshape(1)
-        return self.ctx.all_reduce(flag, "max").item() == 0
 
     def log_interval(self) -> None:
         """Reduce the train loss since the last log: the only host sync of the loop. Whether any rank's
         callback asked to stop rides along in the same reduction."""
         s = self.state
-        sums, first_bad = self.ledger.totals()
-        bad = self.ctx.all_reduce(first_bad, "min").item()
-        if math.isfinite(bad):
-            raise RunError(
-                f"non-finite loss at step {int(bad)} (every micro-batch's loss on every rank, checked "
-                f"as the train loss is logged, each logging.log_every={self.cfg.logging.log_every} steps; "
-                f"training.nonfinite=stop): lower training.lr, set training.clip_grad_norm, or "
-                f"training.nonfinite=skip to skip such steps"
-            )
-        asked = torch.tensor([float(self.stop_request is not None)], dtype=sums.dtype, device=sums.device)
-        loss_sum, weight, samples, tokens, asking = self.ctx.all_reduce(torch.cat([sums, asked])).tolist()
+        asked = self.stops.request is not None
+        loss_sum, weight, samples, tokens, asking = self.ledger.reduce(self.ctx, self.cfg.logging.log_every, asked)
         if asking and s.stop_reason is None:
-            self._agree_on_request()
+            self.stops.agree_on_request()
         if samples == 0:
             return
         s.epoch_loss_sum += loss_sum
@@ -311,49 +231,9 @@ class Trainer:
         s.steps.append({"step": s.step, "epoch": s.epoch + 1, **values, "elapsed_s": s.elapsed})
         # With a time budget the schedule is planned over the steps the budget allows, re-estimated
         # here, where all ranks meet anyway (the slowest rank's clock counts).
-        spent = self.replicas.spent() if self.replicas is not None else s.elapsed  # replicas: the same in every group
-        plan_for_budget(self.scheduler, self.ctx, s.step, spent, self.budget)
+        spent = self.faults.spent(s.elapsed)  # replica groups: the same in every group
+        plan_for_budget(self.scheduler, self.ctx, s.step, spent, self.stops.budget)
         self.callbacks.on_log(self.view, values)
-
-    def _agree_on_request(self) -> None:
-        """Some rank's callback asked to stop: every rank takes the lowest asking rank's reason (one
-        gather, once in a run)."""
-        reasons = self.ctx.gather_objects(self.stop_request)
-        rank, reason = next((r, why) for r, why in enumerate(reasons) if why is not None)
-        self.state.stop_reason = reason
-        self.run.log(f"stop requested ({reason}, by a callback on rank {rank}) after step {self.state.step}")
-
-    def _should_stop(self) -> bool:
-        """Agree on stopping after this step: every rank must stop at the same step, or one
-        would wait forever in a collective for another."""
-        s, t = self.state, self.cfg.training
-        if s.stop_reason is not None:  # a request, agreed at this step's log interval or snapshot
-            return True
-        if t.max_steps and s.step >= t.max_steps:
-            s.stop_reason = "max_steps"  # the same on every rank without asking
-            return True
-        if s.step % self.cfg.logging.log_every:
-            # Asking every step would put a collective and a host sync in every step; the
-            # log interval is a schedule all ranks share, and where the loop syncs anyway.
-            return False
-        flags = self.replicas.stop() if self.replicas is not None else self._stop_flags()[:2]  # replicas: every group's
-        over, signalled = self.ctx.all_reduce(flags.to(self.ctx.device), "max").tolist()
-        if signalled:
-            s.stop_reason = STOPS[int(signalled) - 1]  # a Ctrl-C on any rank makes the job's stop one
-            self.run.log(
-                f"stop signal ({self.signals.received or 'on another rank'}) after step {s.step}: "
-                f"snapshotting and exiting"
-            )
-        elif over:
-            s.stop_reason = "time_budget"
-            self.run.log(f"time budget {t.time_budget} reached after step {s.step} ({s.elapsed:.1f} s spent)")
-        return s.stop_reason is not None
-
-    def _stop_flags(self) -> torch.Tensor:
-        """This process's own reasons to stop (the time budget is over, a stop signal came), then its time spent."""
-        spent = self.state.elapsed
-        over = self.budget is not None and spent >= self.budget
-        return torch.tensor([float(over), float(self.signals.code), spent], device=self.ctx.device)
 
     def stop_mid_epoch(self) -> None:
         """Snapshot where the stop happened; then (unless pre-empted or interrupted) evaluate and record it."""
@@ -369,7 +249,7 @@ class Trainer:
             self.end_of_epoch(partial=True)
 
     def end_of_epoch(self, partial: bool = False) -> dict:
-        """The epoch's core row (global numbers); callbacks add columns and record it."""
+        """The epoch's core row (global numbers); the modes' columns; callbacks add theirs and record it."""
         s, ctx = self.state, self.ctx
         self.log_interval()
         self.eval_at = "epoch_end"
@@ -378,85 +258,32 @@ class Trainer:
         # The slowest rank's wait is what holds the others at the next all-reduce.
         data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
         self.clock.tick()
-        took = s.epoch_time - s.epoch_eval_time - s.epoch_snapshot_time  # the clock's rest: training
-        row = {
-            "epoch": self.view.epoch,
-            "step": s.step,
-            "train_loss": s.epoch_loss_sum / (s.epoch_loss_weight or s.epoch_samples) if s.epoch_samples else None,
-            **{f"val_{k}": v for k, v in val.items() if k != "samples"},
-            "epoch_time_s": took,
-            "eval_time_s": s.epoch_eval_time,
-            "snapshot_time_s": s.epoch_snapshot_time,
-            "elapsed_s": s.elapsed,
-            "samples_per_s": s.epoch_samples / took if took else None,
-            "tokens_per_s": s.epoch_tokens / took if took and s.epoch_tokens else None,
-            "lr": self.scheduler.get_last_lr()[0],
-            "data_wait_s": data_wait,
-        }
-        if self.replicas is not None:
-            row.update(self.replicas.epoch_columns())
-        if self.feed.source is not None and not partial:  # a stream's epoch, measured
-            row["read_samples"], row["untrained_samples"] = self.feed.read()
-            self._measured(row["read_samples"], row["untrained_samples"])
+        row = s.epoch_row(self.view.epoch, val, self.scheduler.get_last_lr()[0], data_wait)
+        row.update(self.faults.epoch_columns())
         if partial:
             row["partial"] = True
+        else:  # a stream's epoch, measured
+            row.update(
+                self.feed.end_epoch(
+                    s.epoch + 1, s.epoch_steps, self.batch["steps_per_epoch"], s.data_notes, self.replan
+                )
+            )
         s.history.append(row)
         if not partial:
             s.epoch += 1  # whole now: its hooks and the snapshot after it see it done
             self.in_epoch = False
         self.callbacks.on_epoch_end(self.view, row)
         if not partial:
-            # A stopped epoch keeps its sums: a resumed run finishes the same epoch's numbers. The clock runs on:
-            # what follows this row (its files, the best model, the snapshot) is counted in the next epoch's.
-            s.epoch_loss_sum = s.epoch_loss_weight = s.epoch_samples = s.epoch_tokens = s.epoch_data_wait = 0.0
-            s.epoch_time = 0.0
-            s.epoch_steps = 0
-            s.epoch_eval_time = s.epoch_snapshot_time = 0.0
+            s.next_epoch()
         if self.cfg.checkpoint.save_best and (not val or self.improved):
             with self.clock.timed("snapshot"):
                 self.checkpoints.save(self.best_parts, self.ctx, BEST, self._about(val_loss=val.get("loss")))
         return row
 
-    def _measured(self, read: int, untrained: int) -> None:
-        """A stream's epoch is over: its length is checked, not trusted. Steps other than planned (a __len__
-        that is wrong, uneven ranks, a stream without one) plan the schedule and the ETA again over the
-        measured steps, from the next epoch on; said in one line and recorded (metrics.json: data_notes)."""
-        s, planned, declared = self.state, self.batch["steps_per_epoch"], self.feed.size
-        n, steps = s.epoch + 1, s.epoch_steps
-        if steps == planned:
-            if untrained:  # the planned length, but uneven ranks left some of it
-                self.run.log(f"epoch {n}: {untrained} of the stream's {read} samples untrained (uneven ranks)")
-                s.data_notes.append({"epoch": n, "read_samples": read, "untrained_samples": untrained})
-            return
-        said = (
-            f"WARNING: epoch {n}: Data.train's __len__ says {declared} samples, the stream gave {read}"
-            if declared is not None and read != declared
-            else f"epoch {n}: the stream gave {read} samples"
-        )
-        untold = f", {untrained} of them untrained (uneven ranks)" if untrained else ""
-        total = self._plan_epochs(steps)
-        self.run.log(
-            f"{said}{untold}: {steps} steps"
-            + (f", not the {planned} planned" if planned is not None else "")
-            + f"; the schedule and ETA are planned again over {steps} steps an epoch ({total} steps in all) "
-            f"from epoch {n + 1}"
-        )
-        s.steps_per_epoch = steps
-        s.data_notes.append(
-            {
-                "epoch": n,
-                "declared_samples": declared,
-                "read_samples": read,
-                "untrained_samples": untrained,
-                "planned_steps": planned,
-                "measured_steps": steps,
-            }
-        )
-
-    def _plan_epochs(self, steps: int) -> int | float:
+    def replan(self, steps: int) -> int | float:
         """Steps an epoch as measured: the ETA's, and the schedule's plan (ddplab's own schedules) to the run's
         end (training.max_steps or its epochs); the total planned."""
-        self.batch["steps_per_epoch"] = steps
+        self.batch["steps_per_epoch"] = self.state.steps_per_epoch = steps
         total = min(self.cfg.training.max_steps or math.inf, steps * self.epochs)
         if math.isfinite(total) and isinstance(self.scheduler, Schedule):
             self.scheduler.plan(int(total))
@@ -470,7 +297,7 @@ class Trainer:
         self.clock.tick()
         with self.clock.timed("snapshot"):  # a snapshot holds the clock up to its own start
             began = time.perf_counter()
-            s, background = self.state, self.sharded and self.cfg.checkpoint.async_save
+            s, background = self.state, self.strategy.background
             path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
             self.ctx.barrier()
             stall = self.ctx.all_reduce(
@@ -478,83 +305,6 @@ class Trainer:
             ).item()
             s.snapshot_stalls.append({"step": s.step, "stall_s": stall, "async": background})
             self.callbacks.on_snapshot(self.view, path)
-
-    def resume(self) -> None:
-        """Continue from the snapshot checkpoint.resume names (auto: the newest that passes its checks;
-        never: none), after rank 0 cleaned what an interrupted save left behind."""
-        how = self.cfg.checkpoint.resume
-        if how == "never":
-            return
-        for name in self.checkpoints.clean_incomplete():
-            self.run.log(f"removed incomplete snapshot {name} (a save was interrupted)")
-        self.ctx.barrier()
-        found = self.checkpoints.restore(self.parts, self.ctx, self.run.log, None if how == "auto" else Path(how))
-        if found is None:
-            return
-        where, manifest, left = found
-        s = self.state
-        self._check_data(where)
-        self._keep_global_batch(manifest)
-        if s.steps_per_epoch is not None:  # measured in an earlier epoch (a stream)
-            self._plan_epochs(s.steps_per_epoch)
-        if manifest["world_size"] != self.ctx.world_size:
-            # The remaining samples of the epoch are re-divided among the new ranks (see the sampler);
-            # per-rank random streams cannot carry over, so they are reseeded.
-            seed_everything(self.cfg.experiment.seed + 1000 * s.step + self.ctx.rank)
-            self.run.log(
-                f"world size changed from {manifest['world_size']} to {self.ctx.world_size}: the rest of "
-                f"epoch {s.epoch + 1} is re-divided among {self.ctx.world_size} processes (no sample repeated "
-                f"or lost); dropout streams are reseeded, so the run is no longer bit-identical"
-            )
-        if as_built := [name for name in left if name != "rng"]:
-            self.run.log(
-                f"not restored from the snapshot (absent, or per rank at another world size), left as "
-                f"built: {', '.join(as_built)}"
-            )
-        if s.stop_reason in ("epochs", "max_steps", "time_budget", *STOPS):  # the loop checks these again
-            s.stop_reason = None  # a callback's request stays: the run ended there
-        s.resumes += 1
-        self.run.log(
-            f"resumed from {where} (epoch {s.epoch + 1}, step {s.step}, {s.consumed} samples into the "
-            f"epoch, {s.elapsed:.1f} s already spent)"
-        )
-
-    def _check_data(self, where: Path) -> None:
-        """The data must be what the snapshot was trained on (its files, sizes and first items), or a resume
-        would read other samples than it says: refused, unless checkpoint.allow_changed_data, then recorded."""
-        changed = self.identity.changes()
-        if not changed:
-            return
-        if not self.cfg.checkpoint.allow_changed_data:
-            raise UserError(
-                f"the data changed since the snapshot {where.name}: {changed}; resume over the data it was "
-                f"trained on, or set checkpoint.allow_changed_data=true to go on with this data"
-            )
-        self.run.log(
-            f"the data changed since the snapshot {where.name}: {changed}; going on with it "
-            f"(checkpoint.allow_changed_data=true): the resume is not exact"
-        )
-        self.state.data_notes.append({"step": self.state.step, "data_changed": changed})
-
-    def _keep_global_batch(self, manifest: dict) -> None:
-        """The run's global batch on this world size and batch size: its accumulation steps are recomputed, into
-        the batch arithmetic (the config stays as given)."""
-        t, was = self.cfg.training, manifest["config"]["training"]
-        global_batch = (
-            manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
-        )
-        accum = keep_global_batch(global_batch, t.batch_size, self.shares)
-        if accum != t.grad_accum_steps:
-            on = f"{self.shares} processes"  # replica groups: planned with all present (each step's: replicas.csv)
-            if self.replicas is not None:
-                on = (
-                    f"{self.ctx.world_size} processes x {self.replicas.groups} replica groups, with every group present"
-                )
-            self.run.log(
-                f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}: the global batch stays "
-                f"{global_batch} on {on}"
-            )
-            self.batch = batch_arithmetic(t.batch_size, accum, self.shares, self.feed.size)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, split: str) -> dict:
@@ -589,8 +339,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the loaders' workers; drop the DDP model and optimizer before the process group goes (gloo aborts
         otherwise)."""
-        if self.replicas is not None:
-            self.replicas.close()
+        self.faults.close()
         self.loaders.close()
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
             delattr(self, name)
