@@ -170,7 +170,7 @@ def test_image_folder_layouts(tmp_path):
         build_data(folder_config(tmp_path, "split", "model.name=cnn"))
 
 
-@pytest.mark.parametrize("cache", ["true", "false"])
+@pytest.mark.parametrize("cache", ["raw", "false"])
 def test_grey_folder_stays_one_channel_at_its_size_unless_the_model_needs_rgb(tmp_path, cache):
     image_tree(tmp_path / "grey", side=28, grey=True)
     for model, fn in (("cnn", images.cnn), ("vit", images.vit), ("resnet18", images.torchvision_model)):

@@ -1,7 +1,7 @@
 """Fault tolerance as the Trainer is handed it: `NoReplicas` (one job, a failure ends it) or, with
 distributed.fault_tolerance=replicas, engine/replicas.py's `Replicas` (groups that train on when one fails),
-which overrides each method below. The Trainer calls them at fixed points of every step and never asks which
-it has.
+which overrides each method below; the session builds the one the config names. The Trainer calls them at
+fixed points of every step and never asks which it has.
 """
 
 from __future__ import annotations
@@ -52,17 +52,3 @@ class NoReplicas:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def fault_tolerance(cfg, ctx, run) -> NoReplicas:
-    """The mode distributed.fault_tolerance names: replica groups (torchft, imported only then) or none."""
-    if cfg.distributed.fault_tolerance != "replicas":
-        return NoReplicas()
-    from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
-
-    replicas: Replicas
-    # The live state is read from the snapshot's parts, which the Trainer registers after this is built.
-    replicas = Replicas(
-        cfg, ctx, lambda: replicas.live_state(), lambda s: replicas.load_live_state(s), run.log, run.path
-    )
-    return replicas

@@ -20,7 +20,7 @@ from ddplab import distributed, process_state
 from ddplab.config import Config
 from ddplab.distributed import DistContext
 from ddplab.engine import assets, env, failure, flight_recorder
-from ddplab.engine.fault_tolerance import fault_tolerance
+from ddplab.engine.fault_tolerance import NoReplicas
 from ddplab.engine.fingerprint import check_resume_path
 from ddplab.engine.heartbeat import Heartbeat, PeerFailed
 from ddplab.engine.lock import own_run_folder
@@ -199,3 +199,17 @@ class Session:
         self.trainer = None
         if self.run is not None:
             self.run.close()
+
+
+def fault_tolerance(cfg, ctx, run) -> NoReplicas:
+    """The mode distributed.fault_tolerance names: replica groups (torchft, imported only then) or none."""
+    if cfg.distributed.fault_tolerance != "replicas":
+        return NoReplicas()
+    from ddplab.engine.replicas import Replicas  # torchft is optional: imported only in this mode
+
+    replicas: Replicas
+    # The live state is read from the snapshot's parts, which the Trainer registers after this is built.
+    replicas = Replicas(
+        cfg, ctx, lambda: replicas.live_state(), lambda s: replicas.load_live_state(s), run.log, run.path
+    )
+    return replicas
