@@ -27,6 +27,7 @@ LAYERS = [
             "ddplab.process_state",
             "ddplab.handoff",
             "ddplab.extras",
+            "ddplab.frozen",
             "ddplab.config",
             "ddplab.config_io",
             "ddplab.workload",

@@ -8,11 +8,12 @@ Field names are public (command line, YAML files, tests, docs). Each field's `he
 from __future__ import annotations
 
 import math
-from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from ddplab.errors import UserError
+from ddplab.frozen import Section, plain
 
 # The largest integer any field takes: torch's int64. Fields with a tighter bound declare their own `max`.
 INT_MAX = 2**63 - 1
@@ -38,81 +39,8 @@ def _f(
     return field(default=default, metadata=meta)
 
 
-class _Section:
-    """A section of the tree: its fields may be set while it is built (YAML, overrides, a user's script), and
-    refuse it, naming the key, once `freeze` has run (when ddplab reads the config)."""
-
-    _prefix: str | None = None  # its dotted place ("training.") once frozen
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self._prefix is not None:
-            _refuse(f"{self._prefix}{name}")
-        object.__setattr__(self, name, value)
-
-
-def _refuse(dotted: str) -> None:
-    raise FrozenInstanceError(
-        f"the config is read-only once ddplab has read it: '{dotted}' cannot change (set it in the YAML, "
-        f"an override, or on the Config before it is handed to ddplab)"
-    )
-
-
-class _Held:
-    """A dict or list of a frozen config (data.options, logging.trackers): it refuses change, naming its key."""
-
-    key = ""
-
-    def _refused(self, *args, **kwargs) -> Any:
-        _refuse(self.key)
-
-    def __reduce__(self):  # copies and pickles built whole (dict or list of it), not item by item
-        return type(self), (type(self).__bases__[1](self),), {"key": self.key}
-
-
-class _HeldDict(_Held, dict):
-    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _Held._refused
-
-
-class _HeldList(_Held, list):
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = remove = pop = clear = _Held._refused
-    sort = reverse = _Held._refused
-
-
-def freeze(cfg: Config) -> Config:
-    """`cfg`, made read-only in place (every section, option and list) and returned: what ddplab has read
-    stays what it read. Assigning to it afterwards raises dataclasses.FrozenInstanceError naming the key."""
-    return _frozen(cfg, "")
-
-
-def _frozen(value: Any, key: str) -> Any:
-    if is_dataclass(value):
-        prefix = f"{key}." if key else ""
-        for f in fields(value):
-            object.__setattr__(value, f.name, _frozen(getattr(value, f.name), prefix + f.name))
-        object.__setattr__(value, "_prefix", prefix)
-        return value
-    held: _Held
-    if isinstance(value, dict):
-        held = _HeldDict({k: _frozen(v, f"{key}.{k}") for k, v in value.items()})
-    elif isinstance(value, list):
-        held = _HeldList([_frozen(v, f"{key}[{i}]") for i, v in enumerate(value)])
-    else:
-        return value
-    held.key = key
-    return held
-
-
-def _plain(value: Any) -> Any:
-    """A frozen tree as plain dicts and lists (YAML, JSON, a weights_only checkpoint)."""
-    if is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, list) else value
-
-
 @dataclass
-class ExperimentConfig(_Section):
+class ExperimentConfig(Section):
     name: str | None = _f(None, "run folder name under output_dir; default <model>-<data>")
     output_dir: str = _f("experiments", "folder that holds run folders")
     seed: int = _f(1337, "seed for weights, data order, dropout", min=0, max=2**31 - 1)  # + rank: NumPy's 32 bits
@@ -120,7 +48,7 @@ class ExperimentConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     name: str = _f(
         "text", "dataset: a built-in name (listed below) or your own file.py:function / package.module:function"
     )
@@ -192,7 +120,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name: str = _f(
         "gpt", "model: a built-in name (listed below) or your own file.py:function / package.module:function"
     )
@@ -217,7 +145,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class EarlyStoppingConfig(_Section):
+class EarlyStoppingConfig(Section):
     monitor: str | None = _f(
         None,
         "end the run when this column of the epoch rows (val_loss, val_accuracy, ...) "
@@ -229,7 +157,7 @@ class EarlyStoppingConfig(_Section):
 
 
 @dataclass
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     epochs: int | None = _f(
         None,
         "passes over the training set; not set: 2, or with a stream and training.max_steps, as many as max_steps takes",
@@ -290,7 +218,7 @@ class TrainingConfig(_Section):
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int | None = _f(None, "snapshot every N optimizer steps (always at epoch end)", positive=True)
     keep_last: int = _f(2, "complete snapshots kept", positive=True)
     resume: str = _f("auto", "auto (newest complete snapshot), never, or a snapshot path")
@@ -313,7 +241,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclass
-class DistributedConfig(_Section):
+class DistributedConfig(Section):
     backend: str = _f("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
     timeout: float = _f(600.0, "seconds before a stuck collective fails the job", positive=True, max=MAX_SECONDS)
     stall_warning: float = _f(
@@ -382,7 +310,7 @@ class DistributedConfig(_Section):
 
 
 @dataclass
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     trackers: list = _f(
         ["tensorboard"],
         "where metrics also go: [] or any of tensorboard (tensorboard/ in the run "
@@ -409,7 +337,7 @@ class LoggingConfig(_Section):
 
 
 @dataclass
-class GenerateConfig(_Section):
+class GenerateConfig(Section):
     prompt: str = _f("\n", "prompt for the sample printed after training a language model")
     max_new_tokens: int = _f(300, "tokens to sample (0 disables the sample)", min=0)
     temperature: float = _f(0.8, "sampling temperature; 0 = greedy (the most likely token)", min=0.0)
@@ -417,7 +345,7 @@ class GenerateConfig(_Section):
 
 
 @dataclass
-class Config(_Section):
+class Config(Section):
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -428,7 +356,7 @@ class Config(_Section):
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     def to_dict(self) -> dict:
-        return _plain(self)
+        return plain(self)
 
     def run_name(self) -> str:
         """The run folder's name; each replica group of a fault-tolerant job has its own, <name>-group<i>."""

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from ddplab.callbacks import Callback
-from ddplab.config import Config, freeze
+from ddplab.config import Config
 from ddplab.config_io import from_dict
 from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine.checkpoint_reader import load_checkpoint
 from ddplab.engine.run_folder import RunFiles, RunFolder
 from ddplab.engine.setup import build_data, build_model
 from ddplab.errors import RunError, UserError, first_line
+from ddplab.frozen import freeze
 from ddplab.registry import workload
 from ddplab.tasks import restore
 from ddplab.workload import Assets, Data, build_config, check_trusted

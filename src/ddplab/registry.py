@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ddplab.config import INT_MAX, MAX_PROCESSES, Config, DistributedConfig, freeze
+from ddplab.config import INT_MAX, MAX_PROCESSES, Config, DistributedConfig
 from ddplab.config_io import read_config
 from ddplab.data.checks import check_memory, check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
 from ddplab.extras import install_line, missing, require
+from ddplab.frozen import freeze
 from ddplab.models.checks import check_image_input
 from ddplab.workload import Workload, is_reference, reference_of, resolve
 
@@ -244,7 +245,7 @@ def load_config(
     Config (read as a copy: the caller's stays theirs), then `key=value` overrides; types, ranges, names and
     pairings checked. Functions handed to ddplab.train() take the place of model.name / data.name.
     `lighthouse_started`: the caller starts the replica groups' Lighthouse itself (`--replica-groups`), so the
-    config needs none. What it returns is frozen (config.freeze): what every part of the run reads is what this
+    config needs none. What it returns is frozen (frozen.freeze): what every part of the run reads is what this
     loaded."""
     handed = [(section, fn) for section, fn in (("model", model), ("data", data)) if fn is not None]
     cfg = read_config(source, [*overrides, *(f"{section}.name={reference_of(fn)}" for section, fn in handed)])

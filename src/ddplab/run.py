@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from ddplab import process_state
 from ddplab.callbacks import configured
-from ddplab.config import Config, freeze
+from ddplab.config import Config
 from ddplab.engine.parts import Builders
 from ddplab.engine.session import Session
 from ddplab.errors import disk_full, write_failed
+from ddplab.frozen import freeze
 from ddplab.inference import LanguageSample
 from ddplab.metrics.callbacks import RunRecorder, column_callbacks
 from ddplab.metrics.class_report import ClassReports

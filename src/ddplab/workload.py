@@ -102,7 +102,7 @@ class BuildConfig:
     """What a workload function is given: its section's options, the whole config, and the job."""
 
     options: Options
-    config: Any  # the resolved ddplab Config, frozen (config.freeze)
+    config: Any  # the resolved ddplab Config, frozen (frozen.freeze)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
