@@ -194,3 +194,21 @@ class OneRankCtx:
 
     def all_reduce(self, tensor, op="sum"):
         return tensor
+
+
+def image_tar(path: Path, samples: int = 8) -> Path:
+    """A WebDataset tar shard of `samples` 12x10 PNGs of 2 classes (img<j>.png, img<j>.cls)."""
+    import tarfile
+
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for j in range(samples):
+            png = io.BytesIO()
+            Image.new("RGB", (12, 10), (200 * (j % 2), 30, 30)).save(png, format="PNG")
+            for ext, blob in (("png", png.getvalue()), ("cls", str(j % 2).encode())):
+                info = tarfile.TarInfo(f"img{j}.{ext}")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+    return path

@@ -2,7 +2,6 @@
 the part of it that is damaged; data that is empty, lacks a column the config names, or takes a setting no
 reader can use is refused (exit 2) before a run folder exists."""
 
-import io
 import json
 import tarfile
 from pathlib import Path
@@ -12,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import ddplab
-from conftest import main
+from conftest import image_tar, main
 from ddplab.data.shards import DamagedShard
 
 ROWS = [{"text": f"review {i} {'great' if i % 2 else 'awful'}", "label": i % 2} for i in range(40)]
@@ -73,23 +72,8 @@ def _corrupt_json_line(folder: Path) -> tuple[Path, str]:
     return folder / "0.jsonl", "sample 7 (non-blank line 8): JSONDecodeError"
 
 
-def _tar(path: Path, samples: int = 8) -> Path:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for j in range(samples):
-            png = io.BytesIO()
-            Image.new("RGB", (12, 10), (200 * (j % 2), 30, 30)).save(png, format="PNG")
-            for ext, blob in (("png", png.getvalue()), ("cls", str(j % 2).encode())):
-                info = tarfile.TarInfo(f"img{j}.{ext}")
-                info.size = len(blob)
-                tar.addfile(info, io.BytesIO(blob))
-    return path
-
-
 def _truncated_tar(folder: Path) -> tuple[Path, str]:
-    path = _tar(folder / "0.tar")
+    path = image_tar(folder / "0.tar")
     # Cut at a member boundary (tarfile reads that as the end) and in the middle of one.
     return _cut(path, 0.6), "damaged tar shard"
 
@@ -113,7 +97,7 @@ def test_a_damaged_shard_fails_the_run_naming_the_file_and_the_damage(tmp_path, 
 @pytest.mark.parametrize("cut", ["header", "inside a member", "at a boundary", "before the end block"])
 def test_a_tar_cut_anywhere_is_named_as_damaged(tmp_path, cut):
     """tarfile ends quietly at a header cut short: each cut, at a member's boundary or inside one, is seen."""
-    path = _tar(tmp_path / "t" / "0.tar")
+    path = image_tar(tmp_path / "t" / "0.tar")
     with tarfile.open(path) as tar:
         members = tar.getmembers()
     sixth = members[5]  # a header block, then its data padded to 512 bytes
@@ -129,7 +113,7 @@ def test_a_tar_cut_anywhere_is_named_as_damaged(tmp_path, cut):
 
 
 def test_an_intact_tar_reads_whole(tmp_path):
-    assert len(ddplab.Shards(_tar(tmp_path / "t" / "0.tar"))) == 8
+    assert len(ddplab.Shards(image_tar(tmp_path / "t" / "0.tar"))) == 8
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import _env, assert_ok, main
+from conftest import _env, assert_ok, image_tar, main
 from conftest import ddplab as run_ddplab
 from ddplab.data.stream import Stream, owns
 from faults import command
@@ -277,17 +277,7 @@ def test_text_streams_bytes_one_line_a_sample(tmp_path):
 
 
 def test_image_folder_streams_webdataset_tar_shards(tmp_path):
-    from PIL import Image
-
-    (tmp_path / "i").mkdir()
-    with tarfile.open(tmp_path / "i" / "0.tar", "w") as tar:
-        for j in range(6):
-            png = io.BytesIO()
-            Image.new("RGB", (12, 10), (200 * (j % 2), 30, 30)).save(png, format="PNG")
-            for ext, blob in (("png", png.getvalue()), ("cls", str(j % 2).encode())):
-                info = tarfile.TarInfo(f"img{j}.{ext}")
-                info.size = len(blob)
-                tar.addfile(info, io.BytesIO(blob))
+    image_tar(tmp_path / "i" / "0.tar", samples=6)
     overrides = ["data.name=image_folder", "model.name=cnn", "data.num_classes=2", "data.image_size=8"]
     _, b = _built(tmp_path, *overrides, f"data.train={tmp_path / 'i'}", f"data.test={tmp_path / 'i' / '0.tar'}")
     assert len(b.train) == 6 and b.input_shape == (3, 8, 8) and b.meta["label_names"] == ["0", "1"]
