@@ -103,6 +103,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.serial  # bounds the job's wall time: run alone, after the parallel pass
 def test_a_lighthouse_nobody_listens_on_fails_the_run_within_the_timeout_naming_it(
     corpus, tmp_path, monkeypatch, capfd
 ):
@@ -142,6 +143,7 @@ def test_a_lighthouse_nobody_listens_on_fails_the_run_within_the_timeout_naming_
     assert took < timeout + 10, f"{took:.1f} s"
 
 
+@pytest.mark.serial  # bounds the job's wall time: run alone, after the parallel pass
 def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(corpus, tmp_path):
     """The report blamed "rank 1 stalled", or a rank's TimeoutError: the step's quorum fails with the Lighthouse
     gone, and the job ends within the timeout (+ 10 s) with one line naming it."""
