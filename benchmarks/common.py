@@ -117,9 +117,9 @@ def device_of(args: argparse.Namespace) -> torch.device:
 
 def setup(args: argparse.Namespace):
     """(cfg, ctx, data, model) exactly as ddplab builds them; the caller owns the process group."""
-    from ddplab.distributed import DistContext, detect_launch
-    from ddplab.engine.rng import seed_everything
-    from ddplab.engine.setup import build_data, build_model
+    from ddplab.engine.loop.rng import seed_everything
+    from ddplab.engine.loop.setup import build_data, build_model
+    from ddplab.engine.parallel.distributed import DistContext, detect_launch
     from ddplab.registry import load_config, workload
 
     cfg = load_config(None, overrides(args))
@@ -137,7 +137,7 @@ def setup(args: argparse.Namespace):
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """The maths ddplab uses (AdamW, the same parameter groups), with torch's default kernels:
     what a user writing the loop by hand gets; ddplab's own speed defaults are its own."""
-    from ddplab.engine.optim import adamw_groups
+    from ddplab.engine.loop.optim import adamw_groups
 
     return torch.optim.AdamW(adamw_groups(model, cfg.training.weight_decay), lr=cfg.training.lr, betas=(0.9, 0.95))
 

@@ -108,7 +108,7 @@ def loader_rate(root: Path, path: str, passes: int = 3) -> float:
     import torch
     from torch.utils.data import DataLoader
 
-    from ddplab.engine.setup import build_data
+    from ddplab.engine.loop.setup import build_data
     from ddplab.registry import load_config, workload
 
     data = {

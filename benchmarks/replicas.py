@@ -58,7 +58,7 @@ def _worker(marker: bytes) -> int | None:
         if (
             marker in cmd
             and b"train" in cmd
-            and not any(b"ddplab.launch" in c or b"torch.distributed" in c for c in cmd)
+            and not any(b"ddplab.commands.launch" in c or b"torch.distributed" in c for c in cmd)
         ):
             return int(proc.name)
     return None

@@ -27,7 +27,7 @@ import torch
 
 from ddplab.data.sample_seed import GENERATORS, PerSampleSeed, sample_seed
 from ddplab.data.sampler import ResumableDistributedSampler
-from ddplab.engine.setup import build_data, build_model
+from ddplab.engine.loop.setup import build_data, build_model
 from ddplab.registry import load_config, workload
 
 STEPS = 10

@@ -38,8 +38,8 @@ def memory() -> dict:
 def worker(a) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ddplab import distributed
-    from ddplab.engine.setup import build_data
+    from ddplab.engine.loop.setup import build_data
+    from ddplab.engine.parallel import distributed
     from ddplab.registry import load_config, workload
 
     cfg = load_config(

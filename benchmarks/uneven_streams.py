@@ -76,10 +76,10 @@ def rank_main(rank: int, port: int, args, out) -> None:
     )
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    from ddplab import distributed
-    from ddplab.config_io import read_config
+    from ddplab.config.reading import read_config
     from ddplab.data.stream import Stream
-    from ddplab.engine.loaders import Loaders, train_feed
+    from ddplab.engine.loop.loaders import Loaders, train_feed
+    from ddplab.engine.parallel import distributed
 
     with distributed.session("gloo") as ctx:
         dataset = Uneven(args.items, args.extra, rank)

@@ -67,7 +67,7 @@ def _default(value) -> str:
 
 def render() -> str:
     from ddplab.config import Config
-    from ddplab.engine.fingerprint import safe
+    from ddplab.engine.snapshots.fingerprint import safe
     from ddplab.registry import builtin_names
 
     models, datasets = builtin_names()

@@ -15,7 +15,7 @@ import sys
 import torch
 
 import ddplab
-from ddplab.engine.parts import Builders
+from ddplab.engine.loop.parts import Builders
 from regression_tabular import data, model  # the regression workload beside this file
 
 

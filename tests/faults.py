@@ -7,7 +7,7 @@
 The script does what `ddplab train` does in one process of the job (through `ddplab.train`),
 with `Faults(SPEC)` attached, so a failure happens at an exact point of a real run. With --agent it
 is torchrun (the rest of the line is torchrun's), whose workers run the script (this one, or a user's)
-forked from it, as `ddplab train --nproc-per-node` starts its own (ddplab.launch.agent): a worker
+forked from it, as `ddplab train --nproc-per-node` starts its own (ddplab.commands.launch.agent): a worker
 then costs no import of torch. With --ranks N it is N workers as srun starts them, forked from it
 likewise, no launcher watching them (`ranks`). SPEC is comma-separated `key=value` items; `step=S`
 says when (after optimizer step S of the run):
@@ -94,8 +94,8 @@ def agent(argv: list[str]) -> None:
     import torch.distributed.run as torchrun
 
     import ddplab.cli
-    import ddplab.run  # noqa: F401
-    from ddplab import launch
+    import ddplab.commands.run  # noqa: F401
+    from ddplab.commands import launch
 
     ddplab.cli.main = _worker
     plain = torchrun.config_from_args
@@ -150,7 +150,7 @@ class Faults(ddplab.Callback):
         """The faults that happen inside ddplab's own functions, wrapped in this process only (with `setattr`: a
         test's monkeypatch.setattr undoes them)."""
         if self.armed and "crash_before_marker" in self.items:
-            from ddplab.engine import checkpoint
+            from ddplab.engine.snapshots import write as checkpoint
 
             write_marker, at = checkpoint.write_marker, int(self.items["crash_before_marker"])
 
@@ -202,7 +202,7 @@ def ranks(n: int, folder: str, argv: list[str]) -> int:
     of its own), and never in this process."""
     import torch._dynamo  # noqa: F401 - what every worker imports, imported once
 
-    import ddplab.run  # noqa: F401
+    import ddplab.commands.run  # noqa: F401
 
     workers = {}
     for rank in range(n):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, ddplab, main
-from ddplab.engine.checkpoint_reader import load_checkpoint
-from ddplab.engine.lock import RunLock
+from ddplab.engine.run_folder.lock import RunLock
+from ddplab.engine.snapshots.read import load_checkpoint
 
 
 def tree_digest(folder: Path) -> dict[str, str]:

@@ -20,7 +20,7 @@ def _physical() -> int:
 @pytest.fixture
 def no_processes(monkeypatch):
     """A refusal that came too late would start processes: fail the test instead."""
-    from ddplab import launch
+    from ddplab.commands import launch
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"a process was started: {args[0] if args else kwargs}")
@@ -85,7 +85,7 @@ def test_counts_and_shapes_this_machine_cannot_hold_are_refused_before_a_run_fol
 
 
 def test_loader_workers_are_cut_to_four_a_core_with_a_line():
-    from ddplab.engine.loaders import _cores, bounded_workers
+    from ddplab.engine.loop.loaders import _cores, bounded_workers
 
     workers, line = bounded_workers(100_000, 1)
     assert workers <= 4 * _cores() and line.startswith(f"data.num_workers=100000 cut to {workers} loader workers")
@@ -94,7 +94,7 @@ def test_loader_workers_are_cut_to_four_a_core_with_a_line():
 
 
 def test_loader_workers_are_cut_to_what_memory_holds(monkeypatch):
-    from ddplab.engine import loaders
+    from ddplab.engine.loop import loaders
 
     sizes = {"MemAvailable": 3 * 2**30, "Private_Dirty": 2**30, "Private_Clean": 0}
     monkeypatch.setattr(loaders, "_meminfo", sizes.get)

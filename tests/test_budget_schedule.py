@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, main
-from ddplab.engine.optim import Schedule, budget_total_steps, plan_for_budget
+from ddplab.engine.loop.optim import Schedule, budget_total_steps, plan_for_budget
 
 
 def _schedule(total=1000, warmup=5, kind="cosine"):

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.engine.checkpoint import Checkpointer, Parts, part
-from ddplab.engine.checkpoint_reader import STATE, load_file, load_snapshot, step_snapshots
-from ddplab.engine.manifest import MARKER
+from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
+from ddplab.engine.snapshots.manifest import MARKER
+from ddplab.engine.snapshots.read import STATE, load_file, load_snapshot, step_snapshots
+from ddplab.engine.snapshots.write import Checkpointer, Parts, part
 from ddplab.errors import UserError
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))

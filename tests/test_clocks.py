@@ -12,11 +12,11 @@ from torch.utils.data import TensorDataset
 import ddplab
 from conftest import OneRankCtx
 from ddplab.config import Config, DistributedConfig
-from ddplab.engine.checkpoint_reader import load_file
-from ddplab.engine.clock import Stamps
-from ddplab.engine.comm import attach_step_timer, epoch_comm_row, install_comm_hook
-from ddplab.engine.loaders import data_workers
-from ddplab.engine.setup import wants_channels_last
+from ddplab.engine.loop.clock import Stamps
+from ddplab.engine.loop.loaders import data_workers
+from ddplab.engine.loop.setup import wants_channels_last
+from ddplab.engine.parallel.ddp_comm import attach_step_timer, epoch_comm_row, install_comm_hook
+from ddplab.engine.snapshots.read import load_file
 
 FAST = [
     "logging.trackers=[]",
@@ -280,7 +280,7 @@ def test_on_cuda_forward_backward_and_all_reduce_are_the_devices_time(tmp_path, 
 def test_fsdp_collectives_count_the_union_of_their_intervals_in_training_only():
     from types import SimpleNamespace
 
-    from ddplab.engine.fsdp_comm import ShardedCommMonitor
+    from ddplab.engine.parallel.fsdp_comm import ShardedCommMonitor
 
     beat = SimpleNamespace(phase="forward", collective=None, waiting=False)
     monitor = ShardedCommMonitor(torch.device("cpu"), beat)

@@ -9,7 +9,7 @@ import torch
 
 from conftest import TINY_GPT, OneRankCtx, assert_ok, run_study
 from ddplab.config import DistributedConfig
-from ddplab.engine.comm import epoch_comm_row, install_comm_hook, link_delay_s
+from ddplab.engine.parallel.ddp_comm import epoch_comm_row, install_comm_hook, link_delay_s
 
 
 def test_link_delay_is_latency_plus_ring_transfer_time():

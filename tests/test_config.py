@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from ddplab.config import Config
-from ddplab.config_io import parse_duration
+from ddplab.config.reading import parse_duration
 from ddplab.errors import UserError
 from ddplab.registry import load_config
 
@@ -201,7 +201,7 @@ def test_a_resumed_group_is_its_own_run_and_another_group_is_not(launcher_env, t
     (same variables) continues its run, a job told another group's number is refused."""
     import yaml
 
-    from ddplab.engine.fingerprint import check_resume
+    from ddplab.engine.snapshots.fingerprint import check_resume
 
     launcher_env(SLURM_ARRAY_TASK_ID="1", SLURM_ARRAY_TASK_COUNT="2")
     cfg = load_config(None, [REPLICAS])
@@ -216,7 +216,7 @@ def test_a_run_recorded_before_the_numbers_were_unset_resumes(launcher_env, tmp_
     """A config.yaml written when the fields defaulted to 0 and 1 (replica_group: 0, replica_groups: 1)."""
     import yaml
 
-    from ddplab.engine.fingerprint import check_resume
+    from ddplab.engine.snapshots.fingerprint import check_resume
 
     old = Config().to_dict()
     old["distributed"].update(replica_group=0, replica_groups=1)

@@ -9,7 +9,7 @@ import pytest
 import ddplab
 from ddplab import registry
 from ddplab.config import batch_arithmetic
-from ddplab.engine.callbacks import Callback
+from ddplab.engine.loop.view import Callback
 from ddplab.workload import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ddplab"

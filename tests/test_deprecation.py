@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddplab.config_io import read_config
-from ddplab.engine.callbacks import TrainView
+from ddplab.config.reading import read_config
+from ddplab.engine.loop.view import TrainView
 from ddplab.errors import UserError
 
 

@@ -186,7 +186,7 @@ def test_a_slow_rank_is_named_a_straggler_and_the_eta_is_close(tmp_path):
 
 def test_status_of_a_live_run_gives_its_step_and_eta(tmp_path, capfd):
     """In this process: the heartbeat's age is read to the second, which a process's start-up would change."""
-    from ddplab.engine.lock import RunLock
+    from ddplab.engine.run_folder.lock import RunLock
 
     run = tmp_path / "r"
     run.mkdir()
@@ -251,8 +251,8 @@ def test_the_report_names_the_collective_a_flight_recorder_dump_shows_unfinished
     import torch
     import torch.distributed as dist
 
-    from ddplab.engine import flight_recorder
-    from ddplab.engine.failure import compose
+    from ddplab.engine.diagnosis import flight_recorder
+    from ddplab.engine.diagnosis.failure import compose
 
     store, groups = dist.HashStore(), {}
     joins = [
@@ -281,7 +281,7 @@ def test_the_report_names_the_collective_a_flight_recorder_dump_shows_unfinished
 
 
 def test_on_nccl_the_flight_recorder_dumps_on_a_timeout_unless_the_user_said_otherwise(monkeypatch):
-    from ddplab.engine import flight_recorder
+    from ddplab.engine.diagnosis import flight_recorder
 
     _without_torch_variables(monkeypatch)
     flight_recorder.arm("gloo")

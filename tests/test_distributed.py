@@ -2,9 +2,9 @@ import sys
 
 import pytest
 
-from ddplab.distributed import pick_backend
+from ddplab.engine.parallel.distributed import pick_backend
+from ddplab.engine.parallel.world import detect_launch, detect_nodes, expand_nodelist
 from ddplab.errors import UserError
-from ddplab.world import detect_launch, detect_nodes, expand_nodelist
 
 
 def test_no_launcher_is_one_process():
@@ -68,7 +68,7 @@ def test_backend_choice():
 
 
 def test_nccl_with_more_processes_than_gpus_is_refused_in_one_line():
-    from ddplab.distributed import check_one_gpu_per_process
+    from ddplab.engine.parallel.distributed import check_one_gpu_per_process
 
     check_one_gpu_per_process(4, 4)
     with pytest.raises(UserError, match="2 processes on this node but 1 GPU.*distributed.backend=gloo"):
@@ -151,7 +151,7 @@ def test_a_process_group_made_by_the_launcher_is_used_and_left_to_it(one_rank_gr
     (torch would refuse) nor destroys the launcher's."""
     import torch.distributed as dist
 
-    from ddplab import distributed
+    from ddplab.engine.parallel import distributed
 
     monkeypatch.delitem(sys.modules, "ray.train", raising=False)  # Ray is not what made it here
     with distributed.session() as ctx:

@@ -17,12 +17,12 @@ import pytest
 import ddplab
 from conftest import _env
 from ddplab.cli import main
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.files import open_append, write_atomic
-from ddplab.engine.lock import LOCKED_ENV, RunLock
-from ddplab.engine.manifest import seal
+from ddplab.engine.run_folder.files import open_append, write_atomic
+from ddplab.engine.run_folder.lock import LOCKED_ENV, RunLock
+from ddplab.engine.snapshots.manifest import seal
+from ddplab.engine.snapshots.write import Checkpointer
 from ddplab.errors import RunError, UserError
-from ddplab.handoff import Handoff
+from ddplab.runtime.handoff import Handoff
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "training.epochs=1", "training.batch_size=32"]
 
@@ -291,7 +291,7 @@ def test_a_forged_locked_run_takes_no_lock_from_anyone(trained, tmp_path, monkey
 
 
 def test_a_worker_believes_the_launcher_that_holds_its_run_folder(tmp_path):
-    probe = [sys.executable, "-c", "from ddplab.engine.lock import launcher_lock; print(launcher_lock())"]
+    probe = [sys.executable, "-c", "from ddplab.engine.run_folder.lock import launcher_lock; print(launcher_lock())"]
     with RunLock(tmp_path / "run") as lock:
         ok = subprocess.run(probe, env={**_env(), **lock.worker_env()}, capture_output=True, text=True)
         assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "run"), ok.stderr
@@ -407,7 +407,9 @@ def test_a_callbacks_keyboard_interrupt_is_a_ctrl_c(trained, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     args = ["train", f"model.name={wl}:model", f"data.name={wl}:data", "experiment.name=cb", "logging.log_every=1"]
     args += [*FAST, "training.epochs=3"]
-    monkeypatch.setattr("ddplab.run.configured", lambda cfg: [_Raises(KeyboardInterrupt())])  # as a user's callback
+    monkeypatch.setattr(
+        "ddplab.commands.run.configured", lambda cfg: [_Raises(KeyboardInterrupt())]
+    )  # as a user's callback
     assert main(args) == ddplab.ExitCode.INTERRUPTED == 130
     summary = _status(tmp_path)
     assert summary["status"] == summary["stop_reason"] == "interrupted"
@@ -419,7 +421,7 @@ def test_a_callbacks_keyboard_interrupt_is_a_ctrl_c(trained, tmp_path, monkeypat
     assert main(["status", str(tmp_path / "experiments" / "cb")]) == 130
     assert capfd.readouterr().out == "interrupted\n"
 
-    monkeypatch.setattr("ddplab.run.configured", lambda cfg: [])
+    monkeypatch.setattr("ddplab.commands.run.configured", lambda cfg: [])
     assert main(args) == 0  # the same command continues
     summary = _status(tmp_path)
     assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1, summary["aggregates"]

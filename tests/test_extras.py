@@ -9,7 +9,7 @@ import pytest
 import tomllib
 
 from conftest import ROOT
-from ddplab import extras
+from ddplab.runtime import extras
 
 DECLARED = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 

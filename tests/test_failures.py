@@ -20,10 +20,10 @@ import torch
 
 from conftest import TINY_GPT, _env, ddplab
 from ddplab.cli import main
-from ddplab.engine import run_folder
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import folder as run_folder
+from ddplab.engine.run_folder.folder import RunFolder
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from ddplab.errors import RunError, write_failed
 
 
@@ -134,7 +134,7 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_written(place, argv, phra
 
 def test_a_yaml_file_of_sane_depth_and_aliases_still_loads(tmp_path):
     """The bounds refuse only the pathological: anchors and aliases and nested options keep working."""
-    from ddplab.config_io import read_config
+    from ddplab.config.reading import read_config
 
     (tmp_path / "ok.yaml").write_text(
         "data:\n  options:\n    base: &b {width: 4, layers: [1, 2]}\n"
@@ -491,7 +491,7 @@ def test_when_rank_0_dies_rank_1_writes_the_report(corpus, tmp_path):
 _STUCK_LOADER = """
 import os, signal, sys, threading, time
 import torch
-from ddplab.engine.loaders import {init}
+from ddplab.engine.loop.loaders import {init}
 
 class Stuck(torch.utils.data.Dataset):
     def __len__(self):

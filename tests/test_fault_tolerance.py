@@ -19,8 +19,8 @@ from torch.utils.data import DistributedSampler
 
 import faults
 from conftest import _env, assert_ok, main
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from faults import command, ranks_command
 from references import SAMPLES, corpus, gpt_args, torchrun_gpt
 

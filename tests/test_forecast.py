@@ -104,7 +104,7 @@ def test_fsdp_step_and_bytes_beside_ddp_by_hand():
 
 
 def test_the_units_fsdp_gathers_as_run_or_as_it_would_shard():
-    from ddplab.engine.sharding import fsdp_units
+    from ddplab.engine.parallel.sharding import fsdp_units
 
     # A block of 4 x 100 + 100 = 500 parameters is sharded on its own; the root keeps the first layer's 20.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
@@ -286,7 +286,7 @@ def test_runs_record_buckets_and_forward_backward_time(one_rank_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddplab.config import Config, DistributedConfig
-    from ddplab.engine.comm import attach_step_timer, comm_summary, epoch_comm_row, install_comm_hook
+    from ddplab.engine.parallel.ddp_comm import attach_step_timer, comm_summary, epoch_comm_row, install_comm_hook
 
     torch.manual_seed(0)
     raw = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))

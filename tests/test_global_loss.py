@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import ddplab
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from ddplab.tasks import Classification, LanguageModeling, Task
 
 HERE = Path(__file__).resolve().parent

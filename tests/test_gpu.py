@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import TINY_GPT
-from ddplab.engine.checkpoint_reader import load_file
+from ddplab.commands.run import train
+from ddplab.engine.snapshots.read import load_file
 from ddplab.registry import load_config
-from ddplab.run import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

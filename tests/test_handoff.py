@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ddplab.handoff import Handoff
+from ddplab.runtime.handoff import Handoff
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ddplab"
 

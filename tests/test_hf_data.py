@@ -57,7 +57,7 @@ def test_the_models_own_loss_is_what_trains(monkeypatch):
     labels included, and the built-in Classification task trains on the loss the model returns."""
     import hf_workloads
 
-    from ddplab.engine.setup import check_output
+    from ddplab.engine.loop.setup import check_output
     from ddplab.workload import BuildConfig, Options
 
     data = hf_workloads.hf_data(BuildConfig(Options(torch_format=True), config=None))
@@ -230,7 +230,7 @@ def test_a_causal_lm_with_the_lm_collator_is_scored_on_its_shifted_labels():
     )
 
     from ddplab import LanguageModeling
-    from ddplab.engine.setup import check_output
+    from ddplab.engine.loop.setup import check_output
     from ddplab.workload import Data
 
     tok = hf_workloads.tokenizer()

@@ -11,7 +11,7 @@ from conftest import _env
 MIB = 1 << 20
 STEPS = """
 import resource, sys, torch
-from ddplab.process_state import keep_freed_memory
+from ddplab.runtime.process_state import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else 0
 
 def step():  # a step's buffers, freed and allocated out of order: 48 and 24 MiB of float32

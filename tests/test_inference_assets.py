@@ -15,12 +15,12 @@ from test_vision_data import image_tree
 
 import ddplab
 from conftest import main
+from ddplab.commands.predict import predict
+from ddplab.commands.trained_model import load_model, sample
 from ddplab.data.text_lm import embedded_corpus
-from ddplab.engine import assets
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder import assets
+from ddplab.engine.run_folder.folder import RunFolder
 from ddplab.errors import RunError
-from ddplab.inference import load_model, sample
-from ddplab.predict import predict
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "training.warmup_steps=0", "generate.max_new_tokens=0"]
 
@@ -331,7 +331,7 @@ def test_a_malformed_assets_json_is_one_line_before_anything_is_allocated(tmp_pa
 def test_a_malformed_assets_json_is_exit_2_from_predict(tmp_path, capfd):
     from test_snapshot import ONE, _parts
 
-    from ddplab.engine.checkpoint import Checkpointer, part
+    from ddplab.engine.snapshots.write import Checkpointer, part
 
     found = _saved_run(tmp_path, {"example": {"kind": "pair", "target": {"dtype": "bogus", "shape": [1]}}})
     found.rmdir()

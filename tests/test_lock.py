@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_GPT, _env, main
-from ddplab.engine.fingerprint import SAFE_TO_CHANGE, differences, safe
-from ddplab.engine.lock import HOLDER_FILE, RunLock
+from ddplab.engine.run_folder.lock import HOLDER_FILE, RunLock
+from ddplab.engine.snapshots.fingerprint import SAFE_TO_CHANGE, differences, safe
 from ddplab.errors import UserError
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import _env
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from references import corpus, gpt_args, torchrun_gpt
 
 # Each step's all-reduce waits this long (it only sleeps): a kill lands mid-run, whatever the machine's load.

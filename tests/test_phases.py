@@ -5,9 +5,9 @@ import os
 import time
 
 from conftest import assert_ok, ddplab
-from ddplab.engine import phases as phases_mod
-from ddplab.engine.phases import Phases
-from ddplab.handoff import Handoff
+from ddplab.engine.diagnosis import phases as phases_mod
+from ddplab.engine.diagnosis.phases import Phases
+from ddplab.runtime.handoff import Handoff
 
 
 def test_process_start_is_in_the_past_and_phases_add_up(monkeypatch):
@@ -75,7 +75,7 @@ def test_a_launched_run_records_its_phases(tmp_path):
         "teardown_s",
     ):
         assert got[key] >= 0, key
-    # torch alone takes longer than that to import: in the agent, which forks the workers (launch.py), or in each
+    # torch alone takes longer than that to import: in the agent, which forks the workers (commands/launch.py), or in each
     assert got["launcher_s"] + got["imports_s"] > 0.1
     assert "phases (rank 0, wall time): launcher" in (run / "train.log").read_text().splitlines()[-1]
     assert json.loads((run / "metrics.json").read_text())["ddp"]["launcher"] == "torchrun"
@@ -91,8 +91,8 @@ def test_the_launcher_checks_built_in_workloads_without_importing_torch(tmp_path
     code = (
         "import sys\n"
         "from ddplab.registry import check_files, load_config\n"
-        "from ddplab.engine.lock import claim, resolve_run_dir\n"
-        "from ddplab.launch import run_workers\n"
+        "from ddplab.engine.run_folder.lock import claim, resolve_run_dir\n"
+        "from ddplab.commands.launch import run_workers\n"
         "for overrides in (['model.name=cnn', 'data.name=digits'], ['model.name=gpt', 'data.name=text'],\n"
         "                  ['model.name=transformer', 'data.name=synthetic_reviews'],\n"
         "                  ['model.name=vit', 'data.name=digits', 'data.image_size=32']):\n"

@@ -14,7 +14,7 @@ from torch.utils.data import Subset, TensorDataset
 import ddplab
 from conftest import ROOT
 from ddplab.cli import main
-from ddplab.predict import encoder, expand
+from ddplab.commands.predict import encoder, expand
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "distributed.timeout=60"]
 

@@ -12,7 +12,7 @@ import hf_workloads
 import ddplab
 from conftest import assert_ok, verify
 from ddplab.cli import main
-from ddplab.inference import load_model
+from ddplab.commands.trained_model import load_model
 
 HERE = Path(__file__).resolve().parent
 S2S = [f"model.name={HERE / 'hf_workloads.py'}:t5", f"data.name={HERE / 'hf_workloads.py'}:seq2seq_data"]
@@ -65,7 +65,7 @@ def test_a_task_that_counts_no_items_fails_verify_with_its_cause_named(tmp_path)
 
 
 def test_collate_fn_gets_dict_items_without_a_target():
-    from ddplab.predict import _sample
+    from ddplab.commands.predict import _sample
 
     assert _sample({"kind": "dict", "field": "labels", "target": 0})({"input_ids": 1}) == {"input_ids": 1}
     inputs, target = _sample({"kind": "pair", "target": {"dtype": "int64", "shape": [3]}})("x")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import ddplab
-from ddplab import process_state
-from ddplab.distributed import Beat
-from ddplab.engine import heartbeat
-from ddplab.engine.heartbeat import _BEATING, Heartbeat, PeerFailed
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.diagnosis import heartbeat
+from ddplab.engine.diagnosis.heartbeat import _BEATING, Heartbeat, PeerFailed
+from ddplab.engine.parallel.distributed import Beat
+from ddplab.engine.run_folder.folder import RunFolder
+from ddplab.runtime import process_state
 
 WORKLOAD = """
 import torch

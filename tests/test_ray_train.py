@@ -14,8 +14,8 @@ import sys
 import torch
 
 from conftest import ROOT, _env
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from references import corpus, gpt_args, torchrun_gpt
 
 

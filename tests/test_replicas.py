@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, _env, main
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 
 WORKLOAD = '''
 import os, time
@@ -108,7 +108,7 @@ def test_a_lighthouse_nobody_listens_on_fails_the_run_within_the_timeout_naming_
     corpus, tmp_path, monkeypatch, capfd
 ):
     pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
-    from ddplab.engine import replicas
+    from ddplab.engine.parallel import replicas
 
     monkeypatch.chdir(tmp_path)
     address, timeout = f"http://localhost:{_closed_port()}", 4
@@ -148,7 +148,7 @@ def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(co
     """The report blamed "rank 1 stalled", or a rank's TimeoutError: the step's quorum fails with the Lighthouse
     gone, and the job ends within the timeout (+ 10 s) with one line naming it."""
     pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
-    from ddplab.launch import LIGHTHOUSE_OPTIONS
+    from ddplab.commands.launch import LIGHTHOUSE_OPTIONS
 
     port, timeout = _closed_port(), 5
     program = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
@@ -209,7 +209,7 @@ def _worker(group: int) -> int | None:
             parent = (proc / "status").read_text().split("PPid:")[1].split()[0]
         except (OSError, IndexError):
             continue
-        if any(b"ddplab.launch" in c for c in _cmdline(parent)):
+        if any(b"ddplab.commands.launch" in c for c in _cmdline(parent)):
             found.append(int(proc.name))
     return min(found, default=None)
 
@@ -455,8 +455,8 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
 def test_a_resume_that_keeps_the_global_batch_says_it_is_planned_with_every_group():
     from types import SimpleNamespace
 
-    from ddplab.engine.replicas import Replicas
-    from ddplab.engine.resume import keep_batch
+    from ddplab.engine.parallel.replicas import Replicas
+    from ddplab.engine.snapshots.resume import keep_batch
 
     replicas = Replicas.__new__(Replicas)  # what the line reads of it only: no quorum, no torchft manager
     replicas.groups = 2

@@ -283,8 +283,8 @@ def _replica_group_folder(root, name, epochs):
     with the columns engine.replicas adds, in metrics.json and metrics.csv. `epochs`: each one's steps, as
     (groups in the quorum, global batch) per committed step."""
     from ddplab.config import batch_arithmetic
-    from ddplab.engine.replicas import Replicas
-    from ddplab.engine.run_folder import RunFolder
+    from ddplab.engine.parallel.replicas import Replicas
+    from ddplab.engine.run_folder.folder import RunFolder
     from ddplab.registry import load_config
 
     cfg = load_config(

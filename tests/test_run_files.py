@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ddplab.engine.run_folder import RunFiles
+from ddplab.engine.run_folder.folder import RunFiles
 
 
 def _run(folder, status: str = "complete"):

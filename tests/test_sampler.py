@@ -59,7 +59,7 @@ def _ranks(data, world, start):
 def test_evaluation_loaders_count_each_sample_once():
     from types import SimpleNamespace as NS
 
-    from ddplab.engine.loaders import Loaders
+    from ddplab.engine.loop.loaders import Loaders
 
     cfg = NS(training=NS(batch_size=2), data=NS(num_workers=0, pin_memory=False))
     shards = []

@@ -18,9 +18,9 @@ from test_fault_tolerance import _free_port, _summary, _trace, _weights, data  #
 
 import faults
 from conftest import _env, assert_ok, ddplab, main, verify
-from ddplab.engine import manifest
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import step_snapshots
+from ddplab.engine.snapshots import manifest
+from ddplab.engine.snapshots.read import step_snapshots
+from ddplab.engine.snapshots.write import Checkpointer
 from faults import agent_command, command
 from references import SAMPLES, gpt_args
 
@@ -199,7 +199,7 @@ def test_hsdp_from_two_nodes_resumes_on_one_resharded_with_the_global_batch_kept
 
 
 def test_export_loads_into_a_fresh_model_without_ddplab(tmp_path, reference, capfd):
-    from ddplab.inference import load_model
+    from ddplab.commands.trained_model import load_model
     from ddplab.models.gpt import GPT, GPTConfig
 
     out = tmp_path / "model.safetensors"
@@ -248,8 +248,8 @@ def test_bad_sharding_inputs_say_one_line(tmp_path, data, monkeypatch, capfd):
 
 
 def test_hsdp_needs_whole_nodes_and_a_model_names_its_blocks():
-    from ddplab.distributed import DistContext, LaunchInfo
-    from ddplab.engine.sharding import blocks, shard
+    from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
+    from ddplab.engine.parallel.sharding import blocks, shard
     from ddplab.errors import UserError
     from ddplab.models.gpt import GPT, GPTConfig
     from ddplab.registry import load_config
@@ -309,7 +309,7 @@ def test_an_fsdp_run_records_its_state_units_and_peak_and_generates(reference, c
 def test_a_model_sharded_as_one_unit_saves_whole_weights_after_a_forward_pass(one_rank_group):
     from torch.distributed.fsdp import fully_shard
 
-    from ddplab.engine.sharding import full_state, is_sharded
+    from ddplab.engine.parallel.sharding import full_state, is_sharded
 
     model = fully_shard(torch.nn.Linear(4, 2))  # the root its only unit, as for a model without blocks
     with torch.no_grad():

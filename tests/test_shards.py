@@ -218,8 +218,8 @@ def test_without_the_text_extra_shards_are_refused_in_one_line(monkeypatch, tmp_
 
 
 def _built(tmp_path, *overrides):
-    from ddplab.distributed import DistContext, LaunchInfo
-    from ddplab.engine.setup import build_data
+    from ddplab.engine.loop.setup import build_data
+    from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
     from ddplab.registry import check_files, load_config, workload
 
     cfg = load_config(None, [f"experiment.output_dir={tmp_path / 'out'}", "data.stream=true", *overrides])

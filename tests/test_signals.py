@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import _env, assert_ok, ddplab
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from references import corpus as text
 from references import launched_args, launched_gpt, launched_job
 
@@ -270,7 +270,7 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_job_ends_comple
 def test_the_launcher_exits_as_the_workers_stop_was_recorded(tmp_path, status, code):
     """A Ctrl-C's snapshot (the workers' report) ends the job with 130 even where the agent, stopped after it,
     exited with a failure; a pre-emption's with 75; both when a worker's Ctrl-C met another's SIGTERM."""
-    from ddplab.launch import outcome
+    from ddplab.commands.launch import outcome
 
     (tmp_path / f"{status}-rank00001").write_text("")
     assert outcome(tmp_path, 1, stopped=True) == (code, None)

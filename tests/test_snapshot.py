@@ -1,7 +1,7 @@
-"""Snapshots as named stateful parts under a checksummed manifest (engine/checkpoint.py, engine/manifest.py):
-the manifest written, verified and tampered with in-process; a workload's own part restored after a SIGKILL
-(DDP and FSDP, 2 processes); damaged snapshots skipped in one line for the previous one; the resume check
-made against the snapshot's own config."""
+"""Snapshots as named stateful parts under a checksummed manifest (engine/snapshots/:
+write.py, manifest.py): the manifest written, verified and tampered with in-process; a workload's own part
+restored after a SIGKILL (DDP and FSDP, 2 processes); damaged snapshots skipped in one line for the previous
+one; the resume check made against the snapshot's own config."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import torch
 import ddplab
 import faults
 from conftest import _env, assert_ok, main
-from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.engine import manifest
-from ddplab.engine.callbacks import CallbackList
-from ddplab.engine.checkpoint import PER_RANK, Checkpointer, Parts, part
-from ddplab.engine.checkpoint_reader import STATE, load_checkpoint, load_snapshot, open_snapshot
-from ddplab.engine.manifest import MARKER, Damaged
+from ddplab.engine.loop.view import CallbackList
+from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
+from ddplab.engine.snapshots import manifest
+from ddplab.engine.snapshots.manifest import MARKER, Damaged
+from ddplab.engine.snapshots.read import STATE, load_checkpoint, load_snapshot, open_snapshot
+from ddplab.engine.snapshots.write import PER_RANK, Checkpointer, Parts, part
 from ddplab.errors import UserError
 from faults import command
 
@@ -266,7 +266,7 @@ def test_callbacks_state_is_keyed_by_class_and_index():
 
 def test_the_launchers_readers_take_a_garbage_marker_and_the_snapshots_config(tmp_path):
     from ddplab.commands.train import check_global_batch
-    from ddplab.engine.fingerprint import check_resume
+    from ddplab.engine.snapshots.fingerprint import check_resume
     from ddplab.registry import load_config
 
     run = tmp_path / "run"

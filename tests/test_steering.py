@@ -17,11 +17,11 @@ import ddplab
 from conftest import _env, assert_ok, verify
 from conftest import ddplab as ddplab_cli
 from ddplab.cli import main
-from ddplab.config_io import read_config
-from ddplab.engine.checkpoint import Checkpointer
-from ddplab.engine.checkpoint_reader import load_snapshot
+from ddplab.commands.run import train
+from ddplab.config.reading import read_config
+from ddplab.engine.snapshots.read import load_snapshot
+from ddplab.engine.snapshots.write import Checkpointer
 from ddplab.registry import load_config
-from ddplab.run import train
 from faults import command, forked_torchrun
 
 # One bias b, trained towards 1 with plain SGD, scored against targets around 0.3: b after epoch k is
@@ -435,7 +435,7 @@ def test_under_fsdp_a_users_optimizer_and_schedule_resume_exactly_after_a_sigkil
 def test_a_time_budget_replans_ddplabs_schedules_and_leaves_a_users_as_built():
     from types import SimpleNamespace
 
-    from ddplab.engine.optim import plan_for_budget
+    from ddplab.engine.loop.optim import plan_for_budget
 
     one_rank = SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda t, op="sum": t)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -531,7 +531,7 @@ def test_sync_batchnorm_converts_every_batchnorm_below_the_root_before_the_model
     """The conversion itself, where CPU can show it (SyncBatchNorm's forward needs CUDA; the test below runs it)."""
     from types import SimpleNamespace
 
-    from ddplab.engine.setup import distribute
+    from ddplab.engine.loop.setup import distribute
 
     inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     model = torch.nn.Sequential(inner, torch.nn.BatchNorm2d(3))
@@ -609,7 +609,7 @@ def test_a_scaler_builder_is_handed_the_training_section_read_only(tmp_path, dri
     from dataclasses import FrozenInstanceError
 
     from ddplab.config import TrainingConfig
-    from ddplab.engine.parts import Builders, grad_scaler
+    from ddplab.engine.loop.parts import Builders, grad_scaler
 
     seen = []
 

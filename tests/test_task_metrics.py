@@ -119,8 +119,8 @@ def model(cfg, data):
 
 
 def test_real_runs_of_a_regression_and_a_users_task_report_their_own_scores(tmp_path):
+    from ddplab.commands.run import train
     from ddplab.registry import load_config
-    from ddplab.run import train
 
     workload = tmp_path / "scored.py"
     workload.write_text(WORKLOAD)

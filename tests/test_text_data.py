@@ -13,8 +13,8 @@ import torch
 
 from ddplab.data.text_synthetic import generate
 from ddplab.data.text_tokenize import HashTokenizer
-from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.engine.setup import build_data
+from ddplab.engine.loop.setup import build_data
+from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
 from ddplab.errors import UserError
 from ddplab.registry import load_config, workload
 
@@ -262,7 +262,7 @@ def _fake_hub(tmp_path, monkeypatch, name: str) -> list:
 def test_hub_sources_are_hf_datasets_tokenised_once_by_map(tmp_path, monkeypatch, name):
     import datasets
 
-    from ddplab.engine.setup import build_model
+    from ddplab.engine.loop.setup import build_model
     from ddplab.tasks import call_model
 
     calls = _fake_hub(tmp_path, monkeypatch, name)

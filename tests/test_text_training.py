@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import assert_ok, ddplab, main, torchrun
-from ddplab.config_io import from_dict
-from ddplab.distributed import DistContext, LaunchInfo
-from ddplab.engine.setup import build_data
-from ddplab.inference import load_model
+from ddplab.commands.trained_model import load_model
+from ddplab.config.reading import from_dict
+from ddplab.engine.loop.setup import build_data
+from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
 from ddplab.registry import workload
 from ddplab.tasks import call_model
 

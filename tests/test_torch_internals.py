@@ -1,4 +1,4 @@
-"""Each private name of torch's and each interpreter internal ddplab uses (engine/torch_internals.py) still is
+"""Each private name of torch's and each interpreter internal ddplab uses (engine/parallel/torch_internals.py) still is
 what ddplab takes it for: a test fails naming the name that moved and the function of torch_internals to mend."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import _env
-from ddplab.engine import torch_internals as internals
+from ddplab.engine.parallel import torch_internals as internals
 
 
 def moved(name: str, fn, what: str = "is gone") -> str:
     return (
-        f"torch {torch.__version__}: {name} {what}; mend ddplab.engine.torch_internals.{fn.__name__} "
+        f"torch {torch.__version__}: {name} {what}; mend ddplab.engine.parallel.torch_internals.{fn.__name__} "
         f"(checked on torch {', '.join(internals.CHECKED_ON)})"
     )
 
@@ -188,7 +188,7 @@ def test_the_interpreters_exit_handlers_and_streams():
     code = """
 import atexit, os, sys
 from pathlib import Path
-from ddplab.engine import torch_internals as i
+from ddplab.engine.parallel import torch_internals as i
 atexit.register(print, "dropped")
 i.drop_exit_handlers()
 atexit.register(print, "ran")

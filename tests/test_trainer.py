@@ -7,9 +7,9 @@ import re
 import pytest
 
 from conftest import TINY_GPT
-from ddplab.engine.optim import lr_lambda, scaled_lr
+from ddplab.commands.run import train
+from ddplab.engine.loop.optim import lr_lambda, scaled_lr
 from ddplab.registry import load_config
-from ddplab.run import train
 
 
 def _run(tmp_path, corpus, *overrides):

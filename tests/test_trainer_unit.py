@@ -1,7 +1,7 @@
 """The Trainer handed small fake parts, in this process: no process group, no run folder, no loader.
 
-A one-layer model, a list of batches as the data feed, the plain modes (engine/fault_tolerance.py's NoReplicas,
-engine/sharding.py's Replicated) or fakes of them; a world of one process (FakeCtx).
+A one-layer model, a list of batches as the data feed, the plain modes (engine/parallel/fault_tolerance.py's NoReplicas,
+engine/parallel/sharding.py's Replicated) or fakes of them; a world of one process (FakeCtx).
 """
 
 import copy
@@ -13,10 +13,10 @@ import torch
 
 import ddplab
 from ddplab.config import batch_arithmetic
-from ddplab.engine.fault_tolerance import NoReplicas
-from ddplab.engine.parts import TrainParts
-from ddplab.engine.sharding import Replicated
-from ddplab.engine.trainer import Trainer
+from ddplab.engine.loop.parts import TrainParts
+from ddplab.engine.loop.trainer import Trainer
+from ddplab.engine.parallel.fault_tolerance import NoReplicas
+from ddplab.engine.parallel.sharding import Replicated
 from ddplab.registry import load_config
 
 BATCH, LR = 4, 0.1

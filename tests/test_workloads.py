@@ -194,8 +194,8 @@ def test_two_processes_under_slurm_variables(tmp_path):
 
 
 def _weights(run: Path) -> dict:
-    from ddplab.engine.checkpoint import Checkpointer
-    from ddplab.engine.checkpoint_reader import load_snapshot
+    from ddplab.engine.snapshots.read import load_snapshot
+    from ddplab.engine.snapshots.write import Checkpointer
 
     ck = Checkpointer(run / "checkpoints", is_main=False)
     return load_snapshot(ck.latest())["model"]

@@ -4,7 +4,7 @@
   defined under tests/) starts a process: the conftest helpers `ddplab()`, `torchrun()`, `verify()` and `run_study()`,
   `subprocess`, `multiprocessing`, `os.fork`.
 - inproc: otherwise, if that code trains or runs a command in the pytest process (`ddplab.train`, the CLI's
-  `main`, anything from ddplab.commands, ddplab.engine.trainer, ddplab.run, ddplab.verify) or joins a process
+  `main`, anything from ddplab.commands or ddplab.engine.loop.trainer) or joins a process
   group (the `one_rank_group` fixture).
 - unit: the rest.
 
@@ -29,7 +29,12 @@ import pytest
 
 TIERS = ("unit", "inproc", "multiproc")
 HERE = Path(__file__).resolve().parent
-HEAVY_MODULES = ("ddplab.api", "ddplab.cli", "ddplab.run", "ddplab.commands", "ddplab.engine.trainer", "ddplab.verify")
+HEAVY_MODULES = (
+    "ddplab.api",
+    "ddplab.cli",
+    "ddplab.commands",
+    "ddplab.engine.loop.trainer",
+)
 IN_PROCESS_FIXTURES = {"one_rank_group"}
 
 

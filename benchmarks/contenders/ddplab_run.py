@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import contender_args, overrides, report  # noqa: E402
 
 from ddplab import Callback  # noqa: E402
+from ddplab.commands.run import train  # noqa: E402
 from ddplab.registry import load_config  # noqa: E402
-from ddplab.run import train  # noqa: E402
 
 
 def train_and_report(args, callbacks=(), extra=dict) -> None:

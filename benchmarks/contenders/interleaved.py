@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node=N benchmarks/contenders/interleaved.py gpt 3 out.json
 
-ddplab trains as in ddplab_run.py (through `ddplab.run.train`, as `ddplab train` does), and a
+ddplab trains as in ddplab_run.py (through `ddplab.commands.run.train`, as `ddplab train` does), and a
 callback runs one epoch of `handwritten.HandLoop` after each of ddplab's epochs (with
 --alternate: before ddplab's odd epochs, after its even ones, so neither loop always goes
 first), on its own model copy, optimizer, DDP wrapper and loader. Each pair of epochs runs

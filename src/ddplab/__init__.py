@@ -27,7 +27,7 @@ _PUBLIC = {
     "LanguageModeling": "ddplab.tasks",
     "Callback": "ddplab.callbacks",
     "EarlyStopping": "ddplab.callbacks",
-    "TrainView": "ddplab.engine.callbacks",
+    "TrainView": "ddplab.engine.loop.view",
     "Shards": "ddplab.data.shards",
     "train": "ddplab.api",
     "UserError": "ddplab.errors",

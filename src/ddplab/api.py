@@ -12,12 +12,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ddplab import process_state
 from ddplab.callbacks import Callback
+from ddplab.commands.run import train as run_train
 from ddplab.config import Config
-from ddplab.engine.parts import Builders
+from ddplab.engine.loop.parts import Builders
 from ddplab.registry import load_config
-from ddplab.run import train as run_train
+from ddplab.runtime import process_state
 
 
 def train(
@@ -33,7 +33,7 @@ def train(
     "preempted"). `model(cfg, data)` and `data(cfg)` take the place of model.name / data.name;
     define them at the top level of a file guarded by `if __name__ == "__main__":`, since
     predict, generate and resume import that file again. `builders` replace how the trainer's parts are
-    built (engine/parts.py)."""
+    built (engine/loop/parts.py)."""
     with process_state.changes():  # importing a workload file puts its folder on sys.path: undone too
         cfg = load_config(config, list(overrides), model=model, data=data)
         callbacks = [*callbacks, *_ray_train()]

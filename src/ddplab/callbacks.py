@@ -1,7 +1,7 @@
 """What a callback is written against: the hooks, and ddplab's own steering callback, EarlyStopping.
 
 The trainer calls each hook at a fixed point, on every rank, in list order, with a read-only
-`ddplab.TrainView` of the run (engine/callbacks.py); docs/your-workload.md states what the view
+`ddplab.TrainView` of the run (engine/loop/view.py); docs/your-workload.md states what the view
 holds at each hook. A callback observes, and may ask the run to end (`view.request_stop`).
 
 A callback with `state_dict()` / `load_state_dict()` has that state saved in every snapshot and

@@ -7,11 +7,12 @@ import argparse
 import importlib
 import sys
 
-from ddplab import __version__, process_state
+from ddplab import __version__
 from ddplab.config import describe_fields
-from ddplab.engine.reports import tell
+from ddplab.engine.diagnosis.outcome import tell
 from ddplab.errors import ExitCode, Preempted, RunError, UserError
 from ddplab.registry import builtin_names
+from ddplab.runtime import process_state
 
 
 class _Parser(argparse.ArgumentParser):

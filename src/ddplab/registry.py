@@ -18,12 +18,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ddplab.config import INT_MAX, MAX_PROCESSES, Config, DistributedConfig
-from ddplab.config_io import read_config
+from ddplab.config.frozen import freeze
+from ddplab.config.reading import read_config
 from ddplab.data.checks import check_memory, check_stream, check_stream_files, image_spec
 from ddplab.errors import UserError
-from ddplab.extras import install_line, missing, require
-from ddplab.frozen import freeze
 from ddplab.models.checks import check_image_input
+from ddplab.runtime.extras import install_line, missing, require
 from ddplab.workload import Workload, is_reference, reference_of, resolve
 
 
@@ -35,7 +35,7 @@ class Builtin:
     image: tuple | None = None  # (channels, default side) a vision model wants; None: the data's own
     check: str | None = None  # (cfg) -> None, from the config alone, without torch
     check_files: str | None = None  # (cfg) -> None, the files the config names
-    extra: str | None = None  # the optional part of ddplab it needs (ddplab.extras)
+    extra: str | None = None  # the optional part of ddplab it needs (ddplab.runtime.extras)
 
     def call(self, what: str, cfg) -> None:
         reference = getattr(self, what)
@@ -161,7 +161,7 @@ def check_config(cfg: Config, given: tuple = ()) -> None:
         )
     t = cfg.training
     if t.optimizer not in ("adamw", "sgd") or t.optimizer_options or t.schedule not in ("cosine", "linear", "constant"):
-        from ddplab.engine.optim import check_names  # imports torch: only for a name that is none of ddplab's own
+        from ddplab.engine.loop.optim import check_names  # imports torch: only for a name that is none of ddplab's own
 
         check_names(t)
     d = cfg.distributed

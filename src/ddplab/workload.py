@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddplab import process_state
 from ddplab.errors import UserError, first_line
+from ddplab.runtime import process_state
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Data:
     `assets` names files inference needs (a tokenizer's file or folder, a vocabulary): training
     copies them into the run folder, and `ddplab predict` hands them back as `cfg.assets`.
     `state` names objects with state_dict() / load_state_dict() (a stream's position, a counter)
-    that every snapshot holds, each rank's own, and a resume gives back (engine/checkpoint.py).
+    that every snapshot holds, each rank's own, and a resume gives back (engine/snapshots/write.py).
     """
 
     train: Any

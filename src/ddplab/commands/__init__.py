@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ddplab.engine.run_folder import RunFiles
+from ddplab.engine.run_folder.folder import RunFiles
 from ddplab.errors import UserError
 
 

@@ -8,9 +8,9 @@ import sys
 from importlib import metadata
 
 import ddplab
+from ddplab.engine.parallel.world import detect_launch, detect_nodes, shown
 from ddplab.errors import UserError
-from ddplab.extras import EXTRAS, missing
-from ddplab.world import detect_launch, detect_nodes, shown
+from ddplab.runtime.extras import EXTRAS, missing
 
 
 def env(ns) -> int:

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 from ddplab.commands import at_least, output_file
-from ddplab.engine.checkpoint_reader import load_checkpoint
-from ddplab.engine.files import write_atomic
+from ddplab.commands.predict import expand, line, output_format, write
+from ddplab.commands.predict import predict as predict_rows
+from ddplab.commands.trained_model import load_model, sample
+from ddplab.engine.run_folder.files import write_atomic
+from ddplab.engine.snapshots.read import load_checkpoint
 from ddplab.errors import ExitCode, RunError, UserError
-from ddplab.inference import load_model, sample
-from ddplab.predict import expand, line, output_format, write
-from ddplab.predict import predict as predict_rows
 
 
 def generate(ns) -> int:

@@ -9,17 +9,17 @@ import time
 from pathlib import Path
 
 from ddplab.commands import at_least, split_args
+from ddplab.commands.launch import check_processes, quick_exit, run_workers, under_agent
 from ddplab.config import keep_global_batch
-from ddplab.config_io import format_duration
-from ddplab.engine.lock import claim, held, resolve_run_dir
-from ddplab.engine.manifest import Damaged, newest, read
-from ddplab.engine.phases import note_launch
-from ddplab.engine.run_folder import RunFiles, RunFolder
+from ddplab.config.reading import format_duration
+from ddplab.engine.diagnosis.phases import note_launch
+from ddplab.engine.parallel.world import NodeLaunch, detect_nodes
+from ddplab.engine.run_folder.folder import RunFiles, RunFolder
+from ddplab.engine.run_folder.lock import claim, held, resolve_run_dir
+from ddplab.engine.snapshots.manifest import Damaged, newest, read
 from ddplab.errors import STATUS_CODES, ExitCode, RunError, UserError
-from ddplab.launch import check_processes, quick_exit, run_workers, under_agent
-from ddplab.process_state import die_with_parent
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
-from ddplab.world import NodeLaunch, detect_nodes
+from ddplab.runtime.process_state import die_with_parent
 
 
 def train(ns) -> int:
@@ -45,7 +45,7 @@ def train(ns) -> int:
     # A worker, or a plain process: only now is torch imported (the launcher never needs it).
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from ddplab.run import train
+    from ddplab.commands.run import train
 
     # record(): under torchrun, the failing rank's exception shows in the launcher's failure summary.
     summary = record(train)(cfg)  # None: train() exited with SystemExit(0)
@@ -100,7 +100,7 @@ def launch_node(nodes: NodeLaunch, ns) -> int:
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
-    """A resume at another world size keeps the run's global batch (engine/resume.py); where no
+    """A resume at another world size keeps the run's global batch (engine/snapshots/resume.py); where no
     accumulation can, one line says so before any worker starts. A marker that is not a manifest is
     left to the workers, which skip its snapshot and say so."""
     if cfg.checkpoint.resume == "never":
@@ -122,10 +122,10 @@ def preflight(cfg, run_dir: Path) -> None:
     # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
     import torch
 
-    from ddplab.distributed import DistContext, LaunchInfo
-    from ddplab.engine import failure
-    from ddplab.engine.rng import seed_everything
-    from ddplab.engine.setup import build_data, build_model
+    from ddplab.engine.diagnosis import failure
+    from ddplab.engine.loop.rng import seed_everything
+    from ddplab.engine.loop.setup import build_data, build_model
+    from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
 
     seed_everything(cfg.experiment.seed)
     ctx = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
@@ -138,11 +138,11 @@ def preflight(cfg, run_dir: Path) -> None:
 
 
 def verify(ns) -> int:
-    """N-process DDP against one process with N x the batch (ddplab.verify)."""
+    """N-process DDP against one process with N x the batch (ddplab.commands.verify)."""
     at_least("--nproc", ns.nproc)
     at_least("--tolerance", ns.tolerance, 0)
     at_least("--weight-tolerance", ns.weight_tolerance, 0)
-    from ddplab.verify import verify as compare  # torch: never the launcher's import
+    from ddplab.commands.verify import verify as compare  # torch: never the launcher's import
 
     return compare(*split_args(ns.args), ns.nproc, ns.tolerance, ns.weight_tolerance)
 

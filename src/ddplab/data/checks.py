@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ddplab.errors import UserError, first_line
-from ddplab.extras import require
+from ddplab.runtime.extras import require
 
 # data.name -> (channels, side) of the images as stored; an image_folder tree's are read from its files.
 NATIVE = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32)}

@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ddplab.data.shard_files import FORMATS, expand, format_of
 from ddplab.data.stream import owns
 from ddplab.errors import RunError, UserError, first_line
-from ddplab.extras import require
+from ddplab.runtime.extras import require
 
 
 class Shards(IterableDataset):

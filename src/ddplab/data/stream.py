@@ -10,7 +10,7 @@ turn, yields the rank's batches in stream order whatever its worker count.
 PyTorch leaves sharding an `IterableDataset` to the dataset. One whose attribute `shards_itself` is
 true yields only its own process's and loader worker's share (it reads its rank and
 `get_worker_info()`, or was built with `datasets.distributed.split_dataset_by_node`); it is read as
-it is. Where the user does not say, the checks before launch (engine/setup.py) find it out and set
+it is. Where the user does not say, the checks before launch (engine/loop/setup.py) find it out and set
 the attribute.
 
 A dataset with a `share(epoch, start, end, rank, world_size, batch_size, worker, workers)` method

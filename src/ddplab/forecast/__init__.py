@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddplab.config import batch_arithmetic
-from ddplab.config_io import parse_duration
+from ddplab.config.reading import parse_duration
 from ddplab.errors import UserError
 from ddplab.forecast.fit import fit_link
 from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddplab.engine.files import write_atomic
+from ddplab.engine.run_folder.files import write_atomic
 from ddplab.report.plots import _save, _subplots
 from ddplab.report.table import write_csv
 

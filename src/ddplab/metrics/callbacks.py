@@ -9,13 +9,13 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ddplab import process_state
 from ddplab.callbacks import Callback
-from ddplab.config_io import format_duration
-from ddplab.engine.comm import attach_step_timer, epoch_comm_row
+from ddplab.config.reading import format_duration
+from ddplab.engine.parallel.ddp_comm import attach_step_timer, epoch_comm_row
 from ddplab.metrics.gpu import GpuMonitor
 from ddplab.metrics.stragglers import Stragglers
 from ddplab.metrics.throughput import mfu
+from ddplab.runtime import process_state
 
 
 class EpochColumns(Callback):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ddplab.callbacks import Callback
-from ddplab.engine.files import write_atomic
+from ddplab.engine.run_folder.files import write_atomic
 from ddplab.evaluators import per_class_scores
 
 

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from ddplab.engine.files import write_atomic
+from ddplab.engine.run_folder.files import write_atomic
 from ddplab.report import plots
 from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs

@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ddplab.engine.files import write_atomic
+from ddplab.engine.run_folder.files import write_atomic
 from ddplab.report.runs import Run
 from ddplab.report.table import swept_keys
 

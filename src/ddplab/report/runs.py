@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplab.engine.run_folder import RunFiles
+from ddplab.engine.run_folder.folder import RunFiles
 from ddplab.errors import UserError
 
 # Sections that name or present a run but do not change what it computes.

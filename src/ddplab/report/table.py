@@ -15,7 +15,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ddplab.engine.files import write_atomic
+from ddplab.engine.run_folder.files import write_atomic
 from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.

@@ -16,12 +16,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ddplab.engine.files import write_atomic
-from ddplab.engine.run_folder import RunFiles, RunFolder
+from ddplab.commands.launch import log_tail, run, torchrun_command
+from ddplab.engine.parallel.world import expand_nodelist
+from ddplab.engine.run_folder.files import write_atomic
+from ddplab.engine.run_folder.folder import RunFiles, RunFolder
 from ddplab.errors import ExitCode, RunError, UserError, stopped
-from ddplab.launch import log_tail, run, torchrun_command
 from ddplab.study.grid import Point, Setup
-from ddplab.world import expand_nodelist
 
 LOG_FILE = "launcher.log"  # everything the launcher and the workers printed
 

@@ -11,8 +11,8 @@ A tracker that fails prints one warning and is dropped: training goes on and not
 from __future__ import annotations
 
 from ddplab.callbacks import Callback
-from ddplab.engine.files import read_json
-from ddplab.engine.run_folder import RunFiles, RunFolder
+from ddplab.engine.run_folder.files import read_json
+from ddplab.engine.run_folder.folder import RunFiles, RunFolder
 from ddplab.trackers.base import LOG_ROW_SKIP, TensorBoard, numbers
 from ddplab.trackers.mlflow_run import MLflow, finish_study
 from ddplab.trackers.wandb_run import WandB

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ddplab.engine.files import subfolder
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder.files import subfolder
+from ddplab.engine.run_folder.folder import RunFolder
 
 LOG_ROW_SKIP = ("step", "epoch", "elapsed_s")  # a log row's bookkeeping, not a training metric
 

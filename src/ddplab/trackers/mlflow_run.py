@@ -9,10 +9,10 @@ import re
 import time
 from pathlib import Path
 
-from ddplab import process_state
-from ddplab.engine.files import read_json, write_atomic
-from ddplab.engine.fingerprint import flatten
-from ddplab.engine.run_folder import RunFolder
+from ddplab.engine.run_folder.files import read_json, write_atomic
+from ddplab.engine.run_folder.folder import RunFolder
+from ddplab.engine.snapshots.fingerprint import flatten
+from ddplab.runtime import process_state
 from ddplab.trackers.base import Tracker
 
 

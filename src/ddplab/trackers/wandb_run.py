@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from ddplab import process_state
+from ddplab.runtime import process_state
 from ddplab.trackers.base import Tracker
 
 

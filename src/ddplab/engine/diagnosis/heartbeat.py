@@ -1,0 +1,339 @@
+"""Heartbeats: which rank stalled, where, and the job's last word when it fails.
+
+Each rank's trainer marks its phase and step on its `Beat` (distributed.py) and DistContext
+records the collective it entered. A daemon thread per rank publishes that beat, with where
+the main thread stands (file, line, function: the innermost frame outside Python's and
+torch's own files), to the process group's c10d store every second: the store is reachable
+from every node and answers while the ranks' collectives are stuck. Rank 0's thread reads
+every beat, warns once per stall, and keeps `heartbeat.json` in the run folder for `ddplab status`.
+
+When a rank fails (a collective timed out, a peer vanished, an exception), it dumps its
+Python stack into logs/rank<N>.log and raises a failure count in the store; every other
+rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
+its rank through the main thread, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
+of the failure, writes the report that engine/diagnosis/failure.py composes: train.log, metrics.json's `failure`,
+the terminal; on NCCL it names the collectives each rank never completed, from torch's flight recorder
+(flight_recorder.py). When rank 0
+itself died, the first other rank to see it gone writes the report (else the launcher does, launch.py).
+A rank whose beat stops coming (SIGSTOP) is frozen: named as stalled, not the ranks that wait for it.
+
+A beat that raises is reported once (train.log or stderr, its traceback in logs/rank<N>.log) and the
+beats go on, without the store when the store was what failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+import torch.distributed as dist
+
+from ddplab.engine.diagnosis.failure import compose, exited, gist, log_traceback, place_text, where, where_raised
+from ddplab.engine.diagnosis.flight_recorder import unfinished
+from ddplab.engine.parallel.torch_internals import default_store, thread_frame
+from ddplab.engine.run_folder.folder import amend
+from ddplab.errors import LighthouseLost, RunError
+from ddplab.runtime import process_state
+
+_FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
+_DONE = "ddplab/done"  # how many of the other ranks no longer use the store, once the report is written
+_BEAT = "ddplab/beat/"  # + the rank: its last beat
+# Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
+# during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
+# forked mid-beat once hung a loader worker.
+_BEATING, _fork_guard = threading.Lock(), {"registered": False}
+_END_SIGNAL = signal.SIGUSR2  # from the heartbeat thread to the main thread: another rank failed
+GRACE_S = 30.0  # for the main thread to end once told to; past it, faulthandler ends the process
+
+
+class PeerFailed(BaseException):
+    """Raised in the main thread when another rank failed; not an Exception, so that no `except Exception`
+    on the way (a tracker's, a callback's) keeps the rank going."""
+
+
+def _peer_failed(signum, frame) -> None:
+    raise PeerFailed("another rank failed; rank 0 wrote the job's report")
+
+
+# A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
+# debugger, a host that stopped scheduling it). Its heartbeat thread stopped with it, so the `still_s` it
+# last published stopped growing.
+_FROZEN_AFTER = 5.0
+
+
+def frozen(beat: dict, now: float) -> dict:
+    """A rank's beat as it stands now: a frozen rank still since its last beat, and waiting for nobody
+    (it may have stopped inside a collective, but the others wait for it)."""
+    late = now - beat.get("at", now)
+    if late <= _FROZEN_AFTER:
+        return beat
+    return {**beat, "still_s": round(beat["still_s"] + late, 1), "waiting": False, "frozen": True}
+
+
+class Heartbeat:
+    """One per rank, for the whole run: start(), then fail(exc) on an error, stop() at the end."""
+
+    def __init__(self, ctx, run, stall_warning: float, announce, interval: float = 1.0) -> None:
+        self.ctx, self.beat, self.run = ctx, ctx.beat, run
+        self.stall_warning, self.announce, self.interval = stall_warning, announce, interval
+        self.store = default_store() if ctx.is_distributed else None
+        self.log_path = Path(run.path) / run.LOGS / f"rank{ctx.rank}.log"
+        self.seen: dict[int, dict] = {}  # rank 0: every rank's last beat
+        self.mine: dict | None = None
+        self._host = socket.gethostname()
+        self._main = threading.get_ident()  # the thread that trains
+        self._trouble: BaseException | None = None  # the first beat that raised (reported once)
+        self._signals = False  # whether the main thread can be told to end (it installed the handler)
+        self._deadline: TextIO | None = None  # the file faulthandler's last-resort dump goes to
+        self._ticks, self._since, self._count = -1, time.monotonic(), 0
+        self._warned: dict[int, int] = {}  # rank -> its beat count when a stall was last warned of
+        self._started = time.time()  # flight recorder dumps older than this are an earlier attempt's
+        self._ending = threading.Lock()
+        self._ended = self._stopping = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
+            release = _BEATING.release
+            os.register_at_fork(before=_BEATING.acquire, after_in_parent=release, after_in_child=release)
+            _fork_guard["registered"] = True
+        if self.store is not None:  # undone when the run's process_state.changes() ends
+            self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True  # the main thread is ending the run: no signal for it from here on
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._deadline is not None:  # the main thread got here: it ends the normal way
+            faulthandler.cancel_dump_traceback_later()
+            self._deadline.close()
+            self._deadline = None
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            shared = self.store is not None
+            try:
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - reported once, then the beats go on
+                # The store went with its host (rank 0, or torchrun's agent), and the job with it: every beat
+                # stops before rank 0 leaves at the normal end. A rank stuck outside a collective would wait
+                # for ever, so it ends as when a peer fails.
+                lost = shared and self.store is None and not self._ended
+                self._failed_beat(exc, "this rank ends: the job's store is gone" if lost else None)
+                if lost:
+                    self._end_rank()
+
+    def _failed_beat(self, exc: Exception, then: str | None = None) -> None:
+        # Once; and a store gone with a job that has ended is no news.
+        if self._trouble is not None or (self._ended and self.store is None):
+            return
+        self._trouble = exc
+        then = then or ("it goes on without the store" if self.store is None else "it goes on")
+        log_traceback(self.run.path, self.ctx.rank, f"a heartbeat raised; {then}", exc)
+        message = f"WARNING: rank {self.ctx.rank}'s heartbeat raised {gist(exc)}; {then} (traceback in {self.log_path})"
+        if self.ctx.is_main:
+            self.run.log(message)
+        else:
+            print(f"ddplab: {message}", file=sys.stderr, flush=True)
+
+    def _describe(self) -> dict:
+        """This rank's beat, read from memory: call it holding _BEATING."""
+        now, b = time.monotonic(), self.beat
+        if b.ticks != self._ticks:
+            self._ticks, self._since = b.ticks, now
+        frame = thread_frame(self._main)
+        return {
+            "rank": self.ctx.rank,
+            "host": self._host,
+            "pid": os.getpid(),
+            "step": b.step,
+            "at": time.time(),
+            "phase": b.phase,
+            "collective": b.collective,
+            "waiting": b.waiting,
+            "ticks": b.ticks,
+            "still_s": round(now - self._since, 1),
+            "where": where(frame) if frame is not None else None,
+        }
+
+    def _tick(self) -> None:
+        with _BEATING:
+            self.mine, self._count = self._describe(), self._count + 1
+            mine, count = self.mine, self._count
+            if self.store is None:
+                self.seen[self.ctx.rank] = mine
+        if self.store is not None:
+            try:
+                self.store.set(f"{_BEAT}{self.ctx.rank}", json.dumps(mine))
+                heard = self._read_all() if self.ctx.is_main else {}
+                failed = self.store.add(_FAILED, 0)
+            except Exception:  # the store went with its host (rank 0, or the agent): _loop ends this rank
+                self.store = None
+                raise
+            with _BEATING:
+                self.seen.update(heard)
+            if failed and not self._ended:
+                self._end_rank()
+                return
+        if self.ctx.is_main and not self._ended:  # once the job has failed, its report says what each rank did
+            with _BEATING:
+                seen = dict(self.seen)
+            self._warn(seen)
+            if count % 5 == 1:
+                self.run.write_json(
+                    self.run.HEARTBEAT, {"time": time.time(), "ranks": seen, "progress": self.beat.progress}
+                )
+
+    def _read_all(self) -> dict[int, dict]:
+        """Every rank's last beat in the store, each marked frozen or not."""
+        store = self._store()
+        now, keys = time.time(), {rank: f"{_BEAT}{rank}" for rank in range(self.ctx.world_size)}
+        return {rank: frozen(json.loads(store.get(key)), now) for rank, key in keys.items() if store.check([key])}
+
+    def _warn(self, seen: dict[int, dict]) -> None:
+        for rank, b in seen.items():
+            if not b["waiting"] and b["still_s"] >= self.stall_warning and self._warned.get(rank) != b["ticks"]:
+                self._warned[rank] = b["ticks"]
+                note = " (its heartbeat stopped too: the process is frozen)" if b.get("frozen") else ""
+                self.run.log(
+                    f"WARNING: rank {rank} (host {b['host']}) has not advanced for {b['still_s']:.0f} s{note} "
+                    f"(distributed.stall_warning): phase {b['phase']}, step {b['step']}, at {place_text(b['where'])}"
+                    + "".join(f"; rank {r} waits in {o['collective']}" for r, o in seen.items() if o["waiting"])
+                )
+
+    def _end_rank(self) -> None:
+        """Another rank failed: report it (rank 0), dump this rank's stacks, and have the main thread end the rank.
+
+        The main thread gets PeerFailed from a signal: a sleep or a wait in Python ends at once; a gloo
+        collective returns when its peer's connection closes, or at distributed.timeout. A main thread that
+        cannot run Python (stuck in C: a GPU sync, a collective) within GRACE_S is ended by faulthandler, which
+        dumps every stack again, as nothing else can end it."""
+        with self._ending:
+            if self._ended:
+                return
+            self._ended = True
+        self._stop.set()
+        try:
+            if self.ctx.is_main:
+                self._report(self._failures())
+            else:
+                self._wait_reported()
+            log_traceback(
+                self.run.path, self.ctx.rank, "another rank failed; this rank's stacks when the job ended", stacks=True
+            )
+        finally:
+            if not self._stopping:
+                self._deadline = open(self.log_path, "a")
+                faulthandler.dump_traceback_later(GRACE_S, exit=True, file=self._deadline)
+                if self._signals:
+                    signal.pthread_kill(self._main, _END_SIGNAL)
+
+    # ------------------------------------------------------------------ failure
+    def fail(self, exc: BaseException, line: str | None = None, known: bool = False) -> dict | None:
+        """This rank's training raised: dump, tell every rank, and (rank 0) write the report. `line`: the
+        failure in one line, what the terminal shows when this rank's error is the job's; `known`: its
+        cause is known (a non-finite loss, a full disk), so this rank is the culprit, not a peer that looks still."""
+        with self._ending:
+            if self._ended:
+                return None
+            self._ended = True
+        with contextlib.suppress(OSError):  # a full disk: the report still goes to the store and the terminal
+            log_traceback(self.run.path, self.ctx.rank, f"rank {self.ctx.rank} failed", exc, stacks=True)
+        # A rank that timed out in a collective is described as it stood while it waited there, any other by
+        # where its error was raised (its main thread is here now, in the handler).
+        raised = where_raised(exc)
+        with _BEATING:
+            waited = self.mine is not None and self.mine["waiting"]
+            beat = self.mine if waited else {**self._describe(), "where": raised}
+        outside = isinstance(exc, LighthouseLost)  # no rank's doing: the report blames none
+        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "outside": outside, "beat": beat}
+        if self.store is None:
+            return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
+        with contextlib.suppress(Exception):  # the store is gone with rank 0: nothing more to tell
+            self.store.set(f"{_FAILED}/{self.ctx.rank}", json.dumps(error))
+            self.store.add(_FAILED, 1)
+            if self.ctx.is_main:
+                return self._report(self._failures())
+            self._wait_reported()
+        return None
+
+    def _store(self) -> dist.Store:
+        """The store, for what reads it: an error once it is gone (each caller's handler takes that)."""
+        if self.store is None:
+            raise RuntimeError("the heartbeat's store is gone")
+        return self.store
+
+    def _failures(self) -> dict[int, dict]:
+        store = self._store()
+        keys = [f"{_FAILED}/{r}" for r in range(self.ctx.world_size)]
+        return {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+
+    def _wait_reported(self, patience: float = 10) -> None:
+        """Until rank 0 has written the report (`patience` seconds at most). When rank 0's process is gone,
+        the first other rank to see it writes the report instead: the torchrun agent's store outlives rank 0."""
+        deadline = time.monotonic() + patience
+        with contextlib.suppress(Exception):  # the store went with rank 0 (it held it: no agent): nothing more to tell
+            store = self._store()
+            while not store.check([_REPORTED]) and time.monotonic() < deadline:
+                # Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes).
+                if store.check([f"{_BEAT}0"]) and exited(json.loads(store.get(f"{_BEAT}0")), patience=15):
+                    if store.add(_REPORTER, 1) == 1:
+                        self._report(self._failures())  # into the run folder that rank 0 kept
+                    return
+                time.sleep(0.2)
+            # Done with the store: no beat of this rank uses it from here on, and rank 0 may let it go.
+            self._stop.set()
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=2)
+            store.add(_DONE, 1)
+
+    def _others_done(self, seen: dict[int, dict], patience: float = 5) -> None:
+        """Rank 0 stays until every other rank is done with the store (`patience` seconds at most): under srun it
+        holds the store, which none must meet closed; under torchrun the agent ends the others once rank 0 has
+        left, before they end on their own. A rank frozen or gone never says: it is not waited for."""
+        silent = sum(1 for r, b in seen.items() if r != self.ctx.rank and (b.get("frozen") or exited(b)))
+        deadline = time.monotonic() + patience
+        with contextlib.suppress(Exception):
+            while self._store().add(_DONE, 0) < self.ctx.world_size - 1 - silent and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    def _report(self, errors: dict[int, dict]) -> dict:
+        with contextlib.suppress(Exception):  # the latest beats, if the store still answers
+            heard = self._read_all()
+            with _BEATING:
+                self.seen.update(heard)
+        with _BEATING:
+            seen = dict(self.seen)
+        failure = compose(seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
+        with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
+            amend(self.run.path, failure["report"], status="failed", failure=failure)
+        # A rank's error in one line: of a known cause, as its RunError says it; else (a bug) the report's first
+        # line, which names its phase, step, file and line. A rank that died or stalled: the full report, which
+        # says what every other rank was doing.
+        rank = failure["culprit"]["rank"]
+        error = errors.get(rank) or next((e for e in errors.values() if e.get("outside")), {})
+        self.announce(
+            error["line"]
+            if error.get("known") and error.get("line")
+            else f"{failure['summary']} (traceback in {failure['logs']}/rank{rank}.log)"
+            if error
+            else failure["report"]
+        )
+        if self.store is not None:
+            self.store.set(_REPORTED, "1")
+            if self.ctx.is_main:
+                self._others_done(seen)
+        return failure
