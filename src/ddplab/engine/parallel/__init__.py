@@ -1,0 +1,3 @@
+"""Many processes: the process group (world.py, distributed.py), DDP's and FSDP's communication (ddp_comm.py,
+fsdp_comm.py), sharding (sharding.py), replica groups (replicas.py, fault_tolerance.py), and every private torch
+name ddplab uses (torch_internals.py)."""
