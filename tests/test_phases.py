@@ -75,7 +75,7 @@ def test_a_launched_run_records_its_phases(tmp_path):
         "teardown_s",
     ):
         assert got[key] >= 0, key
-    # torch alone takes longer than that to import: in the agent, which forks the workers (commands/launch.py), or in each
+    # torch alone takes longer than that to import: in the agent, which forks the workers (commands/launch.py), or each
     assert got["launcher_s"] + got["imports_s"] > 0.1
     assert "phases (rank 0, wall time): launcher" in (run / "train.log").read_text().splitlines()[-1]
     assert json.loads((run / "metrics.json").read_text())["ddp"]["launcher"] == "torchrun"
