@@ -1,5 +1,6 @@
 """How a worker tells the ddplab launcher that started it how it ended: a file in the folder the launcher
-names (runtime/handoff.py: report_dir), which commands/launch.py reads. A worker no ddplab launcher listens to says it itself."""
+names (runtime/handoff.py: report_dir), which commands/launch.py reads. A worker no ddplab launcher listens to says it
+itself."""
 
 from __future__ import annotations
 
