@@ -9,6 +9,8 @@ import json
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -79,20 +81,50 @@ def _metrics(run: Path) -> dict:
 # ---------------------------------------------------------------------------- streams as users bring them
 
 
+# (kind, processes) -> (steps an epoch, checkpoint.every, the step a rank is killed at) of the kill test below
+KILLED = {("tar", 3): (6, 3, 10), ("parquet", 2): (12, 5, 17)}
+
+
+@dataclass
+class Whole:
+    """A job of the stream with 2 loader workers a rank, never interrupted: what it printed, its metrics.json
+    and each rank's batches in order."""
+
+    stdout: str
+    metrics: dict
+    batches: dict[int, list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Callable[[str, int], Whole]:
+    """whole(kind, nproc): the job trained once per module, whichever test asks first; the kill test's
+    combinations with its snapshot interval (snapshots change no batch), read by both tests."""
+    runs: dict[tuple[str, int], Whole] = {}
+
+    def get(kind: str, nproc: int) -> Whole:
+        if (kind, nproc) not in runs:
+            cwd = tmp_path_factory.mktemp(f"whole-{kind}-{nproc}")
+            every = [f"checkpoint.every={KILLED[kind, nproc][1]}"] if (kind, nproc) in KILLED else []
+            args = _args(kind, _data(cwd, kind), cwd / "log", "whole", "data.num_workers=2", *every)
+            proc = run_ddplab(args[0], "--nproc-per-node", str(nproc), *args[1:], cwd=cwd, timeout=300)
+            assert_ok(proc)
+            batches = _batches(cwd / "log", cwd / "seen")
+            runs[kind, nproc] = Whole(proc.stdout, _metrics(cwd / "experiments" / "whole"), batches)
+        return runs[kind, nproc]
+
+    return get
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 @pytest.mark.parametrize("kind", ["tar", "parquet"])
-def test_a_stream_that_splits_itself_by_rank_and_worker_trains_as_brought(tmp_path, kind, nproc):
+def test_a_stream_that_splits_itself_by_rank_and_worker_trains_as_brought(whole, kind, nproc):
     """No shards_itself attribute: its first items differ between ranks, and ddplab reads it as it is. Each
     epoch trains every sample at most once; what uneven ranks leave (tar at 3 processes: 36, 36 and 24
     samples) is counted in untrained_samples, on the epoch line too."""
-    data, log = _data(tmp_path, kind), tmp_path / "log"
-    args = _args(kind, data, log, "run", "data.num_workers=2")
-    proc = run_ddplab(args[0], "--nproc-per-node", str(nproc), *args[1:], cwd=tmp_path, timeout=300)
-    assert_ok(proc)
-    assert "the training stream shards itself" in proc.stdout, proc.stdout[-3000:]
-    m = _metrics(tmp_path / "experiments" / "run")
+    run = whole(kind, nproc)
+    assert "the training stream shards itself" in run.stdout, run.stdout[-3000:]
+    m, batches = run.metrics, run.batches
     steps = m["aggregates"]["steps"]
-    batches = _batches(log, tmp_path / "seen")
     assert sorted(batches) == list(range(nproc)) and all(len(b) == steps for b in batches.values())
     per_epoch = steps // 2
     for epoch, row in enumerate(m["epochs"]):
@@ -101,28 +133,21 @@ def test_a_stream_that_splits_itself_by_rank_and_worker_trains_as_brought(tmp_pa
         assert row["read_samples"] == SAMPLES and row["untrained_samples"] == SAMPLES - len(seen)
     uneven = kind == "tar" and nproc == 3
     assert (m["epochs"][0]["untrained_samples"] > 0) == uneven
-    assert ("untrained_samples 24" in proc.stdout) == uneven
+    assert ("untrained_samples 24" in run.stdout) == uneven
     assert m["epochs"][-1]["val_accuracy"] is not None
 
 
-@pytest.mark.parametrize(
-    ("kind", "nproc", "per_epoch", "every", "kill"), [("tar", 3, 6, 3, 10), ("parquet", 2, 12, 5, 17)]
-)
-def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exactly(
-    tmp_path, kind, nproc, per_epoch, every, kill
-):
+@pytest.mark.parametrize(("kind", "nproc"), list(KILLED))
+def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exactly(whole, tmp_path, kind, nproc):
     """With 2 loader workers a rank, a rank is SIGKILLed mid-epoch 2 (tar: 6 steps an epoch at 3 processes, the
     snapshot of step 9; parquet: 12 at 2, step 15: both an odd number of batches into the epoch, so the next
     batch is worker 1's). The rerun trains the uninterrupted run's steps, each rank the same batches in the
     same order. A copy of it resumed on 1 process says, and records, how many samples may be read twice or
     skipped."""
+    per_epoch, every, kill = KILLED[kind, nproc]
     data, log = _data(tmp_path, kind), tmp_path / "log"
     extra = ("data.num_workers=2", f"checkpoint.every={every}")
-    whole = run_ddplab(
-        "train", "--nproc-per-node", str(nproc), *_args(kind, data, log, "whole", *extra)[1:], cwd=tmp_path
-    )
-    assert_ok(whole)
-    uninterrupted = _batches(log, tmp_path / "whole")
+    uninterrupted = whole(kind, nproc)
 
     args = _args(kind, data, log, "cut", *extra)
     cut = subprocess.run(
@@ -137,9 +162,9 @@ def test_a_stream_that_splits_itself_killed_mid_epoch_with_workers_resumes_exact
     assert_ok(resumed)
     assert "skip forward past their own samples already trained" in resumed.stdout, resumed.stdout[-3000:]
     again = _batches(log, tmp_path / "again")
-    assert {r: before[r] + again[r] for r in before} == uninterrupted
+    assert {r: before[r] + again[r] for r in before} == uninterrupted.batches
     m = _metrics(tmp_path / "experiments" / "cut")
-    assert m["aggregates"]["steps"] == _metrics(tmp_path / "experiments" / "whole")["aggregates"]["steps"]
+    assert m["aggregates"]["steps"] == uninterrupted.metrics["aggregates"]["steps"]
     assert not [note for note in m["data_notes"] if "resume_not_exact" in note]
 
     # the copy resumed on 1 process (this one): another split of the stream, said and recorded as not exact
