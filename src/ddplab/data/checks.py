@@ -1,6 +1,5 @@
-"""What the launcher checks of a built-in data source before any worker starts: names, files
-and image sizes from the config alone. No torch here: `ddplab train` imports this module in the
-launcher, and the workers import torch once each.
+"""What the launcher checks of a built-in data source before any worker starts, from the config alone.
+No torch here: the launcher imports this module, and the workers import torch once each.
 """
 
 from __future__ import annotations
@@ -57,9 +56,8 @@ def expected_files(name: str, root: str) -> list[Path]:
 def image_spec(
     cfg, channels: int | None = None, side: int | None = None, log: Callable[[str], None] | None = None
 ) -> ImageSpec:
-    """The images for this config, given what the model needs: `channels` and a default `side`,
-    None where it takes whatever the data has (the registry knows which). `log` hears how an
-    image_folder's side was chosen when neither the config nor the model sets one."""
+    """The images for this config, given the model's `channels` and default `side` (None: what the data has).
+    `log` hears how an image_folder's side was chosen when neither the config nor the model sets one."""
     if cfg.data.name != "image_folder":
         source, native = NATIVE[cfg.data.name]
         return ImageSpec(source, channels or source, cfg.data.image_size or side or native)
@@ -95,10 +93,8 @@ def _folder_side(found: FolderImages | None) -> tuple[int, str]:
 
 
 def folder_images(root: str) -> FolderImages:
-    """Mode and size of every image under `root`, from the file headers (PIL decodes no pixels).
-
-    Stops early once the images are known to differ in size and to hold colour: nothing more
-    could change the choice. An unreadable file is skipped here and named when it is decoded."""
+    """Mode and size of the images under `root`, from the file headers, until they are known to differ in size
+    and hold colour. An unreadable file is skipped here and named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
 
     grey = True
@@ -217,8 +213,7 @@ STREAMS = {
 
 
 def check_stream(cfg) -> None:
-    """data.stream=true: a source that streams, its shards named by data.train (+ val, test), and nothing
-    it would have to learn from the whole data set."""
+    """data.stream=true: a source that streams, data.train set, nothing to learn from the whole data set."""
     d = cfg.data
     if not d.stream:
         return
@@ -291,9 +286,9 @@ def memory_bytes() -> int | None:
 
 
 def largest_tensors(cfg) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """The tensors a built-in workload makes whose size a config field sets, each as (the field, what it is,
-    its shape, bytes a value): one tensor each, so that a count that cannot fit is caught before anything is
-    allocated (a hash vocabulary of 10^12 asked torch for 64 TB, after the run folder existed)."""
+    """(field, what it is, shape, bytes a value) of the tensors a config field sizes, so that one that cannot fit
+    is caught before anything is allocated (a hash vocabulary of 10^12 asked torch for 64 TB, after the run
+    folder existed)."""
     d, m, t = cfg.data, cfg.model, cfg.training
     found: list[tuple[str, str, tuple[int, ...], int]] = []
     if m.name in ("transformer", "gpt"):

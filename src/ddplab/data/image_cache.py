@@ -1,18 +1,11 @@
-"""The on-disk image cache: decode an image tree once, then every rank reads it.
+"""The on-disk image cache: an image tree decoded once, then read by every rank.
 
-Decoding a PNG or JPEG and resizing it costs far more than a small model's step, and an
-ImageFolder pays it for every image of every epoch. Here the tree is decoded once, after the
-deterministic part of the validation transform (resize + centre crop to `data.image_size`), in a
-pool of processes over the host's cores, into `images-<key>/`: with `data.cache=raw`, `images.npy`,
-an (N, C, S, S) uint8 array memory-mapped by the ranks, whose rows each worker writes itself (the
-pixels never cross a pipe); with `data.cache=jpeg`, each image
-re-encoded at quality 90 into `images.bin` (`offsets.npy` says where each starts), a fifth of the
-disk or less, decoded again per epoch by the loader workers (or on the GPU, `data.decode=gpu`).
-Both hold `labels.npy` and `meta.json`. The key hashes every file's path, size and modification
-time, and the transform settings and format, so an edited, added or removed image, or another
-size, gives a new cache. The folder is written under a temporary name and
-renamed into place (`meta.json` last), built by one rank per node while the others wait.
-What stays per epoch: conversion to float, normalisation, and the random augmentations.
+Decoding and resizing an image costs far more than a small model's step, and an ImageFolder pays it for every
+image of every epoch. Here the deterministic head of the validation transform (resize + centre crop) runs once,
+over the host's cores, into `images-<key>/`: `data.cache=raw` an (N, C, S, S) uint8 `images.npy` the ranks
+memory-map; `data.cache=jpeg` JPEGs at quality 90 in `images.bin` (a fifth of the disk or less), decoded per
+epoch by the loader workers or the GPU (`data.decode=gpu`). The key hashes every file's path, size and mtime
+and the decode settings, so any change to the tree gives a new cache.
 """
 
 from __future__ import annotations
@@ -102,10 +95,8 @@ def write(
     workers: int | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Decode `samples` (path, label) into `folder`, atomically: chunks of files spread over `workers`
-    processes (default: this process's cores), a jpeg cache's JPEGs written here in order as they come back.
-    One line once it is built; a file that is no image fails it in one line of its own, with nothing left
-    behind: not the folders made for it (the cache root included), nor a line about a cache never built."""
+    """Decode `samples` (path, label) into `folder`, atomically, over `workers` processes. A file that is no
+    image fails it in one line, leaving nothing behind: not the folders made for it, nor a line about it."""
     made = next((p for p in reversed(folder.parents) if not p.exists()), None)  # the first folder this makes
     try:
         _write(folder, samples, meta, kind, workers, log)
@@ -177,11 +168,9 @@ def _write(folder: Path, samples: list, meta: dict, kind: str, workers: int | No
 
 
 def decode_chunk(chunk: tuple[int, list[str]], meta: dict, rows: tuple[str, int] | None = None) -> list[bytes] | str:
-    """A chunk of files (the index of its first image, their paths) -> the cache: with `rows` (a raw cache's
-    .npy file and where its rows begin), each image's row written there at its place as it is decoded
-    (no batch stacked: a new 38 MB block a chunk cost a quarter of the decode in page faults), nothing
-    coming back; otherwise one JPEG per file, written by the caller. A path that is no image comes back
-    as itself (an exception may not survive the trip between processes)."""
+    """(index of the first image, paths) -> with `rows` (a raw cache's .npy and its data offset) each row written
+    in place as decoded (a stacked 38 MB block a chunk cost a quarter of the decode in page faults), else one
+    JPEG a file for the caller. A path that is no image comes back as itself (an exception may not pickle)."""
     (start, paths), (file, first) = chunk, rows or (None, 0)
     steps, mode, blobs = decode_steps(meta), pil_mode(meta), []
     with open(file, "r+b") if file else contextlib.nullcontext() as f:
@@ -214,15 +203,9 @@ def _pool(workers: int):
 
 
 def _bar(total: int) -> Progress:
-    """The build's progress and ETA, in terminals (a log gets the lines before and after)."""
-    bar = Progress(
-        TextColumn("image cache"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-        disable=not sys.stdout.isatty(),
-    )
+    """Only in terminals: a log gets the lines before and after."""
+    columns = TextColumn("image cache"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
+    bar = Progress(*columns, transient=True, disable=not sys.stdout.isatty())
     bar.add_task("decode", total=total)
     return bar
 
@@ -232,10 +215,8 @@ def read_mode(meta: dict) -> ImageReadMode:
 
 
 class EncodedImages:
-    """A batch still JPEG-encoded (data.decode=gpu): the loader hands it over as bytes, and moving
-    it to the device (`tasks.to_device`) decodes it there with nvJPEG in one call, then runs the
-    validation transform (and any augmentation) on the device. Batches keep the sampler's order,
-    so exact resume holds; random augmentation draws from the process's saved generator."""
+    """A batch still JPEG-encoded (data.decode=gpu): `.to(device)` decodes it there with nvJPEG in one call and
+    runs the validation transform (and any augmentation) on the device."""
 
     def __init__(self, blobs: list[torch.Tensor], meta: dict, transform, batched: bool) -> None:
         self.blobs, self.meta, self.transform, self.batched = blobs, meta, transform, batched
@@ -253,13 +234,9 @@ class EncodedImages:
 
 
 class CachedImages(Dataset):
-    """Read-only view of a complete cache: items are (normalised float (C, S, S), label).
-
-    `transform` starts as the batch-safe normalisation, so whole batches are fetched in one
-    indexing op; once augmentation is composed in (a per-item random crop), items go one by one.
-    `encoded` (a jpeg cache under data.decode=gpu): batches leave as `EncodedImages`.
-    The files are opened lazily, so pickling (DataLoader workers) sends the path, not the pixels.
-    """
+    """A complete cache: items (normalised float (C, S, S), label). Whole batches are fetched in one indexing op
+    until augmentation is composed into `transform`; `encoded` batches leave as `EncodedImages`. The files
+    open lazily, so pickling (DataLoader workers) sends the path, not the pixels."""
 
     def __init__(self, folder: str | Path, meta: dict, encoded: bool = False) -> None:
         self.folder, self.meta, self.encoded = Path(folder), meta, encoded
@@ -297,8 +274,7 @@ class CachedImages(Dataset):
 
     @property
     def batched(self) -> bool:
-        """Whether batches are fetched whole, with nothing random drawn here (data.sample_seed): no augmentation
-        composed in, or JPEGs that are augmented on the device."""
+        """Batches fetched whole, with nothing random drawn here (data.sample_seed)."""
         return self.encoded or self.transform is self.batch_transform
 
     def __getitems__(self, indices: list[int]):
@@ -316,9 +292,7 @@ class CachedImages(Dataset):
 
 
 def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
-    """An ImageFolder's samples, decoded once into the cache (data.cache=raw|jpeg): by the first rank
-    of each node, over the host's cores, while the others wait (`dist`, the job), or here and now
-    outside a job (dist=None, e.g. predict)."""
+    """An ImageFolder's samples, decoded once into the cache by the first rank of each node (dist=None: here)."""
     kind = cfg.data.cache
     key = json.dumps(describe(dataset.samples, dataset.root, meta, kind), sort_keys=True)
     folder = text_cache.cache_root(cfg) / f"images-{hashlib.sha256(key.encode()).hexdigest()[:20]}"

@@ -1,23 +1,16 @@
 """Random augmentation drawn from a per-sample seed, so that a sample is augmented the same whatever the
 world size, the worker count or the point a run resumed from.
 
-`PerSampleSeed` wraps a map-style training set. The training sampler hands it `(epoch, index)` keys
-(`ResumableDistributedSampler.keyed`); each item is read with torch's CPU generator seeded from
-(experiment.seed, epoch, index), and with Python's `random` and numpy's global generator seeded the same
-way where reading draws from them. The callers' generators are put back after each batch, so training's
-own draws (dropout) are untouched.
+`PerSampleSeed` wraps a map-style training set read with `(epoch, index)` keys
+(`ResumableDistributedSampler.keyed`): each item is read with torch's CPU generator seeded from
+(experiment.seed, epoch, index), and Python's `random` and numpy's global generator too where reading draws
+from them. The callers' generators are put back after each batch, so training's own draws are untouched.
 
-Seeding costs, an item (CPU time, a 2-core host): torch's generator about 1 us, numpy's 1.5 us, Python's
-4 us (its seeding runs three passes over the 624 words to numpy's one). So Python's and numpy's are seeded
-only where reading was seen to draw from them: a few samples spread over the dataset are read once, when
-it is wrapped, and the generators whose state moved are seeded from then on. Every process reads the same
-samples under the same seeds there, so every world size decides alike. A transform that draws from one
-of them only now and then, and in none of those samples, keeps each process's own draws of it. The
-callers' states are kept once a batch; numpy's through its C struct (`_numpy_state`), as get_state and
-set_state copy the 624 words one Python call at a time, 30-40 us each, more than seeding a whole batch.
-
-Streams (IterableDataset) are not wrapped: a stream has no index to seed from, and keeps each rank's own
-draws.
+Seeding costs an item (a 2-core host) about 1 us for torch, 1.5 us for numpy, 4 us for Python. So Python's
+and numpy's are seeded only where reading a few samples, when the dataset is wrapped, moved their state (the
+same samples under the same seeds in every process, so every world size decides alike). numpy's state is
+kept through its C struct (`_numpy_state`): get_state and set_state cost 30-40 us each, more than seeding a
+whole batch. Streams are not wrapped: they have no index to seed from.
 """
 
 from __future__ import annotations

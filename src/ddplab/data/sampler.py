@@ -1,10 +1,6 @@
-"""Samplers that shard a dataset across ranks.
-
-`ResumableDistributedSampler` is torch's `DistributedSampler` (same permutation, same
-padding, same rank-strided split) that can start part-way through an epoch in O(1): the
-samples already consumed in an epoch are always a prefix of that epoch's permutation, so
-resuming is slicing, never replaying batches. The remaining samples are re-divided among
-however many ranks there are now.
+"""`ResumableDistributedSampler`: torch's `DistributedSampler` (same permutation, padding and rank-strided split)
+that starts part-way through an epoch in O(1): what an epoch consumed is a prefix of its permutation, so resuming
+is slicing, and the rest is re-divided among however many ranks there are now.
 """
 
 from __future__ import annotations

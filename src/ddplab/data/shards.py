@@ -111,9 +111,8 @@ class Shards(IterableDataset):
         worker: int,
         workers: int,
     ) -> Iterator:
-        """The samples at positions start <= j < end of the epoch's global order that data.stream.owns gives
-        this rank's loader worker (counting from `start`, as a DataLoader's workers take turns from the
-        first batch it yields), in order; only the windows holding them are read."""
+        """The samples at positions start <= j < end of the epoch's global order that data.stream.owns gives this
+        rank's loader worker (counting from `start`); only the windows holding them are read."""
         order = self.order(epoch)
         firsts = np.cumsum([0] + [self.counts[s] for s in order]).tolist()  # global position of each shard's first
         end = firsts[-1] if end is None else min(end, firsts[-1])
@@ -139,8 +138,7 @@ class Shards(IterableDataset):
 
 
 def _rows_or_none(value) -> int | None:
-    """A count of rows, at least 1 (an int, a NumPy int: anything with __index__); None for anything else (a
-    float, NaN included, compares false with every bound and would read nothing)."""
+    """A count of rows, at least 1 (anything with __index__); None else (NaN compares false with every bound)."""
     try:
         rows = operator.index(value)
     except TypeError:
@@ -149,10 +147,8 @@ def _rows_or_none(value) -> int | None:
 
 
 # ---------------------------------------------------------------------------- formats
-# Each format counts a shard's samples, reads it in windows from any window's first row, and makes
-# the samples of a window's chosen rows. A shard that cannot be read fails the run naming it and the
-# part of it that is damaged (row group, record batch, line, tar member): the library's own message
-# names neither, and a data set of many shards leaves the user to guess.
+# A shard that cannot be read fails the run naming it and the damaged part (row group, record batch, line, tar
+# member): the library's own message names neither.
 
 
 class DamagedShard(RunError):
@@ -291,18 +287,15 @@ def _lines(f) -> Iterator[bytes]:
 
 
 def _tar_samples(f, path: str) -> Iterator[list]:
-    """WebDataset samples: runs of files whose names agree up to the first dot of their base name,
-    each a list of (name, bytes)."""
+    """WebDataset samples: runs of (name, bytes) whose names agree up to the first dot of their base name."""
     with tarfile.open(fileobj=f, mode="r|*") as tar:
         for _, sample in groupby(_tar_files(tar, f, path), key=lambda file: _key_ext(file[0])[0]):
             yield list(sample)
 
 
 def _tar_files(tar: tarfile.TarFile, f, path: str) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file (extractfile gives None only for others), read as it is reached:
-    a streamed tar cannot go back to it. tarfile takes a header cut short for the archive's end: an
-    uncompressed tar that stops before its end-of-archive block is named as cut short (a compressed one
-    fails in its decompressor)."""
+    """(name, bytes) of each regular file, read as it is reached (a streamed tar cannot go back). tarfile takes a
+    header cut short for the archive's end, so an uncompressed tar without its end-of-archive block is named."""
     members, last = iter(tar), None
     while True:
         member = None

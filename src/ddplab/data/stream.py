@@ -1,22 +1,13 @@
-"""Streams (iterable datasets: torch's `IterableDataset`, Hugging Face's streaming `IterableDataset`)
-split across ranks and loader workers.
+"""Streams (torch's or Hugging Face's `IterableDataset`) split across ranks and loader workers.
 
-Item j of an epoch's stream goes to rank j mod world_size, so the first P items of the global
-stream are consumed exactly when every rank has taken P / world_size: a run resumed at P, on any
-number of ranks, goes on with item P. Within a rank, whole batches go to loader workers in turn
-(batch b to worker b mod workers), so a DataLoader, which takes one batch from each worker in
-turn, yields the rank's batches in stream order whatever its worker count.
+Item j of an epoch's stream goes to rank j mod world_size, so the first P items are consumed exactly when every
+rank has taken P / world_size: a run resumed at P, on any number of ranks, goes on with item P. Within a rank,
+batch b goes to loader worker b mod workers, so a DataLoader (one batch from each worker in turn) yields the
+rank's batches in stream order whatever its worker count.
 
-PyTorch leaves sharding an `IterableDataset` to the dataset. One whose attribute `shards_itself` is
-true yields only its own process's and loader worker's share (it reads its rank and
-`get_worker_info()`, or was built with `datasets.distributed.split_dataset_by_node`); it is read as
-it is. Where the user does not say, the checks before launch (engine/loop/setup.py) find it out and set
-the attribute.
-
-A dataset with a `share(epoch, start, end, rank, world_size, batch_size, worker, workers)` method
-(ddplab.Shards) seeks itself: it yields exactly the items `owns` gives a rank's loader worker, from
-any position of its global order without reading what comes before, so a run resumes at any world
-size or worker count with nothing read twice.
+A dataset whose `shards_itself` is true yields only its own process's and worker's share and is read as it is
+(engine/loop/setup.py finds it out where the user does not say). One with a `share(...)` method (ddplab.Shards)
+seeks itself to exactly what `owns` gives a rank's worker, so it resumes with nothing read twice.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ def size(dataset) -> int | None:
 
 
 def declared(dataset, limit: int | None = None) -> int | None:
-    """The samples an epoch should hold: len(dataset), at most data.limit (None: unknown)."""
+    """len(dataset), at most data.limit (None: unknown)."""
     n = size(dataset)
     return n if n is None or limit is None else min(n, limit)
 
@@ -56,14 +47,12 @@ def shards_itself(dataset) -> bool:
 
 
 def said_how(dataset) -> bool:
-    """Whether the dataset says how it is sharded: its own `shards_itself` (True or False), or a `share`
-    method (ddplab.Shards: its order is the seed's and the epoch's alone)."""
+    """Whether the dataset says how it is sharded: `shards_itself` (True or False) or `share` (ddplab.Shards)."""
     return hasattr(dataset, "shards_itself") or callable(getattr(dataset, "share", None))
 
 
 def owns(j, rank: int, world_size: int, batch_size: int, worker: int, workers: int):
-    """Whether item j of the global stream (an int or an array of them) is the given rank's and loader
-    worker's: rank j mod world_size, and within it whole batches to the workers in turn."""
+    """Whether item j (an int or an array of them) of the global stream is this rank's and loader worker's."""
     return (j % world_size == rank) & ((j // world_size // batch_size) % workers == worker)
 
 
@@ -150,7 +139,7 @@ class Tagged:
 
 
 class FirstItems(IterableDataset):
-    """`fingerprint(dataset)` (of its first items) as each loader worker reads it: one item per worker."""
+    """`fingerprint(dataset)` as each loader worker reads it: one item per worker."""
 
     def __init__(self, dataset, fingerprint: Callable) -> None:
         self.dataset, self.fingerprint = dataset, fingerprint

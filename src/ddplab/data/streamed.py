@@ -1,12 +1,9 @@
 """The built-in text, text_files and image_folder data streamed from shards (data.stream=true): each split a
-`ddplab.Shards` over data.train / data.val / data.test, whose items are tokenised or decoded where they are
-read (in the loader workers), so nothing is held whole or cached; a run resumes at the exact next sample at
-any world size, as any Shards does.
+`ddplab.Shards` whose items are tokenised or decoded in the loader workers, nothing held whole or cached.
 
-What the whole-data path learns from every sample is had without a pass over the data: a text classifier's
-labels from the first PREFIX rows of the training shards in file order (the same rows on every rank), a
-language model's vocabulary by reading bytes (data.tokenizer=byte), an image set's classes from
-data.num_classes.
+What the whole-data path learns from every sample comes without a pass over the data: a text classifier's labels
+from the first PREFIX rows of the training shards in file order, a language model's vocabulary from bytes, an
+image set's classes from data.num_classes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Building a cache once a node while the other ranks wait (`ensure`), atomically (`building`).
-
-Tokenised text lives in Hugging Face's own Arrow cache (data/text_cls.py: `Dataset.map` under a
-fingerprint), built by one rank a node through `ensure` without a folder; the image cache
-(data/image_cache.py) is a folder of `.npy` files built through `building` and `ensure`.
-"""
+"""Building a cache once a node while the other ranks wait (`ensure`), atomically (`building`)."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ def cache_root(cfg) -> Path:
 
 @contextlib.contextmanager
 def building(folder: Path) -> Iterator[Path]:
-    """A temporary folder that becomes `folder` once written (meta.json last), so a half-written
-    cache is never read."""
+    """A temporary folder that becomes `folder` once written, so a half-written cache is never read."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -47,9 +41,8 @@ def building(folder: Path) -> Iterator[Path]:
 
 
 def ensure(ctx, folder: Path | None, build: Callable[[], None], what: str = "cache") -> None:
-    """Rank 0 builds a cache folder (complete once its meta.json exists) if it is missing while
-    the others wait; errors reach every rank. Without a filesystem shared across nodes, each
-    other node's first rank then builds its own copy. folder=None (tokenised text): every rank runs
+    """Rank 0 builds a missing cache folder while the others wait; errors reach every rank. Without a filesystem
+    shared across nodes, each node's first rank builds its own. folder=None (tokenised text): every rank runs
     `build`, one rank a node first, the others after it (reusing what it cached)."""
     done = lambda: folder is not None and is_complete(folder)  # noqa: E731
     if ctx is None:  # built outside a job (tests, predict): no one to wait for

@@ -1,11 +1,6 @@
-"""Text classification data, assembled into ddplab.Data by ddplab/workloads/text_classification.py.
-
-Sources (data.name): imdb, amazon_polarity (HF hub through datasets.load_dataset), text_files (the
-user's CSV / TSV / JSON / JSONL / Parquet, or shards of JSON lines / Parquet / Arrow tokenised as they
-are read, data.stream) and synthetic_reviews (generated). Each but a stream is a set of `datasets.Dataset`
-splits tokenised by `Dataset.map` into HF's own Arrow cache: items are dicts {input_ids, label}, as a
-user's HF data. Tokenizers (data.tokenizer): hash for the scratch Transformer, hf (the pretrained
-model's own) for model.name=hf.
+"""Text classification data for ddplab/workloads/text_classification.py: `datasets.Dataset` splits tokenised
+by `Dataset.map` into HF's own Arrow cache (items {input_ids, label}, as a user's HF data), or shards tokenised
+as they are read (data.stream).
 """
 
 from __future__ import annotations
@@ -22,11 +17,10 @@ import torch
 
 from ddplab.data import streamed, text_cache, text_sources, text_synthetic
 from ddplab.data.checks import tokenizer_kind
-from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer, tokenizer_from_meta
+from ddplab.data.text_tokenize import HashTokenizer, HFTokenizer
 from ddplab.errors import UserError
 
-# data.name -> (its splits as datasets.Dataset, label names and label mapping; cheap description for the
-# fingerprint)
+# data.name -> (its splits, label names and label mapping; a cheap description for the fingerprint)
 SOURCES = {
     "imdb": (text_sources.hub_source, text_sources.hub_describe),
     "amazon_polarity": (text_sources.hub_source, text_sources.hub_describe),
@@ -63,12 +57,8 @@ def tokenizer_description(cfg) -> dict:
 
 
 def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
-    """(meta, label names, (train, val, test) datasets.Dataset of {input_ids, label}).
-
-    `Dataset.map` writes the ids into HF's Arrow cache beside the source's own (a hub download, or what
-    `Dataset.from_generator` wrote), memory-mapped by every rank, under a fingerprint of the source and
-    tokenizer that every rank and rerun finds again; one rank a node reads and maps first while the others
-    wait (text_cache.ensure), then finds both in the cache."""
+    """(meta, label names, (train, val, test) of {input_ids, label}), mapped under a fingerprint of the source
+    and tokenizer that every rank and rerun finds again: one rank a node maps first while the others wait."""
     read, describe = SOURCES[cfg.data.name]
     fields = text_sources.HUB[cfg.data.name][1] if cfg.data.name in text_sources.HUB else ("text",)
     key = {"source": describe(cfg), "tokenizer": tokenizer_description(cfg)}
@@ -96,9 +86,8 @@ def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
 
 
 def pad_collate(items, pad_id: int):
-    """Pads a batch to its longest text (not max_len): short reviews cost short sequences. Dict items
-    ({input_ids, label or labels}, the tokenised splits') give one dict with `labels` (none where they hold
-    none: predict's); pairs (streamed rows, and predict on run folders that trained on pairs) give (inputs, labels)."""
+    """Pads a batch to its longest text (not max_len): short reviews cost short sequences. Dict items give one
+    dict with `labels` (none where they hold none: predict's); pairs (streamed rows) give (inputs, labels)."""
     pairs = [(it, it.get("labels", it.get("label"))) if isinstance(it, Mapping) else it for it in items]
     seqs = [inputs["input_ids"] for inputs, _ in pairs]
     ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
@@ -113,9 +102,8 @@ def pad_collate(items, pad_id: int):
 
 
 def splits(cfg, sizes: dict, pick: Callable[[str, np.ndarray], Any]):
-    """(train, val, test) by picking rows of each split: train rows shuffled with the seed (so data.limit
-    takes a random subset of label-sorted data such as IMDB's), validation from the data or carved from
-    train, validation and test capped by data.limit."""
+    """(train, val, test): train rows shuffled with the seed (data.limit then takes a random subset of
+    label-sorted data such as IMDB's), validation given or carved from train, val and test capped by data.limit."""
     d = cfg.data
     rows = np.random.default_rng(cfg.experiment.seed).permutation(sizes["train"])
     val = test = None
@@ -144,8 +132,12 @@ class Encoder:
         self.tokenizer: Any = None  # loaded at the first call (a pretrained one takes seconds), in the process calling
 
     def __call__(self, text: str) -> dict:
-        if self.tokenizer is None:
-            self.tokenizer = tokenizer_from_meta(self.meta)
+        if self.tokenizer is None:  # the tokenizer that `describe()` gave this meta
+            m = self.meta
+            hashed = m["tokenizer"] == "hash"
+            self.tokenizer = (
+                HashTokenizer(m["vocab_size"], m["max_len"]) if hashed else HFTokenizer(m["pretrained"], m["max_len"])
+            )
         return {"input_ids": torch.tensor(self.tokenizer.encode_batch([text])[0], dtype=torch.long)}
 
 
@@ -170,8 +162,7 @@ class TextRows:
 
 
 def stream_splits(cfg, meta: dict) -> tuple[list[str], Any, Any, Any]:
-    """data.stream: (label names, train, val, test) of Shards tokenised as read; the labels are learned from
-    the first streamed.PREFIX rows of data.train in file order."""
+    """data.stream: (label names, train, val, test) of Shards tokenised as read."""
     import pandas as pd  # the text extra
 
     d = cfg.data

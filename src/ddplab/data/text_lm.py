@@ -35,8 +35,7 @@ def read_corpus(path: str | None) -> str:
 
 
 def _read_utf8(path: Path) -> str:
-    """A character corpus is UTF-8 text; anything else (a binary file) would silently train
-    on a vocabulary of junk (hundreds of symbols), so it is refused."""
+    """A binary file would silently train on a vocabulary of junk (hundreds of symbols): refused."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -102,9 +101,8 @@ class TokenChunks(Dataset):
 
 
 def byte_lines(context: int, column: str, item) -> tuple[torch.Tensor, torch.Tensor]:
-    """data.stream: a line of a text shard (or a row's `column`), its newline included, -> its first
-    `context + 1` UTF-8 bytes as (input, next-byte target); a shorter one is padded and its padding not
-    scored (target -100). So one sample is one line: a line longer than that is cut."""
+    """data.stream: a line (or a row's `column`) with its newline -> its first `context + 1` UTF-8 bytes as
+    (input, next-byte target), a shorter one padded and the padding not scored (target -100)."""
     text = item if isinstance(item, str) else str(item[column])
     ids = torch.tensor(list((text + "\n").encode("utf-8")[: context + 1]), dtype=torch.long)
     n = len(ids) - 1

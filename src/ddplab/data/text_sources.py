@@ -1,8 +1,5 @@
-"""Where labelled texts come from: the HF hub datasets (IMDB, Amazon Polarity) and the user's files.
-
-Each comes back as `datasets.Dataset` splits (text_cls tokenises them with `Dataset.map`): a hub dataset's
-own, and the user's files written once into HF's Arrow cache by `Dataset.from_generator` (keyed by their
-paths, sizes and times), read only by the rank that builds it; the other ranks memory-map its copy.
+"""Where labelled texts come from, as `datasets.Dataset` splits: the HF hub's (IMDB, Amazon Polarity) and the
+user's files, written once into HF's Arrow cache (keyed by their paths, sizes and times).
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ SMALL = 20 * 2**20  # files up to this size get their labels checked before laun
 
 @contextlib.contextmanager
 def _offline():
-    """data.download=false: never touch the network (else an unreachable hub costs ~30 s of retries).
-
-    Both libraries read their offline flag at import time; it is flipped for this call only."""
+    """data.download=false: never touch the network (an unreachable hub costs ~30 s of retries). Both libraries
+    read their offline flag at import time; it is flipped for this call only."""
     import datasets  # the text extra, only when a hub dataset is read
     import huggingface_hub.constants as hub  # comes with datasets (the text extra)
 
@@ -45,8 +41,7 @@ def _offline():
 
 
 def hub_source(cfg) -> tuple[dict, list[str], None]:
-    """The hub's labelled splits under our names (train, val, test), the label names (its ClassLabel's), and
-    no label mapping (the labels are class ids)."""
+    """The hub's labelled splits under our names, its ClassLabel's names, no label mapping."""
     import datasets  # the text extra, only when a hub dataset is read
 
     name, fields = HUB[cfg.data.name]
@@ -127,10 +122,8 @@ def check_files(cfg) -> None:
             raise UserError(f"data.{split}: no such file: {path}")
         if p.suffix.lower() not in SUFFIXES:
             raise UserError(f"data.{split}: {path} is not one of {', '.join(SUFFIXES)}")
-        try:
+        with _unreadable(split, path):
             columns = header(p)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the file's, not ours
-            raise UserError(f"data.{split}: cannot read {path}: {first_line(exc, 160) or type(exc).__name__}") from None
         if columns is None:
             continue
         for field, column in (("text_column", d.text_column), ("label_column", d.label_column)):
@@ -141,15 +134,26 @@ def check_files(cfg) -> None:
     if sum(Path(p).stat().st_size for p in files.values()) <= SMALL:
         parts = []
         for split, path in files.items():
-            try:
+            with _unreadable(split, path):
                 parts.append(read_table(path, [d.label_column])[d.label_column])
-            except Exception as exc:  # noqa: BLE001 - as for the header: the file's
-                raise UserError(
-                    f"data.{split}: cannot read {path}: {first_line(exc, 160) or type(exc).__name__}"
-                ) from None
             if not len(parts[-1]):
                 raise UserError(f"data.{split}: {path} holds no rows")
         label_mapping(parts, d.num_classes, d.label_column)
+
+
+@contextlib.contextmanager
+def _unreadable(split: str, path: str):
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the file's, not ours
+        raise UserError(f"data.{split}: cannot read {path}: {first_line(exc, 160) or type(exc).__name__}") from None
+
+
+def _class_ids(labels) -> bool:
+    """Integer labels are class ids (booleans, which pandas counts as integers, are names)."""
+    import pandas as pd  # the text extra, only when a table is read
+
+    return pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels)
 
 
 def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[list[str], dict | None]:
@@ -159,7 +163,7 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
     labels = pd.concat(parts)
     if labels.isna().any():
         raise UserError(f"data.label_column '{column}' has empty values; every row needs a label")
-    if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
+    if _class_ids(labels):
         low, high = int(labels.min()), int(labels.max())
         k = num_classes or high + 1
         if k < 2:
@@ -188,23 +192,18 @@ def label_mapping(parts: list, num_classes: int | None, column: str) -> tuple[li
 
 
 def _rows(path: str, text: str, label: str, stamp: tuple) -> Iterator[dict]:
-    """A file's rows as {text, label}: labels as read where they are integers (class ids), else as strings.
-    `stamp` (the file's size and time) only keys the cache."""
+    """A file's rows as {text, label}: integer labels as read, others as strings. `stamp` only keys the cache."""
     import pandas as pd  # the text extra, only when a table is read
 
     frame = read_table(path, [text, label])
     labels = frame[label]
-    if pd.api.types.is_integer_dtype(labels) and not pd.api.types.is_bool_dtype(labels):
-        values = labels.tolist()
-    else:
-        values = [None if pd.isna(y) else str(y) for y in labels]
+    values = labels.tolist() if _class_ids(labels) else [None if pd.isna(y) else str(y) for y in labels]
     for t, y in zip(frame[text].fillna("").astype(str), values, strict=True):
         yield {"text": t, "label": y}
 
 
 def files_source(cfg) -> tuple[dict, list[str], dict | None]:
-    """data.train (+ val, test) as `datasets.Dataset`s of {text, label}, the label names, and the mapping of
-    non-integer labels to class ids (None: the labels are the ids), learned from each split's distinct labels."""
+    """data.train (+ val, test) of {text, label}, the label names, and the mapping of non-integer labels."""
     import datasets  # the text extra
     import pandas as pd
 

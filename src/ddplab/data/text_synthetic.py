@@ -1,11 +1,8 @@
 """`synthetic_reviews`: generated, learnable movie-review-like texts for smoke runs and benchmarks.
 
-Each review is 40-160 words of neutral film vocabulary with sentences and commas; about 10 % of
-its words come from its class's sentiment lexicon and 2.5 % from another class's, so the label
-is learnable from the words (a bag-of-words naive Bayes classifier scores about 97.7 % on two
-classes), short reviews are ambiguous now and then, and the texts tokenise like IMDB's.
-Generation is chunked and seeded per chunk: any size streams with flat memory, the same every time,
-into HF's Arrow cache (`Dataset.from_generator`), keyed by `describe`.
+Each review is 40-160 words of neutral film vocabulary; about 10 % of its words come from its class's sentiment
+lexicon and 2.5 % from another class's (a bag-of-words naive Bayes classifier scores about 97.7 % on two
+classes). Generation is seeded per block of rows: any size streams with flat memory, the same every time.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Tokenizers for text classification: the vocabulary-free hash tokenizer and a model's own HF one.
-
-Both encode a batch of texts into lists of token ids (`Dataset.map` stores them in an Arrow file);
-both can be rebuilt from the plain dict they describe themselves with, which runs and checkpoints
-keep for inference.
-"""
+"""Tokenizers for text classification, each rebuilt from the dict it describes itself with (kept for inference)."""
 
 from __future__ import annotations
 
@@ -18,11 +13,8 @@ _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
 class HashTokenizer:
-    """Lower-case, split on whitespace and punctuation, hash each word into `vocab_size` buckets.
-
-    Ids 0 and 1 are reserved for padding and the leading [CLS] position; words land in
-    2 .. vocab_size-1 through CRC-32, which (unlike Python's `hash`) is the same in every process.
-    """
+    """Lower-case words hashed by CRC-32 (unlike Python's `hash`, the same in every process) into
+    2 .. vocab_size-1; 0 pads, 1 is the leading [CLS] position."""
 
     PAD, CLS, RESERVED = 0, 1, 2
     # Bound on the word -> id memo; real corpora are Zipfian, so a modest memo hits almost always.
@@ -101,10 +93,3 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.tok(list(texts), truncation=True, max_length=self.max_len)["input_ids"]
-
-
-def tokenizer_from_meta(meta: dict):
-    """The tokenizer that `describe()` gave this meta."""
-    if meta["tokenizer"] == "hash":
-        return HashTokenizer(meta["vocab_size"], meta["max_len"])
-    return HFTokenizer(meta["pretrained"], meta["max_len"])

@@ -1,11 +1,8 @@
-"""Image classification data: torchvision's MNIST / FashionMNIST / CIFAR-10, any ImageFolder
-tree or WebDataset tar shards (data.stream), and scikit-learn's 8x8 handwritten digits (shipped
-with scikit-learn, so always offline).
+"""Image classification data: torchvision's MNIST / FashionMNIST / CIFAR-10, ImageFolder trees, WebDataset tar
+shards (data.stream) and scikit-learn's 8x8 digits (always offline).
 
-Every split yields `(image (C, S, S) float tensor, label)`. Images stay uint8 (or files on
-disk) until an item is read, and go through one transform pipeline built from `meta`, the
-dict the checkpoint stores, so `ddplab predict` applies exactly the validation transforms.
-`ddplab.workloads.images` turns what the builders here return into a `ddplab.Data`.
+Splits yield `(image (C, S, S) float, label)` through one transform built from `meta`, the dict the checkpoint
+stores, so `ddplab predict` applies exactly the validation transforms.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ FOLDER_STATS = {3: ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]), 1: ([0.449], 
 PRECOMPUTE_BYTES = 512 * 2**20  # transformed tensor sets up to this size are built once, not per item
 
 
-# What a builder returns: (train, val, test) datasets under the validation transform (training's augmented
-# when data.augment is set; val and test may be None) and the meta that rebuilds that transform.
+# (train, val, test) under the validation transform (training's augmented with data.augment) and the meta.
 ImageSplits = tuple[Dataset, Dataset | None, Dataset | None, dict]
 
 
@@ -50,13 +46,12 @@ ImageSplits = tuple[Dataset, Dataset | None, Dataset | None, dict]
 
 
 def transform(meta: dict):
-    """The validation transform: uint8 tensor(s) or a PIL image -> normalised float (C, S, S):
-    the image cache's decode steps, then what it applies per batch."""
+    """The validation transform: uint8 tensor(s) or a PIL image -> normalised float (C, S, S)."""
     return v2.Compose([decode_steps(meta), on_the_fly(meta)])
 
 
 def augmentation(meta: dict):
-    """Training only, after the validation transform: random crop (reflect-padded) + horizontal flip."""
+    """Training only, after the validation transform."""
     side = meta["image_size"]
     return v2.Compose(
         [v2.RandomCrop(side, padding=max(side // 8, 1), padding_mode="reflect"), v2.RandomHorizontalFlip()]
@@ -116,13 +111,12 @@ class ImageTensors(Dataset):
 
     @property
     def batched(self) -> bool:
-        """Whether batches are fetched whole, with nothing random drawn (data.sample_seed)."""
+        """Batches fetched whole, with nothing random drawn (data.sample_seed)."""
         return self.transform is None
 
     def __getitems__(self, indices: list[int]):
-        """A batch in two indexing ops, not two per item: the DataLoader asks for this when it
-        exists, and for a small model's step the per-item calls cost more than the step.
-        Without a transform the batch comes already stacked, for `stack_images` to pass on."""
+        """A batch in two indexing ops, not two per item (for a small model, the per-item calls cost more than the
+        step); without a transform it comes stacked, for `stack_images` to pass on."""
         if self.transform is not None:
             return [self[i] for i in indices]
         at = torch.from_numpy(np.asarray(indices, dtype=np.int64))  # a quarter of torch.as_tensor's time
@@ -130,8 +124,7 @@ class ImageTensors(Dataset):
 
 
 class EncodedFiles(image_cache.CachedImages):
-    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as a jpeg
-    cache's do, as `EncodedImages`, decoded and transformed on the rank's GPU; single items decode here."""
+    """An ImageFolder's JPEG files as bytes (data.decode=gpu, data.cache=false): batches leave as `EncodedImages`."""
 
     def __init__(self, folder: ImageFolder, meta: dict) -> None:
         other = next((p for p, _ in folder.samples if Path(p).suffix.lower() not in (".jpg", ".jpeg")), None)
@@ -153,8 +146,7 @@ class EncodedFiles(image_cache.CachedImages):
 
 
 class TarImages:
-    """data.stream: a WebDataset sample ({"__key__": ..., "jpg" | "png" | ...: bytes, "cls": b"3"}) -> (image,
-    class id), decoded where it is read, under the validation transform (training's augmented)."""
+    """data.stream: a WebDataset sample ({"__key__": ..., "jpg" | "png" | ...: bytes, "cls": b"3"}) -> (image, id)."""
 
     def __init__(self, meta: dict, classes: int, augment: bool = False) -> None:
         self.mode, self.classes = pil_mode(meta), classes
@@ -198,8 +190,7 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int) 
 
 
 def stack_images(batch) -> tuple[torch.Tensor | image_cache.EncodedImages, torch.Tensor]:
-    """(image, label) pairs -> (images, labels): what default_collate returns, without its
-    per-batch type dispatch; a batch fetched whole (`ImageBatch`) passes straight through."""
+    """default_collate without its per-batch type dispatch; an `ImageBatch` passes straight through."""
     if isinstance(batch, ImageBatch):
         return batch.images, batch.labels
     images, labels = zip(*batch, strict=True)
@@ -207,7 +198,6 @@ def stack_images(batch) -> tuple[torch.Tensor | image_cache.EncodedImages, torch
 
 
 def _splits(cfg, meta: dict, train, val, test) -> ImageSplits:
-    """`train`, `val`, `test`: datasets under the validation transform; training adds augmentation."""
     train_view = _augmented(train, augmentation(meta)) if cfg.data.augment else train
     val, test = (s if s is not None and len(s) else None for s in (val, test))
     return train_view, val, test, meta
@@ -222,16 +212,12 @@ def _augmented(dataset, augment):
     return view
 
 
-# ---------------------------------------------------------------------------- builders
-# Each takes the whole Config, the job (a DistContext, or None outside one) and the ImageSpec.
+# ---------------------------------------------------------------------------- builders (cfg, job or None, ImageSpec)
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 1,797 digits: (N, 8, 8) ink levels 0..16 and (N,) labels.
-
-    Read from the CSV file scikit-learn ships, as its `load_digits` reads it, without importing
-    scikit-learn (about a second of every run's start-up); through `load_digits` where the file
-    is not found."""
+    """scikit-learn's 1,797 digits, (N, 8, 8) ink levels 0..16 and (N,) labels, read from the CSV it ships
+    without importing scikit-learn (a second of every run's start-up) unless the file is not found."""
     spec = importlib.util.find_spec("sklearn")
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
     if path is not None and path.is_file():
@@ -284,8 +270,7 @@ def torchvision_set(cfg, dist, spec: ImageSpec) -> ImageSplits:
 
 
 def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
-    """An ImageFolder tree: train/ (+ val/, test/) or one tree split by seed; decoded once into the
-    image cache (data.cache=raw|jpeg), or every epoch (on the GPU with data.decode=gpu)."""
+    """train/ (+ val/, test/) or one tree split by seed; decoded once (data.cache=raw|jpeg) or every epoch."""
     if cfg.data.stream:
         return image_shards(cfg, spec)
     layout = folder_layout(Path(cfg.data.root))
@@ -327,8 +312,7 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
 
 
 def image_shards(cfg, spec: ImageSpec) -> ImageSplits:
-    """data.stream: WebDataset tar shards of data.train (+ val, test), decoded as they are read; the classes
-    are data.num_classes (each sample's .cls an id), not read ahead."""
+    """data.stream: tar shards decoded as read; the classes are data.num_classes, not read ahead."""
     k = cfg.data.num_classes
     meta = image_meta(spec, [str(i) for i in range(k)], *FOLDER_STATS[spec.channels])
     train, val, test = streamed.split_shards(cfg, TarImages(meta, k))

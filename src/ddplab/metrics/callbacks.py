@@ -19,9 +19,8 @@ from ddplab.runtime import process_state
 
 
 class EpochColumns(Callback):
-    """peak_mem_mb, the largest of any rank (a collective: every rank takes part); mfu where it is known;
-    comm_time_s / compute_time_s from the gradient all-reduce monitor (distributed runs); gpu_util /
-    gpu_mem_mb sampled through NVML on rank 0 while training steps run (nothing without a GPU)."""
+    """peak_mem_mb, the largest of any rank (a collective); mfu where known; comm_time_s / compute_time_s
+    (distributed runs); gpu_util / gpu_mem_mb sampled on rank 0 while training steps run."""
 
     timer = monitor = None
 
@@ -52,8 +51,7 @@ class EpochColumns(Callback):
 
 
 class RunRecorder(Callback):
-    """metrics.csv (every epoch so far) and the console / train.log lines (trackers: ddplab.trackers): each epoch's
-    line with the task's own metrics after ddplab's, and the test split's results at the end."""
+    """metrics.csv and the console / train.log lines: each epoch's, and the test split's results at the end."""
 
     keys: tuple = ()
 

@@ -1,6 +1,5 @@
-"""Per-class scores and the global confusion matrix of a classification run: confusion_matrix_<split>.csv
-and .png in the run folder, and a dict for metrics.json. The matrix is the evaluator's own, all-reduced
-once across ranks (every sample counted once); nothing is recomputed here."""
+"""Per-class scores and the global confusion matrix (the evaluator's own, all-reduced once across ranks):
+confusion_matrix_<split>.csv and .png in the run folder, and a dict for metrics.json."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from ddplab.evaluators import per_class_scores
 
 
 def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write: bool, plots: bool = True) -> dict:
-    """{split: {"classes", "per_class", "confusion_matrix"}} for each split whose evaluator kept a
-    global confusion matrix; files only where `write` (rank 0), the PNGs only with `plots`."""
+    """{split: {"classes", "per_class", "confusion_matrix"}}; files only where `write`, PNGs only with `plots`."""
     out = {}
     for split, evaluator in evaluators.items():
         confusion = getattr(evaluator, "global_confusion", None)
@@ -69,8 +67,7 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
 
 
 class ClassReports(Callback):
-    """Keeps each split's last global confusion matrix; at the end, writes the files and adds
-    `classes` to metrics.json (val: the final model; test: the best one)."""
+    """At the end, each split's last confusion matrix (val: the final model; test: the best one)."""
 
     def __init__(self) -> None:
         self.evaluators: dict = {}

@@ -1,11 +1,8 @@
 """GPU utilisation and memory of this process's GPU, sampled in the background via NVML.
 
 NVML's utilisation is the share of its last sample period (1/6 s to 1 s, by GPU) in which a kernel ran.
-Samples are taken every 0.5 s while `gate()` says the loop is training, so evaluation and snapshots,
-where the GPU idles or works differently, do not dilute the figure.
-
-Without CUDA, or where NVML cannot start (no driver, a container without it), the monitor is
-inactive and reports nothing; training never depends on it."""
+Samples are taken every 0.5 s while `gate()` says the loop is training, so evaluation and snapshots do not
+dilute the figure. Where NVML cannot start, the monitor reports nothing; training never depends on it."""
 
 from __future__ import annotations
 

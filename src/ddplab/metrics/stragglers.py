@@ -1,10 +1,8 @@
-"""Stragglers: a rank that is slower than the others, log interval after log interval.
+"""Stragglers: a rank slower than the others, log interval after log interval.
 
-In a DDP job every rank's step takes as long as the slowest rank's: the fast ones wait in the
-gradient all-reduce. So a rank's own pace is its step time less that waiting: compute plus data
-wait. Each log interval the ranks' (compute, data wait, communication wait) are gathered in one
-small all-gather; a rank whose own time exceeds the median by more than logging.straggler_threshold
-in STREAK intervals in a row is named in train.log, with its host and where it loses the time.
+In DDP the fast ranks wait for the slowest in the gradient all-reduce, so a rank's own pace is compute plus
+data wait. Each log interval gathers every rank's (compute, data wait, communication wait); a rank above the
+others' median by more than logging.straggler_threshold STREAK intervals in a row is named in train.log.
 Each epoch row gains the slowest rank and the spread ((slowest - fastest) / median).
 """
 

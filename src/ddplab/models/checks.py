@@ -1,6 +1,4 @@
-"""What the launcher checks of a built-in model before any worker starts, from the config alone.
-No torch here: a torchvision classifier's checks live beside it, in ddplab.models.vision.
-"""
+"""What the launcher checks of a built-in model before any worker starts, from the config alone (no torch)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ CNN_MIN_SIDE = 6  # two 3x3 convolutions and a 2x2 max-pool leave at least one p
 
 
 def check_image_input(cfg, channels: int, side: int) -> None:
-    """Images too small for ddplab's own architectures fail here, not in a worker (a torchvision
-    classifier's fit is checked by `ddplab.models.vision.check_input`, with torch)."""
+    """Images too small for ddplab's own architectures fail here, not in a worker."""
     name = cfg.model.name
     problem = None
     if name == "cnn" and side < CNN_MIN_SIDE:

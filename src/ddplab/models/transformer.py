@@ -53,8 +53,7 @@ class TransformerClassifier(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """input_ids (B, T), attention_mask (B, T) with 1 on real tokens -> logits (B, num_classes).
-        `labels` (a batch of dict items passes its target too) is ignored: the task computes the loss."""
+        """input_ids (B, T), attention_mask (B, T) 1 on real tokens -> logits (B, num_classes); `labels` ignored."""
         if attention_mask is None:
             attention_mask = (input_ids != self.config.pad_id).long()
         T = input_ids.shape[1]
@@ -68,8 +67,7 @@ class TransformerClassifier(nn.Module):
         return self.head(pooled)  # (B, num_classes)
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward): 6 x the encoder's weights, plus attention
-        over max_len positions (an upper bound where batches are padded only to their longest text).
-        Embedding look-ups are no matmuls, and the head runs once per text, not per token."""
+        """Training FLOPs per token: 6 x the encoder's weights (embeddings are no matmuls, the head runs once per
+        text) plus attention over max_len positions (an upper bound: batches are padded to their longest text)."""
         c = self.config
         return 6 * sum(p.numel() for p in self.encoder.parameters()) + 12 * c.layers * c.dim * c.max_len

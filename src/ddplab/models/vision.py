@@ -1,8 +1,5 @@
-"""Image classifiers: the FashionMNIST-tutorial CNN, a small ViT, and torchvision's classifiers
-by name with the head replaced for the data's classes.
-
-The modules are plain; the builders around them read the config's model section, and load a
-local weights file (`model.weights`) when one is given. Nothing here downloads.
+"""Image classifiers: the FashionMNIST-tutorial CNN, a small ViT, and torchvision's classifiers by name with the
+head replaced for the data's classes. Weights come from a local file (`model.weights`); nothing here downloads.
 """
 
 from __future__ import annotations
@@ -130,9 +127,7 @@ def fitting_weights(model: nn.Module, path: str, name: str) -> dict[str, torch.T
     return weights
 
 
-# ---------------------------------------------------------------------------- builders
-# Each takes the config's model section and the images' shape; `ddplab.workloads.images` reads
-# that shape from the Data (or, at predict time, from the checkpoint's meta).
+# ---------------------------------------------------------------------------- builders (model section, image shape)
 
 
 def _torchvision(name: str, side: int) -> nn.Module:
@@ -198,8 +193,8 @@ def build_cnn(m, channels: int, side: int, num_classes: int) -> nn.Module:
 
 
 def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
-    """A small Vision Transformer (torchvision's class) sized by model.layers / heads / dim / patch_size,
-    reading `channels` (torchvision's is made for 3: its patch embedding is replaced for others)."""
+    """torchvision's VisionTransformer sized by the model section; its patch embedding, made for 3 channels,
+    replaced for others."""
     if side % m.patch_size:
         raise UserError(f"model.patch_size={m.patch_size} must divide the image side {side} (data.image_size)")
     model = VisionTransformer(

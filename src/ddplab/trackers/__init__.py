@@ -1,11 +1,8 @@
-"""Experiment trackers (logging.trackers): TensorBoard, MLflow and W&B, fed from the run's own rows.
+"""Experiment trackers (logging.trackers): TensorBoard, MLflow and W&B, fed by rank 0 from the run's own rows.
 
-Rank 0 alone sends each tracker the log rows (view.log_rows, as train/loss and train/lr) and metrics.csv rows
-(view.history) beyond the last step it holds, each at its global step: a resumed run, which replays the steps
-since its snapshot, sends each step once and in order; a tracker added on resume gets the rows it lacks.
-trackers.json keeps each tracker's run id, so every attempt of a run (kill, pre-emption, elastic restart,
-another world size) continues one MLflow and W&B run; a study point's MLflow run is a child of its study's.
-A tracker that fails prints one warning and is dropped: training goes on and nothing in the run folder needs it.
+Each tracker gets the log rows and metrics.csv rows beyond the last step it holds, at their global step, so a
+resumed run sends each step once and in order. trackers.json keeps each tracker's run id, so every attempt of a
+run continues one MLflow and W&B run. A tracker that fails prints one warning and is dropped.
 """
 
 from __future__ import annotations

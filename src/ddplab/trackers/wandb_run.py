@@ -19,10 +19,8 @@ class WandB(Tracker):
     def start(self, view, record, study):
         import wandb  # the track extra; seconds to import, only when wandb is a tracker
 
-        # A W&B service started by another process (a parent that used wandb put it in WANDB_SERVICE) outlives
-        # this one: were this process killed, it would hold the run ("run ID ... is in use") and the next attempt
-        # could not continue it. This process starts its own, which ends with it.
-        # (Its value reads "<version>-<pid of the process that started it>-...".)
+        # A parent's W&B service (WANDB_SERVICE: "<version>-<its pid>-...") would outlive this process if killed,
+        # holding the run ("run ID ... is in use") from the next attempt: this process starts its own.
         if (service := os.environ.get("WANDB_SERVICE")) and service.split("-")[1:2] != [str(os.getpid())]:
             process_state.env_unset("WANDB_SERVICE", "a parent's W&B service would outlive a killed run")
         cfg, mine = view.config, record.get(self.name, {})

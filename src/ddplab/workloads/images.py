@@ -1,10 +1,5 @@
-"""Image classification, a workload file like any user's: `data` for data.name digits, mnist,
-fashion_mnist, cifar10 and image_folder; `cnn`, `vit` and `torchvision_model` (any torchvision
-classifier by model.name) for the model.
-
-The images keep their own channels and size unless the model needs others: the CNN, the ViT and
-your own models read grey as one channel at the size the images have (an image_folder tree's is
-read from its files); torchvision classifiers get RGB at data.image_size, else 224.
+"""Image classification, a workload file like any user's. The images keep their own channels and size unless the
+model needs others: torchvision classifiers get RGB at data.image_size, else 224.
 """
 
 from __future__ import annotations

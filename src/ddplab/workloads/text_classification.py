@@ -4,8 +4,6 @@ sequence classifier fine-tuned with its own tokenizer.
     ddplab train data.name=imdb model.name=transformer
     ddplab train data.name=text_files data.train=train.csv model.name=hf model.pretrained=<hub name or folder>
     ddplab train data.name=text_files data.stream=true data.train='shards/*.parquet' model.name=transformer
-
-The sources (data.name) and how each is tokenised: ddplab/data/text_cls.py.
 """
 
 from __future__ import annotations
