@@ -1,22 +1,9 @@
-"""`ddplab predict`: one row per input, from any trained model: a label and its probability
-(classifiers), the predicted values (regression), or what the run's own Task.predict makes.
+"""`ddplab predict`: one row per input, from any trained model (docs/predict.md).
 
-The run's data function is called with what the run saved for inference (`cfg.assets`,
-engine/run_folder/assets.py), the same for built-in and user workloads, and a raw input (a string) becomes
-one sample's model inputs by, in this order:
-- `Data.preprocess`, when the workload gives one (the built-ins build theirs from the saved assets
-  alone, so their training data may be gone);
-- the validation dataset's torchvision-style `transform` (ImageFolder and the like), where the data
-  function built its datasets: the input is an image file, opened as the dataset opens its own
-  (its `loader`, else PIL in RGB);
-- otherwise numbers: `0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one
-  sample's tensor, in the dtype of the training inputs.
-Any other input is text or numbers whatever its length: an input is never refused for being no path.
-Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them: where
-items are dicts (Hugging Face's), the dicts `preprocess` gives, with no target; where items are
-(inputs, target) pairs, (inputs, a stand-in target of the training items' form), a target never given to
-the model. The model gets the inputs alone, never a made-up target, through `Task.infer` (its forward
-pass, or a Task's own, e.g. `model.generate`); `Task.predict` turns what that returns into rows.
+A raw input becomes one sample's model inputs by `Data.preprocess`, else the validation dataset's
+torchvision-style `transform` (the input is an image file), else as numbers (`0.5,1.2,3`, a .npy / .pt file).
+Samples are batched with the run's collate_fn, pairs with a stand-in target of the training items' form; the
+model gets the inputs alone, never a made-up target, through `Task.infer`; `Task.predict` makes the rows.
 """
 
 from __future__ import annotations
@@ -71,8 +58,7 @@ def _unwrapped(dataset):
 
 
 def encoder(data, example: dict | None = None) -> Callable[[str], object]:
-    """raw input -> one sample's model inputs, as described at the top of this file; `example`: the
-    form of a training item (engine/assets.example), else read from the data's first item."""
+    """raw input -> one sample's model inputs; `example`: the form of a training item (assets.example)."""
     if data.preprocess is not None:
         return data.preprocess
     example = example or _example(data)
@@ -92,8 +78,8 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
 
 
 def _example(data) -> dict:
-    """The form of the data's first item, for a checkpoint away from its run folder (no inference/); where its data
-    function built no dataset, the built-ins' form: (inputs, an integer target)."""
+    """The form of the data's first item (a checkpoint away from its run folder); with no dataset, the
+    built-ins' form: (inputs, an integer target)."""
     dataset = next((d for d in (data.val, data.train) if d is not None), None)
     if dataset is None:
         return {"kind": "pair", "target": 0}
@@ -101,8 +87,7 @@ def _example(data) -> dict:
 
 
 def _sample(example: dict) -> Callable:
-    """One sample's inputs -> what the run's collate_fn gets: a dict as it is (no target); else
-    (inputs, a stand-in target of the training items' form), a pair as training's collate_fn got."""
+    """One sample's inputs -> what the run's collate_fn gets: a dict as it is; else (inputs, a stand-in target)."""
     if example.get("kind") == "dict":
         return lambda inputs: inputs
     target = assets.stand_in(example.get("target", 0))
@@ -110,8 +95,7 @@ def _sample(example: dict) -> Callable:
 
 
 def _inputs(task, batch, field: str | None):
-    """The model's inputs of a collated batch: a mapping without any target field (a collate_fn may add
-    one), a pair's inputs."""
+    """The model's inputs of a collated batch: a mapping without any target field, a pair's inputs."""
     if isinstance(batch, Mapping):
         names = {field, task.target_field, "labels", "label"} - {None}
         return {k: v for k, v in batch.items() if k not in names}
@@ -158,7 +142,6 @@ def predict(
     recorded = recorded_task(ckpt)
     if recorded.kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
         raise UserError(CONTINUES_TEXT)
-    # cfg.assets for the data function, and the form of one training item
     saved, example = assets.load(found, ckpt.get("meta", {}), recorded)
     model, _, data = load_model(run, trust_code, checkpoint=checkpoint, saved=saved)
     example = example or _example(data)  # a checkpoint away from its run folder: the rebuilt data's
@@ -219,7 +202,7 @@ def line(row: dict) -> str:
 
 
 def output_format(path: str) -> str:
-    """ "csv" or "jsonl", from a file's name (the command checks its folder: commands.output_file)."""
+    """ "csv" or "jsonl", from a file's name."""
     kind = Path(path).suffix.lstrip(".")
     if kind not in ("csv", "jsonl"):
         raise UserError(f"--output {path}: name a .csv or a .jsonl file")
