@@ -90,10 +90,7 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     work.mkdir(parents=True, exist_ok=True)
     keep = False
     try:
-        for name, procs, extra in (
-            ("ddp", nproc, []),
-            ("single", 1, [f"training.batch_size={nproc * batch}"]),
-        ):
+        for name, procs, extra in (("ddp", nproc, []), ("single", 1, [f"training.batch_size={nproc * batch}"])):
             if not RunFiles(work / name).finished():  # done before a pre-emption: kept
                 _run(procs, ["train", *base, f"experiment.name={name}", *extra], work)
         (a, wa, _), (b, wb, found) = _result(work / "ddp"), _result(work / "single")

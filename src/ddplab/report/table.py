@@ -19,23 +19,10 @@ from ddplab.engine.run_folder.files import write_atomic
 from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
-TIMING = [
-    "epochs",
-    "mean_epoch_time_s",
-    "samples_per_s",
-    "speedup",
-    "efficiency",
-    "comm_ms_per_step",
-    "compute_ms_per_step",
-    "rank_spread",
-    "epochs_at_budget",
-    "train_time_s",
-    "gpu_util",
-    "gpu_mem_mb",
-    "step_ms",
-    "overhead_ms_per_step",
-    "peak_mem_mb",
-]
+TIMING = (
+    "epochs mean_epoch_time_s samples_per_s speedup efficiency comm_ms_per_step compute_ms_per_step rank_spread "
+    "epochs_at_budget train_time_s gpu_util gpu_mem_mb step_ms overhead_ms_per_step peak_mem_mb"
+).split()
 # The task's own scores, as its evaluator names them (a user Task's torchmetrics by their keys in
 # Task.metrics()): these first, in this order, then any others by name.
 SCORES = ("loss", "accuracy", "top5_accuracy", "precision", "recall", "f1", "perplexity", "r2", "mae", "rmse")
@@ -182,8 +169,7 @@ def replica_columns(run: Run) -> dict:
 
 
 def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
-    """One row per run (every repeat), before speedup."""
-    rows = []
+    rows = []  # one per run (every repeat), before speedup
     for run in runs:
         steps = run.total_steps
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)
