@@ -197,9 +197,8 @@ def _pump(stream, report: Path, tail: deque) -> None:
 
 
 def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, str | None]:
-    """(exit code, one line to print) from what the workers reported. Every agent ending with 0 is a
-    job that ended well: a failure reported before torchrun restarted the workers (--max-restarts) is
-    history, which train.log keeps."""
+    """(exit code, one line to print) from what the workers reported. Every agent ending with 0 is a job that
+    ended well: a failure before torchrun restarted the workers is history, which train.log keeps."""
     if agent_code == 0 and not stopped:
         return ExitCode.OK, None
     if errors := sorted(report.glob("error-rank*")):
@@ -216,8 +215,7 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
 
 
 def saved(report: Path) -> str | None:
-    """How the workers' agreed stop was recorded, its snapshot saved (engine/diagnosis/outcome.py: report_stopped):
-    "interrupted" (a Ctrl-C) or "preempted"; None if they saved none."""
+    """How the workers' agreed stop was recorded, its snapshot saved: "interrupted", "preempted" or None."""
     return next((status for status in reversed(STOPS) if any(report.glob(f"{status}-rank*"))), None)
 
 
@@ -284,14 +282,13 @@ def run(
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail), kind, agreed is not None)
 
 
-# The memory a worker holds of its own once torch is imported (about 290 MB measured with torch 2.x on CPU, before
-# any data or model): the least each process of a job started on this machine needs.
+# The least each process needs: a worker holds about 290 MB once torch is imported (torch 2.x, CPU), before data.
 PROCESS_MEMORY = 256 * 2**20
 
 
 def check_processes(nproc: int, groups: int = 0) -> None:
-    """The processes `--nproc-per-node` (x `--replica-groups`) starts on this machine fit its memory, before any
-    of them or a run folder exists: 10^5 of them would fork until the host ran out of memory."""
+    """The processes `--nproc-per-node` (x `--replica-groups`) starts here fit its memory: 10^5 of them would
+    fork until the host ran out of memory."""
     count = nproc * max(groups, 1)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -47,16 +47,6 @@ def expand(items: list[str]) -> list[str]:
     return out
 
 
-def _unwrapped(dataset):
-    """The dataset under Subset-like wrappers (each keeps the one it wraps as `.dataset`)."""
-    for _ in range(16):
-        inner = getattr(dataset, "dataset", None)
-        if inner is None or getattr(dataset, "transform", None) is not None:
-            break
-        dataset = inner
-    return dataset
-
-
 def encoder(data, example: dict | None = None) -> Callable[[str], object]:
     """raw input -> one sample's model inputs; `example`: the form of a training item (assets.example)."""
     if data.preprocess is not None:
@@ -68,8 +58,11 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
             "Data(preprocess=...), a function from one input to one sample's dict, which its data does "
             "not give"
         )
-    dataset = next((d for d in (data.val, data.test, data.train) if d is not None), None)
-    source = _unwrapped(dataset)
+    source = next((d for d in (data.val, data.test, data.train) if d is not None), None)
+    for _ in range(16):  # the dataset under Subset-like wrappers (each keeps the one it wraps as `.dataset`)
+        if (inner := getattr(source, "dataset", None)) is None or getattr(source, "transform", None) is not None:
+            break
+        source = inner
     transform = getattr(source, "transform", None)
     if callable(transform):
         return lambda item: transform(_open_image(item, getattr(source, "loader", None)))

@@ -1,6 +1,5 @@
-"""Comparisons a reader can trust: points that differ in one thing only (the setup, or one swept
-value) are compared on throughput, and where their ranges over repeats overlap the difference
-is called what it is, within noise, instead of a ranking."""
+"""Points that differ in one thing only, compared on throughput: where their ranges over repeats overlap, the
+difference is called within noise instead of a ranking."""
 
 from __future__ import annotations
 

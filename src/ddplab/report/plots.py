@@ -1,8 +1,5 @@
-"""PNG plots of a set of runs (matplotlib figures drawn by Agg, without pyplot: no display needed).
-
-Setups (nodes x processes) are categories, never a numeric process axis: 1x2 and 2x1 are two
-points, side by side. Points with repeats are drawn at their median with min-max error bars.
-"""
+"""PNG plots of a set of runs (matplotlib without pyplot: no display needed). Setups are categories, never a
+numeric axis (1x2 and 2x1 are two points); points with repeats are drawn at their median with min-max bars."""
 
 from __future__ import annotations
 
