@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddplab.commands.trained_model import load_model, read_checkpoint, recorded_task
+from ddplab.commands.trained_model import load_model, read_checkpoint
 from ddplab.engine.run_folder import assets
 from ddplab.engine.run_folder.files import write_atomic
 from ddplab.errors import UserError, first_line
 from ddplab.report.table import write_csv
-from ddplab.tasks import CONTINUES_TEXT, Task
+from ddplab.tasks import CONTINUES_TEXT, Task, restore
 
 
 def _is(item: str, kind: str) -> bool:
@@ -132,7 +132,7 @@ def predict(
     """One dict per input: {"input": the input, then what the run's Task.predict gives}."""
     checkpoint = read_checkpoint(run)
     ckpt, _, found = checkpoint
-    recorded = recorded_task(ckpt)
+    recorded = restore(ckpt.get("task"))
     if recorded.kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
         raise UserError(CONTINUES_TEXT)
     saved, example = assets.load(found, ckpt.get("meta", {}), recorded)

@@ -30,10 +30,6 @@ def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
     return ckpt, cfg, found
 
 
-def recorded_task(ckpt: dict):
-    return restore(ckpt.get("task"))
-
-
 def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, saved: Assets | None = None):
     """(model in eval mode, checkpoint dict, Data). Given `saved` (what the run saved for inference), the
     Data is what the run's data function builds from it; else the checkpoint's task and meta only."""
@@ -47,7 +43,7 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
         data = _data(cfg, work, saved)
         data.meta = {**data.meta, **meta}  # what the weights were trained with wins
     else:
-        data = Data(train=None, task=recorded_task(ckpt), meta=meta)
+        data = Data(train=None, task=restore(ckpt.get("task")), meta=meta)
     if data.train is None:
         shape = data.input_shape or meta.get("input_shape")
         data.input_shape = tuple(shape) if shape else None
