@@ -4,7 +4,8 @@ config reference; reading.validate checks `choices`, `min`, `max`, `positive` (a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Iterator
+from dataclasses import Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -367,16 +368,19 @@ def _short(name: str) -> str:
     return f"{Path(where).stem if where.endswith('.py') else where}.{function}" if colon else name
 
 
-def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, help) for every field, for --help texts and docs."""
-    rows, section = [], section or Config()
+def leaves(section: Any, prefix: str = "") -> Iterator[tuple[str, Field, Any]]:
+    """(dotted name, field, value) of every field of the tree that is not a section."""
     for f in fields(section):
         value = getattr(section, f.name)
         if is_dataclass(value):
-            rows += describe_fields(value, f"{prefix}{f.name}.")
+            yield from leaves(value, f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", repr(value), f.metadata.get("help", "")))
-    return rows
+            yield f"{prefix}{f.name}", f, value
+
+
+def describe_fields() -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field, for --help texts and docs."""
+    return [(dotted, repr(value), f.metadata.get("help", "")) for dotted, f, value in leaves(Config())]
 
 
 def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, train_samples: int | None = None) -> dict:

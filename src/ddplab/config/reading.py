@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from ddplab.config import INT_MAX, MAX_SECONDS, Config, deprecation
+from ddplab.config import INT_MAX, MAX_SECONDS, Config, deprecation, leaves
 from ddplab.errors import UserError
 
 
@@ -265,7 +265,7 @@ def _shown(value: Any) -> str:
 
 def validate(cfg: Config) -> None:
     """Range and choice checks for every field, then cross-field checks."""
-    _check_fields(cfg, "")
+    _check_fields(cfg)
     parse_duration(cfg.training.time_budget, "training.time_budget")
     name = cfg.experiment.name  # one folder inside output_dir: no path of its own, nothing a terminal would act on
     if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable()):
@@ -284,13 +284,8 @@ def validate(cfg: Config) -> None:
             raise UserError(f"data.{name} must be in [0, 1), got {getattr(cfg.data, name)}")
 
 
-def _check_fields(node: Any, prefix: str) -> None:
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        dotted = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            _check_fields(value, dotted + ".")
-            continue
+def _check_fields(cfg: Config) -> None:
+    for dotted, f, value in leaves(cfg):
         meta = f.metadata
         for item in value if isinstance(value, list) else [value]:  # a list's every item is one of the choices
             if meta.get("choices") is not None and item not in meta["choices"]:
