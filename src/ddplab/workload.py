@@ -121,9 +121,6 @@ def build_config(cfg, section: str, ctx=None, assets: Assets | None = None) -> B
     return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx, assets=assets)
 
 
-# ---------------------------------------------------------------------------- code references
-
-
 def is_reference(name: str) -> bool:
     return ":" in name
 
@@ -240,8 +237,6 @@ def reference_of(fn: Callable) -> str:
     path = Path(source).resolve()
     return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{qualname}"
 
-
-# ---------------------------------------------------------------------------- whose code runs
 
 TRUST_FILE = "trusted-code.sha256"  # in $XDG_STATE_HOME/ddplab/: `sha256  path` of every file trained with
 _PACKAGE = Path(__file__).resolve().parent  # ddplab's own code

@@ -98,7 +98,6 @@ def under_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-# ------------------------------------------------------------------ launcher side
 class Ended(NamedTuple):
     code: int  # PREEMPTED / INTERRUPTED when the workers saved a snapshot, USAGE when one reported bad input
     error: str | None  # that user error, one line (USAGE), or the failure report (FAILED)
@@ -368,7 +367,6 @@ def _end(proc: subprocess.Popen, grace: float) -> None:
         proc.wait()
 
 
-# ------------------------------------------------------------------ agent side
 _forked = False  # this process is a worker forked from its agent (_forked_worker)
 
 
