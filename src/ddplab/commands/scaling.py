@@ -57,7 +57,8 @@ def report(ns) -> int:
 def forecast(ns) -> int:
     require("report", "ddplab forecast")
     at_least("--batch-size", ns.batch_size)
-    from ddplab.forecast import forecast as predict  # scipy and matplotlib: the report extra
+    # scipy and matplotlib: the report extra
+    from ddplab.forecast import forecast as predict
     from ddplab.forecast.write import write_all
 
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")

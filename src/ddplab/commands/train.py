@@ -115,7 +115,8 @@ def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
 
 def preflight(cfg, run_dir: Path) -> None:
     """For a workload without torch-free checks: build its data and model once on the CPU, so that bad code
-    fails in one line before any worker starts. The launcher imports torch only for such a workload."""
+    fails in one line before any worker starts."""
+    # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
     import torch
 
     from ddplab.engine.diagnosis import failure
