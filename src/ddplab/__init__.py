@@ -1,14 +1,5 @@
-"""ddplab: DDP training with numbers you can trust.
-
-The public interface for your own workloads (nothing heavy is imported until used):
-
-    ddplab.Data, ddplab.Task, ddplab.Classification, ddplab.Regression, ddplab.LanguageModeling,
-    ddplab.Shards (a stream from shard files, resumable at any world size),
-    ddplab.Callback (its hooks get a read-only ddplab.TrainView), ddplab.EarlyStopping,
-    ddplab.train(config=None, overrides=(), model=None, data=None, callbacks=())
-
-Every name here, and the rule for changing one, is listed in the docs' "Public API" page.
-"""
+"""ddplab: DDP training with numbers you can trust. The names below, and the rule for changing one, are listed
+in the docs' "Public API" page; nothing heavy is imported until a name is used."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""`ddplab.train()`: what `ddplab train` does, from Python, with your functions and callbacks.
-
-The same script runs as `python script.py`, `torchrun --nproc-per-node=N script.py` and
-`srun python script.py`: every process calls train(), which reads the launcher's environment. Inside a Ray Train
-worker (`ray.train.torch.TorchTrainer`), it trains in the process group Ray made and reports each complete
-snapshot to Ray (examples/ray_train.py).
-"""
+"""`ddplab.train()`: what `ddplab train` does, from Python, under `python`, `torchrun` or `srun`; inside a Ray
+Train worker it trains in the process group Ray made and reports each complete snapshot to Ray."""
 
 from __future__ import annotations
 
@@ -29,11 +24,9 @@ def train(
     callbacks=(),
     builders: Builders | None = None,
 ) -> dict:
-    """Train and return the run's summary (what metrics.json holds; "status" is "complete" or
-    "preempted"). `model(cfg, data)` and `data(cfg)` take the place of model.name / data.name;
-    define them at the top level of a file guarded by `if __name__ == "__main__":`, since
-    predict, generate and resume import that file again. `builders` replace how the trainer's parts are
-    built (engine/loop/parts.py)."""
+    """Train and return the run's summary (what metrics.json holds). `model(cfg, data)` and `data(cfg)` take the
+    place of model.name / data.name: define them at the top level of a file, as predict, generate and resume
+    import it again. `builders` replace how the trainer's parts are built (engine/loop/parts.py)."""
     with process_state.changes():  # importing a workload file puts its folder on sys.path: undone too
         cfg = load_config(config, list(overrides), model=model, data=data)
         callbacks = [*callbacks, *_ray_train()]
@@ -55,9 +48,8 @@ def _ray_train() -> list[Callback]:
 
 
 class RayReport(Callback):
-    """Each complete snapshot, reported to Ray Train with `ray.train.report` (every rank calls it, as Ray asks;
-    rank 0 hands the snapshot folder as the Checkpoint): Ray keeps it in its storage and, after a worker fails
-    and FailureConfig restarts the group, ddplab resumes from its run folder exactly where the snapshot left."""
+    """Each complete snapshot, reported to Ray Train (every rank calls it; rank 0 hands the snapshot folder as the
+    Checkpoint): after FailureConfig restarts the group, ddplab resumes from its run folder."""
 
     def on_snapshot(self, view, path) -> None:
         import ray.train  # only in a Ray worker, which has loaded it

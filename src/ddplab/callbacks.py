@@ -1,12 +1,6 @@
-"""What a callback is written against: the hooks, and ddplab's own steering callback, EarlyStopping.
-
-The trainer calls each hook at a fixed point, on every rank, in list order, with a read-only
-`ddplab.TrainView` of the run (engine/loop/view.py); docs/your-workload.md states what the view
-holds at each hook. A callback observes, and may ask the run to end (`view.request_stop`).
-
-A callback with `state_dict()` / `load_state_dict()` has that state saved in every snapshot and
-restored on resume, on every rank: what it counts (a best value, a patience) survives a restart.
-"""
+"""The hooks a callback is written against (docs/your-workload.md#callbacks), and EarlyStopping. Each hook is
+called on every rank, in list order, with a read-only `ddplab.TrainView`; a callback's `state_dict()` is saved
+in every snapshot and restored on resume."""
 
 from __future__ import annotations
 
@@ -42,13 +36,8 @@ class Callback:
 
 
 class EarlyStopping(Callback):
-    """End the run when `monitor` (a column of the epoch rows: val_loss, val_accuracy, ...) has not
-    improved by more than `min_delta` for `patience` epochs; `mode` says which way is better.
-
-    It decides at each whole epoch's end, from the row every rank holds alike, and asks for the stop
-    with reason "early_stopping"; the run ends complete, and its test and export use the best model
-    (checkpoint.save_best, by validation loss). Every decision is logged with the values compared.
-    """
+    """End the run when `monitor` (a column of the epoch rows) has not improved by more than `min_delta` for
+    `patience` whole epochs; decided from the row every rank holds alike, each decision logged."""
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
         if mode not in ("min", "max"):

@@ -1,7 +1,5 @@
-"""What every ddplab command may exit with, and the exceptions that tell failures apart: a `UserError`
-is bad input found before any process starts (one line on stderr, exit 2); a `RunError` is a failure at
-run time whose cause is known (one line on stderr, exit 1, the run recorded as failed); anything else is
-a bug and keeps its traceback (exit 1)."""
+"""Exit codes, and the exceptions that tell failures apart: `UserError` (bad input, exit 2), `RunError` (a
+known failure at run time, exit 1, recorded); anything else is a bug and keeps its traceback (exit 1)."""
 
 from __future__ import annotations
 
@@ -26,15 +24,13 @@ class UserError(Exception):
 
 
 class RunError(Exception):
-    """A failure at run time with a known cause (a non-finite loss, a disk that is full, a snapshot that
-    cannot be written): one line, exit 1, `status: failed` in metrics.json."""
+    """A failure at run time with a known cause: one line, exit 1, `status: failed` in metrics.json."""
 
     exit_code = ExitCode.FAILED
 
 
 class LighthouseLost(RunError):
-    """The replica groups' torchft Lighthouse cannot be reached, at the start or mid-run: a failure outside
-    the job's processes, which the failure report blames none of."""
+    """The replica groups' torchft Lighthouse cannot be reached: a failure the report blames no process for."""
 
 
 class Preempted(Exception):
@@ -54,8 +50,7 @@ STATUS_CODES = {"complete": ExitCode.OK, "preempted": ExitCode.PREEMPTED, "inter
 
 
 def stopped(kind: str, what: str) -> Preempted:
-    """The exception for a job that a signal stopped (`kind`: "interrupted", a Ctrl-C; else a pre-emption),
-    `what` saying so with "{stop}" in place of "interrupted" or "pre-empted"."""
+    """The exception for a job that a signal stopped, "{stop}" in `what` read "interrupted" or "pre-empted"."""
     if kind == "interrupted":
         return Interrupted(what.replace("{stop}", "interrupted"))
     return Preempted(what.replace("{stop}", "pre-empted"))
@@ -67,13 +62,12 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 def printable(text: str, keep: str = "") -> str:
-    """Text from users (a stop reason, a name) as a terminal shows it harmlessly: each character it would act
-    on (a newline, an ANSI escape) written as its Python escape (\\n, \\x1b), but those in `keep`."""
+    """Text from users as a terminal shows it harmlessly: each character it would act on (a newline, an ANSI
+    escape) written as its Python escape, but those in `keep`."""
     return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
-# A write that fails with these means the disk (or the user's quota) is full.
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
 # Less than this free, a write that failed for a reason its library did not name (torch.save's zip writer
 # says "unexpected pos") failed for want of space too.
 _NEARLY_FULL = 1 << 20
@@ -107,8 +101,7 @@ def no_space(exc: BaseException, path: str | Path) -> bool:
 
 
 def write_failed(path: str | Path, exc: BaseException) -> RunError:
-    """The one line for a file ddplab could not write: "no space left on device writing <file> (<free> free)"
-    when the disk is full, else the reason. Raise it `from exc`: the traceback stays in logs/."""
+    """The one line for a file ddplab could not write. Raise it `from exc`: the traceback stays in logs/."""
     if no_space(exc, path):
         return RunError(f"no space left on device writing {path} ({size_text(free_space(path))} free)")
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {first_line(exc)}"

@@ -1,10 +1,5 @@
-"""Exact, global evaluation metrics: one evaluator per task (ddplab/tasks.py), fed each batch's
-model output as returned and the target; each takes the logits through its task.
-
-Each rank accumulates sums on its device over its own shard (no padding: see
-Loaders.evaluation); one all-reduce at the end makes them global, so every validation sample
-counts exactly once whatever the world size.
-"""
+"""Exact, global evaluation metrics, one evaluator per task: each rank sums over its own shard (no padding),
+and one all-reduce at the end makes the sums global, so every sample counts once whatever the world size."""
 
 from __future__ import annotations
 

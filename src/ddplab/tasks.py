@@ -1,26 +1,10 @@
-"""Tasks: what a model's output means. A task gives the loss, the tokens a batch holds, an
-evaluator whose numbers are global (every validation sample counted once across ranks), and
-what `ddplab predict` prints for one input.
+"""Tasks: what a model's output means: the loss, the tokens a batch holds, an evaluator whose numbers are
+global, and what `ddplab predict` prints for one input (docs/your-workload.md#tasks).
 
-A batch is `(inputs, target)` or a mapping (a dict, HF's BatchEncoding) that holds its target under
-`Task.target_field` (default `labels`, then `label`); `Task.unpack` tells them apart. A mapping goes
-to the model whole, as keywords, target included, as Hugging Face models expect.
-
-A model's forward may return a tensor, a tuple or list, a dict, or an object with `.logits`
-(HF's ModelOutput). The built-in tasks (Classification, LanguageModeling, Regression) score its
-logits (`Task.logits`) and train on the model's own loss where its output carries one (`.loss` or
-`["loss"]`, as an HF model given `labels` returns). A user subclasses Task and writes
-`loss(output, target)`, which gets the output exactly as returned, and lists torchmetrics objects in
-`metrics()`, which get the logits; ddplab syncs them across ranks.
-
-A loss that is a mean over items inside a sample (the tokens of a language model, seq2seq or masked LM,
-targets of -100 left out) is averaged over the global count of those items: `Task.items` counts them in
-each micro-batch, the counts are summed over every process and accumulation step, and each micro-batch's
-loss weighs its own share, so N processes x B equal 1 process x N*B and accumulation equals a bigger batch.
-The model's own mean loss times the count it averaged over is its summed loss exactly (whatever the loss:
-cross-entropy, label smoothing), with no second pass over the logits and for every model: Hugging Face's
-`num_items_in_batch` is taken by some models only. `items` returning None: the loss is a mean over
-samples, averaged as DDP averages it.
+A loss that is a mean over items inside a sample (tokens; targets of -100 left out) is averaged over the
+global count of those items (`Task.items`, summed over every process and accumulation step): the model's own
+mean loss times its count is its summed loss exactly, whatever the loss, with no second pass over the logits
+(Hugging Face's `num_items_in_batch` is taken by some models only). `items` None: a mean over samples.
 """
 
 from __future__ import annotations
@@ -86,9 +70,8 @@ class Task:
     and `predict` (what `ddplab predict` prints)."""
 
     kind = "custom"
-    # Where a mapping batch holds its target; None: `labels`, else `label`.
-    target_field: str | None = None
-    scorer: type = MetricsEvaluator  # what `evaluator` makes: (task, device) -> global scores, ddplab/evaluators.py
+    target_field: str | None = None  # where a mapping batch holds its target; None: `labels`, else `label`
+    scorer: type = MetricsEvaluator  # what `evaluator` makes: (task, device) -> global scores
 
     def unpack(self, batch) -> tuple:
         """(inputs, target, samples) of one collated batch. A mapping is the inputs whole, its target
@@ -139,17 +122,14 @@ class Task:
         return 0
 
     def items(self, target) -> torch.Tensor | None:
-        """How many items of this batch the loss is a mean over, or None where it is a mean over samples.
-        Here: integer targets of one or more values per sample (token labels, as Hugging Face's seq2seq and
-        masked LMs take them) count their entries that are not -100; other targets, None. A Task whose
-        loss averages otherwise overrides this (None: per sample)."""
+        """How many items of this batch the loss is a mean over (None: a mean over samples). Here: integer
+        targets of one or more values per sample (token labels) count their entries that are not -100."""
         if isinstance(target, torch.Tensor) and target.dim() >= 2 and not target.is_floating_point():
             return (target != -100).sum()
         return None
 
     def check_output(self, output, target: torch.Tensor) -> None:
-        """Raise UserError when the model's output cannot be scored by this task (its loss is
-        checked apart, for every task: engine/setup.check_output)."""
+        """Raise UserError when the model's output cannot be scored by this task."""
 
     def evaluator(self, device: torch.device):
         return self.scorer(self, device)
@@ -160,9 +140,8 @@ class Task:
 
 
 def item_counter(task: Task, model: torch.nn.Module):
-    """`task.items` as the trainer counts with it: where the task counts as Task does by default and the model
-    is a Hugging Face decoder-only LM (it scores `labels` shifted by one, dropping each sequence's first), the
-    count of `labels[:, 1:]`, the items its mean loss is over; else `task.items` itself."""
+    """`task.items`, but the count of `labels[:, 1:]` for a Hugging Face decoder-only LM counted as Task does by
+    default: it scores `labels` shifted by one, dropping each sequence's first."""
     config, can_generate = getattr(model, "config", None), getattr(model, "can_generate", None)
     shifts = callable(can_generate) and not getattr(config, "is_encoder_decoder", True) and can_generate()
     if type(task).items is not Task.items or not shifts:
@@ -230,10 +209,8 @@ CONTINUES_TEXT = "this run holds a language model, which continues text: use `dd
 
 
 class LanguageModeling(Task):
-    """Targets are the next tokens (`shift=False`: the data shifted them), or the inputs themselves
-    (`shift=True`: as Hugging Face causal LMs and DataCollatorForLanguageModeling(mlm=False) have them,
-    scored against the logits one position earlier). Targets of -100 (padding, unmasked tokens) are
-    not scored."""
+    """Targets are the next tokens (`shift=False`), or the inputs themselves (`shift=True`, as Hugging Face
+    causal LMs have them, scored against the logits one position earlier). Targets of -100 are not scored."""
 
     kind = "lm"
     scorer = LMEvaluator

@@ -1,15 +1,6 @@
-"""The one door every workload comes through, built-in or the user's own.
-
-A workload is two functions:
-
-    data(cfg) -> ddplab.Data                      # cfg.options: data.options.*
-    model(cfg, data) -> torch.nn.Module           # cfg.options: model.options.*
-
-`model.name` / `data.name` are a built-in name (ddplab.registry maps each to a function in
-ddplab/workloads/) or a code reference: `path/to/file.py:function` or
-`package.module:function`. Both go through the one resolver here, so the engine never asks
-which kind it got.
-"""
+"""The one door every workload comes through, built-in or the user's own: `data(cfg) -> ddplab.Data` and
+`model(cfg, data) -> torch.nn.Module`, named by a built-in name or a code reference (`file.py:function`,
+`package.module:function`), so the engine never asks which kind it got."""
 
 from __future__ import annotations
 
@@ -31,17 +22,9 @@ from ddplab.runtime import process_state
 
 @dataclass
 class Data:
-    """Splits and the task that scores them. A split is a torch Dataset with __len__, a torch
-    IterableDataset (a stream), or a Hugging Face Dataset / IterableDataset; its items are
-    `(inputs, target)` or a dict holding its target (`labels`, else `label`): docs/your-workload.md.
-
-    `inputs` is a tensor, or a dict of tensors passed to the model as keywords. `meta` holds
-    plain values that inference needs (tokenizer, label names); it is stored in checkpoints.
-    `assets` names files inference needs (a tokenizer's file or folder, a vocabulary): training
-    copies them into the run folder, and `ddplab predict` hands them back as `cfg.assets`.
-    `state` names objects with state_dict() / load_state_dict() (a stream's position, a counter)
-    that every snapshot holds, each rank's own, and a resume gives back (engine/snapshots/write.py).
-    """
+    """Splits and the task that scores them (docs/your-workload.md#ddplabdata). `meta`: plain values inference
+    needs, stored in checkpoints; `assets`: files inference needs, copied into the run folder; `state`: objects
+    with state_dict() / load_state_dict() that every snapshot holds, each rank's own."""
 
     train: Any
     val: Any = None
@@ -50,8 +33,7 @@ class Data:
     collate_fn: Callable | None = None
     meta: dict = field(default_factory=dict)
     input_shape: tuple | None = None  # one sample's shape (images), for models that need it
-    # One raw input (a file path, a text, numbers) -> one sample's inputs, for `ddplab predict`.
-    preprocess: Callable | None = None
+    preprocess: Callable | None = None  # one raw input -> one sample's inputs, for `ddplab predict`
     state: dict = field(default_factory=dict)  # name -> stateful object, saved and restored per rank
     assets: dict = field(default_factory=dict)  # name -> a file or folder, saved into the run folder's inference/
 
@@ -77,9 +59,8 @@ class Options(dict):
 
 @dataclass
 class Assets:
-    """What a run saved for inference when its training started (the run folder's inference/):
-    `ddplab predict` gives it to the data function as `cfg.assets`, which may then return
-    Data(train=None, preprocess=..., collate_fn=...) built from it alone, reading no data."""
+    """What a run saved for inference (the run folder's inference/), given to the data function as `cfg.assets`
+    by `ddplab predict`: it may return Data(train=None, preprocess=..., collate_fn=...) built from it alone."""
 
     meta: dict  # Data.meta, as the weights were trained with
     task: Any  # the Data.task, rebuilt from its description
@@ -140,9 +121,6 @@ def build_config(cfg, section: str, ctx=None, assets: Assets | None = None) -> B
     return BuildConfig(options, cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx, assets=assets)
 
 
-# ---------------------------------------------------------------------------- code references
-
-
 def is_reference(name: str) -> bool:
     return ":" in name
 
@@ -197,8 +175,7 @@ def resolve(reference: str, field_name: str) -> Callable:
 
 
 def reference_file(reference: str) -> Path | None:
-    """The file a reference loads code from (a module's file for package.module:function), found
-    without importing anything."""
+    """The file a reference loads code from, found without importing anything."""
     files = code_files(reference)
     return files[-1] if files else None
 
@@ -208,9 +185,8 @@ def _is_file_reference(where: str) -> bool:
 
 
 def code_files(reference: str) -> list[Path] | None:
-    """The files that importing `reference` runs: a file.py:function's file; a module's file after its
-    packages' __init__ files. Found the way `import` finds them, but without running any of them (the
-    standard `importlib.util.find_spec` imports a module's packages); None when there is no such module."""
+    """The files that importing `reference` runs (a module's after its packages' __init__ files), found without
+    running any (`importlib.util.find_spec` imports a module's packages); None when there is no such module."""
     where = reference.rpartition(":")[0]
     if _is_file_reference(where):
         return [Path(where).expanduser().resolve()]
@@ -240,7 +216,6 @@ def _find_spec(name: str, path) -> Any:
 
 def reference_of(fn: Callable) -> str:
     """How a run folder names a function handed to ddplab.train(): file.py:name (or module:name)."""
-
     module = inspect.getmodule(fn)
     qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -262,8 +237,6 @@ def reference_of(fn: Callable) -> str:
     path = Path(source).resolve()
     return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{qualname}"
 
-
-# ---------------------------------------------------------------------------- whose code runs
 
 TRUST_FILE = "trusted-code.sha256"  # in $XDG_STATE_HOME/ddplab/: `sha256  path` of every file trained with
 _PACKAGE = Path(__file__).resolve().parent  # ddplab's own code
@@ -290,8 +263,8 @@ def _trained_with() -> set[str]:
 
 
 def remember_code(references) -> None:
-    """Training imports these references: their files' contents become code predict and generate
-    import without --trust-code. A record that cannot be written only means asking again."""
+    """Training imports these references: their files' contents become code predict and generate import
+    without --trust-code. A record that cannot be written only means asking again."""
     files = [f for r in references if is_reference(r) for f in code_files(r) or [] if not f.is_relative_to(_PACKAGE)]
     known = _trained_with()
     lines = [f"{d}  {f}\n" for f in files if (d := _digest(f)) and d not in known]
@@ -303,10 +276,8 @@ def remember_code(references) -> None:
 
 
 def check_trusted(reference: str, trust_code: bool, field_name: str, run: str | Path = ".") -> None:
-    """Code a run folder or checkpoint names (`run`: the run folder, or the checkpoint where it lies in none) is
-    imported only when this machine trained with that very code (its file's content is in trust_file()), when it
-    is an installed module (found on the module path, outside the current directory and the run folder), or
-    with --trust-code. Decided before anything is imported."""
+    """Code a run folder or checkpoint names is imported only when this machine trained with that very code, when
+    it is an installed module (outside the current directory and `run`), or with --trust-code."""
     if not is_reference(reference):
         return  # a built-in name
     files = code_files(reference)

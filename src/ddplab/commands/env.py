@@ -18,7 +18,8 @@ def env(ns) -> int:
 
     print(f"ddplab {ddplab.__version__} ({os.path.dirname(ddplab.__file__)})")
     print(f"python {platform.python_version()} ({sys.executable}); {platform.platform()}")
-    print(f"torch {torch.__version__}; CUDA {torch.version.cuda or 'none'}; {_nccl(torch)}; gloo {_gloo(torch)}")
+    gloo = "available" if torch.distributed.is_gloo_available() else "not built in"
+    print(f"torch {torch.__version__}; CUDA {torch.version.cuda or 'none'}; {_nccl(torch)}; gloo {gloo}")
     print(f"devices: {_devices(torch)}")
     print("extras: " + "; ".join(_extra(name) for name in EXTRAS))
     print(f"launcher: {_launcher()}")
@@ -38,10 +39,6 @@ def _nccl(torch) -> str:
         return f"NCCL built in, its library not loaded ({type(err).__name__})"
 
 
-def _gloo(torch) -> str:
-    return "available" if torch.distributed.is_gloo_available() else "not built in"
-
-
 def _devices(torch) -> str:
     cpus = f"{len(os.sched_getaffinity(0))} CPU cores usable, torch threads {torch.get_num_threads()}"
     if not torch.cuda.is_available():
@@ -59,15 +56,12 @@ def _extra(name: str) -> str:
         return f"{name} missing {', '.join(gone)}"
     versions = []
     for module in EXTRAS[name]:
+        package = {"PIL": "pillow", "sklearn": "scikit-learn"}.get(module, module)
         try:
-            versions.append(f"{_distribution(module)} {metadata.version(_distribution(module))}")
+            versions.append(f"{package} {metadata.version(package)}")
         except metadata.PackageNotFoundError:
             versions.append(module)
     return f"{name} ({', '.join(versions)})"
-
-
-def _distribution(module: str) -> str:
-    return {"PIL": "pillow", "sklearn": "scikit-learn"}.get(module, module)
 
 
 def _launcher() -> str:

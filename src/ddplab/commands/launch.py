@@ -1,19 +1,11 @@
-"""Every process ddplab starts, it starts here: `ddplab train --nproc-per-node`, each point of
-`ddplab study` (one torchrun agent per node on loopback, or `srun` under SLURM) and both runs
-of `ddplab verify` go through `run`, which stays in charge of the job:
+"""Every process ddplab starts (`train --nproc-per-node`, each point of `study`, both runs of `verify`) goes
+through `run`, which stays in charge of the job:
 
-- SIGTERM and SIGUSR1 are forwarded to the agents as SIGTERM (an agent passes it to its workers,
-  which snapshot and exit 75, pre-empted); the launcher waits and exits 75 too. SIGINT (Ctrl-C) is
-  forwarded as SIGINT: the workers snapshot and the job exits 130, interrupted. A second signal
-  kills the agents at once. A stop signal sent to one worker stops the job so too (never restarted).
-- Nothing outlives the launcher: each agent (and `srun`) runs in its own session and asks the
-  kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), and so does each worker, so a
-  SIGKILL of the launcher or of an agent leaves no worker behind.
-- Workers report how they ended through files in a folder the launcher names
-  (runtime/handoff.py: report_dir): a user error is printed once, as one line, with exit 2, a failure at run
-  time as one line (a known cause) or the heartbeat's report, with exit 1, instead of torchrun's
-  failure summary. A job that failed with no worker left to report (rank 0 killed) is marked
-  failed in metrics.json by the launcher, with the rank torchrun saw fail first.
+- SIGTERM and SIGUSR1 reach the agents as SIGTERM (the workers snapshot, exit 75), SIGINT as SIGINT (exit 130);
+  a second signal kills the agents. A stop signal sent to one worker stops the job so too (never restarted).
+- Nothing outlives the launcher: agents, `srun` and workers each ask for SIGKILL when their parent dies.
+- Workers report how they ended through files in runtime/handoff.py's report_dir: one line (exit 2 or 1)
+  instead of torchrun's failure summary; a job no worker could report is marked failed by the launcher.
 
 `python -m ddplab.commands.launch ARGS` is torchrun with the parent-death signal set (the agent).
 """
@@ -78,18 +70,10 @@ def torchrun_command(
 
 
 def quick_exit(code: int = 0) -> None:
-    """End a process that has finished its work without the interpreter's teardown.
-
-    Tearing down torch's modules takes 1.2-1.5 s on this machine (torch, torchvision and
-    TensorBoard loaded; os._exit: 0.08 s), and 10-19 s with the machine's 2 cores loaded (a 1-process
-    `ddplab train` with 8 loader workers: from its last line in train.log to its exit; 0.5 s with this),
-    paid by every worker, by the agent, and by a `ddplab train` that is one process, at the end of
-    every command. The exit handlers run and standard streams are flushed first; every file ddplab
-    writes is closed by then (a file a user's callback leaves open is not flushed: close it in
-    on_train_end). Used only after a run completed, never on a worker's error path (the agent's, once its
-    workers have ended, is the exception: a failed job ends no later than one that succeeded). A worker forked
-    from its agent returns instead: its return value must reach the agent, and multiprocessing ends it with
-    os._exit then."""
+    """End a process that has finished its work without the interpreter's teardown: torch's takes 1.2-1.5 s
+    (os._exit: 0.08 s), 10-19 s on 2 loaded cores. Exit handlers run and streams are flushed first (a file a
+    user's callback leaves open is not: close it in on_train_end). Never on a worker's error path. A worker
+    forked from its agent returns instead: its return value must reach the agent."""
     if _forked:
         return
     torch_internals.run_exit_handlers()
@@ -114,7 +98,6 @@ def under_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-# ------------------------------------------------------------------ launcher side
 class Ended(NamedTuple):
     code: int  # PREEMPTED / INTERRUPTED when the workers saved a snapshot, USAGE when one reported bad input
     error: str | None  # that user error, one line (USAGE), or the failure report (FAILED)
@@ -125,11 +108,7 @@ class Ended(NamedTuple):
 
 
 class _Job(StopSignals):
-    """Agents started together (one per node; on loopback, several) and stopped together.
-
-    Its signal handlers: the first SIGTERM, SIGINT or SIGUSR1 asks every agent to stop cleanly
-    (SIGTERM, SIGINT for a Ctrl-C: the agent passes it to its workers and waits for them; SIGUSR1 would
-    kill it), a second kills them."""
+    """Agents started together (one per node; on loopback, several) and stopped together."""
 
     SIGNALS = FORWARDED
 
@@ -140,9 +119,7 @@ class _Job(StopSignals):
         self.pumps: list[threading.Thread] = []
         self.caught: list[int] = []  # every signal, in order
         self.tail: deque[str] = deque(maxlen=200)  # the agents' last stderr lines (torchrun's failure summary)
-        self.requested = (
-            False  # a worker's stop signal, agreed and snapshotted by the ranks (engine/loop/preemption.py)
-        )
+        self.requested = False  # a worker's stop signal, agreed and snapshotted by the ranks
         self._asked: set[int] = set()  # agents sent SIGTERM: a second one would cut their shutdown short
 
     def start(self, cmd: list[str], env: dict) -> None:
@@ -219,9 +196,8 @@ def _pump(stream, report: Path, tail: deque) -> None:
 
 
 def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, str | None]:
-    """(exit code, one line to print) from what the workers reported. Every agent ending with 0 is a
-    job that ended well: a failure reported before torchrun restarted the workers (--max-restarts) is
-    history, which train.log keeps."""
+    """(exit code, one line to print) from what the workers reported. Every agent ending with 0 is a job that
+    ended well: a failure before torchrun restarted the workers is history, which train.log keeps."""
     if agent_code == 0 and not stopped:
         return ExitCode.OK, None
     if errors := sorted(report.glob("error-rank*")):
@@ -238,8 +214,7 @@ def outcome(report: Path, agent_code: int, stopped: bool = False) -> tuple[int, 
 
 
 def saved(report: Path) -> str | None:
-    """How the workers' agreed stop was recorded, its snapshot saved (engine/diagnosis/outcome.py: report_stopped):
-    "interrupted" (a Ctrl-C) or "preempted"; None if they saved none."""
+    """How the workers' agreed stop was recorded, its snapshot saved: "interrupted", "preempted" or None."""
     return next((status for status in reversed(STOPS) if any(report.glob(f"{status}-rank*"))), None)
 
 
@@ -258,18 +233,14 @@ def root_cause(lines) -> tuple[int, str] | None:
 
 
 def record_unreported(run_dir: Path, cause: tuple[int, str] | None) -> str:
-    """A job that failed with no worker left to report it (rank 0 killed first, then the rest by torchrun):
-    the launcher marks the run failed with what torchrun saw, so that `ddplab status` does not guess."""
+    """A job that failed with no worker left to report it (rank 0 killed first): the launcher marks the run
+    failed with what torchrun saw, so that `ddplab status` does not guess."""
     rank, said = cause or (None, "a worker died")
     summary = f"job failed: {said}; no rank could report (see {run_dir / 'train.log'} and {run_dir / 'logs'})"
+    failure = {"summary": summary, "culprit": {"rank": rank}, "by": "launcher"}
     if (RunFiles(run_dir).summary() or {}).get("status") == "running":
         with contextlib.suppress(OSError, RunError):
-            amend(
-                run_dir,
-                summary,
-                status="failed",
-                failure={"summary": summary, "culprit": {"rank": rank}, "by": "launcher"},
-            )
+            amend(run_dir, summary, status="failed", failure=failure)
     return summary
 
 
@@ -281,10 +252,8 @@ def run(
     env: dict | None = None,
     independent: bool = False,
 ) -> Ended:
-    """Run agents (torchrun_command, or srun around one) until all end, forwarding signals to them.
-
-    With `log`, the agents' output is appended there; else stdout is this process's and stderr
-    is copied through. `report_in`: where the workers report (a folder every node sees)."""
+    """Run agents (torchrun_command, or srun around one) until all end, forwarding signals to them. With `log`,
+    their output is appended there; else stderr is copied through. `report_in`: a folder every node sees."""
     env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="ddplab-launch-", dir=report_in) as folder, contextlib.ExitStack() as stack:
@@ -312,14 +281,13 @@ def run(
     return Ended(code, line, stopped, None if line or not code else root_cause(job.tail), kind, agreed is not None)
 
 
-# The memory a worker holds of its own once torch is imported (about 290 MB measured with torch 2.x on CPU, before
-# any data or model): the least each process of a job started on this machine needs.
+# The least each process needs: a worker holds about 290 MB once torch is imported (torch 2.x, CPU), before data.
 PROCESS_MEMORY = 256 * 2**20
 
 
 def check_processes(nproc: int, groups: int = 0) -> None:
-    """The processes `--nproc-per-node` (x `--replica-groups`) starts on this machine fit its memory, before any
-    of them or a run folder exists: 10^5 of them would fork until the host ran out of memory."""
+    """The processes `--nproc-per-node` (x `--replica-groups`) starts here fit its memory: 10^5 of them would
+    fork until the host ran out of memory."""
     count = nproc * max(groups, 1)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -334,12 +302,10 @@ def check_processes(nproc: int, groups: int = 0) -> None:
 
 
 def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, groups: int = 0, **kwargs) -> int:
-    """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's environment); the job's exit
-    code. Raises Preempted (Interrupted after a Ctrl-C) when the workers saved a snapshot, UserError when one
-    reported bad input.
-
-    `groups`: that many replica groups of `nproc` processes (engine/parallel/replicas.py), each its own torchrun
-    agent, with a torchft Lighthouse for them on this machine; a group that fails ends none of the others."""
+    """Run `ddplab <args>` in `nproc` processes (`env`: added to this process's); the job's exit code. Raises
+    Preempted (Interrupted after a Ctrl-C) when the workers saved a snapshot, UserError when one reported bad
+    input. `groups`: that many replica groups, each its own agent, with a torchft Lighthouse here; a group that
+    fails ends none of the others."""
     if groups:
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}  # torchft's lines per step: RUST_LOG=info
         with lighthouse() as address:
@@ -401,17 +367,13 @@ def _end(proc: subprocess.Popen, grace: float) -> None:
         proc.wait()
 
 
-# ------------------------------------------------------------------ agent side
 _forked = False  # this process is a worker forked from its agent (_forked_worker)
 
 
 def agent() -> None:
-    """torchrun, whose `-m ddplab` workers are forked from it with torch and ddplab already imported.
-
-    Importing them (torch._dynamo included, which the first optimizer pulls in) costs each worker 3.5 s of CPU on
-    this machine's cores, paid by every worker of every job again; forked, they pay it once per agent. A machine
-    with a GPU device starts its workers as torchrun does (exec'd), so that CUDA is never initialised before a fork.
-    """
+    """torchrun, whose `-m ddplab` workers are forked from it with torch and ddplab already imported: importing
+    them (torch._dynamo included) costs each worker 3.5 s of CPU, once per agent when forked. With a GPU device
+    the workers are exec'd, as torchrun does, so that CUDA is never initialised before a fork."""
     import torch.distributed.run as torchrun  # the agent only: the launcher never imports torch
 
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
@@ -433,12 +395,8 @@ def agent() -> None:
 
 def _forked_worker(*args: str) -> None:
     """`python -u -m ddplab ARGS` in a process forked from the agent: the agent's exit and signal handlers
-    dropped, unbuffered output, and the interpreter's teardown left to multiprocessing (os._exit after the
-    return value is handed back)."""
-    # A worker's own needs, imported where it starts (torch is in memory already, from the agent).
-    import traceback
-
-    import torch
+    dropped, unbuffered output, and the teardown left to multiprocessing."""
+    import torch  # in memory already, from the agent
 
     global _forked
     _forked = True

@@ -1,22 +1,9 @@
-"""`ddplab predict`: one row per input, from any trained model: a label and its probability
-(classifiers), the predicted values (regression), or what the run's own Task.predict makes.
+"""`ddplab predict`: one row per input, from any trained model (docs/predict.md).
 
-The run's data function is called with what the run saved for inference (`cfg.assets`,
-engine/run_folder/assets.py), the same for built-in and user workloads, and a raw input (a string) becomes
-one sample's model inputs by, in this order:
-- `Data.preprocess`, when the workload gives one (the built-ins build theirs from the saved assets
-  alone, so their training data may be gone);
-- the validation dataset's torchvision-style `transform` (ImageFolder and the like), where the data
-  function built its datasets: the input is an image file, opened as the dataset opens its own
-  (its `loader`, else PIL in RGB);
-- otherwise numbers: `0.5,1.2,3` (one sample's features), or a .npy / .pt file holding one
-  sample's tensor, in the dtype of the training inputs.
-Any other input is text or numbers whatever its length: an input is never refused for being no path.
-Samples are batched with `Data.collate_fn` (or torch's default_collate), as training batched them: where
-items are dicts (Hugging Face's), the dicts `preprocess` gives, with no target; where items are
-(inputs, target) pairs, (inputs, a stand-in target of the training items' form), a target never given to
-the model. The model gets the inputs alone, never a made-up target, through `Task.infer` (its forward
-pass, or a Task's own, e.g. `model.generate`); `Task.predict` turns what that returns into rows.
+A raw input becomes one sample's model inputs by `Data.preprocess`, else the validation dataset's
+torchvision-style `transform` (the input is an image file), else as numbers (`0.5,1.2,3`, a .npy / .pt file).
+Samples are batched with the run's collate_fn, pairs with a stand-in target of the training items' form; the
+model gets the inputs alone, never a made-up target, through `Task.infer`; `Task.predict` makes the rows.
 """
 
 from __future__ import annotations
@@ -28,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddplab.commands.trained_model import load_model, read_checkpoint, recorded_task
+from ddplab.commands.trained_model import load_model, read_checkpoint
 from ddplab.engine.run_folder import assets
 from ddplab.engine.run_folder.files import write_atomic
 from ddplab.errors import UserError, first_line
 from ddplab.report.table import write_csv
-from ddplab.tasks import CONTINUES_TEXT, Task
+from ddplab.tasks import CONTINUES_TEXT, Task, restore
 
 
 def _is(item: str, kind: str) -> bool:
@@ -60,19 +47,8 @@ def expand(items: list[str]) -> list[str]:
     return out
 
 
-def _unwrapped(dataset):
-    """The dataset under Subset-like wrappers (each keeps the one it wraps as `.dataset`)."""
-    for _ in range(16):
-        inner = getattr(dataset, "dataset", None)
-        if inner is None or getattr(dataset, "transform", None) is not None:
-            break
-        dataset = inner
-    return dataset
-
-
 def encoder(data, example: dict | None = None) -> Callable[[str], object]:
-    """raw input -> one sample's model inputs, as described at the top of this file; `example`: the
-    form of a training item (engine/assets.example), else read from the data's first item."""
+    """raw input -> one sample's model inputs; `example`: the form of a training item (assets.example)."""
     if data.preprocess is not None:
         return data.preprocess
     example = example or _example(data)
@@ -82,8 +58,11 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
             "Data(preprocess=...), a function from one input to one sample's dict, which its data does "
             "not give"
         )
-    dataset = next((d for d in (data.val, data.test, data.train) if d is not None), None)
-    source = _unwrapped(dataset)
+    source = next((d for d in (data.val, data.test, data.train) if d is not None), None)
+    for _ in range(16):  # the dataset under Subset-like wrappers (each keeps the one it wraps as `.dataset`)
+        if (inner := getattr(source, "dataset", None)) is None or getattr(source, "transform", None) is not None:
+            break
+        source = inner
     transform = getattr(source, "transform", None)
     if callable(transform):
         return lambda item: transform(_open_image(item, getattr(source, "loader", None)))
@@ -92,8 +71,8 @@ def encoder(data, example: dict | None = None) -> Callable[[str], object]:
 
 
 def _example(data) -> dict:
-    """The form of the data's first item, for a checkpoint away from its run folder (no inference/); where its data
-    function built no dataset, the built-ins' form: (inputs, an integer target)."""
+    """The form of the data's first item (a checkpoint away from its run folder); with no dataset, the
+    built-ins' form: (inputs, an integer target)."""
     dataset = next((d for d in (data.val, data.train) if d is not None), None)
     if dataset is None:
         return {"kind": "pair", "target": 0}
@@ -101,8 +80,7 @@ def _example(data) -> dict:
 
 
 def _sample(example: dict) -> Callable:
-    """One sample's inputs -> what the run's collate_fn gets: a dict as it is (no target); else
-    (inputs, a stand-in target of the training items' form), a pair as training's collate_fn got."""
+    """One sample's inputs -> what the run's collate_fn gets: a dict as it is; else (inputs, a stand-in target)."""
     if example.get("kind") == "dict":
         return lambda inputs: inputs
     target = assets.stand_in(example.get("target", 0))
@@ -110,8 +88,7 @@ def _sample(example: dict) -> Callable:
 
 
 def _inputs(task, batch, field: str | None):
-    """The model's inputs of a collated batch: a mapping without any target field (a collate_fn may add
-    one), a pair's inputs."""
+    """The model's inputs of a collated batch: a mapping without any target field, a pair's inputs."""
     if isinstance(batch, Mapping):
         names = {field, task.target_field, "labels", "label"} - {None}
         return {k: v for k, v in batch.items() if k not in names}
@@ -155,10 +132,9 @@ def predict(
     """One dict per input: {"input": the input, then what the run's Task.predict gives}."""
     checkpoint = read_checkpoint(run)
     ckpt, _, found = checkpoint
-    recorded = recorded_task(ckpt)
+    recorded = restore(ckpt.get("task"))
     if recorded.kind == "lm":  # known from the checkpoint: no need to rebuild the corpus to say so
         raise UserError(CONTINUES_TEXT)
-    # cfg.assets for the data function, and the form of one training item
     saved, example = assets.load(found, ckpt.get("meta", {}), recorded)
     model, _, data = load_model(run, trust_code, checkpoint=checkpoint, saved=saved)
     example = example or _example(data)  # a checkpoint away from its run folder: the rebuilt data's
@@ -219,7 +195,7 @@ def line(row: dict) -> str:
 
 
 def output_format(path: str) -> str:
-    """ "csv" or "jsonl", from a file's name (the command checks its folder: commands.output_file)."""
+    """ "csv" or "jsonl", from a file's name."""
     kind = Path(path).suffix.lstrip(".")
     if kind not in ("csv", "jsonl"):
         raise UserError(f"--output {path}: name a .csv or a .jsonl file")

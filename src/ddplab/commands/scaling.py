@@ -57,10 +57,12 @@ def report(ns) -> int:
 def forecast(ns) -> int:
     require("report", "ddplab forecast")
     at_least("--batch-size", ns.batch_size)
-    from ddplab.forecast import make_forecast  # scipy and matplotlib: the report extra
+    # scipy and matplotlib: the report extra
+    from ddplab.forecast import forecast as predict
+    from ddplab.forecast.write import write_all
 
     out = ns.output or (ns.dirs[0] if len(ns.dirs) == 1 else "forecast")
     output_folder("--output", out)
-    path = make_forecast(ns.dirs, out, ns)
+    path = write_all(predict(ns.dirs, ns), Path(out))
     print(f"{path.read_text()}forecast: {path}")
     return ExitCode.OK

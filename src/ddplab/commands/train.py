@@ -58,8 +58,7 @@ def train(ns) -> int:
 
 def launch(cfg, ns) -> int:
     """Start the job's workers; the launcher owns the run folder for the whole job, restarts included. With
-    `--replica-groups N`, the job is N replica groups (distributed.fault_tolerance=replicas) on this machine, each
-    of --nproc-per-node processes and with its own run folder (Config.run_name), which its rank 0 holds."""
+    `--replica-groups N`, each group has its own run folder (Config.run_name), which its rank 0 holds."""
     workers = functools.partial(run_workers, ns.nproc_per_node or 1, ["train", *ns.args], max_restarts=ns.max_restarts)
     if ns.replica_groups:
         if cfg.distributed.fault_tolerance != "replicas":
@@ -84,8 +83,7 @@ def launch(cfg, ns) -> int:
 
 def launch_node(nodes: NodeLaunch, ns) -> int:
     """This node's processes of a job whose launcher (Kubeflow Trainer, SkyPilot) started one `ddplab train` per
-    node: torchrun's static rendezvous at the master, with the node rank given. As under plain torchrun, the
-    job's rank 0 holds the run folder (no one node's launcher can: the others' are elsewhere)."""
+    node: torchrun's static rendezvous at the master; the job's rank 0 holds the run folder."""
     if ns.replica_groups:
         raise UserError(f"--replica-groups runs on one machine; this is node {nodes.node_rank} of {nodes.nnodes}")
     print(f"ddplab: {nodes.describe()}", flush=True)
@@ -100,9 +98,8 @@ def launch_node(nodes: NodeLaunch, ns) -> int:
 
 
 def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
-    """A resume at another world size keeps the run's global batch (engine/snapshots/resume.py); where no
-    accumulation can, one line says so before any worker starts. A marker that is not a manifest is
-    left to the workers, which skip its snapshot and say so."""
+    """A resume at another world size keeps the run's global batch; where no accumulation can, one line says so
+    before any worker starts (a marker that is not a manifest is left to the workers)."""
     if cfg.checkpoint.resume == "never":
         return
     if cfg.checkpoint.resume == "auto":
@@ -117,8 +114,8 @@ def check_global_batch(cfg, run_dir: Path, world_size: int) -> None:
 
 
 def preflight(cfg, run_dir: Path) -> None:
-    """For a workload without torch-free checks: build its data and model once on the CPU, so that
-    bad code fails in one line before any worker starts (a bug: its traceback in the run folder's logs/)."""
+    """For a workload without torch-free checks: build its data and model once on the CPU, so that bad code
+    fails in one line before any worker starts."""
     # The launcher imports torch (and the engine's builders, which import it) only for such a workload.
     import torch
 
@@ -148,8 +145,8 @@ def verify(ns) -> int:
 
 
 def status(ns) -> int:
-    """For requeue scripts under plain torchrun, whose own exit code cannot say 'pre-empted'; and for a
-    person: a dead job (its lock's owner gone) says failed and why, a live one its step and ETA."""
+    """For requeue scripts under plain torchrun, and for a person: a dead job says failed and why, a live one its
+    step and ETA."""
     run = RunFiles(ns.run)
     if not run.exists():
         raise UserError(f"no run folder at {ns.run} (no metrics.json)")
@@ -168,8 +165,7 @@ def status(ns) -> int:
 
 
 def _quorum(run: Path) -> str:
-    """A replica group's run (distributed.fault_tolerance=replicas): the groups in its last step's quorum, and
-    since which step, from its replicas.csv."""
+    """A replica group's run: the groups in its last step's quorum, and since which step."""
     if not (rows := RunFiles(run).quorum_steps()):
         return ""
     last = rows[-1]

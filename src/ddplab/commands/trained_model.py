@@ -1,13 +1,6 @@
-"""Loading a trained model back from a run folder or checkpoint, for `predict` and `generate`.
-
-The run's own workload rebuilds it, built-in or the user's (imported only from the path the run
-recorded, and only code this machine trained with, an installed module, or with --trust-code): `predict`
-calls the run's data function with what the run saved for inference (`cfg.assets`: the checkpoint's
-meta and task, the files of the run folder's inference/), from which it builds its preprocessing
-without reading the data (a data function that ignores them builds its datasets as in training);
-`generate` builds the model from the task and meta the checkpoint stored (a character model
-needs nothing else). Then come the checkpoint's weights. `LanguageSample`: the sample a training run ends with.
-"""
+"""Loading a trained model back from a run folder or checkpoint, for `predict` and `generate`: the run's own
+workload rebuilds it (its code imported only as workload.check_trusted allows), then come the checkpoint's
+weights. `LanguageSample`: the sample a training run ends with."""
 
 from __future__ import annotations
 
@@ -30,33 +23,27 @@ from ddplab.workload import Assets, Data, build_config, check_trusted
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:
-    """(checkpoint dict, its Config, where it was found) from a run folder or checkpoint file, checked
-    against its manifest."""
+    """(checkpoint dict, its Config, where it was found) from a run folder or checkpoint file."""
     found, ckpt = load_checkpoint(path)
     tree = ckpt["config"]  # without model.weights: the checkpoint holds every weight; that file may be gone
     cfg = freeze(from_dict({**tree, "model": {**tree.get("model", {}), "weights": None}}))
     return ckpt, cfg, found
 
 
-def recorded_task(ckpt: dict):
-    return restore(ckpt.get("task"))
-
-
 def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, saved: Assets | None = None):
     """(model in eval mode, checkpoint dict, Data). Given `saved` (what the run saved for inference), the
-    Data is what the run's data function builds from it; else the checkpoint's task and meta only.
-    `checkpoint`: what read_checkpoint(path) gave, when the caller has read it already."""
+    Data is what the run's data function builds from it; else the checkpoint's task and meta only."""
     ckpt, cfg, _ = checkpoint or read_checkpoint(path)
     meta = ckpt.get("meta", {})
     run = RunFiles.around(path)  # code inside the run folder it was read from is the run's own
-    check_trusted(cfg.model.name, trust_code, "model.name", run.path if run else path)
-    check_trusted(cfg.data.name, trust_code, "data.name", run.path if run else path)
+    for name in ("model.name", "data.name"):
+        check_trusted(getattr(cfg, name.split(".")[0]).name, trust_code, name, run.path if run else path)
     work = workload(cfg)
     if saved is not None:
         data = _data(cfg, work, saved)
         data.meta = {**data.meta, **meta}  # what the weights were trained with wins
     else:
-        data = Data(train=None, task=recorded_task(ckpt), meta=meta)
+        data = Data(train=None, task=restore(ckpt.get("task")), meta=meta)
     if data.train is None:
         shape = data.input_shape or meta.get("input_shape")
         data.input_shape = tuple(shape) if shape else None
@@ -74,8 +61,7 @@ def load_model(path: str | Path, trust_code: bool = False, checkpoint=None, save
 
 
 def _data(cfg, work, saved: Assets) -> Data:
-    """The run's data function on what the run saved; one that reads files which are gone, where the run saved
-    nothing for inference, says so: predict rebuilds such a workload's preprocessing from its data."""
+    """The run's data function on what the run saved; one that reads files which are gone says so."""
     try:
         return build_data(cfg, None, work, saved)
     except RunError as exc:

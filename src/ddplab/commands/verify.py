@@ -1,16 +1,7 @@
-"""`ddplab verify`: N-process DDP against one process with N x the per-process batch.
-
-Both runs see the same samples in the same order (the sampler's global order is split
-rank-strided, so N ranks' batches at step k are exactly the single process's batch k),
-start from the same weights, and have dropout off (every torch.nn.Dropout module, the user's
-too); random augmentation is drawn from per-sample seeds (data.per_sample_seed), the same in both.
-DDP should then change nothing but speed: the loss at every step and the final weights agree up to
-float rounding. What randomness remains in view (BatchNorm; random transforms when per-sample seeds
-are off) is named in the verdict with its remedy.
-
-The two runs live in `<output_dir>/verify-<digest of the config>` until they are compared:
-a pre-empted verify (exit 75) keeps them, and the same command continues where it stopped.
-"""
+"""`ddplab verify`: N-process DDP against one process with N x the per-process batch: the same samples in the
+same order, the same weights, dropout off, augmentation from per-sample seeds, so the loss at every step and
+the final weights agree up to rounding; what randomness remains is named in the verdict with its remedy.
+The runs live in `<output_dir>/verify-<digest>` until compared: a pre-empted verify continues there."""
 
 from __future__ import annotations
 
@@ -90,10 +81,7 @@ def verify(config: str | None, overrides: list[str], nproc: int, tolerance: floa
     work.mkdir(parents=True, exist_ok=True)
     keep = False
     try:
-        for name, procs, extra in (
-            ("ddp", nproc, []),
-            ("single", 1, [f"training.batch_size={nproc * batch}"]),
-        ):
+        for name, procs, extra in (("ddp", nproc, []), ("single", 1, [f"training.batch_size={nproc * batch}"])):
             if not RunFiles(work / name).finished():  # done before a pre-emption: kept
                 _run(procs, ["train", *base, f"experiment.name={name}", *extra], work)
         (a, wa, _), (b, wb, found) = _result(work / "ddp"), _result(work / "single")

@@ -1,14 +1,11 @@
-"""One typed config tree, loaded from YAML and `key=value` overrides.
-
-Field names are public (command line, YAML files, tests, docs). Each field's `help` becomes
-`ddplab train --help` and the docs' config reference; config_io.validate checks `choices`, `min`, `max`,
-`positive`. Every number must also be finite, and an integer at most INT_MAX, whatever its field says.
-"""
+"""One typed config tree. Field names are public; each field's `help` becomes `ddplab train --help` and the docs'
+config reference; reading.validate checks `choices`, `min`, `max`, `positive` (and every number is finite)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Iterator
+from dataclasses import Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -371,23 +368,25 @@ def _short(name: str) -> str:
     return f"{Path(where).stem if where.endswith('.py') else where}.{function}" if colon else name
 
 
-def describe_fields(section: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, help) for every field, for --help texts and docs."""
-    rows, section = [], section or Config()
+def leaves(section: Any, prefix: str = "") -> Iterator[tuple[str, Field, Any]]:
+    """(dotted name, field, value) of every field of the tree that is not a section."""
     for f in fields(section):
         value = getattr(section, f.name)
         if is_dataclass(value):
-            rows += describe_fields(value, f"{prefix}{f.name}.")
+            yield from leaves(value, f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", repr(value), f.metadata.get("help", "")))
-    return rows
+            yield f"{prefix}{f.name}", f, value
+
+
+def describe_fields() -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field, for --help texts and docs."""
+    return [(dotted, repr(value), f.metadata.get("help", "")) for dotted, f, value in leaves(Config())]
 
 
 def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, train_samples: int | None = None) -> dict:
     """The one place where batches are counted: global = per process x accumulation x world size. With
-    `train_samples`, also the optimizer steps of one epoch: the distributed sampler pads every rank to
-    ceil(N / world size) samples, the loader keeps the last short batch, accumulation groups micro-batches
-    (without it, None: a stream's epoch ends when the stream does)."""
+    `train_samples`, also the optimizer steps of one epoch (the sampler pads every rank to ceil(N / world size),
+    the loader keeps the last short batch); without, None: a stream's epoch ends when the stream does."""
     out = {
         "per_process": batch_size,
         "grad_accum_steps": grad_accum_steps,
@@ -402,10 +401,9 @@ def batch_arithmetic(batch_size: int, grad_accum_steps: int, world_size: int, tr
 
 
 def link_delay_s(nbytes: float, world_size: int, latency_ms: float, bandwidth_mbps: float | None) -> float:
-    """What distributed.simulated_latency_ms and simulated_bandwidth_mbps mean, for the comm hook that sleeps
-    it and the forecast that models it: the seconds a wide-area link adds to one all-reduce of `nbytes` per
-    rank, a propagation delay per message plus serialisation of what a ring all-reduce sends per rank
-    (2 (N - 1) / N times the payload)."""
+    """The seconds distributed.simulated_latency_ms and simulated_bandwidth_mbps add to one all-reduce of
+    `nbytes` per rank (for the comm hook that sleeps it and the forecast): a delay per message plus serialising
+    what a ring all-reduce sends per rank, 2 (N - 1) / N times the payload."""
     delay = latency_ms / 1000.0
     if bandwidth_mbps:
         sent = 2 * (world_size - 1) / world_size * nbytes

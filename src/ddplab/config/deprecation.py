@@ -1,10 +1,5 @@
-"""Retiring a public name: it keeps working for a release, and each use warns with its replacement
-(the rule: docs/api.md).
-
-One mechanism for every name: `warn` says it; `renamed(new, old)` makes `old` a read-only property that
-reads `new`; `KEYS` maps a retired config key to its replacement and how its value reads there, for
-config_io to apply. A name is added here when it goes, with the release it goes in.
-"""
+"""Retiring a public name: it keeps working for a release, and each use warns with its replacement (the rule:
+docs/api.md). A name is added here when it goes, with the release it goes in."""
 
 from __future__ import annotations
 
@@ -30,13 +25,12 @@ def renamed(new: str, old: str, until: str) -> property:
 
 # retired config key -> (its replacement, the type the old key took, its value as the new key's, release it goes in)
 KEYS: dict[str, tuple[str, type, Callable[[Any], Any], str]] = {
-    "logging.tensorboard": ("logging.trackers", bool, lambda on: ["tensorboard"] if on else [], "0.2"),
+    "logging.tensorboard": ("logging.trackers", bool, lambda on: ["tensorboard"] if on else [], "0.2")
 }
 
 
 def renamed_key(dotted: str, value: Any, coerce: Callable[[Any, Any, str], Any]) -> tuple[str, Any]:
-    """(the key that replaced `dotted`, `value` as that key reads it), with the warning; `coerce` (config_io's)
-    checks the value as the old key took it."""
+    """(the key that replaced `dotted`, `value` as that key reads it), with the warning."""
     new, kind, convert, until = KEYS[dotted]
     warn(f"config key {dotted}", new, until, stacklevel=4)
     return new, convert(coerce(value, kind, dotted))

@@ -1,6 +1,5 @@
-"""A tree of dataclasses (the config) that may be built and changed freely, then frozen once ddplab has read
-it: from then on every field, option dict and list refuses change with dataclasses.FrozenInstanceError naming
-its dotted key, while copies and pickles stay frozen and `plain` gives it back as plain dicts and lists."""
+"""The config tree, built and changed freely, then frozen once ddplab has read it: every field, option dict and
+list then refuses change with FrozenInstanceError naming its dotted key; copies and pickles stay frozen."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ T = TypeVar("T")
 
 
 class Section:
-    """A section of the tree: its fields may be set while it is built (YAML, overrides, a user's script), and
-    refuse it, naming the key, once `freeze` has run (when ddplab reads the config)."""
+    """A section of the tree: its fields refuse change, naming the key, once `freeze` has run."""
 
     _prefix: str | None = None  # its dotted place ("training.") once frozen
 
@@ -51,8 +49,7 @@ class _HeldList(_Held, list):
 
 
 def freeze(cfg: T) -> T:
-    """`cfg`, made read-only in place (every section, option and list) and returned: what ddplab has read
-    stays what it read. Assigning to it afterwards raises dataclasses.FrozenInstanceError naming the key."""
+    """`cfg`, made read-only in place (every section, option and list) and returned."""
     return _frozen(cfg, "")
 
 

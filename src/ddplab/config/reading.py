@@ -1,8 +1,5 @@
-"""Reading a config: YAML (safe_load), dotted `key=value` overrides, types and ranges checked.
-
-Names (built-in or code references) and which model fits which data are checked one level up,
-by ddplab.registry.load_config, the loader every command uses.
-"""
+"""Reading a config: YAML (safe_load), dotted `key=value` overrides, types and ranges checked (names are
+checked one level up, by ddplab.registry.load_config)."""
 
 from __future__ import annotations
 
@@ -16,15 +13,12 @@ from typing import Any
 
 import yaml
 
-from ddplab.config import INT_MAX, MAX_SECONDS, Config, deprecation
+from ddplab.config import INT_MAX, MAX_SECONDS, Config, deprecation, leaves
 from ddplab.errors import UserError
-
-# ---------------------------------------------------------------------------- loading
 
 
 def read_config(source: str | Path | dict | Config | None = None, overrides=()) -> Config:
-    """Types and ranges only (ddplab.registry.load_config also checks names): a YAML path (None:
-    the defaults), a dict or a Config, then dotted `key=value` overrides."""
+    """A YAML path (None: the defaults), a dict or a Config, then dotted `key=value` overrides."""
     if source is None or isinstance(source, (str, Path)):
         tree = read_yaml(source) if source is not None else {}
     elif isinstance(source, (dict, Config)):
@@ -64,9 +58,8 @@ MAX_YAML_NODES = 100_000
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, with the nesting depth checked as nodes are composed, and a key given twice
-    in one mapping refused (PyYAML keeps the last silently); keys a merge (`<<: *anchor`) brings may be
-    overridden, as YAML means them to be."""
+    """PyYAML's safe loader, with the nesting depth bounded and a key given twice in one mapping refused
+    (PyYAML keeps the last silently); keys a merge (`<<: *anchor`) brings may be overridden."""
 
     depth = 0
 
@@ -113,8 +106,7 @@ def _expanded_size(node: yaml.Node, sizes: dict) -> int:
 
 
 def load_yaml(text: str, what: str) -> Any:
-    """YAML text (safe: plain values only) with its depth and alias expansion bounded; `what` names it in
-    the one line a bad document gets."""
+    """YAML text (plain values only) with its depth and alias expansion bounded; `what` names it in errors."""
     loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
@@ -150,7 +142,7 @@ def from_dict(tree: dict, cls: type = Config, prefix: str = "") -> Any:
 
 
 def _current_keys(tree: dict) -> dict:
-    """A config tree whose retired keys (deprecation.KEYS) are moved to their replacements, with a warning each."""
+    """Retired keys (deprecation.KEYS) moved to their replacements, with a warning each."""
     for dotted in deprecation.KEYS:
         section, key = dotted.rsplit(".", 1)
         node = tree.get(section)
@@ -244,8 +236,7 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
 
 
 def _number(value: Any, text: str | None, hint: type, dotted: str) -> int | float:
-    """A finite number of the field's type: YAML's .nan and .inf, 1e400 (read as inf) and integers past
-    INT_MAX are refused here, before anything downstream overflows or trains on them."""
+    """A finite number of the field's type: .nan, .inf, 1e400 and integers past INT_MAX are refused here."""
     kind = "an integer" if hint is int else "a number"
     number = value
     if text is not None and _NUMBER.match(text):
@@ -272,12 +263,9 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
-# ---------------------------------------------------------------------------- validation
-
-
 def validate(cfg: Config) -> None:
     """Range and choice checks for every field, then cross-field checks."""
-    _check_fields(cfg, "")
+    _check_fields(cfg)
     parse_duration(cfg.training.time_budget, "training.time_budget")
     name = cfg.experiment.name  # one folder inside output_dir: no path of its own, nothing a terminal would act on
     if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable()):
@@ -296,13 +284,8 @@ def validate(cfg: Config) -> None:
             raise UserError(f"data.{name} must be in [0, 1), got {getattr(cfg.data, name)}")
 
 
-def _check_fields(node: Any, prefix: str) -> None:
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        dotted = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            _check_fields(value, dotted + ".")
-            continue
+def _check_fields(cfg: Config) -> None:
+    for dotted, f, value in leaves(cfg):
         meta = f.metadata
         for item in value if isinstance(value, list) else [value]:  # a list's every item is one of the choices
             if meta.get("choices") is not None and item not in meta["choices"]:

@@ -8,7 +8,6 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ddplab.config import batch_arithmetic
 from ddplab.config.reading import parse_duration
@@ -17,7 +16,6 @@ from ddplab.forecast.fit import fit_link
 from ddplab.forecast.links import Link, parse_bandwidth, parse_hook, parse_latency
 from ddplab.forecast.model import Comm, fit_compute, measure, predict_step
 from ddplab.forecast.sharded import STRATEGIES
-from ddplab.forecast.write import write_all
 from ddplab.report.runs import find_runs
 from ddplab.study.grid import parse_setups
 
@@ -173,7 +171,3 @@ def forecast(dirs: list[str], opts: argparse.Namespace) -> Forecast:
             f"{sum(u['bytes'] for u in shown):,} bytes of parameters"
         )
     return Forecast(label, rows, notes, fit, budget)
-
-
-def make_forecast(dirs: list[str], output: str | Path, opts: argparse.Namespace) -> Path:
-    return write_all(forecast(dirs, opts), Path(output))

@@ -32,17 +32,16 @@ class Fit:
     max_rel: float
 
 
-def comm_of(m: Measured) -> Comm:
-    return Comm(m.buckets, m.hook, 1, m.strategy, m.units)
-
-
 def _link(x: np.ndarray) -> Link:
     return Link(alpha=float(x[0]) / 1e3, bandwidth=1e9 / float(x[2]) if x[2] > 0 else math.inf)
 
 
+def comm_of(m: Measured) -> Comm:
+    return Comm(m.buckets, m.hook, 1, m.strategy, m.units)
+
+
 def predict_measured(compute: Compute, m: Measured, link: Link, scale: float) -> float:
-    """A measured run's step as the model sees it: its own setup, strategy, batch, hook and simulated link;
-    the measured link joins both the processes of a node and the nodes (one machine here)."""
+    """A measured run's step as the model sees it; the measured link joins the processes of a node and the nodes."""
     return predict_step(
         compute, comm_of(m), m.nodes, m.per_node, m.batch, link, link, m.accum, scale, m.latency_ms, m.bandwidth_mbps
     ).step_s

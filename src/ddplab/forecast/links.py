@@ -80,21 +80,14 @@ def ring_allreduce_s(nbytes: float, processes: int, link: Link) -> float:
 
 
 def allreduce_s(nbytes: float, nodes: int, per_node: int, inter: Link, intra: Link) -> float:
-    """Hierarchical all-reduce over nodes x per_node processes: reduce-scatter inside each node
-    (a ring over the node's processes, half the ring's cost), an all-reduce across nodes of each
-    process's 1/per_node shard (the shards' rings share the node's link, so the node sends the
-    whole payload's ring volume over it), then all-gather inside the node (the other half)."""
+    """Hierarchical all-reduce: reduce-scatter inside each node, an all-reduce across nodes of each process's
+    shard (the shards' rings share the node's link: the whole payload's ring volume), then all-gather."""
     return ring_allreduce_s(nbytes, per_node, intra) + ring_allreduce_s(nbytes, nodes, inter)
 
 
 def wire_messages(bucket: dict, hook: str, rank: int = 1) -> list[float]:
-    """Bytes of each all-reduce one gradient bucket costs under a communication hook.
-
-    none: the bucket as is; fp16/bf16: 2 bytes per element; powersgd (torch's hook): matrices
-    that compress at least 2x become two low-rank factors P (rows x rank) and Q (cols x rank),
-    each its own all-reduce, and everything else (vectors, small matrices) one uncompressed
-    all-reduce. PowerSGD starts after its first steps; the steady state is modelled.
-    """
+    """Bytes of each all-reduce one gradient bucket costs under a hook; powersgd: matrices that compress at
+    least 2x become factors P (rows x rank) and Q (cols x rank), the rest one uncompressed all-reduce."""
     elem = bucket["bytes"] / bucket["numel"] if bucket["numel"] else 4
     if hook == "none":
         return [float(bucket["bytes"])]

@@ -1,6 +1,5 @@
-"""The step-time model: compute from the 1-process runs, gradient buckets from the run's DDP
-model, and each bucket's all-reduce overlapped with the backward pass as DDP does it (FSDP's
-gathers and reduce-scatters: forecast/sharded.py)."""
+"""The step-time model: compute from the 1-process runs, each gradient bucket's all-reduce overlapped with the
+backward pass as DDP does it (FSDP's gathers and reduce-scatters: forecast/sharded.py)."""
 
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ def measure(run: Run) -> Measured | None:
 
 
 def _linear(xs: Sequence[float], ys: Sequence[float], proportional: bool) -> tuple[float, float]:
-    """(a, c) of y = a + c * x: least squares over distinct x (through each x's median, so a
-    repeat slowed by other jobs does not pull the line); from one x, the median of its repeats,
-    all proportional to x (per-sample work) or all constant (per-step work)."""
+    """(a, c) of y = a + c * x: least squares through each distinct x's median (a repeat slowed by other jobs
+    does not pull the line); from one x, all proportional to x or all constant."""
     by_x = {x: statistics.median(y for xi, y in zip(xs, ys, strict=True) if xi == x) for x in set(xs)}
     if len(by_x) >= 2:
         c, a = np.polyfit(list(by_x), list(by_x.values()), 1)
@@ -104,8 +102,7 @@ def _linear(xs: Sequence[float], ys: Sequence[float], proportional: bool) -> tup
 
 @dataclass
 class Compute:
-    """Per optimizer step on one process, as a + c * batch for each part: forward and backward
-    per micro-batch, data wait, and the rest (loss, clipping, optimizer, bookkeeping)."""
+    """Per optimizer step on one process, a + c * batch for each part (forward and backward per micro-batch)."""
 
     forward: tuple[float, float]
     backward: tuple[float, float]
@@ -149,9 +146,8 @@ def fit_compute(singles: list[Measured]) -> Compute:
 
 @dataclass
 class Comm:
-    """What one step communicates: under ddp each bucket's all-reduce messages (bytes) under a
-    hook; under fsdp and hsdp each unit's gathers and reduce-scatter. Runs that did not record
-    their units (older ones) have their buckets, in forward order, stand in for them."""
+    """What one step communicates: ddp's buckets under a hook, or fsdp/hsdp's units (where a run recorded
+    none, its buckets in forward order stand in)."""
 
     buckets: list[dict]
     hook: str = "none"
@@ -166,15 +162,9 @@ class Comm:
 def overlapped_backward(
     backward_s: float, buckets: list[dict], messages: list[list[float]], cost, delays: list[float] | None = None
 ) -> tuple[float, float, float]:
-    """(backward end incl. communication, total all-reduce time, exposed all-reduce time).
-
-    DDP hands a bucket to the all-reduce as soon as its last gradient is ready; gradients become
-    ready in the order of the buckets, here at a pace proportional to their bytes over the
-    backward pass. Buckets' all-reduces run one after another on the process group, each from
-    max(its ready time, the previous one's end); backward ends when the last finishes. A delay
-    (the simulated link) sleeps on the backward thread itself, so it holds back every later
-    gradient as well as its own bucket.
-    """
+    """(backward end incl. communication, total all-reduce time, exposed all-reduce time): buckets are ready in
+    order at a pace proportional to their bytes, their all-reduces run one after another; a simulated delay
+    sleeps on the backward thread itself, holding back every later gradient as well as its own bucket."""
     delays = delays or [0.0] * len(buckets)
     total = sum(b["bytes"] for b in buckets) or 1
     done = shift = free = comm = 0.0

@@ -1,11 +1,7 @@
-"""FSDP's traffic in the step-time model (distributed.strategy=fsdp | hsdp).
-
-Where DDP all-reduces gradients once per step, FSDP all-gathers each unit's parameters before
-its forward and again before its backward (every micro-step), and reduce-scatters its gradients
-after its backward (the last micro-step only). Per rank and step that is (2 x accumulation + 1)
-x (p-1)/p x the parameter bytes, against DDP's 2 (p-1)/p. hsdp gathers and scatters within a
-node only, then all-reduces each gradient shard across nodes.
-"""
+"""FSDP's traffic in the step-time model: each unit's parameters all-gathered before its forward and its
+backward (every micro-step), its gradients reduce-scattered after the last backward: (2 x accumulation + 1)
+x (p-1)/p x the parameter bytes per rank and step, against DDP's 2 (p-1)/p. hsdp stays within a node, then
+all-reduces each gradient shard across nodes."""
 
 from __future__ import annotations
 
@@ -31,11 +27,9 @@ def costs(strategy: str, nodes: int, per_node: int, inter: Link, intra: Link):
 
 
 def gathered_pass(compute_s: float, units: list[dict], gather, reduce=None) -> tuple[float, float]:
-    """(end, communication seconds) of one pass over FSDP's units in the order given: a unit
-    computes once its parameters are gathered; the next unit's gather is issued as a unit starts
-    computing (FSDP2 prefetches one ahead), gathers one after another. With `reduce`, each
-    unit's gradients are reduced as its compute ends, one after another on their own stream.
-    Compute is spread over the units in proportion to their bytes, as DDP's buckets are."""
+    """(end, communication seconds) of one pass over FSDP's units: the next unit's gather is issued as a unit
+    starts computing (FSDP2 prefetches one ahead); with `reduce`, each unit's gradients are reduced as its
+    compute ends. Compute is spread over the units in proportion to their bytes."""
     total = sum(u["bytes"] for u in units) or 1
     ready = comm = gather(units[0]["bytes"])
     t = reduced = 0.0

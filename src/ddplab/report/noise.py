@@ -1,6 +1,5 @@
-"""Comparisons a reader can trust: points that differ in one thing only (the setup, or one swept
-value) are compared on throughput, and where their ranges over repeats overlap the difference
-is called what it is, within noise, instead of a ranking."""
+"""Points that differ in one thing only, compared on throughput: where their ranges over repeats overlap, the
+difference is called within noise instead of a ranking."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def compare(a: dict, b: dict, key: str = "samples_per_s") -> str:
 
 
 def comparisons(rows: list[dict], key: str = "samples_per_s") -> list[str]:
-    """Neighbouring points along each factor they vary in (the setup, then each swept key), the
-    other factors held equal."""
+    """Neighbouring points along each factor they vary in, the other factors held equal."""
     lines = []
     factors = [f for f in ["setup", *swept_keys(rows)] if len({r.get(f) for r in rows}) > 1]
     for factor in factors:

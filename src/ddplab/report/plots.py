@@ -1,8 +1,5 @@
-"""PNG plots of a set of runs (matplotlib figures drawn by Agg, without pyplot: no display needed).
-
-Setups (nodes x processes) are categories, never a numeric process axis: 1x2 and 2x1 are two
-points, side by side. Points with repeats are drawn at their median with min-max error bars.
-"""
+"""PNG plots of a set of runs (matplotlib without pyplot: no display needed). Setups are categories, never a
+numeric axis (1x2 and 2x1 are two points); points with repeats are drawn at their median with min-max bars."""
 
 from __future__ import annotations
 
@@ -64,8 +61,7 @@ def _series(rows: list[dict], key: str, where: dict[str, int]) -> dict[str, list
 
 
 def setups_plots(rows: list[dict], out: Path) -> list[Path]:
-    """epoch_time.png (epoch time per setup) and scaling.png (throughput with the ideal line,
-    efficiency), x = setups as categories, one line per combination of swept values."""
+    """epoch_time.png and scaling.png (throughput with the ideal line, efficiency), one line per swept combination."""
     order = setup_order(rows)
     where = {s: i for i, s in enumerate(order)}
     paths = []
@@ -112,9 +108,8 @@ def _categories(ax, order: list[str]) -> None:
 
 
 def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
-    """For each swept key with several values: epoch time, samples/s and (when gradients were
-    communicated) the communication share of a step against the swept value, one line per
-    setup and combination of the other swept values."""
+    """For each swept key with several values: epoch time, samples/s and the communication share of a step
+    against the swept value, one line per setup and combination of the other swept values."""
     keys = [k for k in swept_keys(rows) if len({r.get(k) for r in rows}) > 1]
     paths = []
     for key in keys:
@@ -181,8 +176,7 @@ def _firsts(runs: list[Run]) -> dict[str, Run]:
 
 
 def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
-    """Validation accuracy and F1 over epochs, one line per point (setup and swept values: one
-    per learning rate and setup in an lr sweep), median over repeats with min-max bars."""
+    """Validation accuracy and F1 over epochs, one line per point, median over repeats with min-max bars."""
     metrics = [k for k in ("val_accuracy", "val_f1") if any(r.get(k) is not None for run in runs for r in run.epochs)]
     if not metrics:
         return None
@@ -211,8 +205,7 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
 
 
 def loss_plots(runs: list[Run], out: Path) -> list[Path]:
-    """Train (solid) and validation (dashed) loss of each point's first repeat, over epochs and
-    over training time."""
+    """Train (solid) and validation (dashed) loss of each point's first repeat, over epochs and training time."""
     paths = []
     views = (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png"))
     for axis, xlabel, fname in views:
@@ -222,9 +215,8 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
                 pts, marker = [(s["elapsed_s"], s["loss"]) for s in run.steps], None
             else:
                 pts, marker = [(r[axis], r["train_loss"]) for r in run.epochs if r.get("train_loss") is not None], "."
-            color = (
-                ax.plot(*zip(*pts, strict=True), marker=marker, label=f"{name} train")[0].get_color() if pts else None
-            )
+            drawn = ax.plot(*zip(*pts, strict=True), marker=marker, label=f"{name} train") if pts else []
+            color = drawn[0].get_color() if drawn else None
             val = [(r[axis], r["val_loss"]) for r in run.epochs if r.get("val_loss") is not None]
             if val:
                 ax.plot(*zip(*val, strict=True), marker="o", linestyle="--", color=color, label=f"{name} val")
@@ -255,8 +247,7 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
 
 
 def comm_plot(rows: list[dict], path: Path) -> Path | None:
-    """Per step: time with a collective in flight (DDP's all-reduce, FSDP's gathers and reduce-scatters) vs the
-    rest of the step (medians)."""
+    """Per step: time with a collective in flight vs the rest of the step (medians)."""
     rows = [r for r in rows if r.get("comm_ms_per_step") is not None]
     if not rows:
         return None

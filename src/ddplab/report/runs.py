@@ -49,8 +49,7 @@ class Run:
 
 
 def find_runs(dirs: Sequence[str | Path], command: str = "report") -> tuple[list[Run], list[Path]]:
-    """Finished runs under the given folders (a run folder itself, or any folder holding some),
-    and the unfinished ones that were passed over; errors name `command`."""
+    """Finished runs under the given folders, and the unfinished ones passed over; errors name `command`."""
     runs, unfinished, seen = [], [], set()
     for d in dirs:
         root = Path(d)

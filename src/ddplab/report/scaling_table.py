@@ -1,6 +1,5 @@
-"""The scaling table in the layout of the VGG19 1/2/4/8-node reference (seed 004): one column
-per setup, one row per quantity, efficiency against the smallest setup of the same experiment.
-Written when the points span more than one setup."""
+"""The scaling table: one column per setup, one row per quantity, efficiency against the smallest setup of the
+same experiment; written when the points span more than one setup."""
 
 from __future__ import annotations
 

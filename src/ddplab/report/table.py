@@ -1,9 +1,5 @@
-"""Rows of the report: one per run, then one per point (its repeats folded into medians with
-their min and max).
-
-Speedup is measured from throughput: training samples/s of a run divided by the median
-samples/s of the 1-process point of the same experiment (equal config apart from naming, so
-the same per-process batch and learning-rate rule). Efficiency = speedup / processes.
+"""Rows of the report: one per run, then one per point (repeats folded into medians with their min and max).
+Speedup is throughput over the median of the same experiment's 1-process point; efficiency = speedup / processes.
 """
 
 from __future__ import annotations
@@ -19,23 +15,10 @@ from ddplab.engine.run_folder.files import write_atomic
 from ddplab.report.runs import Run
 
 # Measured values that vary run to run: a point with repeats gets their median, min and max.
-TIMING = [
-    "epochs",
-    "mean_epoch_time_s",
-    "samples_per_s",
-    "speedup",
-    "efficiency",
-    "comm_ms_per_step",
-    "compute_ms_per_step",
-    "rank_spread",
-    "epochs_at_budget",
-    "train_time_s",
-    "gpu_util",
-    "gpu_mem_mb",
-    "step_ms",
-    "overhead_ms_per_step",
-    "peak_mem_mb",
-]
+TIMING = (
+    "epochs mean_epoch_time_s samples_per_s speedup efficiency comm_ms_per_step compute_ms_per_step rank_spread "
+    "epochs_at_budget train_time_s gpu_util gpu_mem_mb step_ms overhead_ms_per_step peak_mem_mb"
+).split()
 # The task's own scores, as its evaluator names them (a user Task's torchmetrics by their keys in
 # Task.metrics()): these first, in this order, then any others by name.
 SCORES = ("loss", "accuracy", "top5_accuracy", "precision", "recall", "f1", "perplexity", "r2", "mae", "rmse")
@@ -119,8 +102,8 @@ def epochs_within(run: Run, budget_s: float) -> float | None:
 
 
 def study_budget(runs: list[Run], budget_s: float | None) -> tuple[float | None, str]:
-    """The budget for 'epochs @ budget' and where it came from, or None and why there is none.
-    Never the shortest run's time: a run that finished early would read as fewer epochs."""
+    """The budget for 'epochs @ budget' and where it came from, or None and why (never the shortest run's time:
+    a run that finished early would read as fewer epochs)."""
     if budget_s is not None:
         return budget_s, "given with --budget"
     budgets = {r.summary.get("aggregates", {}).get("time_budget_s") for r in runs}
@@ -135,8 +118,7 @@ def study_budget(runs: list[Run], budget_s: float | None) -> tuple[float | None,
 
 
 def epochs_at_budget(run: Run, budget_s: float) -> tuple[float | None, bool]:
-    """(epochs, projected). Measured from the step log when the run trained that long (or was
-    stopped by this very budget); otherwise projected as budget / mean epoch time."""
+    """(epochs, projected): from the step log when the run trained that long, else budget / mean epoch time."""
     spe = run.ddp.get("steps_per_epoch")
     if not spe:
         return None, False
@@ -159,10 +141,8 @@ def step_ms(run: Run, epoch_s: float | None, steps_per_epoch: int | None) -> flo
 
 
 def replica_columns(run: Run) -> dict:
-    """A replica-group run (distributed.fault_tolerance=replicas, its epoch rows carry `replicas` and
-    `global_batch`): the global batch its steps actually made, mean per step over its epochs (each epoch
-    row's mean weighted by its steps), beside the planned one; the fewest groups in an epoch's steps, lowest
-    and highest over its epochs, of the groups planned. {} for any other run: its row is as it always was."""
+    """A replica-group run: the global batch its steps actually made (mean per step over its epochs) beside the
+    planned one, and the fewest groups in an epoch's steps, lowest and highest over its epochs; else {}."""
     rows, steps, before = [], [], 0
     for r in run.epochs:
         if "replicas" in r and r.get("global_batch") is not None:
@@ -182,8 +162,7 @@ def replica_columns(run: Run) -> dict:
 
 
 def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
-    """One row per run (every repeat), before speedup."""
-    rows = []
+    rows = []  # one per run (every repeat), before speedup
     for run in runs:
         steps = run.total_steps
         comm = sum(r.get("comm_time_s") or 0.0 for r in run.epochs)

@@ -1,11 +1,6 @@
-"""What ddplab's launcher tells the workers it starts: the whole channel, in one place.
-
-`ddplab train --nproc-per-node N` (commands/launch.py) starts torchrun's agent, which starts the workers and
-passes its environment on. Four variables cross that line, each one field of `Handoff`: the launcher
-writes them with `Handoff(...).env()`, a worker reads them with `Handoff.read()`. Nothing else in
-ddplab names a DDPLAB_ variable. None is trusted for what it claims alone: the lock's two are believed
-only when the launcher above the worker holds that lock (engine/run_folder/lock.py's launcher_lock).
-"""
+"""What ddplab's launcher tells the workers it starts, through torchrun's environment: the whole channel, one
+DDPLAB_ variable per field of `Handoff`. None is trusted alone: the lock's two are believed only when the
+launcher above the worker holds that lock (engine/run_folder/lock.py's launcher_lock)."""
 
 from __future__ import annotations
 

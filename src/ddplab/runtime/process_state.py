@@ -1,18 +1,7 @@
-"""Every change ddplab makes to the process as a whole: made here, recorded, shown and undone.
-
-A run changes a few things that belong to the whole Python process: TF32 (`training.tf32`), the
-garbage collector's frozen generation, glibc's malloc thresholds (`training.keep_host_memory`),
-environment variables that torch, NCCL and the trackers read, sys.path (a workload file's folder),
-a signal handler and logger levels. Each goes through a function of this module, which records how
-to put the previous value back. Inside `changes()` every change is undone, last first, when the
-block ends: `ddplab.train()` called in a user's own Python process leaves TF32, the collector, the
-environment and sys.path as it found them. A change made outside `changes()` stays for the life
-of the process (a command's process ends with it).
-
-The ecosystem's own variables win: ddplab sets an environment variable only as a default, when the
-user has set none of its names (`env_default`). `in_effect()` lists the changes in force, each as
-it differs from the default of torch, Python or glibc; the run's first log line shows them.
-"""
+"""Every change ddplab makes to the process as a whole (TF32, the collector, glibc's malloc, environment
+variables, sys.path, signal handlers, logger levels): made here, recorded, shown (`in_effect`, the run's first
+log line) and undone, last first, when a `changes()` block ends: `ddplab.train()` in a user's own process
+leaves it as it found it. An environment variable is only ever set as a default (`env_default`)."""
 
 from __future__ import annotations
 
@@ -47,9 +36,6 @@ def changes() -> Iterator[None]:
         while len(_undo) > depth:
             _, undo = _undo.pop()
             undo()
-
-
-# ---------------------------------------------------------------------------- environment and imports
 
 
 def env_default(names: str | tuple[str, ...], value: str) -> bool:
@@ -102,14 +88,9 @@ def signal_handler(signum: int, handler) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------- torch, the collector, glibc
-
-
 def tf32(on: bool) -> None:
-    """TF32 tensor cores for float32 matmuls and cuDNN convolutions (Ampere and later) on, or both off.
-
-    torch's own default is off for matmuls and on for convolutions; only a GPU reads either flag,
-    so a process without CUDA is left alone."""
+    """TF32 for float32 matmuls and cuDNN convolutions on, or both off (torch's default: off for matmuls, on for
+    convolutions); only a GPU reads either flag, so a process without CUDA is left alone."""
     import torch  # only a run on a GPU gets here with a reason to load it
 
     if not torch.cuda.is_available():
@@ -125,12 +106,9 @@ def tf32(on: bool) -> None:
 
 
 def freeze_gc() -> None:
-    """Leave every object alive now out of garbage collection until the undo.
-
-    The ~350,000 objects alive at a run's start (torch's and every other module's) are then never
-    traversed: a full collection, in training or at teardown (with gloo, the DDP model must be
-    collected before the group goes), takes microseconds instead of 0.2 s. A process that froze
-    objects itself keeps its own frozen generation: unfreezing could not tell its objects from ours."""
+    """Leave every object alive now out of garbage collection until the undo: the ~350,000 objects alive at a
+    run's start are never traversed, and a full collection takes microseconds instead of 0.2 s. A process that
+    froze objects itself keeps its own frozen generation: unfreezing could not tell its objects from ours."""
     if gc.get_freeze_count():
         return
     gc.freeze()
@@ -144,20 +122,12 @@ CAPPED = 32 << 20  # mallopt(3)'s documented cap on 64-bit hosts; the glibc test
 
 
 def keep_freed_memory() -> int:
-    """Have glibc keep the memory a training step frees, for the next step to reuse.
+    """Have glibc keep the memory a training step frees, for the next step to reuse, instead of paying for the
+    same buffers in page faults every step: on a 2-core CPU, page faults 534 K -> 204 K and epoch time -4 % for
+    the 2-layer char GPT, 1.19 M -> 237 K and -7 % for the text Transformer (benchmarks/host_memory.py).
 
-    A step on CPU frees and allocates the same activation and gradient buffers every time. By
-    default glibc serves large blocks with fresh pages from the OS and hands freed memory at the
-    top of its heap back, so every step pays for its buffers again in page faults, each a trap and
-    a zero-filled 4 KiB page. On this project's 2-core CPU, keeping freed memory cut a run's page
-    faults from 534 K to 204 K and the epoch time by 4 % for the 2-layer char GPT, and from 1.19 M
-    to 237 K and by 7 % for the text Transformer (benchmarks/host_memory.py). The resident size
-    then stays at the run's peak instead of falling between steps, as with jemalloc or tcmalloc.
-
-    Returns the size below which blocks now come from (and go back to) the heap: 1 GiB, or 32 MiB
-    on a glibc that caps it; 0 where there is no glibc to ask (macOS, Windows; musl's mallopt does
-    nothing and says so). The undo sets glibc's default thresholds again and hands the kept memory
-    back (malloc_trim); glibc's sliding mmap threshold, off once set, stays off (glibc has no way back)."""
+    Returns the size below which blocks now come from the heap: 1 GiB, or 32 MiB on a glibc that caps it; 0
+    where there is no glibc to ask. glibc's sliding mmap threshold, off once set, stays off after the undo."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
@@ -183,9 +153,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere).
-
-    If the parent is already gone (re-parented before the call), exit now."""
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux); exit now if it is gone."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

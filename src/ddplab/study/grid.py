@@ -75,14 +75,11 @@ def parse_sweeps(items: list[str]) -> dict[str, list[str]]:
     return sweeps
 
 
-def _slug(value: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.+-]+", "-", value).strip("-") or "x"
-
-
 def point_name(setup: Setup, swept: dict[str, str]) -> str:
     """n4 for 4 processes on one node, n2x2 for 2 nodes x 2; then each swept leaf name and value."""
     head = f"n{setup.per_node}" if setup.nodes == 1 else f"n{setup.nodes}x{setup.per_node}"
-    return "-".join([head] + [f"{key.split('.')[-1]}_{_slug(v)}" for key, v in swept.items()])
+    slugs = [re.sub(r"[^A-Za-z0-9.+-]+", "-", v).strip("-") or "x" for v in swept.values()]
+    return "-".join([head] + [f"{key.split('.')[-1]}_{slug}" for key, slug in zip(swept, slugs, strict=True)])
 
 
 def expand(

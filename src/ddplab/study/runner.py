@@ -1,8 +1,5 @@
-"""Run a study's points one after another, each as its own `ddplab train` job.
-
-Locally through torch's launcher (several nodes: one agent each on loopback, the code path of a
-real multi-node job), in a SLURM allocation through `srun`. A complete point is skipped, so the
-same command resumes a study; a signal stops the point's workers with a snapshot (exit 75)."""
+"""Run a study's points one after another, each as its own `ddplab train` job: locally (several nodes: one agent
+each on loopback), or through `srun`. A complete point is skipped, so the same command resumes a study."""
 
 from __future__ import annotations
 
