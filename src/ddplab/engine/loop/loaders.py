@@ -78,9 +78,10 @@ def _end_with_rank(worker_id: int) -> None:
 
 
 class Loaders:
-    def __init__(self, cfg, ctx, collate_fn) -> None:
-        self.cfg, self.ctx, self.collate_fn = cfg, ctx, collate_fn
-        requested = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
+    def __init__(self, d, ctx, collate_fn, batch_size: int, seed: int) -> None:
+        """`d`: the data section; `batch_size`: training.batch_size; `seed`: experiment.seed."""
+        self.d, self.ctx, self.collate_fn, self.batch_size, self.seed = d, ctx, collate_fn, batch_size, seed
+        requested = data_workers(d.num_workers, ctx.device, ctx.launch.local_world_size)
         self.workers, self.cut = bounded_workers(requested, ctx.launch.local_world_size)  # cut: the line, or None
         self._eval: dict[int, DataLoader] = {}
         self._made: weakref.WeakSet[DataLoader] = weakref.WeakSet()
@@ -91,12 +92,12 @@ class Loaders:
         workers = self.workers if workers is None else workers
         loader = DataLoader(
             dataset,
-            batch_size=self.cfg.training.batch_size,
+            batch_size=self.batch_size,
             sampler=sampler,
             collate_fn=collate or self.collate_fn,
             num_workers=workers,
             persistent_workers=persistent and workers > 0,
-            pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
+            pin_memory=self.d.pin_memory and self.ctx.device.type == "cuda",
             worker_init_fn=_end_with_rank if workers > 0 else None,
             **extra,
         )
@@ -119,7 +120,7 @@ class Loaders:
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
         # resumed mid-epoch would draw different dropout masks than an unbroken one.
-        generator = torch.Generator().manual_seed(self.cfg.experiment.seed)
+        generator = torch.Generator().manual_seed(self.seed)
         if sampler is not None:
             return self._make(dataset, sampler, generator=generator)
         # A stream's workers start afresh each epoch: persistent ones would keep the first epoch's position. Its
@@ -139,7 +140,7 @@ class Loaders:
         if id(dataset) not in self._eval:
             ctx = self.ctx
             if is_stream(dataset):
-                stream = Stream(dataset, ctx.rank, ctx.world_size, self.cfg.training.batch_size)
+                stream = Stream(dataset, ctx.rank, ctx.world_size, self.batch_size)
                 self._eval[id(dataset)] = self._make(stream, workers=self.stream_workers(dataset))
             else:  # rank r takes r, r+W, r+2W, ... with no padding: each sample counted once in the all-reduced sums
                 self._eval[id(dataset)] = self._make(dataset, range(ctx.rank, len(dataset), ctx.world_size))
@@ -153,26 +154,27 @@ class TrainFeed:
     goes through StreamFeed below; train_feed() picks one. The Trainer calls either the same way.
     """
 
-    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
-        """`share`: (this process's share, shares) of each epoch's order (replica groups: engine/loop/parts.py)."""
+    def __init__(self, dataset, loaders: Loaders, d, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
+        """`d`: the data section; `share`: (this process's share, shares) of each epoch's order (replica groups:
+        engine/loop/parts.py)."""
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
         if loaders.cut:
             log(loaders.cut)
-        self.seed = cfg.experiment.seed
-        self.size = declared(dataset, cfg.data.limit)  # None: a stream that does not know its length
+        self.seed = loaders.seed
+        self.size = declared(dataset, d.limit)  # None: a stream that does not know its length
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self.inexact: dict | None = None  # a resume that is not exact: how many samples may be read twice or skipped
         self.sampler: ResumableDistributedSampler | None = None
-        self.start(cfg, *share)
+        self.start(d, *share)
 
     @property
     def how(self) -> str | None:
         """How the training stream is split, for the start line (None: map-style data)."""
         return None
 
-    def start(self, cfg, rank: int, world: int) -> None:
+    def start(self, d, rank: int, world: int) -> None:
         self.sampler = ResumableDistributedSampler(self.dataset, world, rank, shuffle=True, seed=self.seed)
-        if cfg.data.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
+        if d.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
             self.dataset = PerSampleSeed(self.dataset, self.seed)
             self.sampler.keyed = True
 
@@ -217,9 +219,9 @@ class StreamFeed(TrainFeed):
     and each rank's and loader worker's count of its items trained in the epoch.
     """
 
-    def start(self, cfg, rank: int, world: int) -> None:
+    def start(self, d, rank: int, world: int) -> None:
         dataset, loaders = self.dataset, self.loaders
-        self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit, marked=True)
+        self.source = Stream(dataset, rank, world, loaders.batch_size, d.limit, marked=True)
         self.workers = loaders.stream_workers(dataset)  # its loader workers
         if is_stateful(dataset) and loaders.workers:
             self.log(
@@ -408,6 +410,6 @@ class StreamFeed(TrainFeed):
         self._restored = dict(state or {})
 
 
-def train_feed(dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> TrainFeed:
+def train_feed(dataset, loaders: Loaders, d, ctx, log: Callable[[str], None], share: tuple[int, int]) -> TrainFeed:
     """The feed of the training split: a StreamFeed for a stream, else the plain (map-style) TrainFeed."""
-    return (StreamFeed if is_stream(dataset) else TrainFeed)(dataset, loaders, cfg, ctx, log, share)
+    return (StreamFeed if is_stream(dataset) else TrainFeed)(dataset, loaders, d, ctx, log, share)

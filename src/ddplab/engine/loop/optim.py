@@ -3,15 +3,15 @@
 training.optimizer is a name of the table below (ddplab's own recipes), any torch.optim class
 (RMSprop, Adagrad, ...) or a code reference to the user's function `(cfg, model) -> optimizer`;
 training.schedule a name of ddplab's schedules or a code reference to `(cfg, optimizer,
-total_steps) -> LR scheduler`. Code references go through the workloads' one resolver. Either way
-the trainer gets an optimizer and a scheduler whose state_dict() its snapshots hold.
+total_steps) -> LR scheduler`. The builders take the training section and the job (the BuildConfig a
+workload function gets: its `dist` is the DistContext), which a code reference is handed as `cfg`.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from types import SimpleNamespace
+from dataclasses import replace
 
 import torch
 
@@ -33,15 +33,15 @@ def adamw_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _adamw(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def _adamw(model: torch.nn.Module, t, lr: float, device: torch.device | None) -> torch.optim.Optimizer:
     # The fused kernel: one pass over all parameters instead of a loop of small ops per tensor.
     # On CPU the optimizer step itself is about 10x faster (4 M parameters); the gain in a whole
     # step grows with the parameter count (docs/benchmarks.md: speed_defaults, overhead).
-    options = {"betas": (0.9, 0.95), "fused": device.type in ("cpu", "cuda"), **t.optimizer_options}
+    options = {"betas": (0.9, 0.95), "fused": device is None or device.type in ("cpu", "cuda"), **t.optimizer_options}
     return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, **options)
 
 
-def _sgd(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def _sgd(model: torch.nn.Module, t, lr: float, device: torch.device | None) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     options = {"momentum": t.momentum, "weight_decay": t.weight_decay, **t.optimizer_options}
     return torch.optim.SGD(params, lr=lr, **options)
@@ -70,10 +70,8 @@ def check_names(t) -> None:
             f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
             f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
         )
-    else:  # its options, tried on one parameter
-        build_optimizer(
-            SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")), torch.nn.Linear(1, 1), t.lr
-        )
+    else:  # its options, tried on one parameter (on the CPU: no job yet)
+        build_optimizer(t, BuildConfig(Options({}), None), torch.nn.Linear(1, 1), t.lr)
     if is_reference(t.schedule):
         resolve(t.schedule, "training.schedule")
     elif t.schedule not in SCHEDULES:
@@ -83,18 +81,13 @@ def check_names(t) -> None:
         )
 
 
-def _call_config(cfg, ctx, options: dict) -> BuildConfig:
-    return BuildConfig(Options(options), cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
-
-
-def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The configured optimizer over `model`'s parameters at peak rate `lr` (training.lr, scaled). A user's
+def build_optimizer(t, job: BuildConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """training.optimizer over `model`'s parameters at peak rate `lr` (training.lr, scaled). A user's
     function sets its groups' rates itself; training.lr_scaling multiplies them as it would training.lr."""
-    t = cfg.training
     if not is_reference(t.optimizer):
         try:
             if t.optimizer in OPTIMIZERS:
-                return OPTIMIZERS[t.optimizer](model, t, lr, ctx.device)
+                return OPTIMIZERS[t.optimizer](model, t, lr, job.dist and job.dist.device)
             cls = torch_optimizer(t.optimizer)
             if cls is None:  # check_names says so before launch; here for a Trainer built directly
                 raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'")
@@ -105,7 +98,7 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
                 f"training.optimizer_options {t.optimizer_options}: training.optimizer={t.optimizer} "
                 f"refused them ({exc})"
             ) from None
-    optimizer = resolve(t.optimizer, "training.optimizer")(_call_config(cfg, ctx, t.optimizer_options), model)
+    optimizer = resolve(t.optimizer, "training.optimizer")(replace(job, options=Options(t.optimizer_options)), model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(
             f"training.optimizer: {t.optimizer} returned a {type(optimizer).__name__}, not a torch.optim.Optimizer"
@@ -115,14 +108,12 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
     return optimizer
 
 
-def build_schedule(cfg, ctx, optimizer: torch.optim.Optimizer, total_steps: int):
+def build_schedule(t, job: BuildConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     """ddplab's warm-up + schedule, or the user's scheduler over `total_steps` (stepped once per optimizer step)."""
-    t = cfg.training
     if not is_reference(t.schedule):
         return Schedule(optimizer, t, total_steps)
-    scheduler = resolve(t.schedule, "training.schedule")(
-        _call_config(cfg, ctx, t.schedule_options), optimizer, total_steps
-    )
+    options = replace(job, options=Options(t.schedule_options))
+    scheduler = resolve(t.schedule, "training.schedule")(options, optimizer, total_steps)
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise UserError(
             f"training.schedule: {t.schedule} returned a {type(scheduler).__name__}, "

@@ -1,19 +1,10 @@
-"""The training loop: a stateful object that reads top to bottom.
+"""The training loop: resume(), then fit() = [train an epoch -> evaluate -> record -> snapshot] until done.
 
-resume(), then fit() = [train an epoch -> evaluate -> record -> snapshot] until done.
-It steps, accumulates, evaluates and stops; everything else (rows' extra columns, files,
-console, progress) hangs on callbacks (engine/loop/view.py), which see a read-only TrainView.
-Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
-
-It is handed its modes, built before it, and never asks which it has: the fault tolerance
-(engine/parallel/fault_tolerance.py: none, or replica groups), the sharding strategy
-(engine/parallel/sharding.py: DDP, or FSDP2 / HSDP) and the data feed (engine/loop/loaders.py: map-style
-data or a stream).
-
-Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1, a callback's
-view.request_stop), so they all snapshot the same step. What a resume needs is the set of stateful
-parts engine/loop/parts.py's snapshot_parts() registers, written and read by engine/snapshots/write.py: nothing
-else saves or restores a run (engine/snapshots/resume.py continues one).
+It steps, accumulates, evaluates and stops; everything else hangs on callbacks (engine/loop/view.py), which see a
+read-only TrainView. Every number it records is global: per-rank sums are all-reduced, never averaged blindly. It is
+handed its modes and never asks which it has: the fault tolerance (engine/parallel/fault_tolerance.py), the sharding
+strategy (engine/parallel/sharding.py) and the data feed (engine/loop/loaders.py). Stops are agreed by all ranks
+after a step, so they all snapshot the same step; a snapshot holds what parts.py's snapshot_parts() registers.
 """
 
 from __future__ import annotations
@@ -46,9 +37,7 @@ from ddplab.tasks import call_model, item_counter, to_device
 
 
 class Trainer:
-    """A run is driven through fit() / test() / end() / close() (engine/loop/session.py;
-    engine/snapshots/resume.py continues it) and observed through `view` (what callbacks get). It is handed
-    its parts and modes, built (engine/loop/parts.py); its state is what snapshot_parts() registers."""
+    """Driven through fit() / test() / end() / close() (engine/loop/session.py), observed through `view`."""
 
     def __init__(self, cfg: Config, ctx: DistContext, data, parts: TrainParts, run: RunFolder, callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
@@ -65,7 +54,7 @@ class Trainer:
         self.checkpoints = Checkpointer(
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
-        self.stops = Stops(cfg, ctx, self.state, run.log, self.faults)
+        self.stops = Stops(t, cfg.logging.log_every, ctx, self.state, run.log, self.faults)
         self.callbacks = CallbackList(callbacks, self.stops.signals.interrupt)
         self.view = TrainView(self)
         self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
@@ -80,16 +69,9 @@ class Trainer:
 
     def _about(self, **extra) -> dict:
         """What a snapshot's manifest says of the run besides its files."""
-        s = self.state
-        return {
-            "step": s.step,
-            "epoch": s.epoch,
-            "consumed": s.consumed,
-            "world_size": self.ctx.world_size,
-            "global_batch": self.batch["global"],
-            "config": self.cfg.to_dict(),
-            **extra,
-        }
+        progress = {k: getattr(self.state, k) for k in ("step", "epoch", "consumed")}
+        run = {"world_size": self.ctx.world_size, "global_batch": self.batch["global"], "config": self.cfg.to_dict()}
+        return {**progress, **run, **extra}
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
@@ -263,16 +245,11 @@ class Trainer:
         row.update(self.faults.epoch_columns())
         if partial:
             row["partial"] = True
-        else:  # a stream's epoch, measured
-            row.update(
-                self.feed.end_epoch(
-                    s.epoch + 1, s.epoch_steps, self.batch["steps_per_epoch"], s.data_notes, self.replan
-                )
-            )
+        else:  # a stream's epoch, measured; whole now: its hooks and the snapshot after it see it done
+            planned = self.batch["steps_per_epoch"]
+            row.update(self.feed.end_epoch(s.epoch + 1, s.epoch_steps, planned, s.data_notes, self.replan))
+            s.epoch, self.in_epoch = s.epoch + 1, False
         s.history.append(row)
-        if not partial:
-            s.epoch += 1  # whole now: its hooks and the snapshot after it see it done
-            self.in_epoch = False
         self.callbacks.on_epoch_end(self.view, row)
         if not partial:
             s.next_epoch()
