@@ -127,7 +127,7 @@ class Session:
             report_stopped(state.stop_reason)  # now, not after the teardown: one that aborts at exit has told
         else:
             result = self.record(ctx, run, trainer, state, start)
-        trainer.end(result)
+        trainer.callbacks.on_train_end(trainer.view, result)
         ctx.beat.mark("end")
         return result
 
