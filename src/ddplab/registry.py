@@ -1,11 +1,8 @@
 """The names users type, and the one loader of a config.
 
-A built-in workload is a file in ddplab/workloads/ with the two functions a user writes
-(`data(cfg) -> Data`, `model(cfg, data) -> nn.Module`). This table maps each built-in name to
-its function as a `package.module:function` reference, resolved by the same resolver as a
-user's `file.py:function`; from there on the engine cannot tell them apart. Each entry also
-says which task and inputs it serves (which model fits which data is decided here and nowhere
-else) and names torch-free checks the launcher runs on the config alone.
+Each built-in name maps to its workload function in ddplab/workloads/ as a `package.module:function` reference,
+resolved as a user's `file.py:function` is, so the engine cannot tell them apart; with the task and inputs it
+serves (which model fits which data is decided here alone) and torch-free checks run on the config alone.
 """
 
 from __future__ import annotations

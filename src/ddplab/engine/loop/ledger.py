@@ -1,9 +1,5 @@
-"""The training loss, samples and tokens since the last log, kept off the step's critical path.
-
-Per micro-batch the step writes two numbers to the device (its summed loss and what it is a mean
-over: the task's items, else its samples) and appends the sample count, which the host already knows;
-sums, the non-finite check and the host sync happen once per log interval, in `totals()`.
-"""
+"""The training loss, samples and tokens since the last log, kept off the step's critical path: per micro-batch two
+numbers written on the device; sums, the non-finite check and the host sync once per log interval (`totals()`)."""
 
 from __future__ import annotations
 

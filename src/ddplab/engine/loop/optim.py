@@ -1,10 +1,8 @@
 """Optimizer, learning-rate schedule and world-size scaling of the learning rate.
 
-training.optimizer is a name of the table below (ddplab's own recipes), any torch.optim class
-(RMSprop, Adagrad, ...) or a code reference to the user's function `(cfg, model) -> optimizer`;
-training.schedule a name of ddplab's schedules or a code reference to `(cfg, optimizer,
-total_steps) -> LR scheduler`. The builders take the training section and the job (the BuildConfig a
-workload function gets: its `dist` is the DistContext), which a code reference is handed as `cfg`.
+training.optimizer: one of ddplab's recipes, any torch.optim class or the user's `(cfg, model) -> optimizer`;
+training.schedule: one of ddplab's schedules or the user's `(cfg, optimizer, total_steps) -> LR scheduler`. The
+builders take the training section and the job (what a workload function gets), handed to user code as `cfg`.
 """
 
 from __future__ import annotations
@@ -135,13 +133,8 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True.
-
-    `total` is the step at which the schedule reaches its floor. It starts as the step count
-    of the configured epochs (or max_steps); with a time budget, `replan` moves it to the step
-    at which the budget is expected to run out. It is part of the state, so a resumed run
-    continues the same plan.
-    """
+    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True. `total`, the step at which
+    it reaches its floor, starts at the configured steps; a time budget moves it (replan); a resume keeps it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, t, total_steps: int) -> None:
         self.warmup, self.total, self.kind, self.min_ratio = t.warmup_steps, total_steps, t.schedule, t.min_lr_ratio

@@ -1,12 +1,7 @@
-"""What the Trainer trains with, built before it and handed to it: the model as it is distributed, the
-optimizer, the learning-rate schedule, the gradient scaler, the data (loaders and the training feed) and
-its modes (the sharding strategy, engine/parallel/sharding.py; the fault tolerance, engine/parallel/fault_tolerance.py).
-
-`Builders` is the table of how each part is built, as torchtitan's TrainSpec hands its trainer builders.
-Its defaults are ddplab's config-driven builders: training.optimizer and training.schedule name a recipe, a
-torch.optim class or the workload's own file.py:function (engine/loop/optim.py), so a workload fills the table
-through its config; code that drives the engine itself (`ddplab.train(builders=...)`, tests) may replace any builder.
-A builder takes what the default beside it takes: the section of the config it reads, not the whole config.
+"""What the Trainer trains with, built before it and handed to it (TrainParts), and the table of how each part is
+built (Builders). The defaults are config-driven (training.optimizer may name the workload's own function:
+engine/loop/optim.py); `ddplab.train(builders=...)` may replace any builder, which takes what the default beside it
+takes: the section of the config it reads, not the whole config.
 """
 
 from __future__ import annotations
