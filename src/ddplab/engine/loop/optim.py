@@ -186,9 +186,8 @@ def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
 
 
 def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:
-    """At a log interval: re-estimate the steps the budget allows and plan the schedule over
-    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest
-    rank's elapsed time (one all-reduce), so all ranks hold the same plan and the same learning rate."""
+    """At a log interval: plan ddplab's own schedule over the steps the budget allows, at the slowest rank's pace
+    (one all-reduce), so all ranks hold the same plan and learning rate; a user's keeps the plan it was built with."""
     if budget_s is None or step <= 0 or not isinstance(scheduler, Schedule) or scheduler.kind == "constant":
         return
     slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()

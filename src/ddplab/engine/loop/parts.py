@@ -87,9 +87,8 @@ class Builders:
 
 
 def snapshot_parts(trainer) -> tuple[Parts, Parts]:
-    """What a snapshot of `trainer` holds, by name: the one place a part is added (engine/snapshots/write.py says how
-    each kind is written and read back; the sharding strategy, the model's and the optimizer's). Then what the
-    best model's snapshot holds."""
+    """What a snapshot of `trainer` holds, by name: the one place a part is added (engine/snapshots/write.py writes
+    and reads each kind); then what the best model's snapshot holds."""
     t = trainer
     about = {"meta": part(lambda: t.data.meta), "task": part(t.task.describe)}  # for predict, generate
     parts = Parts()

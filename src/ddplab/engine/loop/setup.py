@@ -51,20 +51,17 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
-    if cfg.distributed.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
+    d = cfg.distributed
+    if d.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
         torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     comm: InFlight | None
-    if cfg.distributed.strategy != "ddp":
+    if d.strategy != "ddp":
         wrapped = shard(model, cfg, ctx)
         comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
     else:
-        wrapped = wrap_model(
-            model,
-            ctx,
-            bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-            find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze,
-        )
-        comm = install_comm_hook(wrapped, cfg.distributed, ctx) if ctx.is_distributed else None
+        unused = d.find_unused_parameters or cfg.model.freeze
+        wrapped = wrap_model(model, ctx, bucket_cap_mb=d.bucket_cap_mb, find_unused_parameters=unused)
+        comm = install_comm_hook(wrapped, d, ctx) if ctx.is_distributed else None
     if cfg.training.compile:
         wrapped = cast(torch.nn.Module, torch.compile(wrapped))  # compiling a Module gives a Module
         # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
