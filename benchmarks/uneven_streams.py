@@ -85,7 +85,8 @@ def rank_main(rank: int, port: int, args, out) -> None:
         dataset = Uneven(args.items, args.extra, rank)
         for workers in (0, 2):
             cfg = read_config(None, [f"training.batch_size={BATCH}", f"data.num_workers={workers}"])
-            feed = train_feed(dataset, Loaders(cfg, ctx, None), cfg, ctx, lambda line: None, (rank, 2))
+            loaders = Loaders(cfg.data, ctx, None, BATCH, cfg.experiment.seed)
+            feed = train_feed(dataset, loaders, cfg.data, ctx, lambda line: None, (rank, 2))
             plain = DataLoader(
                 Stream(dataset, rank, 2, BATCH), batch_size=BATCH, num_workers=workers, collate_fn=default_collate
             )

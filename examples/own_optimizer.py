@@ -4,9 +4,10 @@ Nesterov momentum and no weight decay on biases, on the regression workload besi
     python examples/own_optimizer.py
     torchrun --standalone --nproc-per-node=2 examples/own_optimizer.py
 
-A builder takes what ddplab's own takes (src/ddplab/engine/parts.py): the optimizer gets the config, the
-DistContext, the model as the run trains it and the learning rate after training.lr_scaling. Its state is in
-every snapshot, so a resume continues it exactly. `loaders=` and `feed=` replace the data loaders the same way.
+A builder takes what ddplab's own takes (src/ddplab/engine/loop/parts.py): the optimizer gets the training section
+of the config, the job (what a workload function gets: .rank, .world_size, .dist), the model as the run trains it and
+the learning rate after training.lr_scaling. Its state is in every snapshot, so a resume continues it exactly.
+`loaders=` and `feed=` replace the data loaders the same way.
 """
 
 import os
@@ -19,7 +20,7 @@ from ddplab.engine.loop.parts import Builders
 from regression_tabular import data, model  # the regression workload beside this file
 
 
-def optimizer(cfg, ctx, model, lr):
+def optimizer(training, job, model, lr):
     decay = [p for p in model.parameters() if p.dim() >= 2]  # weights; biases are left undecayed
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 1e-4}, {"params": rest, "weight_decay": 0.0}]

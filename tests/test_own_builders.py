@@ -50,3 +50,50 @@ def check(own_optimizer) -> None:
         callbacks=[default],
     )
     assert type(default.used) is torch.optim.AdamW
+
+
+def test_each_builder_is_handed_the_section_of_the_config_it_reads(tmp_path, monkeypatch):
+    """The optimizer and the schedule get the training section and the job (as a workload function gets it), the
+    loaders and the feed the data section: none of them the whole config."""
+    from ddplab.config import DataConfig, TrainingConfig
+    from ddplab.engine.loop.loaders import Loaders, train_feed
+    from ddplab.engine.loop.optim import build_optimizer, build_schedule
+    from ddplab.engine.loop.parts import Builders
+
+    for name in ("own_optimizer.py", "regression_tabular.py"):
+        shutil.copy(ROOT / "examples" / name, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import regression_tabular
+
+    seen: dict = {}
+
+    def keep(name, builder, section):
+        def build(*args):
+            seen[name] = args[section]
+            if name in ("optimizer", "schedule"):
+                seen[name + " job"] = args[1]
+            return builder(*args)
+
+        return build
+
+    builders = Builders(
+        optimizer=keep("optimizer", build_optimizer, 0),
+        schedule=keep("schedule", build_schedule, 0),
+        loaders=keep("loaders", Loaders, 0),
+        feed=keep("feed", train_feed, 2),
+    )
+    try:
+        summary = ddplab.train(
+            overrides=["experiment.name=sections", *FAST],
+            model=regression_tabular.model,
+            data=regression_tabular.data,
+            builders=builders,
+        )
+    finally:
+        sys.modules.pop("regression_tabular")
+    assert summary["status"] == "complete"
+    assert isinstance(seen["optimizer"], TrainingConfig) and isinstance(seen["schedule"], TrainingConfig)
+    assert isinstance(seen["loaders"], DataConfig) and isinstance(seen["feed"], DataConfig)
+    job = seen["optimizer job"]
+    assert (job.rank, job.world_size, job.config.training) == (0, 1, seen["optimizer"]) and job.dist is not None

@@ -61,11 +61,11 @@ def test_evaluation_loaders_count_each_sample_once():
 
     from ddplab.engine.loop.loaders import Loaders
 
-    cfg = NS(training=NS(batch_size=2), data=NS(num_workers=0, pin_memory=False))
+    d = NS(num_workers=0, pin_memory=False)
     shards = []
     for rank in range(3):
         ctx = NS(rank=rank, world_size=3, device=torch.device("cpu"), launch=NS(local_world_size=3))
-        shards.append([int(i) for batch in Loaders(cfg, ctx, None).evaluation(list(range(11))) for i in batch])
+        shards.append([int(i) for batch in Loaders(d, ctx, None, 2, 0).evaluation(list(range(11))) for i in batch])
     assert [len(s) for s in shards] == [4, 4, 3]  # no padding
     assert sorted(sum(shards, [])) == list(range(11))
 

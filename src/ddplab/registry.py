@@ -1,11 +1,8 @@
 """The names users type, and the one loader of a config.
 
-A built-in workload is a file in ddplab/workloads/ with the two functions a user writes
-(`data(cfg) -> Data`, `model(cfg, data) -> nn.Module`). This table maps each built-in name to
-its function as a `package.module:function` reference, resolved by the same resolver as a
-user's `file.py:function`; from there on the engine cannot tell them apart. Each entry also
-says which task and inputs it serves (which model fits which data is decided here and nowhere
-else) and names torch-free checks the launcher runs on the config alone.
+Each built-in name maps to its workload function in ddplab/workloads/ as a `package.module:function` reference,
+resolved as a user's `file.py:function` is, so the engine cannot tell them apart; with the task and inputs it
+serves (which model fits which data is decided here alone) and torch-free checks run on the config alone.
 """
 
 from __future__ import annotations
@@ -115,12 +112,6 @@ def data_entry(name: str) -> Builtin | None:
             f"or your own file.py:function"
         )
     return DATA[name]
-
-
-def reference(name: str, field_name: str) -> str:
-    """A built-in name's function reference; a code reference as given."""
-    entry = model_entry(name) if field_name == "model.name" else data_entry(name)
-    return entry.ref if entry else name
 
 
 def image_needs(model_name: str) -> tuple[int | None, int | None]:
@@ -241,12 +232,9 @@ def load_config(
     data: Callable | None = None,
     lighthouse_started: bool = False,
 ) -> Config:
-    """The one config loader every command uses: YAML path (None: the embedded default), dict or
-    Config (read as a copy: the caller's stays theirs), then `key=value` overrides; types, ranges, names and
-    pairings checked. Functions handed to ddplab.train() take the place of model.name / data.name.
-    `lighthouse_started`: the caller starts the replica groups' Lighthouse itself (`--replica-groups`), so the
-    config needs none. What it returns is frozen (frozen.freeze): what every part of the run reads is what this
-    loaded."""
+    """The one config loader every command uses: YAML path (None: the embedded default), dict or Config (read as a
+    copy), then `key=value` overrides; checked, and frozen. Functions handed to ddplab.train() take the place of
+    model.name / data.name. `lighthouse_started`: the caller starts the Lighthouse itself (`--replica-groups`)."""
     handed = [(section, fn) for section, fn in (("model", model), ("data", data)) if fn is not None]
     cfg = read_config(source, [*overrides, *(f"{section}.name={reference_of(fn)}" for section, fn in handed)])
     cfg = replace(cfg, distributed=replica_place(cfg.distributed, os.environ))
@@ -258,11 +246,9 @@ def load_config(
 
 
 def replica_place(d: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig:
-    """distributed.replica_group and replica_groups where the config leaves them unset: under
-    fault_tolerance=replicas from the environment a cluster's launcher already sets (torchft's
-    REPLICA_GROUP_ID and NUM_REPLICA_GROUPS, else a SLURM job array's task), else 0 of 1; each group's
-    job then needs no setting of its own but the Lighthouse's address. Resolved here, once, so that
-    every reader and the run folder's config.yaml see the numbers the job ran with."""
+    """distributed.replica_group and replica_groups where the config leaves them unset: under fault_tolerance=replicas
+    from torchft's REPLICA_GROUP_ID and NUM_REPLICA_GROUPS, else a SLURM job array's task, else 0 of 1. Resolved here,
+    once, so that every reader and the run folder's config.yaml see the numbers the job ran with."""
     env = env if d.fault_tolerance == "replicas" else {}  # any other job: whatever its environment says
     # (where the number came from, as a user would write it; the number)
     group = (
@@ -369,8 +355,10 @@ def absolute_references(cfg: Config) -> Config:
 
 
 def workload(cfg: Config, data_fn: Callable | None = None, model_fn: Callable | None = None) -> Workload:
-    """The config's workload; functions handed to ddplab.train() are used as given."""
-    refs = {"data": reference(cfg.data.name, "data.name"), "model": reference(cfg.model.name, "model.name")}
+    """The config's workload (a built-in name's function reference; a code reference as given); functions handed to
+    ddplab.train() are used as given."""
+    data, model = data_entry(cfg.data.name), model_entry(cfg.model.name)
+    refs = {"data": data.ref if data else cfg.data.name, "model": model.ref if model else cfg.model.name}
     return Workload(
         data_fn or resolve(refs["data"], "data.name"), model_fn or resolve(refs["model"], "model.name"), refs
     )

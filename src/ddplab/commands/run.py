@@ -1,5 +1,5 @@
-"""`ddplab train` in one process of the job: the config's workload and callbacks, handed to an engine
-Session (engine/loop/session.py), which sets up, fits, records and tears down."""
+"""`ddplab train` in one process of the job: the config's workload and callbacks, resolved here once, handed to an
+engine Session (engine/loop/session.py), which sets up, fits, records and tears down."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from ddplab.callbacks import configured
 from ddplab.commands.trained_model import LanguageSample
 from ddplab.config import Config
 from ddplab.config.frozen import freeze
+from ddplab.engine.diagnosis.phases import Phases
 from ddplab.engine.loop.parts import Builders
 from ddplab.engine.loop.session import Session
 from ddplab.errors import disk_full, write_failed
@@ -15,6 +16,7 @@ from ddplab.metrics.class_report import ClassReports
 from ddplab.registry import workload
 from ddplab.runtime import process_state
 from ddplab.trackers import Trackers
+from ddplab.workload import remember_code
 
 
 def train(cfg: Config, data_fn=None, model_fn=None, callbacks=(), builders: Builders | None = None) -> dict:
@@ -25,15 +27,18 @@ def train(cfg: Config, data_fn=None, model_fn=None, callbacks=(), builders: Buil
     trainer's parts are built (engine/loop/parts.py). `cfg` is frozen here, if its loader has not: nothing in the
     run changes it, and a callback that tries gets dataclasses.FrozenInstanceError.
     """
-    freeze(cfg)
+    phases = Phases()
+    trackers = Trackers(cfg.logging.trackers)
     with process_state.changes():  # a notebook calling train() again finds its process as it was
-        process_state.freeze_gc()
-        process_state.tf32(cfg.training.tf32)
         try:
-            session = Session(cfg)
             work = workload(cfg, data_fn, model_fn)
-            trackers = Trackers(cfg.logging.trackers)
+            remember_code(work.references.values())  # what predict and generate may import again without asking
+            phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
+            freeze(cfg)
             every = [LanguageSample(), *column_callbacks(), ClassReports(), *configured(cfg.training), *callbacks]
+            process_state.freeze_gc()
+            process_state.tf32(cfg.training.tf32)
+            session = Session(cfg, phases)
             return session.train(work, [*every, RunRecorder(), trackers], trackers, builders or Builders())
         except OSError as exc:  # a full disk anywhere (a tracker's flush at teardown too): one line, exit 1
             if disk_full(exc) is None:

@@ -12,9 +12,8 @@ import torch
 
 
 class Clock:
-    """The trainer's one continuous clock: every second inside fit() goes to the run's elapsed time and to the
-    epoch's wall time (tick), so nothing is lost between ticks; evaluations and snapshots are also clocked apart
-    (timed), and the epoch's training time is the rest. `state` is the trainer's TrainState, which it adds to."""
+    """Every second inside fit() goes to the run's elapsed time and the epoch's wall time (tick); evaluations and
+    snapshots are also clocked apart (timed), and the epoch's training time is the rest (in the TrainState `state`)."""
 
     def __init__(self, state, ctx) -> None:
         self.state, self.ctx = state, ctx
@@ -51,11 +50,8 @@ class Clock:
 
 
 class Stamps:
-    """Moments on this rank's clock for the step's parts (forward, backward, all-reduce). On CPU the host's
-    perf_counter, exact there because nothing runs ahead of the host. On CUDA, events recorded in the current
-    stream, so a moment is when the device got there, not when the host queued the work; the seconds between
-    two are read once both events have completed (query(), never a sync), which the log interval's sync and
-    the epoch's make sure of."""
+    """Moments on this rank's clock: on CPU the host's perf_counter; on CUDA events in the current stream (when the
+    device got there, not when the host queued it), read once both have completed (query(), never a sync)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -87,12 +83,9 @@ def covered_s(pairs) -> float:
 
 
 class InFlight:
-    """Seconds during which a collective was in flight on this rank, read per epoch: what the epoch row, the
-    straggler check and the step timer read of engine/parallel/ddp_comm.py's CommMonitor (DDP's gradient all-reduce) and
-    engine/parallel/fsdp_comm.py's ShardedCommMonitor (FSDP's collectives) alike. Each collective is an interval from
-    begin() to end(); the time counted is the union of the intervals, never their sum: collectives overlap one
-    another and the compute they hide behind. Those begun during evaluation, a snapshot or the end are left out,
-    as the epoch's training clock leaves them out."""
+    """Seconds during which a collective was in flight on this rank, read per epoch (DDP's CommMonitor and FSDP's
+    ShardedCommMonitor alike): the union of the begin()-end() intervals, never their sum, since collectives overlap
+    one another; those begun during evaluation, a snapshot or the end are left out, as the training clock does."""
 
     layout: list  # DDP's gradient buckets as the reducer handed them over (metrics.json's comm section)
     collectives: str  # what it times, in metrics.json's comm section

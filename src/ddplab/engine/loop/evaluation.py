@@ -22,15 +22,7 @@ def evaluate(model: torch.nn.Module, task, batches, ctx, autocast) -> tuple[dict
     evaluator = task.evaluator(ctx.device)
     if hasattr(evaluator, "items"):  # a loss that is a mean over items: counted as the model counts them
         evaluator.items = item_counter(task, model)
-    # Sharded (fsdp/hsdp), each forward pass gathers parameters from every rank: a rank whose shard
-    # has a batch fewer repeats its last one, unscored (None among its passes), so that all make as many passes.
-    passes = batches
-    if is_sharded(model):
-        if (count := size(batches)) is None:
-            passes = _agreed(batches, ctx)  # a stream: agreed batch by batch
-        else:
-            most = int(ctx.all_reduce(torch.tensor([float(count)], device=ctx.device), "max").item())
-            passes = itertools.chain(batches, [None] * (most - count))
+    passes = _passes(batches, ctx) if is_sharded(model) else batches
     inputs = None
     for batch in passes:
         if batch is not None:
@@ -43,9 +35,16 @@ def evaluate(model: torch.nn.Module, task, batches, ctx, autocast) -> tuple[dict
     return evaluator.compute(ctx), evaluator
 
 
-def _agreed(batches, ctx):
-    """A stream's batches, then None while any other rank still has one (one all-reduce per batch: the
-    length of a stream's shard is known only at its end)."""
+def _passes(batches, ctx):
+    """Sharded (fsdp/hsdp), each forward pass gathers parameters from every rank: a rank whose shard has a batch
+    fewer repeats its last one, unscored (None among its passes), so that all make as many passes. A stream's
+    batches are agreed batch by batch (one all-reduce each: the length of a stream's shard is known only at its
+    end)."""
+    count = size(batches)
+    if count is not None:
+        most = int(ctx.all_reduce(torch.tensor([float(count)], device=ctx.device), "max").item())
+        yield from itertools.chain(batches, [None] * (most - count))
+        return
     batches = iter(batches)
     while True:
         batch = next(batches, None)

@@ -1,9 +1,5 @@
-"""The training loss, samples and tokens since the last log, kept off the step's critical path.
-
-Per micro-batch the step writes two numbers to the device (its summed loss and what it is a mean
-over: the task's items, else its samples) and appends the sample count, which the host already knows;
-sums, the non-finite check and the host sync happen once per log interval, in `totals()`.
-"""
+"""The training loss, samples and tokens since the last log, kept off the step's critical path: per micro-batch two
+numbers written on the device; sums, the non-finite check and the host sync once per log interval (`totals()`)."""
 
 from __future__ import annotations
 
@@ -85,12 +81,10 @@ class LossLedger:
 
 
 def loss_weights(items, unpacked: list, ctx) -> tuple[list, list, str]:
-    """(each micro-batch's count of the items its loss is a mean over, the weight of its loss, what the loss is
-    averaged over: metrics.json's loss_average) where the task counts them (tasks.Task.items): weight = count x
-    world size / the count over every rank and micro-batch of the step, so that the gradient DDP averages over
-    ranks is that of the global mean. One all-reduce of one number per step, with no host sync. No counts and no
-    weights where the loss is a mean over samples: DDP's average of the ranks' means is then the global mean
-    already, and the accumulated micro-batches are averaged."""
+    """(each micro-batch's count of the items its loss is a mean over, its loss's weight, metrics.json's loss_average):
+    weight = count x world size / the step's count over every rank, so that DDP's average over ranks is the global
+    mean's gradient (one all-reduce a step, no host sync). None where the loss is a mean over samples (Task.items):
+    DDP's average of the ranks' means is then the global mean already."""
     counts = [items(target) for _, target, _ in unpacked]
     if any(c is None for c in counts):
         target = unpacked[0][1]

@@ -1,5 +1,4 @@
-"""DataLoaders for training and evaluation (worker counts, pinning, their own generators), and
-`TrainFeed` / `StreamFeed`: where training stands in its data, map-style or a stream."""
+"""DataLoaders for training and evaluation, and `TrainFeed` / `StreamFeed`: where training stands in its data."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ from ddplab.runtime import process_state
 
 
 def data_workers(requested: int | None, device: torch.device, processes_per_node: int) -> int:
-    """data.num_workers, or by default none on CPU (the ranks already use every core) and, on CUDA, every
-    core this rank may use but one, kept for the training process: decoding images is what keeps a GPU
-    waiting, and a fixed 4 workers left a 16-core host's GPU idle half of each epoch."""
+    """data.num_workers, or none on CPU (the ranks use every core) and on CUDA every core this rank may use but one:
+    decoding images is what keeps a GPU waiting (a fixed 4 left a 16-core host's GPU idle half of each epoch)."""
     if requested is not None:
         return requested
     if device.type != "cuda":
@@ -51,10 +49,9 @@ def _meminfo(key: str) -> int | None:
 
 
 def bounded_workers(workers: int, processes_per_node: int) -> tuple[int, str | None]:
-    """`workers` per rank, cut down to what this node holds (and the line that says so): at most
-    WORKERS_PER_CORE for each core this rank may use (CPU affinity / processes on the node), and no more than
-    the memory available holds, each worker counted at its rank's private memory (a forked worker starts at a
-    few MB of its own, then copies every page it or Python's reference counts touch: its rank's is the bound)."""
+    """`workers` per rank, cut to what this node holds (and the line that says so): WORKERS_PER_CORE for each core
+    this rank may use, and what the available memory holds at its rank's private memory a worker (a forked worker
+    copies every page it or Python's reference counts touch)."""
     share = max(1, _cores() // processes_per_node)
     allowed, why = WORKERS_PER_CORE * share, f"{WORKERS_PER_CORE} per core of the {share} this rank may use"
     available = _meminfo("MemAvailable")
@@ -71,16 +68,16 @@ def bounded_workers(workers: int, processes_per_node: int) -> tuple[int, str | N
 
 
 def _end_with_rank(worker_id: int) -> None:
-    """A loader worker dies with its rank. An idle worker notices its rank's end within 5 s (the DataLoader's
-    watchdog), but one stuck in a lock or a read would outlive it: holding its memory and the job's output
-    pipes, so that whoever waits for the job's output waits for ever."""
+    """A loader worker dies with its rank: one stuck in a lock or a read would outlive it (the DataLoader's watchdog
+    checks only idle ones), holding the job's output pipes, so that whoever waits for its output waits for ever."""
     process_state.die_with_parent()
 
 
 class Loaders:
-    def __init__(self, cfg, ctx, collate_fn) -> None:
-        self.cfg, self.ctx, self.collate_fn = cfg, ctx, collate_fn
-        requested = data_workers(cfg.data.num_workers, ctx.device, ctx.launch.local_world_size)
+    def __init__(self, d, ctx, collate_fn, batch_size: int, seed: int) -> None:
+        """`d`: the data section; `batch_size`: training.batch_size; `seed`: experiment.seed."""
+        self.d, self.ctx, self.collate_fn, self.batch_size, self.seed = d, ctx, collate_fn, batch_size, seed
+        requested = data_workers(d.num_workers, ctx.device, ctx.launch.local_world_size)
         self.workers, self.cut = bounded_workers(requested, ctx.launch.local_world_size)  # cut: the line, or None
         self._eval: dict[int, DataLoader] = {}
         self._made: weakref.WeakSet[DataLoader] = weakref.WeakSet()
@@ -91,12 +88,12 @@ class Loaders:
         workers = self.workers if workers is None else workers
         loader = DataLoader(
             dataset,
-            batch_size=self.cfg.training.batch_size,
+            batch_size=self.batch_size,
             sampler=sampler,
             collate_fn=collate or self.collate_fn,
             num_workers=workers,
             persistent_workers=persistent and workers > 0,
-            pin_memory=self.cfg.data.pin_memory and self.ctx.device.type == "cuda",
+            pin_memory=self.d.pin_memory and self.ctx.device.type == "cuda",
             worker_init_fn=_end_with_rank if workers > 0 else None,
             **extra,
         )
@@ -104,12 +101,9 @@ class Loaders:
         return loader
 
     def close(self) -> None:
-        """Stop the persistent workers of every loader made here, now. Torch stops them only when nothing holds
-        their loader any more (the run's parts outlive the trainer), so they outlived `ddplab.train()` in a
-        user's process; and at exit torch 2.11 joins each for 5 s before killing it, with pinned memory on CUDA:
-        a 16-core GPU host's 30 workers held a finished run for over 2 minutes. The loaders are stopped together:
-        torch joins a loader's workers one by one (each for up to 5 s), and one loader's need not wait for
-        another's (2 loaders of 8 workers on 2 loaded cores: 1.9 s one after the other)."""
+        """Stop the persistent workers of every loader made here, now, all loaders together. Torch stops them only when
+        nothing holds their loader (they outlived `ddplab.train()`), and at exit torch 2.11 joins each for 5 s on CUDA
+        (30 workers held a finished run for over 2 minutes); one loader's need not wait for another's."""
         stopping = [threading.Thread(target=stop_loader_workers, args=(loader,)) for loader in list(self._made)]
         for thread in stopping:
             thread.start()
@@ -119,7 +113,7 @@ class Loaders:
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
         # resumed mid-epoch would draw different dropout masks than an unbroken one.
-        generator = torch.Generator().manual_seed(self.cfg.experiment.seed)
+        generator = torch.Generator().manual_seed(self.seed)
         if sampler is not None:
             return self._make(dataset, sampler, generator=generator)
         # A stream's workers start afresh each epoch: persistent ones would keep the first epoch's position. Its
@@ -129,9 +123,8 @@ class Loaders:
         return self._make(dataset, workers=workers, persistent=False, collate=tagged, generator=generator)
 
     def stream_workers(self, dataset) -> int:
-        """A stream that keeps its own position is read in the training process, where its state_dict() is
-        the position training reached (in a worker it would run ahead, and Hugging Face's splits itself
-        among workers)."""
+        """A stream that keeps its own position is read in the training process, where its state_dict() is the
+        position training reached (in a worker it would run ahead)."""
         return 0 if is_stateful(dataset) else self.workers
 
     def evaluation(self, dataset) -> DataLoader:
@@ -139,7 +132,7 @@ class Loaders:
         if id(dataset) not in self._eval:
             ctx = self.ctx
             if is_stream(dataset):
-                stream = Stream(dataset, ctx.rank, ctx.world_size, self.cfg.training.batch_size)
+                stream = Stream(dataset, ctx.rank, ctx.world_size, self.batch_size)
                 self._eval[id(dataset)] = self._make(stream, workers=self.stream_workers(dataset))
             else:  # rank r takes r, r+W, r+2W, ... with no padding: each sample counted once in the all-reduced sums
                 self._eval[id(dataset)] = self._make(dataset, range(ctx.rank, len(dataset), ctx.world_size))
@@ -147,32 +140,30 @@ class Loaders:
 
 
 class TrainFeed:
-    """The training data's position: an epoch, and how many samples of its global order are consumed
-    (TrainState.consumed). This is the plain feed, map-style data: it goes through ResumableDistributedSampler,
-    which resumes by slicing its permutation, and is read under a per-sample seed (data.per_sample_seed). A stream
-    goes through StreamFeed below; train_feed() picks one. The Trainer calls either the same way.
-    """
+    """The training data's position: an epoch and the samples of its global order consumed (TrainState.consumed).
+    Map-style data: ResumableDistributedSampler resumes by slicing its permutation; a stream: StreamFeed below."""
 
-    def __init__(self, dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
-        """`share`: (this process's share, shares) of each epoch's order (replica groups: engine/loop/parts.py)."""
+    def __init__(self, dataset, loaders: Loaders, d, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
+        """`d`: the data section; `share`: (this process's share, shares) of each epoch's order (replica groups:
+        engine/loop/parts.py)."""
         self.dataset, self.loaders, self.ctx, self.log = dataset, loaders, ctx, log
         if loaders.cut:
             log(loaders.cut)
-        self.seed = cfg.experiment.seed
-        self.size = declared(dataset, cfg.data.limit)  # None: a stream that does not know its length
+        self.seed = loaders.seed
+        self.size = declared(dataset, d.limit)  # None: a stream that does not know its length
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self.inexact: dict | None = None  # a resume that is not exact: how many samples may be read twice or skipped
         self.sampler: ResumableDistributedSampler | None = None
-        self.start(cfg, *share)
+        self.start(d, *share)
 
     @property
     def how(self) -> str | None:
         """How the training stream is split, for the start line (None: map-style data)."""
         return None
 
-    def start(self, cfg, rank: int, world: int) -> None:
+    def start(self, d, rank: int, world: int) -> None:
         self.sampler = ResumableDistributedSampler(self.dataset, world, rank, shuffle=True, seed=self.seed)
-        if cfg.data.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
+        if d.per_sample_seed:  # random augmentation as a function of (seed, epoch, sample)
             self.dataset = PerSampleSeed(self.dataset, self.seed)
             self.sampler.keyed = True
 
@@ -209,17 +200,13 @@ class TrainFeed:
 
 
 class StreamFeed(TrainFeed):
-    """A stream, through data.stream.Stream, which resumes a stream that seeks itself (ddplab.Shards) at
-    `consumed`, else from the dataset's own state_dict() where it has one, else by reading past the samples
-    already consumed (a stream that shards itself: each loader worker past its own share already trained).
+    """A stream, through data.stream.Stream, resumed at `consumed` by seeking (ddplab.Shards), else from its own
+    state_dict(), else by reading past what was consumed (one that shards itself: each loader worker past its own
+    share). Its snapshot part: the stream's state and each rank's and loader worker's count trained in the epoch."""
 
-    state_dict() / load_state_dict() hold what the snapshot needs beyond TrainState: the stream's own state,
-    and each rank's and loader worker's count of its items trained in the epoch.
-    """
-
-    def start(self, cfg, rank: int, world: int) -> None:
+    def start(self, d, rank: int, world: int) -> None:
         dataset, loaders = self.dataset, self.loaders
-        self.source = Stream(dataset, rank, world, cfg.training.batch_size, cfg.data.limit, marked=True)
+        self.source = Stream(dataset, rank, world, loaders.batch_size, d.limit, marked=True)
         self.workers = loaders.stream_workers(dataset)  # its loader workers
         if is_stateful(dataset) and loaders.workers:
             self.log(
@@ -253,11 +240,9 @@ class StreamFeed(TrainFeed):
         return iter(self.loader)
 
     def _in_turn(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        """The batches of a stream that shards itself, read by loader workers, in the loader's own turn
-        (worker by worker, one whose share has ended left out) from the turn where the epoch stood: a
-        DataLoader begins every epoch at worker 0, so a resumed epoch would take the same batches in
-        another order. A live worker's batch comes at least once every `workers` batches: one that has
-        none while another has 3 waiting has ended with nothing left (its share was empty)."""
+        """A self-sharding stream's batches in the loader's own turn (worker by worker) from where the epoch stood: a
+        DataLoader begins every epoch at worker 0, so a resumed epoch would take them in another order. A worker
+        with none while another has 3 waiting has ended (its share was empty)."""
         workers, more = self.workers, True
         pending: list[deque[Batch]] = [deque() for _ in range(workers)]
         while live := [w for w in range(workers) if pending[w] or not self.done[w]]:
@@ -346,11 +331,9 @@ class StreamFeed(TrainFeed):
         return [b.batch for b in micro[:agreed]]
 
     def end_epoch(self, n: int, steps: int, planned: int | None, notes: list, replan: Callable[[int], float]) -> dict:
-        """Epoch `n` is whole, in `steps` steps: a stream's columns of its row (samples read by every rank, of them
-        untrained), its length checked, not trusted. Steps
-        other than `planned` (a __len__ that is wrong, uneven ranks, a stream without one) plan the schedule and
-        the ETA again over the measured steps from the next epoch on (`replan`: the steps planned in all); said
-        in one line and recorded in `notes` (metrics.json: data_notes)."""
+        """Epoch `n` is whole, in `steps` steps: its row's columns (samples read, of them untrained). Steps other than
+        `planned` (a wrong __len__, uneven ranks, none) plan the schedule and ETA again over the measured steps
+        (`replan`), said in one line and recorded in `notes` (metrics.json: data_notes)."""
         read, untrained = self.read()
         columns = {"read_samples": read, "untrained_samples": untrained}
         if steps == planned:
@@ -408,6 +391,6 @@ class StreamFeed(TrainFeed):
         self._restored = dict(state or {})
 
 
-def train_feed(dataset, loaders: Loaders, cfg, ctx, log: Callable[[str], None], share: tuple[int, int]) -> TrainFeed:
+def train_feed(dataset, loaders: Loaders, d, ctx, log: Callable[[str], None], share: tuple[int, int]) -> TrainFeed:
     """The feed of the training split: a StreamFeed for a stream, else the plain (map-style) TrainFeed."""
-    return (StreamFeed if is_stream(dataset) else TrainFeed)(dataset, loaders, cfg, ctx, log, share)
+    return (StreamFeed if is_stream(dataset) else TrainFeed)(dataset, loaders, d, ctx, log, share)

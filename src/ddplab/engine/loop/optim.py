@@ -1,17 +1,15 @@
 """Optimizer, learning-rate schedule and world-size scaling of the learning rate.
 
-training.optimizer is a name of the table below (ddplab's own recipes), any torch.optim class
-(RMSprop, Adagrad, ...) or a code reference to the user's function `(cfg, model) -> optimizer`;
-training.schedule a name of ddplab's schedules or a code reference to `(cfg, optimizer,
-total_steps) -> LR scheduler`. Code references go through the workloads' one resolver. Either way
-the trainer gets an optimizer and a scheduler whose state_dict() its snapshots hold.
+training.optimizer: one of ddplab's recipes, any torch.optim class or the user's `(cfg, model) -> optimizer`;
+training.schedule: one of ddplab's schedules or the user's `(cfg, optimizer, total_steps) -> LR scheduler`. The
+builders take the training section and the job (what a workload function gets), handed to user code as `cfg`.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from types import SimpleNamespace
+from dataclasses import replace
 
 import torch
 
@@ -33,15 +31,15 @@ def adamw_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _adamw(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def _adamw(model: torch.nn.Module, t, lr: float, device: torch.device | None) -> torch.optim.Optimizer:
     # The fused kernel: one pass over all parameters instead of a loop of small ops per tensor.
     # On CPU the optimizer step itself is about 10x faster (4 M parameters); the gain in a whole
     # step grows with the parameter count (docs/benchmarks.md: speed_defaults, overhead).
-    options = {"betas": (0.9, 0.95), "fused": device.type in ("cpu", "cuda"), **t.optimizer_options}
+    options = {"betas": (0.9, 0.95), "fused": device is None or device.type in ("cpu", "cuda"), **t.optimizer_options}
     return torch.optim.AdamW(adamw_groups(model, t.weight_decay), lr=lr, **options)
 
 
-def _sgd(model: torch.nn.Module, t, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def _sgd(model: torch.nn.Module, t, lr: float, device: torch.device | None) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     options = {"momentum": t.momentum, "weight_decay": t.weight_decay, **t.optimizer_options}
     return torch.optim.SGD(params, lr=lr, **options)
@@ -70,10 +68,8 @@ def check_names(t) -> None:
             f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
             f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
         )
-    else:  # its options, tried on one parameter
-        build_optimizer(
-            SimpleNamespace(training=t), SimpleNamespace(device=torch.device("cpu")), torch.nn.Linear(1, 1), t.lr
-        )
+    else:  # its options, tried on one parameter (on the CPU: no job yet)
+        build_optimizer(t, BuildConfig(Options({}), None), torch.nn.Linear(1, 1), t.lr)
     if is_reference(t.schedule):
         resolve(t.schedule, "training.schedule")
     elif t.schedule not in SCHEDULES:
@@ -83,18 +79,13 @@ def check_names(t) -> None:
         )
 
 
-def _call_config(cfg, ctx, options: dict) -> BuildConfig:
-    return BuildConfig(Options(options), cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
-
-
-def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The configured optimizer over `model`'s parameters at peak rate `lr` (training.lr, scaled). A user's
+def build_optimizer(t, job: BuildConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """training.optimizer over `model`'s parameters at peak rate `lr` (training.lr, scaled). A user's
     function sets its groups' rates itself; training.lr_scaling multiplies them as it would training.lr."""
-    t = cfg.training
     if not is_reference(t.optimizer):
         try:
             if t.optimizer in OPTIMIZERS:
-                return OPTIMIZERS[t.optimizer](model, t, lr, ctx.device)
+                return OPTIMIZERS[t.optimizer](model, t, lr, job.dist and job.dist.device)
             cls = torch_optimizer(t.optimizer)
             if cls is None:  # check_names says so before launch; here for a Trainer built directly
                 raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'")
@@ -105,7 +96,7 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
                 f"training.optimizer_options {t.optimizer_options}: training.optimizer={t.optimizer} "
                 f"refused them ({exc})"
             ) from None
-    optimizer = resolve(t.optimizer, "training.optimizer")(_call_config(cfg, ctx, t.optimizer_options), model)
+    optimizer = resolve(t.optimizer, "training.optimizer")(replace(job, options=Options(t.optimizer_options)), model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(
             f"training.optimizer: {t.optimizer} returned a {type(optimizer).__name__}, not a torch.optim.Optimizer"
@@ -115,14 +106,12 @@ def build_optimizer(cfg, ctx, model: torch.nn.Module, lr: float) -> torch.optim.
     return optimizer
 
 
-def build_schedule(cfg, ctx, optimizer: torch.optim.Optimizer, total_steps: int):
+def build_schedule(t, job: BuildConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     """ddplab's warm-up + schedule, or the user's scheduler over `total_steps` (stepped once per optimizer step)."""
-    t = cfg.training
     if not is_reference(t.schedule):
         return Schedule(optimizer, t, total_steps)
-    scheduler = resolve(t.schedule, "training.schedule")(
-        _call_config(cfg, ctx, t.schedule_options), optimizer, total_steps
-    )
+    options = replace(job, options=Options(t.schedule_options))
+    scheduler = resolve(t.schedule, "training.schedule")(options, optimizer, total_steps)
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise UserError(
             f"training.schedule: {t.schedule} returned a {type(scheduler).__name__}, "
@@ -144,13 +133,8 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True.
-
-    `total` is the step at which the schedule reaches its floor. It starts as the step count
-    of the configured epochs (or max_steps); with a time budget, `replan` moves it to the step
-    at which the budget is expected to run out. It is part of the state, so a resumed run
-    continues the same plan.
-    """
+    """LambdaLR whose state is plain numbers, so snapshots load with weights_only=True. `total`, the step at which
+    it reaches its floor, starts at the configured steps; a time budget moves it (replan); a resume keeps it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, t, total_steps: int) -> None:
         self.warmup, self.total, self.kind, self.min_ratio = t.warmup_steps, total_steps, t.schedule, t.min_lr_ratio
@@ -202,9 +186,8 @@ def budget_total_steps(step: int, elapsed_s: float, budget_s: float) -> int:
 
 
 def plan_for_budget(scheduler: Schedule, ctx, step: int, elapsed_s: float, budget_s: float | None) -> None:
-    """At a log interval: re-estimate the steps the budget allows and plan the schedule over
-    them (ddplab's own schedules; a user's keeps the plan it was built with). Every rank takes the slowest
-    rank's elapsed time (one all-reduce), so all ranks hold the same plan and the same learning rate."""
+    """At a log interval: plan ddplab's own schedule over the steps the budget allows, at the slowest rank's pace
+    (one all-reduce), so all ranks hold the same plan and learning rate; a user's keeps the plan it was built with."""
     if budget_s is None or step <= 0 or not isinstance(scheduler, Schedule) or scheduler.kind == "constant":
         return
     slowest = ctx.all_reduce(torch.tensor([float(elapsed_s)], dtype=torch.float64, device=ctx.device), "max").item()

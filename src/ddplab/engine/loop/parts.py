@@ -1,12 +1,7 @@
-"""What the Trainer trains with, built before it and handed to it: the model as it is distributed, the
-optimizer, the learning-rate schedule, the gradient scaler, the data (loaders and the training feed) and
-its modes (the sharding strategy, engine/parallel/sharding.py; the fault tolerance, engine/parallel/fault_tolerance.py).
-
-`Builders` is the table of how each part is built, as torchtitan's TrainSpec hands its trainer builders.
-Its defaults are ddplab's config-driven builders: training.optimizer and training.schedule name a recipe, a
-torch.optim class or the workload's own file.py:function (engine/loop/optim.py), so a workload fills the table
-through its config; code that drives the engine itself (`ddplab.commands.run.train(builders=...)`, tests) may replace
-any builder. A builder takes what the default beside it takes.
+"""What the Trainer trains with, built before it and handed to it (TrainParts), and the table of how each part is
+built (Builders). The defaults are config-driven (training.optimizer may name the workload's own function:
+engine/loop/optim.py); `ddplab.train(builders=...)` may replace any builder, which takes what the default beside it
+takes: the section of the config it reads, not the whole config.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ from ddplab.engine.loop.setup import distribute
 from ddplab.engine.parallel.fault_tolerance import NoReplicas
 from ddplab.engine.parallel.sharding import Replicated, full_state, strategy
 from ddplab.engine.snapshots.write import PER_RANK, Parts, part
+from ddplab.workload import BuildConfig, Options
 
 DEFAULT_EPOCHS = 2  # where training.epochs is not set
 
@@ -59,39 +55,40 @@ class TrainParts:
 
 @dataclass(frozen=True)
 class Builders:
+    """`t`: cfg.training; `d`: cfg.data; `job`: the BuildConfig a workload function gets (its `dist`: the ctx)."""
+
     distribute: Callable = distribute  # (model, cfg, ctx) -> (the model to train, its comm monitor or None)
-    optimizer: Callable = build_optimizer  # (cfg, ctx, model, lr) -> torch.optim.Optimizer
-    schedule: Callable = build_schedule  # (cfg, ctx, optimizer, total_steps) -> LR scheduler
-    scaler: Callable = grad_scaler  # (cfg.training, ctx) -> torch.amp.GradScaler
-    loaders: Callable = Loaders  # (cfg, ctx, collate_fn) -> Loaders
-    feed: Callable = train_feed  # (dataset, loaders, cfg, ctx, log, (share, shares)) -> TrainFeed
+    optimizer: Callable = build_optimizer  # (t, job, model, lr) -> torch.optim.Optimizer
+    schedule: Callable = build_schedule  # (t, job, optimizer, total_steps) -> LR scheduler
+    scaler: Callable = grad_scaler  # (t, ctx) -> torch.amp.GradScaler
+    loaders: Callable = Loaders  # (d, ctx, collate_fn, batch_size, seed) -> Loaders
+    feed: Callable = train_feed  # (dataset, loaders, d, ctx, log, (share, shares)) -> TrainFeed
 
     def build(self, cfg, ctx, data, model: torch.nn.Module, log: Callable[[str], None]) -> TrainParts:
         """Each part after those it needs: the optimizer takes the parameters as distributing left them
         (sharded, under FSDP), the schedule the optimizer and the steps the batch arithmetic gives."""
         t, d = cfg.training, cfg.distributed
-        groups = (
-            d.replica_groups if d.fault_tolerance == "replicas" else 1
-        )  # replica groups (engine/parallel/replicas.py)
+        groups = d.replica_groups if d.fault_tolerance == "replicas" else 1  # engine/parallel/replicas.py
         shares = ctx.world_size * groups
         batch = batch_arithmetic(t.batch_size, t.grad_accum_steps, shares, declared(data.train, cfg.data.limit))
         epochs = t.epochs or (math.inf if is_stream(data.train) and t.max_steps else DEFAULT_EPOCHS)
+        job = BuildConfig(Options({}), cfg, ctx.rank, ctx.world_size, ctx.launch.local_rank, ctx)
         wrapped, comm = self.distribute(model, cfg, ctx)
         lr = scaled_lr(t.lr, t.lr_scaling, shares)
-        optimizer = self.optimizer(cfg, ctx, model, lr)
+        optimizer = self.optimizer(t, job, model, lr)
         scaler = self.scaler(t, ctx)
-        loaders = self.loaders(cfg, ctx, data.collate_fn)
-        feed = self.feed(data.train, loaders, cfg, ctx, log, (d.replica_group * ctx.world_size + ctx.rank, shares))
-        scheduler = self.schedule(cfg, ctx, optimizer, t.max_steps or batch["steps_per_epoch"] * epochs)
+        loaders = self.loaders(cfg.data, ctx, data.collate_fn, t.batch_size, cfg.experiment.seed)
+        share = (d.replica_group * ctx.world_size + ctx.rank, shares)
+        feed = self.feed(data.train, loaders, cfg.data, ctx, log, share)
+        scheduler = self.schedule(t, job, optimizer, t.max_steps or batch["steps_per_epoch"] * epochs)
         return TrainParts(
             wrapped, model, comm, optimizer, scheduler, scaler, loaders, feed, lr, shares, batch, epochs, strategy(cfg)
         )
 
 
 def snapshot_parts(trainer) -> tuple[Parts, Parts]:
-    """What a snapshot of `trainer` holds, by name: the one place a part is added (engine/snapshots/write.py says how
-    each kind is written and read back; the sharding strategy, the model's and the optimizer's). Then what the
-    best model's snapshot holds."""
+    """What a snapshot of `trainer` holds, by name: the one place a part is added (engine/snapshots/write.py writes
+    and reads each kind); then what the best model's snapshot holds."""
     t = trainer
     about = {"meta": part(lambda: t.data.meta), "task": part(t.task.describe)}  # for predict, generate
     parts = Parts()

@@ -1,20 +1,13 @@
 """SIGTERM / SIGUSR1 / SIGINT (SLURM pre-emption, `scancel`, torchrun shutting down, Ctrl-C) -> snapshot and exit.
 
-The handler only raises a flag; the trainer reduces it across ranks at its log interval, so all ranks stop
-after the same step, write one snapshot together and exit: SIGTERM and SIGUSR1 are a pre-emption (status
-`preempted`, ExitCode.PREEMPTED, 75: a requeue script reruns the command), SIGINT and a callback's
-KeyboardInterrupt a person's Ctrl-C (status `interrupted`, ExitCode.INTERRUPTED, 130, as a shell reports it:
-nothing requeues it). Either way the same command continues the run. Where both reached the job, the Ctrl-C
-wins. A second signal gets the previous behaviour (usually: die now), unless it comes within ECHO_S of the
-first: the same stop reaching a worker again by another path (Ctrl-C under plain torchrun comes from the
-terminal and from the agent; a signal sent to one worker of ddplab's launcher comes back from the agent as
-SIGTERM) must not cut the snapshot short.
-
-A signal that reached one worker alone (`kill PID`) stops the whole job all the same: the ranks agree
-on it, snapshot, and report it (engine/diagnosis/outcome.py), and ddplab's launcher stops torchrun's agents then,
-before they could restart the workers (--max-restarts). The signal itself tells the launcher nothing:
-torchrun's agent, restarting the workers after one died, sends the survivors the same SIGTERM, and
-their stop is never agreed (the dead rank fails the collective), so the job is restarted, not ended.
+The handler raises a flag that the ranks reduce at the log interval, so all stop after the same step and write one
+snapshot: SIGTERM and SIGUSR1 are a pre-emption (`preempted`, exit 75: a requeue script reruns the command), SIGINT
+and a callback's KeyboardInterrupt a Ctrl-C (`interrupted`, exit 130: nothing requeues it); where both came, the
+Ctrl-C wins. A second signal gets the previous behaviour (usually: die now) unless it comes within ECHO_S of the
+first: the same stop reaching a worker again by another path (plain torchrun's Ctrl-C comes from the terminal and
+from the agent) must not cut the snapshot short. A signal that reached one worker alone stops the whole job; one
+that torchrun's agent sends the survivors of a dead worker is never agreed (the dead rank fails the collective), so
+the job is restarted, not ended.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""This process's random streams: seeding, and capturing / restoring them for exact resume.
-
-States are plain lists, so rank 0 can gather every rank's and a snapshot loads with
-`torch.load(weights_only=True)`.
-"""
+"""This process's random streams: seeding, and capturing / restoring them for exact resume, as plain lists (rank 0
+gathers every rank's; a snapshot loads with `torch.load(weights_only=True)`)."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ import torch
 
 
 def rng_state() -> dict:
-    """This process's random streams as plain lists (gatherable, and safe to load)."""
     legacy = np.random.get_state(legacy=True)
     assert isinstance(legacy, tuple)  # a dict only where the global generator is not MT19937
     kind, keys, pos, has_gauss, cached = legacy

@@ -1,10 +1,6 @@
-"""`ddplab train` in one process of the job, as an object: one method per stage.
-
-train() = rendezvous and lock the run folder -> build the data and the model -> set up the run folder ->
-build the trainer (given its parts) -> fit -> record -> end. A failure is reported once (fail), and
-whatever happened the teardown (close) releases in the one order that works. ddplab/commands/run.py, the command
-layer, resolves the workload and the callbacks and calls train().
-"""
+"""`ddplab train` in one process of the job, one method per stage: rendezvous and lock the run folder -> build the
+data and the model -> set up the run folder -> build the trainer (given its parts) -> fit -> record -> end. A failure
+is reported once (fail); the teardown (close) releases in the one order that works."""
 
 from __future__ import annotations
 
@@ -38,16 +34,15 @@ from ddplab.engine.snapshots.fingerprint import check_resume_path
 from ddplab.engine.snapshots.resume import resume
 from ddplab.errors import ExitCode, LighthouseLost, UserError
 from ddplab.runtime import process_state
-from ddplab.workload import Data, Workload, reference_file, remember_code
+from ddplab.workload import Data, Workload, reference_file
 
 
 class Session:
-    """One process's run. `phases` times each stage for metrics.json; `trainer`, `run` and `beat` are set
-    as their stages build them, so that the teardown releases what was built and nothing else."""
+    """`phases` times each stage for metrics.json; `trainer`, `run` and `beat` are set as their stages build
+    them, so that the teardown releases what was built and nothing else."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.phases = Phases()
+    def __init__(self, cfg: Config, phases: Phases) -> None:
+        self.cfg, self.phases = cfg, phases
         self.kept = process_state.keep_freed_memory() if cfg.training.keep_host_memory else 0  # 0: glibc's defaults
         self.trainer: Trainer | None = None
         self.run: RunFolder | None = None
@@ -55,11 +50,9 @@ class Session:
         self.code: dict = {}  # the workload's functions: reference and file, for metrics.json
 
     def train(self, work: Workload, callbacks: list, trackers, builders: Builders) -> dict:
-        """Train under whatever launcher started this process; the metrics.json summary. `callbacks`: every
-        callback of the run, in order; `trackers`, one of them, ends its runs as failed in the teardown."""
+        """The metrics.json summary. `callbacks`: every callback of the run, in order; `trackers`, one of them,
+        ends its runs as failed in the teardown."""
         cfg = self.cfg
-        remember_code(work.references.values())  # what predict and generate may import again without asking
-        self.phases.mark("workload")  # importing its functions' modules (a built-in image workload: torchvision)
         flight_recorder.arm(cfg.distributed.backend)
         with (
             distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx,
@@ -111,14 +104,13 @@ class Session:
 
     def start(self, ctx, run: RunFolder, work: Workload, data, model, callbacks, builders: Builders) -> Trainer:
         """The trainer, handed its parts, resumed from the last snapshot; metrics.json says `running`."""
-        cfg = self.cfg
         self.code = {k: {"reference": r, "file": str(reference_file(r) or "")} for k, r in work.references.items()}
-        parts = builders.build(cfg, ctx, data, model, run.log)
-        parts.faults = fault_tolerance(cfg, ctx, run)  # replica groups write replicas.csv into the run folder
-        trainer = self.trainer = Trainer(cfg, ctx, data, parts, run, callbacks)
+        parts = builders.build(self.cfg, ctx, data, model, run.log)
+        parts.faults = fault_tolerance(self.cfg, ctx, run)  # replica groups write replicas.csv into the run folder
+        trainer = self.trainer = Trainer(self.cfg, ctx, data, parts, run, callbacks)
         resume(trainer)
         self.phases.mark("trainer")
-        self.phases.watch_first_step(trainer.view.optimizer, compiles=cfg.training.compile)
+        self.phases.watch_first_step(trainer.view.optimizer, compiles=self.cfg.training.compile)
         run.write_json(RunFolder.METRICS_JSON, summary(trainer.view, "running", self.code))
         return trainer
 
@@ -135,7 +127,7 @@ class Session:
             report_stopped(state.stop_reason)  # now, not after the teardown: one that aborts at exit has told
         else:
             result = self.record(ctx, run, trainer, state, start)
-        trainer.end(result)
+        trainer.callbacks.on_train_end(trainer.view, result)
         ctx.beat.mark("end")
         return result
 
@@ -152,9 +144,8 @@ class Session:
         self.phases.mark("end_of_run")
         result["phases"] = self.phases.as_dict()
         run.write_json(RunFolder.METRICS_JSON, result)
-        partial = bool(state.history and state.history[-1].get("partial"))
         epochs = f"{state.epoch} epochs"
-        if partial:
+        if state.history and state.history[-1].get("partial"):
             data = f" ({state.step / view.steps_per_epoch:.2f} epochs of data)" if view.steps_per_epoch else ""
             epochs += f" + 1 partial{data}"
         run.log(
@@ -198,7 +189,7 @@ class Session:
         trackers.close()
         if self.trainer is not None:
             self.trainer.close()
-        self.trainer = None
+            self.trainer = None
         if self.run is not None:
             self.run.close()
 
@@ -209,9 +200,8 @@ def fault_tolerance(cfg, ctx, run) -> NoReplicas:
         return NoReplicas()
     from ddplab.engine.parallel.replicas import Replicas  # torchft is optional: imported only in this mode
 
-    replicas: Replicas
     # The live state is read from the snapshot's parts, which the Trainer registers after this is built.
-    replicas = Replicas(
+    replicas: Replicas = Replicas(
         cfg, ctx, lambda: replicas.live_state(), lambda s: replicas.load_live_state(s), run.log, run.path
     )
     return replicas

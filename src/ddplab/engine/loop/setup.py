@@ -1,5 +1,4 @@
-"""Building a workload's data and model, and checking what user code hands back, before any
-byte is written to a run folder."""
+"""Building a workload's data and model, checked before any byte is written to a run folder; distributing the model."""
 
 from __future__ import annotations
 
@@ -41,6 +40,7 @@ DROPOUT = (
     torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
 )
+SPLITS = ("train", "val", "test")
 
 
 def distribute(model: torch.nn.Module, cfg, ctx):
@@ -51,27 +51,23 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
-    if cfg.distributed.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
+    d = cfg.distributed
+    if d.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
         torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     comm: InFlight | None
-    if cfg.distributed.strategy != "ddp":
+    if d.strategy != "ddp":
         wrapped = shard(model, cfg, ctx)
         comm = fsdp_comm.install(wrapped, ctx.device, getattr(ctx, "beat", None)) if ctx.is_distributed else None
     else:
-        wrapped = wrap_model(
-            model,
-            ctx,
-            bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-            find_unused_parameters=cfg.distributed.find_unused_parameters or cfg.model.freeze,
-        )
-        comm = install_comm_hook(wrapped, cfg.distributed, ctx) if ctx.is_distributed else None
-    if not cfg.training.compile:
-        return wrapped, comm
-    compiled = cast(torch.nn.Module, torch.compile(wrapped))  # compiling a Module gives a Module
-    # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
-    # every batch size, so the ragged last batch of each epoch finds it instead of compiling again.
-    compiled.register_forward_pre_hook(_batch_dynamic, with_kwargs=True)
-    return compiled, comm
+        unused = d.find_unused_parameters or cfg.model.freeze
+        wrapped = wrap_model(model, ctx, bucket_cap_mb=d.bucket_cap_mb, find_unused_parameters=unused)
+        comm = install_comm_hook(wrapped, d, ctx) if ctx.is_distributed else None
+    if cfg.training.compile:
+        wrapped = cast(torch.nn.Module, torch.compile(wrapped))  # compiling a Module gives a Module
+        # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
+        # every batch size, so the ragged last batch of each epoch finds it instead of compiling again.
+        wrapped.register_forward_pre_hook(_batch_dynamic, with_kwargs=True)
+    return wrapped, comm
 
 
 def wants_channels_last(model: torch.nn.Module, setting: str, device: torch.device) -> bool:
@@ -108,7 +104,7 @@ def _batch_dynamic(module, args, kwargs):
 
 
 def autocast(amp: str, device: torch.device):
-    """A factory of autocast contexts for training.amp (a null context for none)."""
+    """A factory of autocast contexts for training.amp."""
     dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
     return contextlib.nullcontext if dtype is None else lambda: torch.autocast(device.type, dtype=dtype)
 
@@ -136,7 +132,7 @@ def build_data(cfg, ctx, work: Workload, assets: Assets | None = None) -> Data:
         data.task = assets.task if data.task is None else data.task
         check_task(data.task, where)
         return data
-    for split in ("train", "val", "test"):
+    for split in SPLITS:
         check_dataset(getattr(data, split), f"{where}: Data.{split}")
     check_task(data.task, where)
     if assets is None:
@@ -190,9 +186,6 @@ def same_on_every_rank(data: Data, ctx, where: str, workers: int = 0) -> None:
         f"seed and the files alone, the same on every rank (e.g. rank 0 builds a tokenizer and saves it, "
         f"cfg.barrier(), every rank loads it)"
     )
-
-
-SPLITS = ("train", "val", "test")
 
 
 def sharded_how(dataset, where: str, ctx, workers: int) -> None:
@@ -303,7 +296,6 @@ ACCEPTED = (
 
 
 def check_dataset(value, where: str) -> None:
-    """One of the datasets docs/your-workload.md lists, or None."""
     if value is None or is_stream(value):  # Hugging Face's IterableDataset is a torch IterableDataset
         return
     hf = sys.modules.get("datasets")  # loaded wherever a user built one of its datasets
@@ -325,16 +317,14 @@ def build_model(cfg, ctx, work: Workload, data: Data) -> torch.nn.Module:
     # own keys (no _orig_mod.); training.compile compiles it where ddplab compiles its own (after DDP).
     model = uncompiled(model)
     check_output(model, data)
-    if cfg.model.dropout_off:
-        for module in model.modules():
-            if isinstance(module, DROPOUT):
-                module.p = 0.0
+    for module in model.modules() if cfg.model.dropout_off else ():
+        if isinstance(module, DROPOUT):
+            module.p = 0.0
     return model
 
 
 def _said(exc: BaseException) -> str:
-    """An exception's type and first line; where it has no text (an AttributeError raised bare), the
-    line of code that raised it."""
+    """An exception's type and first line; without text (an AttributeError raised bare), the line that raised it."""
     text = first_line(exc, 160)
     if not text and exc.__traceback__ is not None:
         frame = traceback.extract_tb(exc.__traceback__)[-1]

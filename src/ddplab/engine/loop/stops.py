@@ -11,9 +11,10 @@ from ddplab.engine.loop.preemption import STOPS, StopSignals
 
 
 class Stops:
-    def __init__(self, cfg, ctx, state, log, faults) -> None:
-        self.cfg, self.ctx, self.state, self.log, self.faults = cfg, ctx, state, log, faults
-        self.budget = parse_duration(cfg.training.time_budget, "training.time_budget")
+    def __init__(self, t, log_every: int, ctx, state, log, faults) -> None:
+        """`t`: the training section; `log_every`: logging.log_every, the steps between the ranks' meetings."""
+        self.t, self.log_every, self.ctx, self.state, self.log, self.faults = t, log_every, ctx, state, log, faults
+        self.budget = parse_duration(t.time_budget, "training.time_budget")
         self.signals = StopSignals()
         self.request: str | None = None  # a callback's view.request_stop on this rank, not yet agreed
 
@@ -33,13 +34,13 @@ class Stops:
 
     def after_step(self) -> bool:
         """Whether to stop after this step, the same on every rank."""
-        s, t = self.state, self.cfg.training
+        s, t = self.state, self.t
         if s.stop_reason is not None:  # a request, agreed at this step's log interval or snapshot
             return True
         if t.max_steps and s.step >= t.max_steps:
             s.stop_reason = "max_steps"  # the same on every rank without asking
             return True
-        if s.step % self.cfg.logging.log_every:
+        if s.step % self.log_every:
             # Asking every step would put a collective and a host sync in every step; the
             # log interval is a schedule all ranks share, and where the loop syncs anyway.
             return False

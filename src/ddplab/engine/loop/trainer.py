@@ -1,19 +1,8 @@
-"""The training loop: a stateful object that reads top to bottom.
+"""The training loop: resume(), then fit() = [train an epoch -> evaluate -> record -> snapshot] until done.
 
-resume(), then fit() = [train an epoch -> evaluate -> record -> snapshot] until done.
-It steps, accumulates, evaluates and stops; everything else (rows' extra columns, files,
-console, progress) hangs on callbacks (engine/loop/view.py), which see a read-only TrainView.
-Every number it records is global: per-rank sums are all-reduced, never averaged blindly.
-
-It is handed its modes, built before it, and never asks which it has: the fault tolerance
-(engine/parallel/fault_tolerance.py: none, or replica groups), the sharding strategy
-(engine/parallel/sharding.py: DDP, or FSDP2 / HSDP) and the data feed (engine/loop/loaders.py: map-style
-data or a stream).
-
-Stops are agreed by all ranks after a step (max_steps, time budget, SIGTERM/SIGUSR1, a callback's
-view.request_stop), so they all snapshot the same step. What a resume needs is the set of stateful
-parts engine/loop/parts.py's snapshot_parts() registers, written and read by engine/snapshots/write.py: nothing
-else saves or restores a run (engine/snapshots/resume.py continues one).
+It steps, accumulates, evaluates and stops; the rest hangs on callbacks (engine/loop/view.py). Every number it records
+is global: per-rank sums are all-reduced. It is handed its modes and never asks which it has: fault tolerance, sharding
+strategy and data feed. Stops are agreed by all ranks after a step; a snapshot holds what snapshot_parts() registers.
 """
 
 from __future__ import annotations
@@ -46,9 +35,7 @@ from ddplab.tasks import call_model, item_counter, to_device
 
 
 class Trainer:
-    """A run is driven through fit() / test() / end() / close() (engine/loop/session.py;
-    engine/snapshots/resume.py continues it) and observed through `view` (what callbacks get). It is handed
-    its parts and modes, built (engine/loop/parts.py); its state is what snapshot_parts() registers."""
+    """Driven through fit() / test() / end() / close() (engine/loop/session.py), observed through `view`."""
 
     def __init__(self, cfg: Config, ctx: DistContext, data, parts: TrainParts, run: RunFolder, callbacks=()) -> None:
         self.cfg, self.ctx, self.data, self.run = cfg, ctx, data, run
@@ -65,7 +52,7 @@ class Trainer:
         self.checkpoints = Checkpointer(
             run.path / RunFolder.CHECKPOINTS, ctx.is_main, cfg.checkpoint.keep_last, cfg.checkpoint.checksums
         )
-        self.stops = Stops(cfg, ctx, self.state, run.log, self.faults)
+        self.stops = Stops(t, cfg.logging.log_every, ctx, self.state, run.log, self.faults)
         self.callbacks = CallbackList(callbacks, self.stops.signals.interrupt)
         self.view = TrainView(self)
         self.evaluator: object = None  # the last evaluation's (the view hands it to the class report)
@@ -80,18 +67,10 @@ class Trainer:
 
     def _about(self, **extra) -> dict:
         """What a snapshot's manifest says of the run besides its files."""
-        s = self.state
-        return {
-            "step": s.step,
-            "epoch": s.epoch,
-            "consumed": s.consumed,
-            "world_size": self.ctx.world_size,
-            "global_batch": self.batch["global"],
-            "config": self.cfg.to_dict(),
-            **extra,
-        }
+        progress = {k: getattr(self.state, k) for k in ("step", "epoch", "consumed")}
+        run = {"world_size": self.ctx.world_size, "global_batch": self.batch["global"], "config": self.cfg.to_dict()}
+        return {**progress, **run, **extra}
 
-    # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
         """Train from the state resume() left (the session resumes first), until a stop or the last epoch."""
         self.faults.sync_step(self.state.step)
@@ -215,8 +194,7 @@ class Trainer:
         s.epoch_steps += 1
 
     def log_interval(self) -> None:
-        """Reduce the train loss since the last log: the only host sync of the loop. Whether any rank's
-        callback asked to stop rides along in the same reduction."""
+        """Reduce the train loss since the last log (a callback's stop request rides along): the one host sync."""
         s = self.state
         asked = self.stops.request is not None
         loss_sum, weight, samples, tokens, asking = self.ledger.reduce(self.ctx, self.cfg.logging.log_every, asked)
@@ -224,14 +202,11 @@ class Trainer:
             self.stops.agree_on_request()
         if samples == 0:
             return
-        s.epoch_loss_sum += loss_sum
-        s.epoch_loss_weight += weight
-        s.epoch_samples += samples
-        s.epoch_tokens += tokens
+        s.epoch_loss_sum, s.epoch_loss_weight = s.epoch_loss_sum + loss_sum, s.epoch_loss_weight + weight
+        s.epoch_samples, s.epoch_tokens = s.epoch_samples + samples, s.epoch_tokens + tokens
         values = {"loss": loss_sum / weight, "lr": self.scheduler.get_last_lr()[0]}
         s.steps.append({"step": s.step, "epoch": s.epoch + 1, **values, "elapsed_s": s.elapsed})
-        # With a time budget the schedule is planned over the steps the budget allows, re-estimated
-        # here, where all ranks meet anyway (the slowest rank's clock counts).
+        # A time budget's schedule is planned over the steps it allows, re-estimated here, where all ranks meet anyway.
         spent = self.faults.spent(s.elapsed)  # replica groups: the same in every group
         plan_for_budget(self.scheduler, self.ctx, s.step, spent, self.stops.budget)
         self.callbacks.on_log(self.view, values)
@@ -244,35 +219,27 @@ class Trainer:
             f"stopped ({s.stop_reason}) after step {s.step}, {s.consumed} samples into epoch {s.epoch + 1}; "
             f"snapshot saved"
         )
-        if s.stop_reason not in STOPS:
-            # A row for the part-epoch, after the snapshot: a resumed run finishes the epoch
-            # from the snapshot's sums, so metrics.csv never holds the epoch twice.
-            self.end_of_epoch(partial=True)
+        if s.stop_reason not in STOPS:  # a row for the part-epoch, after the snapshot: a resumed run finishes the
+            self.end_of_epoch(partial=True)  # epoch from the snapshot's sums, so metrics.csv never holds it twice
 
     def end_of_epoch(self, partial: bool = False) -> dict:
         """The epoch's core row (global numbers); the modes' columns; callbacks add theirs and record it."""
-        s, ctx = self.state, self.ctx
+        s = self.state
         self.log_interval()
         self.eval_at = "epoch_end"
         val = self.evaluate(self.data.val, "val")
         self.eval_at = "train"
-        # The slowest rank's wait is what holds the others at the next all-reduce.
-        data_wait = ctx.all_reduce(torch.tensor([s.epoch_data_wait], device=ctx.device), "max").item()
+        data_wait = self._slowest(s.epoch_data_wait)  # the slowest rank's wait holds the others at the next all-reduce
         self.clock.tick()
         row = s.epoch_row(self.view.epoch, val, self.scheduler.get_last_lr()[0], data_wait)
         row.update(self.faults.epoch_columns())
         if partial:
             row["partial"] = True
-        else:  # a stream's epoch, measured
-            row.update(
-                self.feed.end_epoch(
-                    s.epoch + 1, s.epoch_steps, self.batch["steps_per_epoch"], s.data_notes, self.replan
-                )
-            )
+        else:  # a stream's epoch, measured; whole now: its hooks and the snapshot after it see it done
+            planned = self.batch["steps_per_epoch"]
+            row.update(self.feed.end_epoch(s.epoch + 1, s.epoch_steps, planned, s.data_notes, self.replan))
+            s.epoch, self.in_epoch = s.epoch + 1, False
         s.history.append(row)
-        if not partial:
-            s.epoch += 1  # whole now: its hooks and the snapshot after it see it done
-            self.in_epoch = False
         self.callbacks.on_epoch_end(self.view, row)
         if not partial:
             s.next_epoch()
@@ -282,18 +249,15 @@ class Trainer:
         return row
 
     def replan(self, steps: int) -> int | float:
-        """Steps an epoch as measured: the ETA's, and the schedule's plan (ddplab's own schedules) to the run's
-        end (training.max_steps or its epochs); the total planned."""
+        """Steps an epoch as measured: the ETA's and the schedule's plan to the run's end; the total planned."""
         self.batch["steps_per_epoch"] = self.state.steps_per_epoch = steps
         total = min(self.cfg.training.max_steps or math.inf, steps * self.epochs)
         if math.isfinite(total) and isinstance(self.scheduler, Schedule):
             self.scheduler.plan(int(total))
         return total
 
-    # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> None:
-        """A collective: the loss since the last log is reduced, then every part is written
-        (engine/snapshots/write.py). The time training stood still for it is recorded."""
+        """A collective: the loss since the last log is reduced, then every part is written; the stall recorded."""
         self.log_interval()
         self.clock.tick()
         with self.clock.timed("snapshot"):  # a snapshot holds the clock up to its own start
@@ -301,25 +265,23 @@ class Trainer:
             s, background = self.state, self.strategy.background
             path = self.checkpoints.save(self.parts, self.ctx, f"step-{s.step:09d}", self._about(), background)
             self.ctx.barrier()
-            stall = self.ctx.all_reduce(
-                torch.tensor([time.perf_counter() - began], device=self.ctx.device), "max"
-            ).item()
+            stall = self._slowest(time.perf_counter() - began)
             s.snapshot_stalls.append({"step": s.step, "stall_s": stall, "async": background})
             self.callbacks.on_snapshot(self.view, path)
 
-    # ------------------------------------------------------------------ evaluation
+    def _slowest(self, seconds: float) -> float:
+        return self.ctx.all_reduce(torch.tensor([seconds], device=self.ctx.device), "max").item()
+
     def evaluate(self, dataset, split: str) -> dict:
         if dataset is None or size(dataset) == 0:
             return {}
         with self.clock.timed("eval"):
-            metrics, self.evaluator = evaluate(
-                self.raw, self.task, self.loaders.evaluation(dataset), self.ctx, self.autocast
-            )
-            if self.eval_at == "epoch_end":  # the best is an epoch's; its hooks see this evaluation in view.best
-                s = self.state
-                self.improved = metrics["loss"] < s.best_val_loss
-                if self.improved:
-                    s.best_val_loss, s.best_epoch = metrics["loss"], self.view.epoch
+            batches = self.loaders.evaluation(dataset)
+            metrics, self.evaluator = evaluate(self.raw, self.task, batches, self.ctx, self.autocast)
+            s = self.state
+            self.improved = self.eval_at == "epoch_end" and metrics["loss"] < s.best_val_loss
+            if self.improved:  # the best is an epoch's; its hooks see this evaluation in view.best
+                s.best_val_loss, s.best_epoch = metrics["loss"], self.view.epoch
             self.callbacks.on_eval_end(self.view, split, metrics)
         return metrics
 
@@ -333,13 +295,8 @@ class Trainer:
         self.eval_at = "test"
         return self.evaluate(self.data.test, "test")
 
-    def end(self, summary: dict) -> None:
-        """The run is recorded: callbacks' on_train_end."""
-        self.callbacks.on_train_end(self.view, summary)
-
     def close(self) -> None:
-        """Stop the loaders' workers; drop the DDP model and optimizer before the process group goes (gloo aborts
-        otherwise)."""
+        """Stop the loaders' workers; drop the DDP model and optimizer before the process group (or gloo aborts)."""
         self.faults.close()
         self.loaders.close()
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):

@@ -1,14 +1,7 @@
-"""Callbacks: what happens around the loop without being the loop.
-
-The trainer only steps, accumulates, evaluates and stops; it calls these hooks at fixed
-points, on every rank, in list order. ddplab's own progress bar, console lines, metrics files,
-TensorBoard and MFU / communication / GPU columns are callbacks; user callbacks go through the
-same hooks (`ddplab.train(callbacks=[...])`).
-
-A hook gets a read-only `TrainView` of the run (below), never the trainer itself. Hooks run on
-every rank; a hook that calls a collective must do so on all ranks, and one that writes files
-should check `view.is_main`. A callback observes, and steers only through `view.request_stop`:
-changing the model or the optimizer breaks exact resume.
+"""What callbacks see of the loop: the trainer calls their hooks at fixed points, on every rank, in list order;
+ddplab's own progress, files and columns go through the same hooks as a user's. A hook gets a read-only `TrainView`,
+never the trainer: it observes, and steers only through `view.request_stop` (changing the model or the optimizer
+breaks exact resume). A hook that calls a collective must do so on all ranks; one that writes files checks is_main.
 """
 
 from __future__ import annotations
