@@ -51,7 +51,8 @@ def test_a_callback_cannot_assign_to_the_run_it_sees(tmp_path, monkeypatch):
 
 def test_a_built_in_name_resolves_through_the_same_resolver_as_a_reference():
     for name, field in (("gpt", "model.name"), ("text", "data.name"), ("cnn", "model.name")):
-        reference = registry.reference(name, field)
+        entry = (registry.model_entry if field == "model.name" else registry.data_entry)(name)
+        reference = entry.ref
         assert reference.startswith("ddplab.workloads.") and ":" in reference
         assert (
             registry.workload(
