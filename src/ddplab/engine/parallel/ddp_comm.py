@@ -227,22 +227,14 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
     return row | {k: round(mean[k]) if k == "timed_micro_steps" else mean[k] for k in timed}
 
 
-def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]:
-    """The buckets DDP would make for this model on one process (no reducer there): parameters
-    in reverse registration order, which is close to the order gradients become ready, the
-    first bucket capped at DDP's first-bucket size and the rest at bucket_cap_mb."""
-    params: list[torch.Tensor] = [p for p in reversed(list(model.parameters())) if p.requires_grad]
-    if not params:
-        return []
-    groups = ddp_buckets(params, bucket_cap_mb)
-    return [_bucket_info(i, ps, ps) for i, ps in enumerate([params[j] for j in group] for group in groups)]
-
-
 def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:
-    """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP
-    handed them to the hook), else the buckets DDP would make."""
+    """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP handed them to the
+    hook), else the buckets DDP would make on one process: parameters in reverse registration order (close to the
+    order gradients become ready), the first bucket capped at DDP's first-bucket size and the rest at bucket_cap_mb."""
     reducer = monitor.layout if monitor is not None else []  # empty until a step has recorded them
-    layout = reducer or _computed_layout(model, dcfg.bucket_cap_mb)
+    params: list[torch.Tensor] = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+    groups = ddp_buckets(params, dcfg.bucket_cap_mb) if params and not reducer else []
+    layout = reducer or [_bucket_info(i, ps, ps) for i, ps in enumerate([params[j] for j in g] for g in groups)]
     return {
         "bucket_source": "reducer" if reducer else "computed",
         "grad_dtype": layout[0]["dtype"] if layout else None,
