@@ -179,14 +179,8 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     else:
         rank = known[0] if known else min(errors) if errors else 0
         e, b = errors.get(rank, {}), beats.get(rank, {})
-        culprit = {
-            "rank": rank,
-            "host": b.get("host"),
-            "phase": b.get("phase"),
-            "step": b.get("step"),
-            "where": e.get("where") or b.get("where"),
-            "error": e.get("error"),
-        }
+        culprit = {"rank": rank, **{k: b.get(k) for k in ("host", "phase", "step")}}
+        culprit |= {"where": e.get("where") or b.get("where"), "error": e.get("error")}
         head = (
             f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
             f"at {place_text(culprit['where'])}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import signal
@@ -40,9 +41,15 @@ _DONE = "ddplab/done"  # how many of the other ranks no longer use the store, on
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
 # during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
 # forked mid-beat once hung a loader worker.
-_BEATING, _fork_guard = threading.Lock(), {"registered": False}
+_BEATING = threading.Lock()
 _END_SIGNAL = signal.SIGUSR2  # from the heartbeat thread to the main thread: another rank failed
 GRACE_S = 30.0  # for the main thread to end once told to; past it, faulthandler ends the process
+
+
+@functools.cache
+def _guard_forks() -> None:
+    """Once per process: a hook cannot be unregistered."""
+    os.register_at_fork(before=_BEATING.acquire, after_in_parent=_BEATING.release, after_in_child=_BEATING.release)
 
 
 class PeerFailed(BaseException):
@@ -90,10 +97,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
-            release = _BEATING.release
-            os.register_at_fork(before=_BEATING.acquire, after_in_parent=release, after_in_child=release)
-            _fork_guard["registered"] = True
+        _guard_forks()
         if self.store is not None:  # undone when the run's process_state.changes() ends
             self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
         self._thread.start()

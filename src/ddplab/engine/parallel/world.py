@@ -95,10 +95,6 @@ def _below(env: Mapping[str, str], name: str, bound: str) -> None:
         raise UserError(f"{name}={env[name]} contradicts {bound}={env[bound]}: it must be below it")
 
 
-def _via(env: Mapping[str, str]) -> str | None:
-    return next((who for var, who in VIA.items() if var in env), None)
-
-
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """torchrun's variables win (torchrun inside srun is common); then SLURM's; else one process."""
     env = os.environ if env is None else env
@@ -119,7 +115,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_world_size=local_world,
             master_addr=env.get("MASTER_ADDR"),
             master_port=_int(env, "MASTER_PORT", 1) if env.get("MASTER_PORT") else None,
-            via=_via(env),
+            via=next((who for var, who in VIA.items() if var in env), None),
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         world = _int(env, "SLURM_NTASKS", 1)
