@@ -289,3 +289,14 @@ def test_on_nccl_the_flight_recorder_dumps_on_a_timeout_unless_the_user_said_oth
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
     flight_recorder.arm("nccl")
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
+
+
+def test_every_package_of_ddplab_is_its_own_code_when_it_is_installed_among_the_libraries(monkeypatch):
+    import ddplab as package
+    from ddplab.engine.diagnosis import failure
+
+    ours = Path(package.__file__).resolve().parent
+    monkeypatch.setattr(failure, "_LIBRARIES", (str(ours.parent),))  # installed in site-packages
+    assert not failure._library(str(ours / "data" / "stream.py"))  # a workload's data pipeline: ddplab's own
+    assert not failure._library(str(ours / "engine" / "loop" / "trainer.py"))
+    assert failure._library(str(ours.parent / "torch" / "nn" / "modules" / "module.py"))

@@ -1,13 +1,9 @@
-"""What a failure at run time is: in one line, where it happened, the job's report, and its record when it
-came before the run folder was set up.
+"""A failure at run time: in one line, where it happened, the job's report, and its record.
 
-Once ddplab owns a run folder, every failure ends the same way (exit 1): a `RunError` says its cause
-as it is; bad input that only showed at run time (a `UserError` then), a full disk and a bug (named by
-the file and line that raised it) become one. A failure in training is recorded by the heartbeat
-(engine/diagnosis/heartbeat.py), whose ranks' last beats and errors `compose` turns into the job's report: the
-rank that stalled or failed first, then what each other rank was doing. One while the workload's data
-or model was built is recorded by `record` here: the traceback in logs/rank<N>.log, `status: failed`
-and the line in metrics.json.
+Once ddplab owns a run folder, every failure ends with exit 1 and a `RunError` (as_run_error: bad input that only
+showed at run time, a full disk, a bug named by the file and line that raised it). A failure in training is recorded
+by the heartbeat, whose ranks' last beats and errors `compose` turns into the job's report; one while the workload's
+data or model was built, by `record`.
 """
 
 from __future__ import annotations
@@ -28,15 +24,10 @@ from ddplab.engine.run_folder.files import open_append
 from ddplab.engine.run_folder.folder import RunFolder, amend
 from ddplab.errors import RunError, UserError, disk_full, first_line, no_space, write_failed
 
-_OURS = str(Path(__file__).resolve().parents[1])
+_OURS = str(Path(__file__).resolve().parents[2])  # src/ddplab
 _LIBRARIES = tuple(
-    {
-        str(Path(p).resolve())
-        for p in (
-            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
-            str(Path(torch.__file__).parent),
-        )
-    }
+    {str(Path(sysconfig.get_path(k)).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    | {str(Path(torch.__file__).parent.resolve())}
 )
 
 
@@ -188,14 +179,8 @@ def compose(beats: dict[int, dict], errors: dict[int, dict], world_size: int, ru
     else:
         rank = known[0] if known else min(errors) if errors else 0
         e, b = errors.get(rank, {}), beats.get(rank, {})
-        culprit = {
-            "rank": rank,
-            "host": b.get("host"),
-            "phase": b.get("phase"),
-            "step": b.get("step"),
-            "where": e.get("where") or b.get("where"),
-            "error": e.get("error"),
-        }
+        culprit = {"rank": rank, **{k: b.get(k) for k in ("host", "phase", "step")}}
+        culprit |= {"where": e.get("where") or b.get("where"), "error": e.get("error")}
         head = (
             f"rank {rank} failed in {b.get('phase')} at step {b.get('step')}: {e.get('error')} "
             f"at {place_text(culprit['where'])}"

@@ -1,30 +1,22 @@
 """Heartbeats: which rank stalled, where, and the job's last word when it fails.
 
-Each rank's trainer marks its phase and step on its `Beat` (distributed.py) and DistContext
-records the collective it entered. A daemon thread per rank publishes that beat, with where
-the main thread stands (file, line, function: the innermost frame outside Python's and
-torch's own files), to the process group's c10d store every second: the store is reachable
-from every node and answers while the ranks' collectives are stuck. Rank 0's thread reads
-every beat, warns once per stall, and keeps `heartbeat.json` in the run folder for `ddplab status`.
+A daemon thread per rank publishes its `Beat` (distributed.py: phase, step, the collective entered) and where
+the main thread stands to the c10d store every second: the store is reachable from every node and answers while
+the ranks' collectives are stuck. Rank 0's thread reads every beat, warns once per stall, and keeps
+`heartbeat.json` for `ddplab status`. A rank whose beat stops coming (SIGSTOP) is frozen: named as stalled.
 
-When a rank fails (a collective timed out, a peer vanished, an exception), it dumps its
-Python stack into logs/rank<N>.log and raises a failure count in the store; every other
-rank's thread then dumps its own stack (faulthandler: also the main thread stuck in C code) and ends
-its rank through the main thread, so nothing waits for torchrun's kill. Rank 0, whichever way it learns
-of the failure, writes the report that engine/diagnosis/failure.py composes: train.log, metrics.json's `failure`,
-the terminal; on NCCL it names the collectives each rank never completed, from torch's flight recorder
-(flight_recorder.py). When rank 0
-itself died, the first other rank to see it gone writes the report (else the launcher does, launch.py).
-A rank whose beat stops coming (SIGSTOP) is frozen: named as stalled, not the ranks that wait for it.
-
-A beat that raises is reported once (train.log or stderr, its traceback in logs/rank<N>.log) and the
-beats go on, without the store when the store was what failed.
+A failing rank dumps its stack into logs/rank<N>.log and raises a failure count in the store; every other rank's
+thread dumps its own stacks (faulthandler: also a main thread stuck in C) and ends its rank, so nothing waits for
+torchrun's kill. Rank 0 writes the report failure.py composes (on NCCL with the flight recorder's unfinished
+collectives); when rank 0 itself died, the first other rank to see it gone does (else the launcher, launch.py).
+A beat that raises is reported once and the beats go on, without the store when the store was what failed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import signal
@@ -44,15 +36,20 @@ from ddplab.engine.run_folder.folder import amend
 from ddplab.errors import LighthouseLost, RunError
 from ddplab.runtime import process_state
 
-_FAILED, _REPORTED, _REPORTER = "ddplab/failed", "ddplab/reported", "ddplab/reporter"
+_FAILED, _REPORTED, _REPORTER, _BEAT = "ddplab/failed", "ddplab/reported", "ddplab/reporter", "ddplab/beat/"
 _DONE = "ddplab/done"  # how many of the other ranks no longer use the store, once the report is written
-_BEAT = "ddplab/beat/"  # + the rank: its last beat
 # Held while the beat is read or changed in memory (the main thread's frames, the ranks' last beats), never
 # during a store call or a file write. A fork (DataLoader workers) waits for it, microseconds at most: a child
 # forked mid-beat once hung a loader worker.
-_BEATING, _fork_guard = threading.Lock(), {"registered": False}
+_BEATING = threading.Lock()
 _END_SIGNAL = signal.SIGUSR2  # from the heartbeat thread to the main thread: another rank failed
 GRACE_S = 30.0  # for the main thread to end once told to; past it, faulthandler ends the process
+
+
+@functools.cache
+def _guard_forks() -> None:
+    """Once per process: a hook cannot be unregistered."""
+    os.register_at_fork(before=_BEATING.acquire, after_in_parent=_BEATING.release, after_in_child=_BEATING.release)
 
 
 class PeerFailed(BaseException):
@@ -64,10 +61,7 @@ def _peer_failed(signum, frame) -> None:
     raise PeerFailed("another rank failed; rank 0 wrote the job's report")
 
 
-# A beat not renewed for this long (seconds; published every second): the process is frozen (SIGSTOP, a
-# debugger, a host that stopped scheduling it). Its heartbeat thread stopped with it, so the `still_s` it
-# last published stopped growing.
-_FROZEN_AFTER = 5.0
+_FROZEN_AFTER = 5.0  # s without a new beat (one a second): frozen (SIGSTOP, a debugger), its `still_s` stopped too
 
 
 def frozen(beat: dict, now: float) -> dict:
@@ -103,10 +97,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="ddplab-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        if not _fork_guard["registered"]:  # once per process: a hook cannot be unregistered
-            release = _BEATING.release
-            os.register_at_fork(before=_BEATING.acquire, after_in_parent=release, after_in_child=release)
-            _fork_guard["registered"] = True
+        _guard_forks()
         if self.store is not None:  # undone when the run's process_state.changes() ends
             self._signals = process_state.signal_handler(_END_SIGNAL, _peer_failed)
         self._thread.start()
@@ -271,7 +262,6 @@ class Heartbeat:
         return None
 
     def _store(self) -> dist.Store:
-        """The store, for what reads it: an error once it is gone (each caller's handler takes that)."""
         if self.store is None:
             raise RuntimeError("the heartbeat's store is gone")
         return self.store

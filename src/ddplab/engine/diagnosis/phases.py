@@ -1,11 +1,9 @@
 """Where a run's wall time goes before, around and after training: one mark per phase.
 
-`imports_s` reaches back to the process's creation (from /proc), so Python's start and the imports are counted;
-`launcher_s` runs from the start of `ddplab train --nproc-per-node` (runtime/handoff.py's launched_at) to the
-worker's creation: where the agent forks its workers (commands/launch.py), torch's import is counted there, and
-`imports_s` is ddplab's alone.
-The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training, and
-under training.compile the time torch.compile spends compiling (dynamo's frames, the lazy backward) is `compile_s`.
+`imports_s` reaches back to the process's creation (from /proc); `launcher_s` runs from the start of `ddplab train
+--nproc-per-node` to the worker's creation (where the agent forks its workers, torch's import is counted there).
+The first optimizer step (DDP's first iteration builds its buckets) is split off the rest of training, and under
+training.compile the time torch.compile spends compiling (dynamo's frames, the lazy backward) is `compile_s`.
 """
 
 from __future__ import annotations

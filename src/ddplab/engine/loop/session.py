@@ -200,8 +200,4 @@ def fault_tolerance(cfg, ctx, run) -> NoReplicas:
         return NoReplicas()
     from ddplab.engine.parallel.replicas import Replicas  # torchft is optional: imported only in this mode
 
-    # The live state is read from the snapshot's parts, which the Trainer registers after this is built.
-    replicas: Replicas = Replicas(
-        cfg, ctx, lambda: replicas.live_state(), lambda s: replicas.load_live_state(s), run.log, run.path
-    )
-    return replicas
+    return Replicas(cfg, ctx, run.log, run.path)

@@ -1,13 +1,6 @@
-"""DDP communication hooks: compression (fp16, bf16, PowerSGD) from torch itself, a simulated
-wide-area link, and a timer that measures how long every bucket's all-reduce takes.
-
-Every distributed run gets the timing hook, wrapped around the configured compression hook:
-
-    timed( delayed( fp16 | bf16 | powersgd | plain all-reduce ) )
-
-so communication time is recorded for every run, and a simulated delay composes with any
-compression. The hook also records the reducer's bucket layout, and a StepTimer (hooks on the
-model itself) records forward and backward time per step: what `ddplab forecast` needs.
+"""DDP communication hooks: every distributed run gets `timed( delayed( fp16 | bf16 | powersgd | all-reduce ) )`,
+torch's compression inside a simulated wide-area link inside a timer that also records the reducer's bucket
+layout; a StepTimer (hooks on the model) records forward and backward time per step: what `ddplab forecast` needs.
 """
 
 import time
@@ -33,11 +26,8 @@ POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
 class CommMonitor(InFlight):
-    """The hook state: time during which at least one gradient all-reduce was in flight (engine/loop/clock.py's
-    InFlight). A bucket is in flight from the moment DDP hands it over (including any simulated delay) until
-    its future completes. On CUDA both ends are events (engine/loop/clock.py's Stamps): the hand-over in the
-    backward pass's stream, the completion in the stream the future's callback runs on, which waits for the
-    collective."""
+    """The hook state: time during which at least one gradient all-reduce was in flight (loop/clock.py's InFlight),
+    from DDP's hand-over (any simulated delay included) until its future completes; on CUDA both ends are events."""
 
     collectives = "all_reduce"  # what it times, in metrics.json's comm section
     label = "DDP gradient"
@@ -114,15 +104,11 @@ def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
 
 
 class StepTimer:
-    """Forward and backward time of every training micro-step, from hooks on the model.
+    """Forward and backward time of every training micro-step (grad enabled only), from hooks on the model.
 
-    Forward: from the model's forward pre-hook to its forward hook (grad enabled only, so
-    evaluation is left out). Backward: from the moment the output's gradient is computed to
-    the end of the backward pass (every gradient accumulated, before DDP waits for its all-reduces);
-    the gradient reduction (DDP's all-reduce, FSDP's reduce-scatter) still in flight after that is
-    `exposed`, the part of communication that the backward pass did not hide. The moments are
-    engine/loop/clock.py's Stamps: the host's clock on CPU, CUDA events on CUDA (the host only queues the
-    kernels), read once completed."""
+    Backward runs from the output's gradient to the end of the backward pass (before DDP waits for its
+    all-reduces); the gradient reduction still in flight after that is `exposed`, the communication the backward
+    pass did not hide. The moments are loop/clock.py's Stamps (CUDA events on CUDA), read once completed."""
 
     def __init__(self, model: torch.nn.Module, monitor: InFlight | None = None) -> None:
         self.monitor = monitor
@@ -227,22 +213,14 @@ def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: S
     return row | {k: round(mean[k]) if k == "timed_micro_steps" else mean[k] for k in timed}
 
 
-def _computed_layout(model: torch.nn.Module, bucket_cap_mb: float) -> list[dict]:
-    """The buckets DDP would make for this model on one process (no reducer there): parameters
-    in reverse registration order, which is close to the order gradients become ready, the
-    first bucket capped at DDP's first-bucket size and the rest at bucket_cap_mb."""
-    params: list[torch.Tensor] = [p for p in reversed(list(model.parameters())) if p.requires_grad]
-    if not params:
-        return []
-    groups = ddp_buckets(params, bucket_cap_mb)
-    return [_bucket_info(i, ps, ps) for i, ps in enumerate([params[j] for j in group] for group in groups)]
-
-
 def comm_summary(model: torch.nn.Module, monitor: CommMonitor | None, dcfg) -> dict:
-    """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP
-    handed them to the hook), else the buckets DDP would make."""
+    """The gradient volume for metrics.json: the reducer's own buckets when there is one (as DDP handed them to the
+    hook), else the buckets DDP would make on one process: parameters in reverse registration order (close to the
+    order gradients become ready), the first bucket capped at DDP's first-bucket size and the rest at bucket_cap_mb."""
     reducer = monitor.layout if monitor is not None else []  # empty until a step has recorded them
-    layout = reducer or _computed_layout(model, dcfg.bucket_cap_mb)
+    params: list[torch.Tensor] = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+    groups = ddp_buckets(params, dcfg.bucket_cap_mb) if params and not reducer else []
+    layout = reducer or [_bucket_info(i, ps, ps) for i, ps in enumerate([params[j] for j in g] for g in groups)]
     return {
         "bucket_source": "reducer" if reducer else "computed",
         "grad_dtype": layout[0]["dtype"] if layout else None,

@@ -123,11 +123,8 @@ def check_one_gpu_per_process(processes_per_node: int, gpus: int) -> None:
 @contextlib.contextmanager
 def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistContext]:
     """Start the process group (if launched as several processes) and always tear it down; or use the one the
-    launcher made itself (Ray Train's TorchTrainer), and leave it to the launcher.
-
-    Teardown drops every reference it can and collects garbage before destroying the
-    group: with gloo, a DDP model or optimizer still alive at destroy time makes about one
-    two-process run in four abort at exit."""
+    launcher made itself (Ray Train's TorchTrainer), and leave it to the launcher. Teardown collects garbage
+    first: with gloo, a DDP model or optimizer alive at destroy time made one two-process run in four abort."""
     launch = detect_launch()
     cuda = torch.cuda.is_available()
     chosen = pick_backend(backend, cuda) if launch.world_size > 1 else None
@@ -146,13 +143,8 @@ def session(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[DistCon
         kwargs: dict[str, Any] = {"device_id": device} if chosen == "nccl" else {}
         if (store := attempt_store(launch, timeout_s)) is not None:
             kwargs["store"] = store
-        dist.init_process_group(
-            backend=chosen,
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(chosen, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs)
     ok = False
     try:
         yield DistContext(launch=launch, backend=chosen, device=device)
@@ -189,13 +181,8 @@ def attempt_store(launch: LaunchInfo, timeout_s: float):
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     assert launch.master_addr is not None and launch.master_port is not None  # torchrun sets both
-    base = dist.TCPStore(
-        launch.master_addr,
-        launch.master_port,
-        launch.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    base = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"ddplab/attempt-{attempt}", base)
 
 

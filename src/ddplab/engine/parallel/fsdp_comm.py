@@ -1,16 +1,9 @@
 """FSDP2's collectives, timed: what CommMonitor is to DDP's gradient all-reduce, for fsdp and hsdp.
 
-FSDP2 lets a sharded module take its own all-gather and reduce-scatter (set_custom_all_gather,
-set_custom_reduce_scatter). ddplab hands each module a thin wrapper around the one it already has,
-which stamps the moment a collective is called and the moment it is done. Under hsdp the gradients
-are then all-reduced across nodes, from the reduce-scatter's end to FSDP's all-reduce hook. The
-communication time is the union of these intervals, as for DDP: wall time during which at least one
-collective was in flight, whether or not compute hid it. Evaluation's gathers are left out, as the
-epoch's training clock leaves evaluation out.
-
-On CPU (gloo) each call returns once the collective is done, so the host's clock times it. On CUDA
-the wrapper runs in FSDP's communication stream and the stamps are events there (engine/loop/clock.py's
-Stamps), so an interval is the collective's own time on the device.
+Each sharded module's all-gather and reduce-scatter (set_custom_all_gather, set_custom_reduce_scatter) is wrapped
+in one that stamps when it is called and when it is done; under hsdp, the cross-node all-reduce runs from the
+reduce-scatter's end to FSDP's all-reduce hook. Communication time is the union of these intervals, as for DDP.
+On CUDA the stamps are events in FSDP's communication stream (loop/clock.py's Stamps): the collective's own time.
 """
 
 from __future__ import annotations

@@ -34,25 +34,22 @@ from ddplab.engine.run_folder.folder import RunFolder
 from ddplab.errors import LighthouseLost, RunError
 
 
+def _torchrun_store() -> torch.distributed.TCPStore:
+    return torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+    )
+
+
 class Replicas(NoReplicas):
     """This process's side of the replica groups: the quorum at each step's start, the gradient
     average across groups, and whether the step counts (the Trainer's fault-tolerance mode)."""
 
     _parts = None  # the snapshot's parts (register()): what a rejoining group receives is read from them
 
-    def __init__(
-        self,
-        cfg,
-        ctx,
-        state_dict: Callable[[], dict],
-        load_state_dict: Callable[[dict], None],
-        log: Callable[[str], None],
-        folder: Path,
-    ) -> None:
+    def __init__(self, cfg, ctx, log: Callable[[str], None], folder: Path) -> None:
         d = cfg.distributed
         self.group, self.groups, self.ctx, self.log = d.replica_group, d.replica_groups, ctx, log
         self.follow_lr = d.replica_lr == "follow"
-        self._load = load_state_dict
         self.rejoined = False  # the last quorum replaced this group's state with a peer's
         self._first = True  # this attempt has not yet joined a quorum
         # What rides along each step's all-reduce: (budget over, stop signal, seconds spent), averaged over the groups;
@@ -65,12 +62,12 @@ class Replicas(NoReplicas):
         self._fewest = self.groups  # the fewest groups in a committed step this epoch
         self.timeout, self.lighthouse = d.timeout, d.lighthouse
         store = self._attempt_store() if os.environ.get("MASTER_ADDR") else self._own_store()
-        self.manager = self._connect(state_dict, store)
+        self.manager = self._connect(store)
         self.csv = (folder / RunFolder.REPLICAS).open("a", newline="") if ctx.is_main else None
         if self.csv is not None and self.csv.tell() == 0:
             csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time", "groups"])
 
-    def _connect(self, state_dict: Callable[[], dict], store: dict) -> Manager:
+    def _connect(self, store: dict) -> Manager:
         """This process's torchft manager; group rank 0's connects to the Lighthouse (distributed.timeout at most).
         The other ranks first wait for it (_await_manager): torchft's own wait for rank 0's address lasts 300 s
         where rank 0 failed, and no signal ends it."""
@@ -80,8 +77,8 @@ class Replicas(NoReplicas):
             return Manager(
                 pg=ProcessGroupGloo(timeout=timeout),
                 min_replica_size=1,
-                load_state_dict=self._rejoin,
-                state_dict=state_dict,
+                load_state_dict=self.load_live_state,
+                state_dict=self.live_state,
                 use_async_quorum=False,
                 init_sync=False,
                 timeout=timeout,
@@ -122,9 +119,7 @@ class Replicas(NoReplicas):
         """Until group rank 0's manager has put its address in torchrun's store, in a loop a signal can end (the
         heartbeat's when rank 0 failed). Rank 0 gives up on the Lighthouse after distributed.timeout: twice
         that is a rank 0 that is gone."""
-        store = torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
-        )
+        store = _torchrun_store()
         deadline = time.monotonic() + 2 * self.timeout
         while not store.check([MANAGER_ADDR_KEY]):
             if time.monotonic() > deadline:
@@ -136,9 +131,7 @@ class Replicas(NoReplicas):
         `--max-restarts` restart, and torchft's manager keeps its address there under a fixed key, which a rank
         of the new attempt could read before rank 0 wrote its own (and wait on a dead manager)."""
         if self.ctx.is_main:
-            base = torch.distributed.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
-            )
+            base = _torchrun_store()
             for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
                 base.delete_key(key)
         self.ctx.barrier()
@@ -148,10 +141,6 @@ class Replicas(NoReplicas):
         """One process started without torchrun: the store the Manager needs, made here."""
         self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         return {"store_addr": "localhost", "store_port": self._store.port}
-
-    def _rejoin(self, state: dict) -> None:
-        self._load(state)
-        self.rejoined = True
 
     def begin_step(self) -> bool:
         """Join this step's quorum (before its data is read); True when a peer's state was loaded.
@@ -172,34 +161,6 @@ class Replicas(NoReplicas):
             self.log(f"step {self.manager.current_step() + 1}: this group rejoined from a peer's live state")
         return self.rejoined
 
-    def reduce(self, params, stop: torch.Tensor) -> None:
-        """Average the gradients (this process's shards of them) over the groups in the quorum. This process's
-        stop flags and time spent ride along (`stop`: budget over, stop signal, seconds): stop() then holds whether
-        any group raised a flag, spent() the groups' mean time; so does a mark of this group, which names the groups
-        present."""
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-        mark = torch.zeros(self.groups, dtype=stop.dtype, device=stop.device)
-        mark[self.group] = 1
-        tensors = [*grads, *(t.to(grads[0].dtype if grads else stop.dtype) for t in (stop, mark))]
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.manager.allreduce(flat).wait()
-        parts = [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
-        *reduced, self._carried, self._marks = parts
-        for grad, mean in zip(grads, reduced, strict=True):
-            grad.copy_(mean)
-
-    def commit(self, optimizer) -> bool:
-        """Whether the step counts (every group present finished its all-reduce); with replica_lr=follow,
-        the optimizer's lr is scaled by the share of groups present for this step."""
-        if not self.manager.should_commit():
-            return False
-        self._stop = torch.maximum(self._stop.to(self._carried.device), self._carried[:2].float())
-        self._spent = self._carried[2]
-        if self.follow_lr and self.present != self.groups:
-            for group in optimizer.param_groups:
-                group["lr"] *= self.present / self.groups
-        return True
-
     def register(self, parts) -> None:
         """The epoch's tally of groups present is a snapshot part (its row's columns); the live state is read from
         `parts` when a group rejoins."""
@@ -215,13 +176,33 @@ class Replicas(NoReplicas):
         assert self._parts is not None
         for name in LIVE:
             self._parts.objects[name].load_state_dict(state[name])
+        self.rejoined = True
 
     def agree(self, params, optimizer, stop: Callable[[], torch.Tensor], step: int, samples: int) -> bool:
-        """Average the gradients over the groups in the quorum (this process's stop flags ride along); False when
-        the step does not count (a group failed during it): the trainer drops its gradients and loss, its data
-        stays read (skipped). `samples`: this process's in the step."""
-        self.reduce(params, stop())
-        committed = self.commit(optimizer)
+        """Average the gradients (this process's shards of them) over the groups in the quorum; False when the step
+        does not count (a group failed during it): the trainer drops its gradients and loss, its data stays read
+        (skipped). `samples`: this process's in the step. This process's stop flags and time spent ride along
+        (`stop`: budget over, stop signal, seconds), and a mark of this group, which names the groups present:
+        stop() then holds whether any group raised a flag, spent() the groups' mean time. With replica_lr=follow,
+        the optimizer's lr is scaled by the share of groups present for this step."""
+        own = stop()
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        mark = torch.zeros(self.groups, dtype=own.dtype, device=own.device)
+        mark[self.group] = 1
+        tensors = [*grads, *(t.to(grads[0].dtype if grads else own.dtype) for t in (own, mark))]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.manager.allreduce(flat).wait()
+        parts = [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+        *reduced, self._carried, self._marks = parts
+        for grad, mean in zip(grads, reduced, strict=True):
+            grad.copy_(mean)
+        committed = self.manager.should_commit()  # every group present finished its all-reduce
+        if committed:
+            self._stop = torch.maximum(self._stop.to(self._carried.device), self._carried[:2].float())
+            self._spent = self._carried[2]
+            if self.follow_lr and self.present != self.groups:
+                for group in optimizer.param_groups:
+                    group["lr"] *= self.present / self.groups
         self.record(step, samples * self.ctx.world_size * self.present, committed)
         if not committed:
             self.log(f"step {step}: not committed (a replica group failed during it); taken again")
@@ -254,20 +235,20 @@ class Replicas(NoReplicas):
             self._epoch.append(global_batch)
             self._fewest = min(self._fewest, self.present)
             if self.present != len(self.members) or self.rejoined:  # read from the device only then
-                self._name_groups(step, [g for g, share in enumerate(self._marks.tolist()) if share > 0])
+                now = [g for g, share in enumerate(self._marks.tolist()) if share > 0]
+                left, back = sorted(set(self.members) - set(now)), sorted(set(now) - set(self.members))
+                if left or back:
+                    said = [f"group {g} left" for g in left] + [f"group {g} came back" for g in back]
+                    self.log(
+                        f"step {step}: {', '.join(said)}; {len(now)} of {self.groups} replica groups in the quorum"
+                    )
+                self.members = now
         if self.csv is not None:
             groups = " ".join(map(str, self.members))
             csv.writer(self.csv).writerow(
                 [step, self.present, global_batch, int(committed), f"{time.time():.3f}", groups]
             )
             self.csv.flush()
-
-    def _name_groups(self, step: int, now: list[int]) -> None:
-        left, back = sorted(set(self.members) - set(now)), sorted(set(now) - set(self.members))
-        if left or back:
-            said = [f"group {g} left" for g in left] + [f"group {g} came back" for g in back]
-            self.log(f"step {step}: {', '.join(said)}; {len(now)} of {self.groups} replica groups in the quorum")
-        self.members = now
 
     def epoch_columns(self) -> dict:
         """The epoch row's `replicas` (the fewest groups any of its steps had) and `global_batch` (the

@@ -1,12 +1,9 @@
-"""Sharded training, distributed.strategy=fsdp | hsdp, with PyTorch's FSDP2 (`fully_shard`).
+"""Sharded training, distributed.strategy=fsdp | hsdp, with PyTorch's FSDP2 (`fully_shard`, in place).
 
-fsdp shards parameters, gradients and optimizer state over every process; hsdp shards within a
-node and replicates across nodes (a 2-D mesh, replicate x shard, from the launcher's processes per
-node). Blocks are sharded first and the root last, so one block's parameters are gathered at a
-time. The blocks: the modules whose class the model names in `_no_split_modules` (as Hugging Face
-models declare them; ddplab's GPT too), else every child with at least
-distributed.shard_min_params parameters, or what the workload's own `shard(model, mesh)` does.
-The model stays the module it was (FSDP2 shards in place), so the trainer's `raw` is the model.
+fsdp shards parameters, gradients and optimizer state over every process; hsdp shards within a node and replicates
+across nodes (a replicate x shard mesh). Blocks are sharded first and the root last, so one block's parameters are
+gathered at a time: the modules the model names in `_no_split_modules` (as Hugging Face models declare them), else
+every child of at least distributed.shard_min_params parameters, or what the workload's `shard(model, mesh)` does.
 """
 
 from __future__ import annotations
@@ -158,16 +155,16 @@ class Sharded(Replicated):
         """The model and the optimizer as this rank's shards keyed by parameter names."""
         from torch.distributed.checkpoint import state_dict as dcp  # sharded runs only: see _is_fsdp
 
-        model_part = part(lambda: dcp.get_model_state_dict(model), lambda s: dcp.set_model_state_dict(model, s))
-        parts.add("model", model_part, SHARDED)
         parts.add(
-            "optimizer",
-            part(
-                lambda: dcp.get_optimizer_state_dict(model, optimizer),
-                lambda s: dcp.set_optimizer_state_dict(model, optimizer, s),
-            ),
+            "model",
+            part(lambda: dcp.get_model_state_dict(model), lambda s: dcp.set_model_state_dict(model, s)),
             SHARDED,
         )
+        optimizer_state = part(
+            lambda: dcp.get_optimizer_state_dict(model, optimizer),
+            lambda s: dcp.set_optimizer_state_dict(model, optimizer, s),
+        )
+        parts.add("optimizer", optimizer_state, SHARDED)
 
     def micro_step(self, model: torch.nn.Module, last: bool):
         inner = uncompiled(model)

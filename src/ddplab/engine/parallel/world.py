@@ -22,30 +22,14 @@ from ddplab.errors import UserError
 
 # The systems that start a launcher, and how a worker (which sees the variables its node inherited) knows them.
 VIA = {"PET_NNODES": "Kubeflow Trainer", "SKYPILOT_NODE_RANK": "SkyPilot"}
-# What `ddplab env` shows of the environment: every launcher's variables, and what changes how a job talks.
-SHOWN = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_",
-    "SLURM_",
-    "PET_",
-    # SkyPilot's placement only: its other variables may hold an endpoint or a token, not for a bug report.
-    "SKYPILOT_NODE_RANK",
-    "SKYPILOT_NODE_IPS",
-    "SKYPILOT_NUM_NODES",
-    "SKYPILOT_NUM_GPUS_PER_NODE",
-    "SKYPILOT_TASK_ID",
-    "REPLICA_GROUP_ID",
-    "NUM_REPLICA_GROUPS",
-    "CUDA_VISIBLE_DEVICES",
-    "NCCL_",
-    "GLOO_",
-    "OMP_NUM_THREADS",
+# What `ddplab env` shows of the environment: every launcher's variables, and what changes how a job talks
+# (of SkyPilot's, its placement only: its other variables may hold an endpoint or a token, not for a bug report).
+SHOWN = tuple(
+    """
+    RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_ SLURM_ PET_
+    SKYPILOT_NODE_RANK SKYPILOT_NODE_IPS SKYPILOT_NUM_NODES SKYPILOT_NUM_GPUS_PER_NODE SKYPILOT_TASK_ID
+    REPLICA_GROUP_ID NUM_REPLICA_GROUPS CUDA_VISIBLE_DEVICES NCCL_ GLOO_ OMP_NUM_THREADS
+""".split()
 )
 DEFAULT_PORT = 29500  # torchrun's, where a launcher names no port (SkyPilot)
 
@@ -111,10 +95,6 @@ def _below(env: Mapping[str, str], name: str, bound: str) -> None:
         raise UserError(f"{name}={env[name]} contradicts {bound}={env[bound]}: it must be below it")
 
 
-def _via(env: Mapping[str, str]) -> str | None:
-    return next((who for var, who in VIA.items() if var in env), None)
-
-
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """torchrun's variables win (torchrun inside srun is common); then SLURM's; else one process."""
     env = os.environ if env is None else env
@@ -135,7 +115,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_world_size=local_world,
             master_addr=env.get("MASTER_ADDR"),
             master_port=_int(env, "MASTER_PORT", 1) if env.get("MASTER_PORT") else None,
-            via=_via(env),
+            via=next((who for var, who in VIA.items() if var in env), None),
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         world = _int(env, "SLURM_NTASKS", 1)

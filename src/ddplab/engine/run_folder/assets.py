@@ -6,10 +6,8 @@
                             inputs' dtype), "files": {name: its path below inference/}}
     inference/<name>/...    each file or folder that Data.assets named, copied
 
-Rank 0 writes it at the run's first start, assets.json last (a start cut short mid-copy is redone
-by the next); a resume finds assets.json and leaves the folder as it is. Every file goes through
-engine/run_folder/files.py's writers, never through a symbolic link. `predict` takes meta and task from the
-checkpoint (the weights' own); assets.json holds them too, for a reader of the folder.
+Rank 0 writes it at the run's first start, assets.json last (a start cut short mid-copy is redone by the next).
+`predict` takes meta and task from the checkpoint (the weights' own); assets.json holds them for a reader.
 """
 
 from __future__ import annotations
@@ -98,12 +96,8 @@ def save(run: RunFolder, data: Data) -> None:
             files[name] = name
         else:
             files[name] = _copy(source, run.path, Path(name, source.name))
-    index = {
-        "meta": data.meta,
-        "task": data.task.describe(),
-        "example": example(first_item(data.train), data.task),
-        "files": files,
-    }
+    form = example(first_item(data.train), data.task)
+    index = {"meta": data.meta, "task": data.task.describe(), "example": form, "files": files}
     run.write_json(f"{RunFolder.INFERENCE}/{INDEX}", index, default=str)
 
 
@@ -124,18 +118,11 @@ def load(found: Path, meta: dict, task) -> tuple[Assets, dict]:
     assets.json says is checked before it is used: each file inside inference/ and reached through no
     link, the example a form this version wrote (a target's dtype a torch dtype, its size bounded)."""
     start = found if found.is_dir() else found.parent
-    folder = next(
-        (
-            p / RunFolder.INFERENCE
-            for p in (start, *start.parents)[:3]
-            if os.path.lexists(p / RunFolder.INFERENCE / INDEX)
-        ),
-        None,
-    )
-    if folder is None:
-        return Assets(meta=meta, task=task), {}
-    saved = _index(folder)
-    return Assets(meta=meta, task=task, folder=folder, files=saved["files"]), saved["example"]
+    for folder in (p / RunFolder.INFERENCE for p in (start, *start.parents)[:3]):
+        if os.path.lexists(folder / INDEX):
+            saved = _index(folder)
+            return Assets(meta=meta, task=task, folder=folder, files=saved["files"]), saved["example"]
+    return Assets(meta=meta, task=task), {}
 
 
 # A stand-in target is allocated once per input; its size is bounded before it is (4 TB was asked for).

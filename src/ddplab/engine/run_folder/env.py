@@ -39,12 +39,8 @@ def git_commit() -> str | None:
         except (OSError, subprocess.SubprocessError):
             continue
         if out.returncode == 0:
-            dirty = subprocess.run(
-                ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
+            status = ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"]
+            dirty = subprocess.run(status, capture_output=True, text=True, timeout=5).stdout.strip()
             return out.stdout.strip() + ("-dirty" if dirty else "")
     return None
 

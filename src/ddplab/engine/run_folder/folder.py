@@ -19,35 +19,11 @@ from pathlib import Path
 from ddplab.engine.run_folder.files import open_append, read_json, write_atomic
 from ddplab.errors import printable, write_failed
 
-EPOCH_COLUMNS = [
-    "epoch",
-    "step",
-    "train_loss",
-    "val_loss",
-    "val_accuracy",
-    "val_top5_accuracy",
-    "val_precision",
-    "val_recall",
-    "val_f1",
-    "val_perplexity",
-    "val_mae",
-    "val_rmse",
-    "val_r2",
-    "epoch_time_s",
-    "eval_time_s",
-    "snapshot_time_s",
-    "elapsed_s",
-    "samples_per_s",
-    "tokens_per_s",
-    "lr",
-    "peak_mem_mb",
-    "mfu",
-    "gpu_util",
-    "gpu_mem_mb",
-    "comm_time_s",
-    "compute_time_s",
-    "data_wait_s",
-]
+EPOCH_COLUMNS = """
+    epoch step train_loss val_loss val_accuracy val_top5_accuracy val_precision val_recall val_f1
+    val_perplexity val_mae val_rmse val_r2 epoch_time_s eval_time_s snapshot_time_s elapsed_s samples_per_s
+    tokens_per_s lr peak_mem_mb mfu gpu_util gpu_mem_mb comm_time_s compute_time_s data_wait_s
+""".split()
 
 
 def _clean(value):
@@ -74,14 +50,10 @@ class RunFolder:
     SAMPLE = "sample.txt"
     TRACKERS = "trackers.json"  # the MLflow / W&B run each tracker continues (ddplab.trackers)
     POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
-    HEARTBEAT = (
-        "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status` (engine/diagnosis/heartbeat.py)
-    )
+    HEARTBEAT = "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status`
     LOGS = "logs"  # rank<N>.log: a failed rank's traceback and every thread's stack
     REPLICAS = "replicas.csv"  # replica groups: a row a step taken or dropped, its quorum and its global batch
-    INFERENCE = (
-        "inference"  # what predict needs of the data: assets.json and Data.assets' files (engine/run_folder/assets.py)
-    )
+    INFERENCE = "inference"  # what predict needs of the data: assets.json and Data.assets' files (assets.py)
 
     def __init__(self, path: Path, is_main: bool) -> None:
         from rich.console import Console  # only rank 0 prints
@@ -93,7 +65,6 @@ class RunFolder:
             self.path.mkdir(parents=True, exist_ok=True)
             self._log = open_append(self.path, self.LOG)
 
-    # -- what rank 0 prints -------------------------------------------------------------
     def log(self, message: str, echo: bool = True) -> None:
         if not self.is_main:
             return
@@ -102,7 +73,6 @@ class RunFolder:
             self.console.print(message, markup=False)
         self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
-    # -- files --------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         if self.is_main:
             try:
@@ -113,9 +83,6 @@ class RunFolder:
     def write_json(self, name: str, obj, default=None) -> None:
         """`default`: what json.dumps makes of a value it cannot write (None: refuse it)."""
         self.write_text(name, json.dumps(_clean(obj), indent=2, default=default) + "\n")
-
-    def update_json(self, name: str, **fields) -> None:
-        self.write_json(name, {**read_json(self.path / name), **fields})
 
     def write_epochs(self, rows: list[dict]) -> None:
         """Rewrite metrics.csv from the full history (so a resumed run never duplicates rows)."""

@@ -1,16 +1,10 @@
-"""One owner per run folder: an OS lock held for the whole job.
+"""One owner per run folder: `flock` on the folder itself, held for the whole job.
 
-The lock is `flock` on the run folder itself (a directory file descriptor), so taking it
-writes nothing: a start that then fails leaves an existing folder byte-identical. The
-kernel drops it when its holder dies, so a SIGKILL never leaves a stale lock. The holder
-writes who it is (host, PID) to `<run>/.lock` and removes it at release; a second start
-finds the folder locked and names that holder in its one-line error.
-
-Under `ddplab train --nproc-per-node` the launcher holds the lock (so `--max-restarts`
-restarts keep it) and tells the workers (runtime/handoff.py: locked_run) and a token that its
-holder file holds too; a worker believes it only when that holder is a process above it
-(an environment variable alone takes no lock away). Under plain torchrun or srun, rank 0
-holds it.
+Taking it writes nothing (a start that then fails leaves an existing folder byte-identical), and the kernel drops it
+when its holder dies (no stale lock after a SIGKILL). The holder writes who it is to `<run>/.lock`, which a second
+start names in its one-line error. Under `ddplab train --nproc-per-node` the launcher holds it (so `--max-restarts`
+keeps it) and tells its workers (runtime/handoff.py: locked_run) with a token its holder file holds too; a worker
+believes it only when that holder is a process above it. Under plain torchrun or srun, rank 0 holds it.
 """
 
 from __future__ import annotations
@@ -85,9 +79,7 @@ class RunLock:
                     break
             os.close(fd)
         self.fd, self._created = fd, created
-        # Who holds it, for the error of a second start and for this holder's workers; removed again at
-        # release, so a start that fails leaves the folder as it found it.
-        write_atomic(
+        write_atomic(  # removed at release, so a start that fails leaves the folder as it found it
             self.path,
             HOLDER_FILE,
             json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": self.token}) + "\n",

@@ -89,16 +89,12 @@ def _split_changes(was: dict, now: dict) -> list[str]:
         out.append(f"a {now['kind']} where it was a {was['kind']}")
     if was["size"] != now["size"]:
         out.append(f"its length {was['size']} -> {now['size']}")
-    gone = [f for f in was["files"] if f not in now["files"]]
-    new = [f for f in now["files"] if f not in was["files"]]
+    gone = [Path(f).name for f in was["files"] if f not in now["files"]]
+    new = [Path(f).name for f in now["files"] if f not in was["files"]]
     resized = [
         f"{Path(f).name} {n} -> {now['files'][f]}" for f, n in was["files"].items() if now["files"].get(f, n) != n
     ]
-    for what, names in (
-        ("gone", [Path(f).name for f in gone]),
-        ("new", [Path(f).name for f in new]),
-        ("resized", resized),
-    ):
+    for what, names in (("gone", gone), ("new", new), ("resized", resized)):
         if names:
             shown = ", ".join(names[:FILES_SHOWN])
             more = f" and {len(names) - FILES_SHOWN} more" if len(names) > FILES_SHOWN else ""

@@ -12,18 +12,12 @@ batch and the config of the run it is about to continue).
      "files": {"state.pt": [1234, "9a0b1c2d"], "shards/.metadata": [...], "shards/__0_0.distcp": [...]},
      "manifest": "5e6f7a8b"}
 
-`files` names every file of the snapshot (each DCP shard and DCP's .metadata included) with its size
-in bytes and its CRC-32C (the `crc32c` package, in hardware where the CPU has SSE 4.2: 4.6x zlib's
-CRC-32 here, which took 49 ms per 100 MiB against 87 ms for sha256 and 163 ms for blake2b, the best
-of several runs on one core). `"manifest"` is the CRC-32C of its own content (the JSON of every other
-key, keys sorted), so an edited or damaged manifest is caught before any entry of it is believed. A
-manifest guards against damage, not forgery, since whoever can change a file can change the manifest too.
-
-A manifest is untrusted (Damaged) when it fails its own checksum, names no files, has an entry that is not
-[size, checksum], names a path outside its snapshot (or a link), or has an entry without a checksum where
-its checksums are on, or is of a format other than 1 (the version of the run folder's snapshots since the
-first release): resume then falls back to the snapshot before with a line naming why, and export, generate
-and predict refuse it in one line.
+`files` names every file of the snapshot (DCP's shards and .metadata included) with its size and CRC-32C (the
+`crc32c` package, in hardware where the CPU has SSE 4.2: 49 ms per 100 MiB here, 4.6x zlib's CRC-32, against 87 ms
+for sha256 and 163 ms for blake2b, the best of several runs on one core). `"manifest"` is the CRC-32C of the JSON of
+every other key, so an edited or damaged manifest is caught before any entry of it is believed: it guards against
+damage, not forgery. An untrusted manifest (Damaged) makes resume fall back to the snapshot before, with a line
+naming why; export, generate and predict refuse it in one line.
 """
 
 from __future__ import annotations
@@ -98,11 +92,6 @@ def read(folder: Path) -> dict:
         raise Damaged(f"{path}: a snapshot of format {version!r}; ddplab {ddplab.__version__} reads format {FORMAT}")
     if manifest.get("manifest") != _own(manifest):
         raise Damaged(f"{path}: damaged (the manifest's own checksum differs from its content)")
-    _check_files(path, manifest)
-    return manifest
-
-
-def _check_files(path: Path, manifest: dict) -> None:
     files, checksums = manifest.get("files"), manifest.get("checksum")
     if not isinstance(files, dict) or not files:
         raise Damaged(f"{path}: not a manifest (no files)")
@@ -121,6 +110,7 @@ def _check_files(path: Path, manifest: dict) -> None:
             raise Damaged(f"{path}: the entry of {name!r} is {json.dumps(entry)[:60]}, not [size, checksum]")
         if checksums and entry[1] is None:
             raise Damaged(f"{path}: {name!r} has no checksum, where the manifest's checksums are {checksums!r}")
+    return manifest
 
 
 def verify(folder: Path, checksums: bool = True) -> dict:

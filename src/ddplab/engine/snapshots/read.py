@@ -1,11 +1,6 @@
-"""Snapshots and checkpoint files read back: checked, loaded safely, the model's weights whole.
-
-What engine/snapshots/write.py writes is read here, for its resume (which loads it into a run's parts) and
-for predict, generate, export and verify alike. Before a snapshot is
-trusted its files are checked against its manifest (engine/snapshots/manifest.py); one that fails is skipped with
-one line naming the file, and the previous one is used. Everything loads with
-`torch.load(weights_only=True)`: nothing is unpickled unsafely. A sharded snapshot's model is gathered
-whole in one process, or (weights=False) read as its parameters' shapes only.
+"""Snapshots and checkpoint files read back (for resume, predict, generate, export and verify): checked against
+their manifest first, loaded with `torch.load(weights_only=True)` (nothing is unpickled unsafely), a sharded
+snapshot's model gathered whole in one process, or (weights=False) read as its parameters' shapes only.
 """
 
 from __future__ import annotations
@@ -36,15 +31,20 @@ def open_snapshot(folder: Path) -> tuple[dict, dict]:
 
 
 def _contents(folder: Path, weights: bool = True) -> dict:
-    """What a checked snapshot holds, its config (the manifest's) and its model's weights: gathered whole
-    from the shards in this process, or (weights=False) only their shapes."""
+    """What a checked snapshot holds, with its manifest's config."""
     manifest, state = open_snapshot(folder)
     return _whole(folder, {**state, "config": manifest.get("config")}, weights)
 
 
 def _whole(folder: Path, state: dict, weights: bool) -> dict:
-    if "model" not in state and (folder / SHARDS).is_dir():
-        state["model"] = (consolidated if weights else shapes)(folder / SHARDS)
+    """The model's weights gathered whole from the shards in this process, or (weights=False) only their shapes."""
+    shards = folder / SHARDS
+    if "model" not in state and shards.is_dir() and not weights:
+        state["model"] = shapes(shards)
+    elif "model" not in state and shards.is_dir():
+        whole = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _tensors(shards).items()}}
+        load_shards(whole, shards, distributed=False)
+        state["model"] = whole["model"]
     return state
 
 
@@ -130,13 +130,6 @@ def _tensors(folder: Path, prefix: str = "model.") -> dict:
 def shapes(folder: Path) -> dict:
     """A sharded snapshot's parameters as meta tensors: names and shapes, nothing read."""
     return {k: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for k, m in _tensors(folder).items()}
-
-
-def consolidated(folder: Path) -> dict:
-    """A sharded snapshot's model, every parameter whole, read in this one process."""
-    state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _tensors(folder).items()}}
-    load_shards(state, folder, distributed=False)
-    return state["model"]
 
 
 def load_shards(state: dict, folder: Path, distributed: bool) -> None:

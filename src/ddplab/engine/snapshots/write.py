@@ -1,28 +1,18 @@
 """Snapshots: how the run's state is written and restored. This module alone writes them.
 
-The run's state is a set of named stateful parts (`Parts`): objects with `state_dict()` and
-`load_state_dict(state)`. The Trainer registers its own in one place (model, optimizer, scheduler,
-scaler, trainer: its TrainState, rng, callbacks, and the meta and task inference needs); a workload
-adds its own with `ddplab.Data(state={"name": obj})`. A part is of one of three kinds:
+The run's state is a set of named stateful parts (`Parts`: objects with `state_dict()` and `load_state_dict()`),
+registered in loop/parts.py; a workload adds its own with `ddplab.Data(state={"name": obj})`. Each is of a kind:
+SHARED (rank 0's state in state.pt, loaded on every rank), PER_RANK (every rank's, gathered into state.pt; each
+loads its own, and at another world size the part stays as built, which load() says) or SHARDED (the model and
+optimizer under distributed.strategy=fsdp|hsdp: every rank writes shards/ with torch.distributed.checkpoint, which
+reshards them on load to any world size).
 
-- SHARED: one state, rank 0's, written to state.pt and loaded on every rank (the schedule, the
-  scaler, progress, callbacks; the model and the optimizer under DDP);
-- PER_RANK: every rank's state, gathered to rank 0 and written to state.pt; each rank loads its own
-  (random streams, a workload's parts). At another world size there is no own state to load: the
-  part stays as built, and load() says which;
-- SHARDED: the model and the optimizer under distributed.strategy=fsdp|hsdp, written by every rank
-  into shards/ with torch.distributed.checkpoint (DCP) and resharded on load to any world size.
-
-A snapshot is a folder, `step-000000123/`, or `best/` (the model with the best validation loss, its
-weights whole, for predict, generate and export): `state.pt`, `shards/` when sharded, and the
-`COMPLETE` marker, whose content is the manifest (engine/snapshots/manifest.py: the step, the config, each
-part and the file that holds it, every file's size and checksum). It is built under `.tmp-<name>`
-and renamed into place once the marker is written, after an fsync of the data, so a kill at any
-moment leaves the previous complete snapshot untouched; incomplete leftovers are ignored and
-cleaned. With checkpoint.async_save the shards are written in the background and rank 0 checksums
-the files and writes the marker in a thread of its own, once DCP's save has ended on every rank.
-
-A snapshot is read back, checked against its manifest first, by engine/snapshots/read.py.
+A snapshot is a folder, `step-000000123/` or `best/` (the best validation loss, its weights whole): state.pt,
+shards/ when sharded, and the `COMPLETE` marker holding the manifest (manifest.py). It is built under
+`.tmp-<name>` and renamed into place once the marker is written, after an fsync of the data, so a kill at any moment
+leaves the previous complete snapshot untouched; incomplete leftovers are cleaned. With checkpoint.async_save the
+shards are written in the background and rank 0 writes checksums and marker in a thread of its own, once DCP's save
+has ended on every rank. read.py reads a snapshot back, checked against its manifest first.
 """
 
 from __future__ import annotations
@@ -45,16 +35,7 @@ import torch.distributed as dist
 
 from ddplab.engine.run_folder.files import subfolder, write_atomic
 from ddplab.engine.snapshots.manifest import CHECKSUM, FORMAT, MARKER, Damaged, describe, seal, step_snapshots
-from ddplab.engine.snapshots.read import (
-    BEST,
-    SHARDS,
-    STATE,
-    load_shards,
-    open_snapshot,
-    read_state,
-    same_model,
-    shapes,
-)
+from ddplab.engine.snapshots.read import BEST, SHARDS, STATE, load_shards, open_snapshot, read_state, same_model, shapes
 from ddplab.errors import RunError, UserError, first_line, no_space, write_failed
 
 SHARED, PER_RANK, SHARDED = "shared", "per_rank", "sharded"
@@ -79,12 +60,10 @@ class Parts:
             raise UserError(f"stateful part {name!r}: {type(obj).__name__} has no state_dict() and load_state_dict()")
         self.objects[name], self.kinds[name] = obj, kind
 
-    def files(self) -> dict:
-        """Each part and what holds it, for the manifest."""
+    def files(self) -> dict:  # for the manifest
         return {name: SHARDS if kind == SHARDED else STATE for name, kind in self.kinds.items()}
 
     def of(self, kind: str) -> dict:
-        """The parts of one kind, by name."""
         return {name: obj for name, obj in self.objects.items() if self.kinds[name] == kind}
 
     def states(self, ctx) -> tuple[dict, dict]:
@@ -161,7 +140,6 @@ class Checkpointer:
         self._error: RunError | None = None
         self._group: dist.ProcessGroup | None = None
 
-    # ------------------------------------------------------------------ listing
     def latest(self) -> Path | None:
         return next(reversed(step_snapshots(self.root)), None)
 
@@ -177,7 +155,6 @@ class Checkpointer:
                 removed.append(p.name)
         return removed
 
-    # ------------------------------------------------------------------ writing
     def save(self, parts: Parts, ctx, name: str, info: dict, background: bool = False) -> Path | None:
         """A collective: the snapshot `name` of `parts`, its manifest made of `info` (step, epoch,
         consumed, world_size, global_batch, config) and its files. Rank 0 writes state.pt, every rank
@@ -251,9 +228,8 @@ class Checkpointer:
         step snapshots pruned."""
         if (tmp / SHARDS).is_dir():
             _fsync_dir(tmp / SHARDS)
-        crc = self.checksums
-        files = describe(tmp, crc, known)
-        write_marker(tmp, {**manifest, "checksum": CHECKSUM if crc else None, "files": files})
+        files = describe(tmp, self.checksums, known)
+        write_marker(tmp, {**manifest, "checksum": CHECKSUM if self.checksums else None, "files": files})
         if final.exists():  # the same name saved again: the best model, or a step snapshot that ends an epoch
             old = self.root / f".old-{final.name}"
             shutil.rmtree(old, ignore_errors=True)
@@ -263,6 +239,16 @@ class Checkpointer:
         _fsync_dir(self.root)
         for old in step_snapshots(self.root)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def newest(self, log=print) -> tuple[Path, dict, dict] | None:
+        """(folder, manifest, what state.pt holds) of the newest step snapshot that passes its checks;
+        each one skipped gets one line."""
+        for folder in reversed(step_snapshots(self.root)):
+            try:
+                return (folder, *open_snapshot(folder))
+            except Damaged as err:
+                log(f"skipping snapshot {folder.name}: {err}")
+        return None
 
     def wait(self) -> None:
         """The background save, if any, complete (its marker written on rank 0)."""
@@ -301,17 +287,6 @@ class Checkpointer:
         return RunError(
             f"cannot write snapshot {self.root / name} ({type(exc).__name__}: {first_line(exc, 160)}); {kept}"
         )
-
-    # ------------------------------------------------------------------ reading
-    def newest(self, log=print) -> tuple[Path, dict, dict] | None:
-        """(folder, manifest, what state.pt holds) of the newest step snapshot that passes its checks;
-        each one skipped gets one line."""
-        for folder in reversed(step_snapshots(self.root)):
-            try:
-                return (folder, *open_snapshot(folder))
-            except Damaged as err:
-                log(f"skipping snapshot {folder.name}: {err}")
-        return None
 
     def restore(self, parts: Parts, ctx, log, named: Path | None = None) -> tuple[Path, dict, list[str]] | None:
         """A collective: the snapshot `named`, else the newest that passes its checks (rank 0 checks,
