@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +203,12 @@ os._exit(0)
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n") == ["['ddplab/__main__.py', 'train', 'x=1']", "ran", ""], out.stdout
+
+
+def test_a_forked_worker_names_the_packages_own_main_as_its_argv0():
+    """The forked worker's sys.argv[0] is ddplab/__main__.py, what `python -m ddplab` names (the launcher's module
+    lives a folder below the package)."""
+    import ddplab
+    from ddplab.commands.launch import PACKAGE_MAIN
+
+    assert PACKAGE_MAIN == Path(ddplab.__file__).resolve().with_name("__main__.py") and PACKAGE_MAIN.is_file()

@@ -40,6 +40,7 @@ from ddplab.runtime.process_state import die_with_parent
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _NOT_FAILED = (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED)  # the job's exits that no failure explains
 AGENT = [sys.executable, "-m", "ddplab.commands.launch"]
+PACKAGE_MAIN = Path(__file__).resolve().parents[1] / "__main__.py"  # what `python -m ddplab` runs
 
 
 def torchrun_command(
@@ -407,7 +408,7 @@ def _forked_worker(*args: str) -> None:
     torch_internals.unbuffered_std_streams()
     if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit():
         torch.set_num_threads(int(threads))  # read by the agent's OpenMP when torch loaded, perhaps before it was set
-    torch_internals.as_python_m(Path(__file__).with_name("__main__.py"), list(args))
+    torch_internals.as_python_m(PACKAGE_MAIN, list(args))
     from ddplab.cli import main  # as `python -m ddplab` starts
 
     try:
