@@ -12,9 +12,9 @@ from torch.utils.data import TensorDataset
 import ddplab
 from conftest import OneRankCtx
 from ddplab.config import Config, DistributedConfig
-from ddplab.engine.loop.clock import Stamps
 from ddplab.engine.loop.loaders import data_workers
 from ddplab.engine.loop.setup import wants_channels_last
+from ddplab.engine.parallel.clock import Stamps
 from ddplab.engine.parallel.ddp_comm import attach_step_timer, epoch_comm_row, install_comm_hook
 from ddplab.engine.snapshots.read import load_file
 

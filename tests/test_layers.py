@@ -121,6 +121,29 @@ def test_no_import_runs_up_a_layer():
     assert upward == []
 
 
+# engine/'s rooms, lowest first: each imports only the rooms below it (parallel/world.py and distributed.py, a
+# layer lower, aside): the run folder is the ground, snapshots are written into it, sharding writes snapshots,
+# diagnosis watches the processes, and the loop drives them all.
+ENGINE_ROOMS = ["run_folder", "snapshots", "parallel", "diagnosis", "loop"]
+
+
+def test_engines_rooms_import_only_the_rooms_below_them():
+    def room(module: str) -> int | None:
+        parts = module.split(".")
+        return ENGINE_ROOMS.index(parts[2]) if parts[:2] == ["ddplab", "engine"] and len(parts) > 3 else None
+
+    assert {m.split(".")[2] for m in modules() if m.count(".") > 2 and m.startswith("ddplab.engine.")} == set(
+        ENGINE_ROOMS
+    )
+    upward = [
+        f"{m} imports {t}"
+        for m, targets in graph().items()
+        for t in targets
+        if room(m) is not None and room(t) is not None and room(t) > room(m)  # type: ignore[operator]
+    ]
+    assert upward == []
+
+
 def test_no_import_cycles():
     edges, cycles = graph(), []
     state: dict[str, int] = {}  # 1: on the path, 2: done

@@ -455,8 +455,8 @@ def test_the_start_line_gives_the_global_batch_with_every_group_present():
 def test_a_resume_that_keeps_the_global_batch_says_it_is_planned_with_every_group():
     from types import SimpleNamespace
 
+    from ddplab.engine.loop.resume import keep_batch
     from ddplab.engine.parallel.replicas import Replicas
-    from ddplab.engine.snapshots.resume import keep_batch
 
     replicas = Replicas.__new__(Replicas)  # what the line reads of it only: no quorum, no torchft manager
     replicas.groups = 2

@@ -22,7 +22,7 @@ import ddplab
 import faults
 from conftest import _env, assert_ok, main
 from conftest import ddplab as run_ddplab
-from ddplab.engine.snapshots.data_identity import DataIdentity
+from ddplab.engine.loop.data_identity import DataIdentity
 from faults import command
 
 HERE = Path(__file__).resolve().parent

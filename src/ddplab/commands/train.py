@@ -16,6 +16,7 @@ from ddplab.engine.diagnosis.phases import note_launch
 from ddplab.engine.parallel.world import NodeLaunch, detect_nodes
 from ddplab.engine.run_folder.folder import RunFiles, RunFolder
 from ddplab.engine.run_folder.lock import claim, held, resolve_run_dir
+from ddplab.engine.snapshots.fingerprint import check_resume
 from ddplab.engine.snapshots.manifest import Damaged, newest, read
 from ddplab.errors import STATUS_CODES, ExitCode, RunError, UserError
 from ddplab.registry import check_files, checked_without_torch, load_config, workload
@@ -65,7 +66,7 @@ def launch(cfg, ns) -> int:
             raise UserError("--replica-groups runs replica groups: set distributed.fault_tolerance=replicas")
         note_launch()
         return workers(groups=ns.replica_groups)
-    lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg))
+    lock, (run_dir, note, error) = claim(cfg, resolve_run_dir(cfg), check_resume)
     if error:
         raise UserError(error)
     assert lock is not None  # claim() locks the folder unless it reports an error (no launcher folder here)

@@ -15,11 +15,11 @@ import torch
 
 from ddplab.config import batch_arithmetic
 from ddplab.data.stream import declared, is_stream
-from ddplab.engine.loop.clock import InFlight
 from ddplab.engine.loop.loaders import Loaders, TrainFeed, train_feed
 from ddplab.engine.loop.optim import build_optimizer, build_schedule, scaled_lr
 from ddplab.engine.loop.rng import rng_state, set_rng_state
 from ddplab.engine.loop.setup import distribute
+from ddplab.engine.parallel.clock import InFlight
 from ddplab.engine.parallel.fault_tolerance import NoReplicas
 from ddplab.engine.parallel.sharding import Replicated, full_state, strategy
 from ddplab.engine.snapshots.write import PER_RANK, Parts, part

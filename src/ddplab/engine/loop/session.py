@@ -19,9 +19,11 @@ from ddplab.engine.diagnosis.outcome import listened, report_stopped, tell
 from ddplab.engine.diagnosis.phases import Phases
 from ddplab.engine.loop.parts import Builders
 from ddplab.engine.loop.preemption import STOPS
+from ddplab.engine.loop.resume import resume
 from ddplab.engine.loop.rng import seed_everything
 from ddplab.engine.loop.setup import build_data, build_model
 from ddplab.engine.loop.state import TrainState
+from ddplab.engine.loop.summary import parameter_digest, summary
 from ddplab.engine.loop.trainer import Trainer
 from ddplab.engine.parallel import distributed
 from ddplab.engine.parallel.distributed import DistContext
@@ -29,9 +31,7 @@ from ddplab.engine.parallel.fault_tolerance import NoReplicas
 from ddplab.engine.run_folder import assets, env
 from ddplab.engine.run_folder.folder import RunFolder
 from ddplab.engine.run_folder.lock import own_run_folder
-from ddplab.engine.run_folder.summary import parameter_digest, summary
-from ddplab.engine.snapshots.fingerprint import check_resume_path
-from ddplab.engine.snapshots.resume import resume
+from ddplab.engine.snapshots.fingerprint import check_resume, check_resume_path
 from ddplab.errors import ExitCode, LighthouseLost, UserError
 from ddplab.runtime import process_state
 from ddplab.workload import Data, Workload, reference_file
@@ -56,7 +56,7 @@ class Session:
         flight_recorder.arm(cfg.distributed.backend)
         with (
             distributed.session(cfg.distributed.backend, cfg.distributed.timeout) as ctx,
-            own_run_folder(cfg, ctx) as (run_dir, note),
+            own_run_folder(cfg, ctx, check_resume) as (run_dir, note),
         ):
             self.phases.mark("rendezvous")
             try:

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ddplab.data.stream import FirstItems, is_stateful, is_stream, said_how, shards_itself, size
 from ddplab.engine.diagnosis.failure import place_of
-from ddplab.engine.loop.clock import InFlight
 from ddplab.engine.loop.loaders import data_workers
 from ddplab.engine.parallel import fsdp_comm
+from ddplab.engine.parallel.clock import InFlight
 from ddplab.engine.parallel.ddp_comm import install_comm_hook
 from ddplab.engine.parallel.distributed import wrap_model
 from ddplab.engine.parallel.sharding import shard

@@ -15,7 +15,7 @@ import torch
 
 from ddplab.config import Config
 from ddplab.data.stream import size
-from ddplab.engine.loop.clock import Clock
+from ddplab.engine.loop.data_identity import DataIdentity
 from ddplab.engine.loop.evaluation import evaluate
 from ddplab.engine.loop.ledger import LossLedger, loss_weights
 from ddplab.engine.loop.optim import Schedule, plan_for_budget
@@ -25,10 +25,10 @@ from ddplab.engine.loop.setup import autocast, unused_parameters
 from ddplab.engine.loop.state import TrainState
 from ddplab.engine.loop.stops import Stops
 from ddplab.engine.loop.view import CallbackList, TrainView
+from ddplab.engine.parallel.clock import Clock
 from ddplab.engine.parallel.distributed import DistContext
 from ddplab.engine.parallel.sharding import load_full
 from ddplab.engine.run_folder.folder import RunFolder
-from ddplab.engine.snapshots.data_identity import DataIdentity
 from ddplab.engine.snapshots.read import BEST, load_snapshot
 from ddplab.engine.snapshots.write import Checkpointer
 from ddplab.tasks import call_model, item_counter, to_device

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from ddplab.config import link_delay_s
-from ddplab.engine.loop.clock import InFlight, Stamps
+from ddplab.engine.parallel.clock import InFlight, Stamps
 from ddplab.engine.parallel.torch_internals import ddp_buckets, queue_after_backward
 
 # Bytes each element of a bucket occupies on the wire, per compression hook. PowerSGD's

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ddplab.engine.loop.clock import InFlight
+from ddplab.engine.parallel.clock import InFlight
 from ddplab.engine.parallel.torch_internals import fsdp_comms
 
 if TYPE_CHECKING:  # FSDP's comm interfaces, from a private module: named for the checker only

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ddplab.engine.run_folder.files import read_json, write_atomic
@@ -195,12 +196,13 @@ def launcher_lock() -> Path | None:
     return Path(named)
 
 
-def claim(cfg, resolved: tuple[Path, str | None], launcher: Path | None = None) -> tuple[RunLock | None, tuple]:
+def claim(
+    cfg, resolved: tuple[Path, str | None], check_resume: Callable, launcher: Path | None = None
+) -> tuple[RunLock | None, tuple]:
     """Rank 0: lock the resolved run folder (unless `launcher`, the folder this process's launcher holds,
-    is that folder) and check that an unfinished run there may be continued under `cfg`. Returns the lock
+    is that folder) and check that an unfinished run there may be continued under `cfg` (`check_resume`:
+    snapshots/fingerprint.py's, handed down so that the run folder imports no room above it). Returns the lock
     and, for every rank, (run_dir, note, error message or None)."""
-    from ddplab.engine.snapshots.fingerprint import check_resume  # keeps the launcher's import of lock.py light
-
     run_dir, note = resolved
     lock = None
     try:
@@ -216,7 +218,7 @@ def claim(cfg, resolved: tuple[Path, str | None], launcher: Path | None = None) 
 
 
 @contextlib.contextmanager
-def own_run_folder(cfg, ctx):
+def own_run_folder(cfg, ctx, check_resume: Callable):
     """Every rank: yields (run_dir, note) once rank 0 owns the folder resolve_run_dir(cfg) picks;
     raises the same UserError on every rank when it cannot. Released when the job ends."""
     lock, decision = None, None
@@ -226,7 +228,7 @@ def own_run_folder(cfg, ctx):
         except UserError as err:
             decision = (None, None, str(err))
         else:
-            lock, decision = claim(cfg, (launcher, None) if launcher else resolve_run_dir(cfg), launcher)
+            lock, decision = claim(cfg, (launcher, None) if launcher else resolve_run_dir(cfg), check_resume, launcher)
     try:
         run_dir, note, error = ctx.broadcast_object(decision)
         if error:

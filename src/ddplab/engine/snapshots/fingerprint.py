@@ -32,7 +32,7 @@ SAFE_TO_CHANGE = (
     "distributed.timeout",
     "distributed.backend",
     "distributed.lighthouse",  # the replica groups' coordinator: `--replica-groups` picks a port per launch
-    "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/snapshots/resume.py)
+    "training.batch_size",  # with grad_accum_steps: a resume keeps the run's global batch (engine/loop/resume.py)
     "training.grad_accum_steps",
     "checkpoint.async_save",
     "checkpoint.checksums",
