@@ -10,9 +10,9 @@ import time
 import pytest
 
 from conftest import TINY_GPT, _env, assert_ok, main, run_study
+from ddplab.commands.study import slurm_command
 from ddplab.errors import UserError
 from ddplab.study.grid import Setup, expand, parse_setups, parse_sweeps
-from ddplab.study.runner import slurm_command
 
 FAST = [*TINY_GPT, "generate.max_new_tokens=0", "checkpoint.save_best=false"]
 

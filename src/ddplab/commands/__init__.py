@@ -1,5 +1,8 @@
-"""One module per group of `ddplab` commands (a training job's, a trained model's, many runs'), imported by
-ddplab.cli only when asked for. None imports torch at its top: `ddplab status` and the launcher start without it."""
+"""What a user runs. One module per group of `ddplab` commands, imported by ddplab.cli only when asked for: train.py
+(a training job's), inference.py (a trained model's), scaling.py (many runs'), env.py. Beside them, what they run:
+launch.py (every process ddplab starts), run.py (`ddplab train` in one process of the job), study.py (a study's
+points), verify.py, predict.py and trained_model.py. None imports torch at its top: `ddplab status` and the
+launcher start without it."""
 
 from __future__ import annotations
 

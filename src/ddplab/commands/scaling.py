@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddplab.commands import at_least, output_file, output_folder, split_args
+from ddplab.commands.study import run_study
 from ddplab.config.reading import parse_duration
 from ddplab.engine.run_folder.lock import RunLock
 from ddplab.errors import ExitCode, UserError
 from ddplab.registry import load_config
 from ddplab.runtime.extras import require
 from ddplab.study.grid import expand, parse_setups, parse_sweeps
-from ddplab.study.runner import run_study
 from ddplab.trackers import finish_study
 
 

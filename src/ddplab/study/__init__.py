@@ -1,1 +1,2 @@
-"""`ddplab study`: a grid of runs across process counts and config values, one run folder each."""
+"""The grid of a `ddplab study` (grid.py): setups and sweeps expanded into points, which commands/study.py runs and
+forecast/ predicts."""

@@ -49,7 +49,7 @@ class RunFolder:
     CHECKPOINTS = "checkpoints"
     SAMPLE = "sample.txt"
     TRACKERS = "trackers.json"  # the MLflow / W&B run each tracker continues (ddplab.trackers)
-    POINT = "study_point.json"  # a study point's place in the grid (ddplab.study.runner writes it)
+    POINT = "study_point.json"  # a study point's place in the grid (ddplab.commands.study writes it)
     HEARTBEAT = "heartbeat.json"  # every rank's last heartbeat and the ETA, for `ddplab status`
     LOGS = "logs"  # rank<N>.log: a failed rank's traceback and every thread's stack
     REPLICAS = "replicas.csv"  # replica groups: a row a step taken or dropped, its quorum and its global batch
