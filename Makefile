@@ -19,8 +19,9 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/ddplab train --nproc-per-node 2
 
 # The whole suite: one pytest-xdist worker per core and one more, as the multi-process tests spend part of their
-# time waiting (start-up, rendezvous, timeouts); on 2 cores this pass took 558 s with 3 workers, 587 s with 4 and
-# 623 s with 2. A test file's tests share one worker, so a run trained once per file is trained once, and one
+# time waiting (start-up, rendezvous, timeouts); on 2 cores, with a smaller suite, this pass took 558 s with 3
+# workers, 587 s with 4 and 623 s with 2; with today's 838 tests it takes 1,300-1,450 s with 3 (the serial pass
+# after it 110 s). A test file's tests share one worker, so a run trained once per file is trained once, and one
 # that several files read is trained once per session (tests/references.py); the pass ends with its 15 slowest
 # tests (those over 10 s). Then the tests that check wall-clock time or race a loaded machine, alone.
 # Tiers: tests/tiers.py.
