@@ -86,6 +86,9 @@ def test_sigkill_of_rank_1_under_max_restarts_ends_as_if_never_killed(tmp_path, 
     assert summary["status"] == "complete" and summary["aggregates"]["resumes"] == 1
 
 
+# Races a loaded machine: under the parallel pass (load 5) rank 0 was once stopped by torchrun's agent while it wrote
+# the report (train.log without "job failed:", metrics.json still "running"); alone it passes. An open defect.
+@pytest.mark.serial
 def test_sigkill_without_restarts_ends_the_job_naming_the_rank(tmp_path, data):
     proc = _faulty("kill_rank=1,step=3", _args(data, "dead"), tmp_path, 2, exec_workers=True)  # torchrun's summary
     ended = datetime.now()
