@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import warm
 
 from tiers import (  # noqa: F401 (hooks: the tiers)
     pytest_collection_modifyitems,
@@ -41,6 +42,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    warm.stop()
     if "PYTEST_XDIST_WORKER" not in os.environ and SHARED in os.environ:
         shutil.rmtree(os.environ.pop(SHARED), ignore_errors=True)
 
@@ -82,11 +84,13 @@ def _env() -> dict:
     return env
 
 
-def ddplab(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`ddplab ARGS` in a fresh process."""
-    return subprocess.run(
-        [sys.executable, "-m", "ddplab", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+def ddplab(
+    *args: str, cwd: Path | None = None, timeout: float = 300, cold: bool = False
+) -> subprocess.CompletedProcess:
+    """`ddplab ARGS` in a process of its own: forked from a warm one that has imported torch (tests/warm.py), or
+    with `cold` a fresh interpreter."""
+    cmd = warm.command([sys.executable, "-m", "ddplab", *args], cold)
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(
@@ -96,9 +100,11 @@ def torchrun(
     timeout: float = 300,
     extra: tuple[str, ...] = (),
     forked: bool = False,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node=N -m ddplab ARGS`; `forked`: its workers forked from it
-    (tests/faults.py), where plain torchrun starts a Python of their own for each."""
+    (tests/faults.py), where plain torchrun starts a Python of their own for each. Each process is forked from a
+    warm one (tests/warm.py), or with `cold` a fresh interpreter."""
     from faults import forked_torchrun
 
     options = ["--standalone", f"--nproc-per-node={nproc}", *extra]
@@ -108,7 +114,13 @@ def torchrun(
         cmd = [sys.executable, "-m", "torch.distributed.run", *options, "-m", "ddplab", *args]
     # Its own session: a job that outlives the timeout is killed whole, its workers too, not left running.
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        warm.command(cmd, cold),
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -133,7 +145,7 @@ def run_study(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def _here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warm.processes():
         code = main(*args)
     return subprocess.CompletedProcess(["ddplab", *args], code, out.getvalue(), err.getvalue())
 

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import warm
+
 import ddplab
 from ddplab.cli import main as cli_main
 
@@ -48,10 +50,10 @@ def command(
     `exec_workers` plain torchrun (whose failure summary then records every worker's end, a SIGKILL included;
     the forked workers' summary, multiprocessing's, holds the first failure it sees)."""
     if nproc is None:
-        return [sys.executable, str(SCRIPT), spec, *args]
+        return warm.command([sys.executable, str(SCRIPT), spec, *args])
     torchrun = [f"--nproc-per-node={nproc}", "--standalone", f"--max-restarts={max_restarts}"]
     if exec_workers:
-        return [sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT), spec, *args]
+        return warm.command([sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT), spec, *args])
     return agent_command(torchrun, spec, args)
 
 
@@ -63,7 +65,7 @@ def ranks_command(n: int, folder: Path, spec: str, args: list[str]) -> list[str]
 def forked_ranks(n: int, folder: Path, argv: list[str]) -> list[str]:
     """The command line of `n` workers started as srun starts them (`ranks`), each running `argv` (this script,
     `-m ddplab`, or a user's script: `_worker`), their output in `folder` (`ended`)."""
-    return [sys.executable, str(SCRIPT), "--ranks", str(n), str(folder), *argv]
+    return warm.command([sys.executable, str(SCRIPT), "--ranks", str(n), str(folder), *argv])
 
 
 def ended(folder: Path, n: int) -> list[tuple[int, str, str, float]]:
@@ -84,7 +86,7 @@ def agent_command(torchrun_args: list[str], spec: str, args: list[str]) -> list[
 def forked_torchrun(torchrun_args: list[str], argv: list[str]) -> list[str]:
     """torchrun with `torchrun_args` running `argv` (this script, `-m ddplab`, or a user's script: `_worker`, with
     its arguments) in workers forked from it, where plain torchrun starts a Python of their own for each."""
-    return [sys.executable, str(SCRIPT), "--agent", *torchrun_args, *argv]
+    return warm.command([sys.executable, str(SCRIPT), "--agent", *torchrun_args, *argv])
 
 
 def agent(argv: list[str]) -> None:
