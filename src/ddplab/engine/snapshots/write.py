@@ -1,18 +1,14 @@
-"""Snapshots: how the run's state is written and restored. This module alone writes them.
+"""Snapshots written and restored; this module alone writes them.
 
-The run's state is a set of named stateful parts (`Parts`: objects with `state_dict()` and `load_state_dict()`),
-registered in loop/parts.py; a workload adds its own with `ddplab.Data(state={"name": obj})`. Each is of a kind:
-SHARED (rank 0's state in state.pt, loaded on every rank), PER_RANK (every rank's, gathered into state.pt; each
-loads its own, and at another world size the part stays as built, which load() says) or SHARDED (the model and
-optimizer under distributed.strategy=fsdp|hsdp: every rank writes shards/ with torch.distributed.checkpoint, which
-reshards them on load to any world size).
+The run's state is a set of named stateful parts (`Parts`, registered in loop/parts.py), each of a kind: SHARED
+(rank 0's state in state.pt, loaded on every rank), PER_RANK (every rank's, gathered into state.pt; at another world
+size the part stays as built, which load() says) or SHARDED (fsdp|hsdp's model and optimizer: every rank writes
+shards/ with torch.distributed.checkpoint, which reshards them on load to any world size).
 
-A snapshot is a folder, `step-000000123/` or `best/` (the best validation loss, its weights whole): state.pt,
-shards/ when sharded, and the `COMPLETE` marker holding the manifest (manifest.py). It is built under
-`.tmp-<name>` and renamed into place once the marker is written, after an fsync of the data, so a kill at any moment
-leaves the previous complete snapshot untouched; incomplete leftovers are cleaned. With checkpoint.async_save the
-shards are written in the background and rank 0 writes checksums and marker in a thread of its own, once DCP's save
-has ended on every rank. read.py reads a snapshot back, checked against its manifest first.
+A snapshot (`step-000000123/`, or `best/`: the best validation loss, its weights whole) is built under `.tmp-<name>`
+and renamed into place once the `COMPLETE` marker (manifest.py) is written after an fsync of the data, so a kill at
+any moment leaves the previous complete snapshot untouched. With checkpoint.async_save the shards are written in the
+background and rank 0 writes checksums and marker in a thread of its own, once DCP's save has ended on every rank.
 """
 
 from __future__ import annotations
