@@ -60,22 +60,22 @@ class Parts:
         return {name: SHARDS if kind == SHARDED else STATE for name, kind in self.kinds.items()}
 
     def of(self, kind: str) -> dict:
-        return {name: obj for name, obj in self.objects.items() if self.kinds[name] == kind}
+        """The state_dict() of each part of `kind`, by name."""
+        return {name: obj.state_dict() for name, obj in self.objects.items() if self.kinds[name] == kind}
 
     def states(self, ctx) -> tuple[dict, dict]:
         """(what state.pt holds, what the shards hold). A collective: every rank's per-rank states are
         gathered (state.pt holds them as a list in rank order)."""
-        plain = {name: obj.state_dict() for name, obj in self.of(SHARED).items()}
-        own = {name: obj.state_dict() for name, obj in self.of(PER_RANK).items()}
+        plain, own = self.of(SHARED), self.of(PER_RANK)
         if own:
             ranks = ctx.gather_objects(own)
             plain.update({name: [states[name] for states in ranks] for name in own})
-        return plain, {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}
+        return plain, self.of(SHARDED)
 
     def load(self, plain: dict, folder: Path, ctx, world_size: int) -> list[str]:
         """Every part from a snapshot's state.pt (`plain`) and shards, written by `world_size` processes.
         Returns the parts left as built: absent from the snapshot, or per-rank at another world size."""
-        sharded = {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}  # DCP loads into these
+        sharded = self.of(SHARDED)  # DCP loads into these
         if sharded:
             if "model" in sharded:
                 same_model(folder, sharded["model"], shapes(folder / SHARDS))
@@ -156,7 +156,7 @@ class Checkpointer:
         consumed, world_size, global_batch, config) and its files. Rank 0 writes state.pt, every rank
         its shards (in the background: staged now, written while training goes on); rank 0 then
         checksums every file and writes the marker last. Returns the folder (rank 0; None elsewhere)."""
-        if parts.of(SHARDED):
+        if SHARDED in parts.kinds.values():
             self.wait()  # one background save at a time: the previous one is complete first
         plain, sharded = parts.states(ctx)
         tmp, final = self.root / f".tmp-{name}", self.root / name
