@@ -32,13 +32,8 @@ from ddplab.tasks import Task, call_model
 from ddplab.workload import Assets, Data, Workload, build_config
 
 # Every dropout layer torch has (those dropout_off turns off, those the model check counts).
-DROPOUT = (
-    torch.nn.Dropout,
-    torch.nn.Dropout1d,
-    torch.nn.Dropout2d,
-    torch.nn.Dropout3d,
-    torch.nn.AlphaDropout,
-    torch.nn.FeatureAlphaDropout,
+DROPOUT = tuple(
+    getattr(torch.nn, n) for n in "Dropout Dropout1d Dropout2d Dropout3d AlphaDropout FeatureAlphaDropout".split()
 )
 SPLITS = ("train", "val", "test")
 
