@@ -159,21 +159,14 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         self.replan(self.planned)
 
     def state_dict(self) -> dict:
-        return {
-            "last_epoch": self.last_epoch,
-            "base_lrs": self.base_lrs,
-            "_last_lr": self._last_lr,
-            "total": self.total,
-            "planned": self.planned,
-        }
+        return {k: getattr(self, k) for k in ("last_epoch", "base_lrs", "_last_lr", "total", "planned")}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch = state["last_epoch"]
         self.base_lrs = state["base_lrs"]
         self._last_lr = state["_last_lr"]  # the optimizer's own state restores each group's lr
-        # A budget's plan carries over; the configured plan is this run's own (a resume on another
-        # world size has other steps per epoch). Snapshots from before budget planning lack both.
-        if state.get("total", self.total) != state.get("planned", self.total):
+        # A budget's plan carries over; the configured plan is this run's own (another world size, other steps).
+        if state["total"] != state["planned"]:
             self.total = min(state["total"], self.planned)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import random
 import re
 import sys
 import traceback
@@ -20,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ddplab.data.stream import FirstItems, is_stateful, is_stream, said_how, shards_itself, size
 from ddplab.engine.diagnosis.failure import place_of
 from ddplab.engine.loop.loaders import data_workers
+from ddplab.engine.loop.rng import rng_state, seed_everything, set_rng_state
 from ddplab.engine.parallel import fsdp_comm
 from ddplab.engine.parallel.clock import InFlight
 from ddplab.engine.parallel.ddp_comm import install_comm_hook
@@ -32,13 +32,8 @@ from ddplab.tasks import Task, call_model
 from ddplab.workload import Assets, Data, Workload, build_config
 
 # Every dropout layer torch has (those dropout_off turns off, those the model check counts).
-DROPOUT = (
-    torch.nn.Dropout,
-    torch.nn.Dropout1d,
-    torch.nn.Dropout2d,
-    torch.nn.Dropout3d,
-    torch.nn.AlphaDropout,
-    torch.nn.FeatureAlphaDropout,
+DROPOUT = tuple(
+    getattr(torch.nn, n) for n in "Dropout Dropout1d Dropout2d Dropout3d AlphaDropout FeatureAlphaDropout".split()
 )
 SPLITS = ("train", "val", "test")
 
@@ -50,7 +45,7 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         # Before DDP, which lays out its gradient buckets by the parameters' strides. A state dict holds the
         # same values in either format (load_state_dict copies), so checkpoints and predict are unaffected.
         model.to(memory_format=torch.channels_last)
-        model.register_forward_pre_hook(_inputs_channels_last, with_kwargs=True)
+        model.register_forward_pre_hook(_each_tensor(_channels_last), with_kwargs=True)
     d = cfg.distributed
     if d.sync_batchnorm:  # in place for every BatchNorm below the root (the model is no BatchNorm)
         torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -66,7 +61,7 @@ def distribute(model: torch.nn.Module, cfg, ctx):
         wrapped = cast(torch.nn.Module, torch.compile(wrapped))  # compiling a Module gives a Module
         # Runs before the compiled frame: a batch dimension marked dynamic from the first step gives one graph for
         # every batch size, so the ragged last batch of each epoch finds it instead of compiling again.
-        wrapped.register_forward_pre_hook(_batch_dynamic, with_kwargs=True)
+        wrapped.register_forward_pre_hook(_each_tensor(_batch_dynamic), with_kwargs=True)
     return wrapped, comm
 
 
@@ -80,27 +75,21 @@ def wants_channels_last(model: torch.nn.Module, setting: str, device: torch.devi
     )
 
 
-def _each_tensor(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
-    return tuple(change(a) for a in args), {k: change(v) for k, v in kwargs.items()}
+def _each_tensor(change):
+    """A forward pre-hook that passes each positional and keyword input through `change`."""
+    return lambda module, args, kwargs: (tuple(map(change, args)), {k: change(v) for k, v in kwargs.items()})
 
 
-def _inputs_channels_last(module, args, kwargs):
+def _channels_last(t):
     """Image batches (4-D float tensors) in the weights' format, converted where they already are (the device)."""
-
-    def convert(t):
-        image = isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
-        return t.contiguous(memory_format=torch.channels_last) if image else t
-
-    return _each_tensor(args, kwargs, convert)
+    image = isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+    return t.contiguous(memory_format=torch.channels_last) if image else t
 
 
-def _batch_dynamic(module, args, kwargs):
-    def mark(t):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            mark_batch_dynamic(t)
-        return t
-
-    return _each_tensor(args, kwargs, mark)
+def _batch_dynamic(t):
+    if isinstance(t, torch.Tensor) and t.dim() > 0:
+        mark_batch_dynamic(t)
+    return t
 
 
 def autocast(amp: str, device: torch.device):
@@ -243,12 +232,10 @@ def first_items(dataset, n: int = 4, reads: int = 1) -> list[str]:
 @contextlib.contextmanager
 def _same_draws():
     """Random augmentations draw the same numbers on every rank, and training's draws are left as they were."""
-    state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0), random.seed(0), np.random.seed(0)
-        yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
+    saved = rng_state()
+    seed_everything(0)
+    yield
+    set_rng_state(saved)
 
 
 def data_digest(data: Data) -> dict:

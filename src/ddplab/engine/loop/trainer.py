@@ -59,7 +59,7 @@ class Trainer:
         self.ledger = LossLedger(cfg.logging.log_every * t.grad_accum_steps, ctx.device)
         self.identity = DataIdentity(data, ctx)
         self.parts, self.best_parts = snapshot_parts(self)
-        self.eval_at = "train"  # train (training.eval_every) | epoch_end | test: where an evaluation was asked for
+        self.eval_at = "train"  # see evaluate()
         self.last_step_samples = 0  # this rank's samples in the last step
         self.in_epoch = False  # from an epoch's start until it is whole (view.epoch counts it)
         self.improved = False  # the last epoch-end evaluation set a new best
@@ -67,9 +67,8 @@ class Trainer:
 
     def _about(self, **extra) -> dict:
         """What a snapshot's manifest says of the run besides its files."""
-        progress = {k: getattr(self.state, k) for k in ("step", "epoch", "consumed")}
-        run = {"world_size": self.ctx.world_size, "global_batch": self.batch["global"], "config": self.cfg.to_dict()}
-        return {**progress, **run, **extra}
+        s, run = self.state, {"world_size": self.ctx.world_size, "global_batch": self.batch["global"]}
+        return {"step": s.step, "epoch": s.epoch, "consumed": s.consumed, **run, "config": self.cfg.to_dict(), **extra}
 
     def fit(self) -> TrainState:
         """Train from the state resume() left (the session resumes first), until a stop or the last epoch."""
@@ -95,8 +94,7 @@ class Trainer:
             raise
         finally:
             self.stops.signals.restore()
-        if s.stop_reason is None:
-            s.stop_reason = "epochs"
+        s.stop_reason = s.stop_reason or "epochs"
         return s
 
     def train_epoch(self) -> bool:
@@ -137,8 +135,7 @@ class Trainer:
         return True
 
     def train_step(self, micro: list) -> None:
-        """One optimizer step over `micro` batches: forward and backward, then the update where the step counts
-        (replica groups: where every group in the quorum finished it)."""
+        """One optimizer step over `micro` batches; the update only where the step counts (faults.agree)."""
         step = self.state.step + 1
         samples = self.forward_backward(micro, step)
         self.ctx.beat.mark("optimizer")
@@ -151,8 +148,7 @@ class Trainer:
         self.state.consumed += samples * self.shares
 
     def forward_backward(self, micro: list, step: int) -> int:
-        """The micro-steps: each batch's loss, weighted into the global mean, and its gradients (reduced across
-        ranks on the last only); this rank's samples."""
+        """Each micro-batch's loss, weighted into the global mean, and its gradients; this rank's samples."""
         n, mark, samples = len(micro), self.ctx.beat.mark, 0
         unpacked = [self.task.unpack(to_device(batch, self.ctx.device)) for batch in micro]
         counts, weights, self.loss_average = loss_weights(self.items, unpacked, self.ctx)
@@ -226,9 +222,7 @@ class Trainer:
         """The epoch's core row (global numbers); the modes' columns; callbacks add theirs and record it."""
         s = self.state
         self.log_interval()
-        self.eval_at = "epoch_end"
-        val = self.evaluate(self.data.val, "val")
-        self.eval_at = "train"
+        val = self.evaluate(self.data.val, "val", "epoch_end")
         data_wait = self._slowest(s.epoch_data_wait)  # the slowest rank's wait holds the others at the next all-reduce
         self.clock.tick()
         row = s.epoch_row(self.view.epoch, val, self.scheduler.get_last_lr()[0], data_wait)
@@ -272,9 +266,11 @@ class Trainer:
     def _slowest(self, seconds: float) -> float:
         return self.ctx.all_reduce(torch.tensor([seconds], device=self.ctx.device), "max").item()
 
-    def evaluate(self, dataset, split: str) -> dict:
+    def evaluate(self, dataset, split: str, at: str = "train") -> dict:
+        """`at`: train (training.eval_every) | epoch_end | test: where the evaluation was asked for (view.eval_at)."""
         if dataset is None or size(dataset) == 0:
             return {}
+        self.eval_at = at
         with self.clock.timed("eval"):
             batches = self.loaders.evaluation(dataset)
             metrics, self.evaluator = evaluate(self.raw, self.task, batches, self.ctx, self.autocast)
@@ -283,6 +279,7 @@ class Trainer:
             if self.improved:  # the best is an epoch's; its hooks see this evaluation in view.best
                 s.best_val_loss, s.best_epoch = metrics["loss"], self.view.epoch
             self.callbacks.on_eval_end(self.view, split, metrics)
+        self.eval_at = "train"
         return metrics
 
     def test(self) -> dict:
@@ -292,8 +289,7 @@ class Trainer:
         self.ctx.barrier()
         if (best := self.checkpoints.root / BEST).is_dir():
             load_full(self.raw, load_snapshot(best)["model"])
-        self.eval_at = "test"
-        return self.evaluate(self.data.test, "test")
+        return self.evaluate(self.data.test, "test", "test")
 
     def close(self) -> None:
         """Stop the loaders' workers; drop the DDP model and optimizer before the process group (or gloo aborts)."""

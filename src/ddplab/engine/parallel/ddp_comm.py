@@ -26,8 +26,8 @@ POWERSGD_RANK = 1  # matrix_approximation_rank of the powersgd hook
 
 
 class CommMonitor(InFlight):
-    """The hook state: time during which at least one gradient all-reduce was in flight (loop/clock.py's InFlight),
-    from DDP's hand-over (any simulated delay included) until its future completes; on CUDA both ends are events."""
+    """The hook state: gradient all-reduces in flight (InFlight), from DDP's hand-over (any simulated delay
+    included) until the future completes."""
 
     collectives = "all_reduce"  # what it times, in metrics.json's comm section
     label = "DDP gradient"
@@ -87,8 +87,7 @@ def _bucket_info(index: int, params, tensors: list[torch.Tensor]) -> dict:
 
 
 def install_comm_hook(model, dcfg, ctx) -> CommMonitor:
-    """Register the timed (and optionally delayed) hook on a DDP model; returns its state,
-    which the trainer keeps alive and asks for per-epoch communication time."""
+    """The timed (and optionally delayed) hook registered on a DDP model; its state."""
     state = None  # torch's hooks take None for the default group
     if dcfg.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
@@ -193,11 +192,8 @@ def attach_step_timer(model: torch.nn.Module, monitor: InFlight | None, cfg) -> 
 
 
 def epoch_comm_row(monitor: CommMonitor | None, ctx, epoch_time: float, timer: StepTimer | None = None) -> dict:
-    """Communication vs computation for the epoch row, averaged over ranks (a collective).
-
-    compute_time_s is the epoch's training time not spent in all-reduces; with one process
-    there is nothing to communicate and all of it is compute. With a StepTimer, the row also
-    holds forward and backward time, and the all-reduce time left after the backward pass."""
+    """Communication vs computation for the epoch row, averaged over ranks (a collective): compute_time_s is the
+    epoch's training time not spent in all-reduces; with a StepTimer, forward, backward and exposed comm time too."""
     timed = timer.take_epoch() if timer is not None else {}
     if monitor is None:
         return {"comm_time_s": 0.0, "compute_time_s": epoch_time, **timed}

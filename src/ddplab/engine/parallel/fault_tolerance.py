@@ -1,8 +1,5 @@
-"""Fault tolerance as the Trainer is handed it: `NoReplicas` (one job, a failure ends it) or, with
-distributed.fault_tolerance=replicas, engine/parallel/replicas.py's `Replicas` (groups that train on when one fails),
-which overrides each method below; the session builds the one the config names. The Trainer calls them at
-fixed points of every step and never asks which it has.
-"""
+"""Fault tolerance as the Trainer is handed it: `NoReplicas` (one job, a failure ends it) or replicas.py's
+`Replicas` (distributed.fault_tolerance=replicas), which overrides each method below."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ LIVE = ("model", "optimizer", "scheduler", "scaler", "trainer")
 
 
 class NoReplicas:
-    """No fault tolerance, the plain default: every step counts, the stop flags and time spent are this process's
-    own, nothing is added to a snapshot or to an epoch's row."""
+    """No fault tolerance, the plain default."""
 
     def register(self, parts) -> None:
         """Its own snapshot part, and the parts a peer sends when this process rejoins: none."""

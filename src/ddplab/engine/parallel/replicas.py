@@ -1,16 +1,12 @@
 """Fault-tolerant replica groups (distributed.fault_tolerance=replicas), through torchft.
 
-The job is `distributed.replica_groups` groups, each a torchrun job of its own (its processes train
-as the config's strategy says). Across groups, each step's gradients are averaged by torchft's
-fault-tolerant all-reduce over the groups in the current quorum, which a torchft Lighthouse forms at
-the start of every step. When a group dies, the all-reduce in flight fails on the others, their
-`should_commit` says no, the step is taken again by the groups left (the quorum shrinks), and they go
-on. A group that starts again joins the next quorum and receives the live state (model, optimizer,
-schedule, scaler, progress) from a healthy group over HTTP, before its first step: from then on it
-holds the same numbers as its peers.
+The job is `distributed.replica_groups` torchrun jobs. Each step's gradients are averaged across the groups in the
+quorum a torchft Lighthouse forms at the step's start. When a group dies, the all-reduce in flight fails on the
+others, `should_commit` says no, and the groups left take the step again. A group that starts again joins the next
+quorum and receives the live state from a healthy group over HTTP before its first step.
 
-Each group trains on its own share of every epoch's order (rank `group * world + rank` of
-`world * groups`): while a group is missing, its share is skipped, not re-read by the others.
+Each group trains on its own share of every epoch's order (rank `group * world + rank` of `world * groups`): while a
+group is missing, its share is skipped, not re-read by the others.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def _torchrun_store() -> torch.distributed.TCPStore:
 
 
 class Replicas(NoReplicas):
-    """This process's side of the replica groups: the quorum at each step's start, the gradient
-    average across groups, and whether the step counts (the Trainer's fault-tolerance mode)."""
+    """This process's side of the replica groups (the Trainer's fault-tolerance mode)."""
 
     _parts = None  # the snapshot's parts (register()): what a rejoining group receives is read from them
 
@@ -68,9 +63,8 @@ class Replicas(NoReplicas):
             csv.writer(self.csv).writerow(["step", "replicas", "global_batch", "committed", "time", "groups"])
 
     def _connect(self, store: dict) -> Manager:
-        """This process's torchft manager; group rank 0's connects to the Lighthouse (distributed.timeout at most).
-        The other ranks first wait for it (_await_manager): torchft's own wait for rank 0's address lasts 300 s
-        where rank 0 failed, and no signal ends it."""
+        """This process's torchft manager. The other ranks first wait for group rank 0's (_await_manager):
+        torchft's own wait for rank 0's address lasts 300 s where rank 0 failed, and no signal ends it."""
         timeout = datetime.timedelta(seconds=self.timeout)
 
         def manager() -> Manager:
@@ -138,16 +132,13 @@ class Replicas(NoReplicas):
         return {}
 
     def _own_store(self) -> dict:
-        """One process started without torchrun: the store the Manager needs, made here."""
+        """One process started without torchrun."""
         self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         return {"store_addr": "localhost", "store_port": self._store.port}
 
     def begin_step(self) -> bool:
-        """Join this step's quorum (before its data is read); True when a peer's state was loaded.
-
-        An attempt's first step waits (distributed.timeout at most) for every group: groups start a few seconds
-        apart, a whole job resumed from its snapshots too, and one that began alone would train alone until the
-        others arrive."""
+        """An attempt's first step waits (distributed.timeout at most) for every group: groups start a few seconds
+        apart, and one that began alone would train alone until the others arrive."""
         self.rejoined = False
         with self._lighthouse_needed(f"formed no quorum for step {self.manager.current_step() + 1}"):
             self.manager.start_quorum()
@@ -162,13 +153,10 @@ class Replicas(NoReplicas):
         return self.rejoined
 
     def register(self, parts) -> None:
-        """The epoch's tally of groups present is a snapshot part (its row's columns); the live state is read from
-        `parts` when a group rejoins."""
         parts.add("replicas", self)
         self._parts = parts
 
     def live_state(self) -> dict:
-        """The state a healthy replica group sends one that rejoins."""
         assert self._parts is not None  # registered before the first quorum
         return {name: self._parts.objects[name].state_dict() for name in LIVE}
 
@@ -179,12 +167,9 @@ class Replicas(NoReplicas):
         self.rejoined = True
 
     def agree(self, params, optimizer, stop: Callable[[], torch.Tensor], step: int, samples: int) -> bool:
-        """Average the gradients (this process's shards of them) over the groups in the quorum; False when the step
-        does not count (a group failed during it): the trainer drops its gradients and loss, its data stays read
-        (skipped). `samples`: this process's in the step. This process's stop flags and time spent ride along
-        (`stop`: budget over, stop signal, seconds), and a mark of this group, which names the groups present:
-        stop() then holds whether any group raised a flag, spent() the groups' mean time. With replica_lr=follow,
-        the optimizer's lr is scaled by the share of groups present for this step."""
+        """Average the gradients (this process's shards of them) over the groups in the quorum; False when a group
+        failed during the step. This process's stop flags and time spent ride along, and a mark of this group,
+        which names the groups present. With replica_lr=follow, the lr is scaled by the share of groups present."""
         own = stop()
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
         mark = torch.zeros(self.groups, dtype=own.dtype, device=own.device)
@@ -212,15 +197,14 @@ class Replicas(NoReplicas):
         return f"{world_size} processes x {self.groups} replica groups, with every group present"
 
     def stop(self, own: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The stop flags raised by any group in the steps committed since the last call: the same in every group,
-        so that all of them stop at the same step (a group's `own` flags are not: a signal reaches them at
-        different moments)."""
+        """The flags raised by any group in the steps committed since the last call: the same in every group (its
+        `own` are not: a signal reaches the groups at different moments)."""
         flags, self._stop = self._stop, torch.zeros_like(self._stop)  # a stop's code kept (preemption.py)
         return flags
 
     def spent(self, own: float) -> float:
-        """The groups' mean time spent as of the last committed step: the same in every group, so that a schedule
-        planned over a time budget gives every group the same learning rate (a host sync: at log intervals only)."""
+        """The groups' mean time spent as of the last committed step: the same in every group, so that a budget's
+        schedule gives every group the same learning rate (a host sync: at log intervals only)."""
         return float(self._spent)
 
     def restore_lr(self, optimizer) -> None:
@@ -229,8 +213,7 @@ class Replicas(NoReplicas):
                 group["lr"] *= self.groups / self.present
 
     def record(self, step: int, global_batch: int, committed: bool) -> None:
-        """A step's row in replicas.csv; a committed one counts in the epoch's columns, and where its quorum
-        differs from the last one's, the log names the groups that left or came back."""
+        """A step's row in replicas.csv; the log names the groups that left or came back."""
         if committed:
             self._epoch.append(global_batch)
             self._fewest = min(self._fewest, self.present)
@@ -251,8 +234,7 @@ class Replicas(NoReplicas):
             self.csv.flush()
 
     def epoch_columns(self) -> dict:
-        """The epoch row's `replicas` (the fewest groups any of its steps had) and `global_batch` (the
-        samples its steps actually trained on, on average); the count starts over."""
+        """`replicas`: the fewest groups any of the epoch's steps had; `global_batch`: their mean."""
         row = {"replicas": self._fewest, "global_batch": sum(self._epoch) / len(self._epoch) if self._epoch else None}
         self._epoch, self._fewest = [], self.groups
         return row
@@ -264,7 +246,6 @@ class Replicas(NoReplicas):
         self._epoch, self._fewest = list(state["epoch"]), state["fewest"]
 
     def sync_step(self, step: int) -> None:
-        """After a resume from a snapshot: the quorum compares groups by this step."""
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def close(self) -> None:

@@ -144,22 +144,17 @@ class Replicated:
 
 
 class Sharded(Replicated):
-    """distributed.strategy=fsdp | hsdp: each process holds its shards, which a snapshot writes as
-    torch.distributed.checkpoint does (and reshards on load, to any world size), in the background with
-    checkpoint.async_save; gradients are reduce-scattered on a step's last micro-batch only."""
+    """distributed.strategy=fsdp | hsdp: each process's shards, written by torch.distributed.checkpoint (in the
+    background with checkpoint.async_save); gradients reduce-scattered on a step's last micro-batch only."""
 
     def __init__(self, background: bool) -> None:
         self.background = background
 
     def register(self, parts, model: torch.nn.Module, optimizer) -> None:
-        """The model and the optimizer as this rank's shards keyed by parameter names."""
         from torch.distributed.checkpoint import state_dict as dcp  # sharded runs only: see _is_fsdp
 
-        parts.add(
-            "model",
-            part(lambda: dcp.get_model_state_dict(model), lambda s: dcp.set_model_state_dict(model, s)),
-            SHARDED,
-        )
+        model_state = part(lambda: dcp.get_model_state_dict(model), lambda s: dcp.set_model_state_dict(model, s))
+        parts.add("model", model_state, SHARDED)
         optimizer_state = part(
             lambda: dcp.get_optimizer_state_dict(model, optimizer),
             lambda s: dcp.set_optimizer_state_dict(model, optimizer, s),

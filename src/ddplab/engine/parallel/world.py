@@ -1,14 +1,9 @@
-"""What the launcher told this process: the one reading of its environment, with no import of torch (ddplab's
-own launcher reads it too, before any worker exists).
+"""What the launcher told this process, read without importing torch (ddplab's own launcher reads it too).
 
-Two kinds of launcher:
-- one that starts every process of the job and says where each sits (torchrun and its agents, SLURM's srun):
-  `detect_launch` reads RANK/WORLD_SIZE/... or SLURM_PROCID/SLURM_NTASKS/...;
-- one that starts a single `ddplab train` per node and says only where the node sits (Kubeflow Trainer's
-  torch plugin: PET_*; SkyPilot: SKYPILOT_*): `detect_nodes` reads that, and `ddplab train` then starts the
-  node's processes itself, torchrun's way (static rendezvous at the master, the node rank it was given).
-
-A variable that is missing or contradicts another is one line naming it (UserError: exit 2).
+`detect_launch`: a launcher that starts every process and says where each sits (torchrun, SLURM's srun).
+`detect_nodes`: one that starts a single `ddplab train` per node (Kubeflow Trainer's PET_*, SkyPilot's SKYPILOT_*),
+which then starts the node's processes itself, torchrun's way. A variable that is missing or contradicts another is
+one line naming it (UserError: exit 2).
 """
 
 from __future__ import annotations

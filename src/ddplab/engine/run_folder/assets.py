@@ -1,13 +1,11 @@
-"""What inference needs of a run's data, saved into the run folder when training starts, so that
-`ddplab predict` builds its preprocessing from the run folder alone, with the training data gone:
+"""What inference needs of a run's data, saved into the run folder as training starts, so that `ddplab predict`
+builds its preprocessing from the run folder alone:
 
-    inference/assets.json   {"meta": Data.meta, "task": Task.describe(), "example": the form of one
-                            training item (where its target sits, the target's type and shape, the
-                            inputs' dtype), "files": {name: its path below inference/}}
+    inference/assets.json   {"meta": Data.meta, "task": Task.describe(), "example": the form of one training item
+                            (never its values), "files": {name: its path below inference/}}
     inference/<name>/...    each file or folder that Data.assets named, copied
 
 Rank 0 writes it at the run's first start, assets.json last (a start cut short mid-copy is redone by the next).
-`predict` takes meta and task from the checkpoint (the weights' own); assets.json holds them for a reader.
 """
 
 from __future__ import annotations

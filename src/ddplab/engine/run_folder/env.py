@@ -15,14 +15,7 @@ import torch
 
 import ddplab
 
-RECORDED_ENV = (
-    "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES",
-    "SLURM_JOB_ID",
-    "TORCHELASTIC_RUN_ID",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+RECORDED_ENV = "OMP_NUM_THREADS CUDA_VISIBLE_DEVICES SLURM_JOB_ID TORCHELASTIC_RUN_ID MASTER_ADDR MASTER_PORT".split()
 
 
 def _version(dist_name: str) -> str | None:

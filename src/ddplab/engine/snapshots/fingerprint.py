@@ -1,11 +1,6 @@
-"""Which config changes an unfinished run may be continued under.
-
-`checkpoint.resume=auto` continues the run in its folder only when the resolved config
-equals the run's own apart from SAFE_TO_CHANGE: fields that change how long, where, how loudly
-or how fast a run goes, never what it computes per step. The run's own config is the one its
-newest snapshot's manifest holds (whatever became of config.yaml since), else config.yaml's.
-(World size is not a config field: another process count is always allowed, see docs/fault-tolerance.md.)
-"""
+"""Which config changes an unfinished run may be continued under: SAFE_TO_CHANGE, the fields that change how long,
+where, how loudly or how fast a run goes, never what it computes per step. The run's own config is its newest
+snapshot's (whatever became of config.yaml since), else config.yaml's."""
 
 from __future__ import annotations
 

@@ -39,11 +39,10 @@ def _contents(folder: Path, weights: bool = True) -> dict:
 def _whole(folder: Path, state: dict, weights: bool) -> dict:
     """The model's weights gathered whole from the shards in this process, or (weights=False) only their shapes."""
     shards = folder / SHARDS
-    if "model" not in state and shards.is_dir() and not weights:
-        state["model"] = shapes(shards)
-    elif "model" not in state and shards.is_dir():
-        whole = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _tensors(shards).items()}}
-        load_shards(whole, shards, distributed=False)
+    if "model" not in state and shards.is_dir():
+        whole = {"model": shapes(shards, "cpu" if weights else "meta")}
+        if weights:
+            load_shards(whole, shards, distributed=False)
         state["model"] = whole["model"]
     return state
 
@@ -127,9 +126,9 @@ def _tensors(folder: Path, prefix: str = "model.") -> dict:
     }
 
 
-def shapes(folder: Path) -> dict:
-    """A sharded snapshot's parameters as meta tensors: names and shapes, nothing read."""
-    return {k: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for k, m in _tensors(folder).items()}
+def shapes(folder: Path, device: str = "meta") -> dict:
+    """A sharded snapshot's parameters as empty tensors (on the meta device: names and shapes, nothing read)."""
+    return {k: torch.empty(m.size, dtype=m.properties.dtype, device=device) for k, m in _tensors(folder).items()}
 
 
 def load_shards(state: dict, folder: Path, distributed: bool) -> None:

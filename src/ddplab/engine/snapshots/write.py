@@ -1,18 +1,14 @@
-"""Snapshots: how the run's state is written and restored. This module alone writes them.
+"""Snapshots written and restored; this module alone writes them.
 
-The run's state is a set of named stateful parts (`Parts`: objects with `state_dict()` and `load_state_dict()`),
-registered in loop/parts.py; a workload adds its own with `ddplab.Data(state={"name": obj})`. Each is of a kind:
-SHARED (rank 0's state in state.pt, loaded on every rank), PER_RANK (every rank's, gathered into state.pt; each
-loads its own, and at another world size the part stays as built, which load() says) or SHARDED (the model and
-optimizer under distributed.strategy=fsdp|hsdp: every rank writes shards/ with torch.distributed.checkpoint, which
-reshards them on load to any world size).
+The run's state is a set of named stateful parts (`Parts`, registered in loop/parts.py), each of a kind: SHARED
+(rank 0's state in state.pt, loaded on every rank), PER_RANK (every rank's, gathered into state.pt; at another world
+size the part stays as built, which load() says) or SHARDED (fsdp|hsdp's model and optimizer: every rank writes
+shards/ with torch.distributed.checkpoint, which reshards them on load to any world size).
 
-A snapshot is a folder, `step-000000123/` or `best/` (the best validation loss, its weights whole): state.pt,
-shards/ when sharded, and the `COMPLETE` marker holding the manifest (manifest.py). It is built under
-`.tmp-<name>` and renamed into place once the marker is written, after an fsync of the data, so a kill at any moment
-leaves the previous complete snapshot untouched; incomplete leftovers are cleaned. With checkpoint.async_save the
-shards are written in the background and rank 0 writes checksums and marker in a thread of its own, once DCP's save
-has ended on every rank. read.py reads a snapshot back, checked against its manifest first.
+A snapshot (`step-000000123/`, or `best/`: the best validation loss, its weights whole) is built under `.tmp-<name>`
+and renamed into place once the `COMPLETE` marker (manifest.py) is written after an fsync of the data, so a kill at
+any moment leaves the previous complete snapshot untouched. With checkpoint.async_save the shards are written in the
+background and rank 0 writes checksums and marker in a thread of its own, once DCP's save has ended on every rank.
 """
 
 from __future__ import annotations
@@ -64,22 +60,22 @@ class Parts:
         return {name: SHARDS if kind == SHARDED else STATE for name, kind in self.kinds.items()}
 
     def of(self, kind: str) -> dict:
-        return {name: obj for name, obj in self.objects.items() if self.kinds[name] == kind}
+        """The state_dict() of each part of `kind`, by name."""
+        return {name: obj.state_dict() for name, obj in self.objects.items() if self.kinds[name] == kind}
 
     def states(self, ctx) -> tuple[dict, dict]:
         """(what state.pt holds, what the shards hold). A collective: every rank's per-rank states are
         gathered (state.pt holds them as a list in rank order)."""
-        plain = {name: obj.state_dict() for name, obj in self.of(SHARED).items()}
-        own = {name: obj.state_dict() for name, obj in self.of(PER_RANK).items()}
+        plain, own = self.of(SHARED), self.of(PER_RANK)
         if own:
             ranks = ctx.gather_objects(own)
             plain.update({name: [states[name] for states in ranks] for name in own})
-        return plain, {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}
+        return plain, self.of(SHARDED)
 
     def load(self, plain: dict, folder: Path, ctx, world_size: int) -> list[str]:
         """Every part from a snapshot's state.pt (`plain`) and shards, written by `world_size` processes.
         Returns the parts left as built: absent from the snapshot, or per-rank at another world size."""
-        sharded = {name: obj.state_dict() for name, obj in self.of(SHARDED).items()}  # DCP loads into these
+        sharded = self.of(SHARDED)  # DCP loads into these
         if sharded:
             if "model" in sharded:
                 same_model(folder, sharded["model"], shapes(folder / SHARDS))
@@ -160,7 +156,7 @@ class Checkpointer:
         consumed, world_size, global_batch, config) and its files. Rank 0 writes state.pt, every rank
         its shards (in the background: staged now, written while training goes on); rank 0 then
         checksums every file and writes the marker last. Returns the folder (rank 0; None elsewhere)."""
-        if parts.of(SHARDED):
+        if SHARDED in parts.kinds.values():
             self.wait()  # one background save at a time: the previous one is complete first
         plain, sharded = parts.states(ctx)
         tmp, final = self.root / f".tmp-{name}", self.root / name
