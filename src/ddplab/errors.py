@@ -112,11 +112,7 @@ def size_text(n: int | None) -> str:
     """Bytes as people read them: 512 B, 4.0 KiB, 1.5 GiB."""
     if n is None:
         return "unknown space"
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-    return f"{size / 1024:.1f} TiB"
+    size, units = float(n), ["B", "KiB", "MiB", "GiB", "TiB"]
+    while size >= 1024 and len(units) > 1:
+        size, units = size / 1024, units[1:]
+    return f"{n} B" if units[0] == "B" else f"{size:.1f} {units[0]}"

@@ -20,13 +20,8 @@ from ddplab.workload import remember_code
 
 
 def train(cfg: Config, data_fn=None, model_fn=None, callbacks=(), builders: Builders | None = None) -> dict:
-    """Train under whatever launcher started this process; returns the metrics.json summary.
-
-    `data_fn` / `model_fn` take the place of data.name / model.name (ddplab.train() passes them);
-    `callbacks` run after ddplab's own column makers and before the recorder; `builders` replace how the
-    trainer's parts are built (engine/loop/parts.py). `cfg` is frozen here, if its loader has not: nothing in the
-    run changes it, and a callback that tries gets dataclasses.FrozenInstanceError.
-    """
+    """Train under whatever launcher started this process; returns the metrics.json summary. `callbacks` run after
+    ddplab's own column makers, before the recorder; `cfg` is frozen here if its loader has not (ddplab.train())."""
     phases = Phases()
     trackers = Trackers(cfg.logging.trackers)
     with process_state.changes():  # a notebook calling train() again finds its process as it was

@@ -163,12 +163,12 @@ def apply_override(cfg: Config, item: str) -> None:
     parts = dotted.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):
-        if isinstance(node, dict):  # data.options / model.options: free-form, values read as YAML
+        if isinstance(node, dict):  # data.options / model.options: free-form, values read as YAML (64 -> int)
             for key in parts[i:-1]:
                 node = node.setdefault(key, {})
                 if not isinstance(node, dict):
                     raise UserError(f"'{dotted}': {key} already holds a value, not a mapping")
-            node[parts[-1]] = _yaml_value(raw, dotted)
+            node[parts[-1]] = load_yaml(raw, f"'{dotted}'") if raw else None
             return
         if not dataclasses.is_dataclass(node):
             raise UserError(f"unknown config key '{dotted}'")
@@ -186,11 +186,6 @@ def apply_override(cfg: Config, item: str) -> None:
             setattr(node, part, coerce(value, hint, dotted))
         else:
             node = getattr(node, part)
-
-
-def _yaml_value(raw: str, dotted: str) -> Any:
-    """A free-form option's value as YAML reads it: 64 -> int, [1, 2] -> list, {a: 1} -> dict."""
-    return load_yaml(raw, f"'{dotted}'") if raw else None
 
 
 # Null on the command line, for optional fields only: `training.amp=none` stays the choice "none".
@@ -222,7 +217,7 @@ def coerce(value: Any, hint: Any, dotted: str) -> Any:
         raise UserError(f"'{dotted}' must be a string, got {value!r}")
     if hint is list:  # names: `[a, b]` (YAML), `a,b` or `[]` on the command line
         if isinstance(value, str) and value.strip().startswith("["):
-            value = _yaml_value(value, dotted)
+            value = load_yaml(value, f"'{dotted}'")
         elif isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
