@@ -45,8 +45,8 @@ def test_verify_passes_on_the_default_workload(tmp_path):
 
 def test_repeated_runs_never_abort_at_exit():
     """A short form of scripts/teardown_stress.py (which runs 30): one run of plain torchrun. An abort at exit
-    (about one run in four, unfixed) would also fail any of the suite's other 2-process jobs, which check their
-    exit code."""
+    (about one run in four, unfixed) would also fail the suite's other 2-process jobs that run cold (a warm one,
+    tests/warm.py, ends without the interpreter's teardown), which check their exit code."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/teardown_stress.py"), "--runs", "1"],
         capture_output=True,

@@ -8,9 +8,12 @@ fork a process running ARGS as `python ARGS` would, with the stub's arguments, e
 streams. A process forked so starts its own `python` children (an agent's, a launcher's) the same way.
 
 What differs from a fresh interpreter: torch, ddplab and their imports are loaded already (none of them reads the
-environment when imported), the process's parent is the server (the stub stands in for it: signals, parent death
-and exit status pass through it), and its pid is not the stub's. Tests about process trees, pids and process
-groups run their processes cold: COLD lists their files, and `DDPLAB_TESTS_WARM=0` runs the whole suite cold.
+environment when imported; the string-hash salt is the server's), the process's parent is the server (the stub
+stands in for it: signals, parent death, resource limits and exit status pass through it), its pid is not the
+stub's, and it ends without the interpreter's teardown (exit handlers run, then os._exit, as ddplab's own workers
+end). Tests about process trees, pids, process groups, the salt or an abort in the teardown run their processes
+cold: COLD lists their files, `cold=True` a call of conftest's helpers, and `DDPLAB_TESTS_WARM=0` runs the whole
+suite cold.
 """
 
 from __future__ import annotations
