@@ -161,6 +161,9 @@ def serve(path: str) -> None:
     selector.register(listener, selectors.EVENT_READ)
     # forked pid -> (connection to its stub, the stub's pidfd, the forked process's pidfd)
     forked: dict[int, tuple[socket.socket, int, int]] = {}
+    import gc
+
+    gc.freeze()  # what was imported here is never collected: a process's exit collects only what it made
     Path(path + ".ready").touch()
     while True:
         for key, _ in selector.select():
