@@ -553,7 +553,7 @@ def test_a_loader_worker_stuck_for_good_dies_with_its_rank(tmp_path):
     """A DataLoader worker notices its rank's end only while it waits for work; one stuck in __getitem__ would
     outlive it (and hold the job's output pipes). ddplab's loaders end their workers with their rank."""
     pid_file = tmp_path / "worker.pid"
-    script = _STUCK_LOADER.format(init="_end_with_rank")
+    script = _STUCK_LOADER.format(init="_worker_init")
     proc = subprocess.run([sys.executable, "-c", script, str(pid_file)], env=_env(), timeout=120, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     worker = int(pid_file.read_text())
