@@ -19,11 +19,13 @@ says when (after optimizer step S of the run):
                           before pre-emption
   nan_rank=R,step=S       rank R's model output (so its loss) of step S becomes NaN
   crash_before_marker=S   rank 0 dies after writing snapshot S's data, before its COMPLETE marker
+  term_in_report=R        rank R sends itself SIGTERM while it composes a failure's report, as torchrun's agent
+                          does when it ends the job of a rank that died
   trace=DIR               each rank appends "epoch index" for every sample it trains on to
                           DIR/rank<R>.txt (exact with data.num_workers=0, the default on CPU)
 
 Faults fire only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so a
-job restarted by `--max-restarts` runs clean; `trace` records in every attempt. The last two
+job restarted by `--max-restarts` runs clean; `trace` records in every attempt. The last three
 wrap ddplab's own functions inside this process: the product has no hook for them.
 """
 
@@ -162,6 +164,16 @@ class Faults(ddplab.Callback):
                 write_marker(folder, info)
 
             setattr(checkpoint, "write_marker", crash_before_marker)
+        if self.armed and int(self.items.get("term_in_report", -1)) == self.rank:
+            from ddplab.engine.diagnosis import heartbeat
+
+            compose = heartbeat.compose
+
+            def stopped_while_composing(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return compose(*args, **kwargs)
+
+            setattr(heartbeat, "compose", stopped_while_composing)
         if "trace" in self.items:
             from ddplab.data.sampler import ResumableDistributedSampler
 

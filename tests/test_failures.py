@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, _env, ddplab
+from ddplab.api import train
 from ddplab.cli import main
 from ddplab.engine.run_folder import folder as run_folder
 from ddplab.engine.run_folder.folder import RunFolder
@@ -258,6 +259,46 @@ def test_a_bug_in_a_workload_names_its_file_and_line(tmp_path, monkeypatch, capf
     run = tmp_path / "experiments" / "bug"
     assert raised in _recorded_failed(run)["failure"]["summary"]
     assert f'wl.py", line {at_line}' in (run / RunFolder.LOGS / "rank0.log").read_text()
+
+
+class _Stopped(Exception):
+    """What a user's SIGTERM handler raises in the test below."""
+
+
+def test_a_stop_signal_while_the_failure_is_reported_takes_effect_once_the_report_is_written(tmp_path, monkeypatch):
+    """torchrun's agent, which saw another rank die, stops the job while this rank writes its report: the report is
+    written whole, then the signal takes effect as it would have (here a handler of the program's own)."""
+    from ddplab.engine.diagnosis import heartbeat
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "wl.py").write_text(BUGGY)
+    compose = heartbeat.compose
+
+    def stopped_while_composing(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # as the agent's SIGTERM lands in the report
+        return compose(*args, **kwargs)
+
+    monkeypatch.setattr(heartbeat, "compose", stopped_while_composing)
+    run, seen = tmp_path / "experiments" / "bug", []
+
+    def own_handler(signum, frame):
+        seen.append(json.loads((run / RunFolder.METRICS_JSON).read_text())["status"])
+        raise _Stopped
+
+    before = signal.signal(signal.SIGTERM, own_handler)
+    try:
+        with pytest.raises(_Stopped):
+            train(
+                None,
+                ["model.name=wl.py:model", "data.name=wl.py:data", "data.options.bug=forward"]
+                + ["model.options.bug=forward", "logging.trackers=[]", "logging.progress=false"]
+                + ["training.max_steps=6", "training.batch_size=16", "experiment.name=bug"],
+            )
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == ["failed"]  # the program's handler ran once, after the report
+    assert "ValueError: a bug in forward" in _recorded_failed(run)["failure"]["summary"]
+    assert "job failed: " in (run / RunFolder.LOG).read_text()
 
 
 def test_a_full_disk_is_named_with_the_file_and_free_space(corpus, tmp_path, monkeypatch, capfd):
@@ -512,7 +553,7 @@ def test_a_loader_worker_stuck_for_good_dies_with_its_rank(tmp_path):
     """A DataLoader worker notices its rank's end only while it waits for work; one stuck in __getitem__ would
     outlive it (and hold the job's output pipes). ddplab's loaders end their workers with their rank."""
     pid_file = tmp_path / "worker.pid"
-    script = _STUCK_LOADER.format(init="_end_with_rank")
+    script = _STUCK_LOADER.format(init="_worker_init")
     proc = subprocess.run([sys.executable, "-c", script, str(pid_file)], env=_env(), timeout=120, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     worker = int(pid_file.read_text())

@@ -128,6 +128,21 @@ def test_persistent_loader_workers_stop_at_once():
     internals.stop_loader_workers(DataLoader(TensorDataset(torch.arange(8.0))))  # no workers: nothing to stop
 
 
+def _shutting_down_as_a_worker_starts(worker_id: int) -> None:
+    found = internals.loader_shutting_down()
+    if found is None or found():
+        raise RuntimeError(moved("_worker_loop's done_event", internals.loader_shutting_down, "was not found"))
+
+
+def test_a_loader_worker_reads_whether_its_loader_is_shutting_down():
+    params = inspect.signature(resolve("torch.utils.data._utils.worker._worker_loop", internals.loader_shutting_down))
+    assert "done_event" in params.parameters, moved("_worker_loop's done_event", internals.loader_shutting_down)
+    data = TensorDataset(torch.arange(4.0))
+    loader = DataLoader(data, num_workers=1, worker_init_fn=_shutting_down_as_a_worker_starts)
+    assert len(list(loader)) == 4  # the worker found the event, not set
+    assert internals.loader_shutting_down() is None  # not in a worker
+
+
 def test_torchrun_reads_its_command_line_through_config_from_args(monkeypatch):
     import torch.distributed.run as torchrun
 

@@ -10,6 +10,7 @@ thread dumps its own stacks (faulthandler: also a main thread stuck in C) and en
 torchrun's kill. Rank 0 writes the report failure.py composes (on NCCL with the flight recorder's unfinished
 collectives); when rank 0 itself died, the first other rank to see it gone does (else the launcher, launch.py).
 A beat that raises is reported once and the beats go on, without the store when the store was what failed.
+A stop signal that comes while the main thread writes the report takes effect once the report is whole.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -59,6 +61,30 @@ class PeerFailed(BaseException):
 
 def _peer_failed(signum, frame) -> None:
     raise PeerFailed("another rank failed; rank 0 wrote the job's report")
+
+
+# What ends a job from outside: torchrun's agent, scancel, a requeue, Ctrl-C (loop/preemption.py's stop signals).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """The job's stop signals wait until the block is done, then take effect as they would have (by the handlers
+    before it): torchrun's agent, which saw another rank die, stops the job while this rank writes the report, and a
+    report cut short leaves the run `running` with no word of why. Only the main thread handles signals: elsewhere
+    nothing is held. (pthread_sigmask would hold them off in this thread alone: another thread would take them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    before = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)
 
 
 _FROZEN_AFTER = 5.0  # s without a new beat (one a second): frozen (SIGSTOP, a debugger), its `still_s` stopped too
@@ -220,6 +246,7 @@ class Heartbeat:
         try:
             if self.ctx.is_main:
                 self._report(self._failures())
+                self._others_done()
             else:
                 self._wait_reported()
             log_traceback(
@@ -241,25 +268,39 @@ class Heartbeat:
             if self._ended:
                 return None
             self._ended = True
-        with contextlib.suppress(OSError):  # a full disk: the report still goes to the store and the terminal
-            log_traceback(self.run.path, self.ctx.rank, f"rank {self.ctx.rank} failed", exc, stacks=True)
-        # A rank that timed out in a collective is described as it stood while it waited there, any other by
-        # where its error was raised (its main thread is here now, in the handler).
-        raised = where_raised(exc)
-        with _BEATING:
-            waited = self.mine is not None and self.mine["waiting"]
-            beat = self.mine if waited else {**self._describe(), "where": raised}
-        outside = isinstance(exc, LighthouseLost)  # no rank's doing: the report blames none
-        error = {"error": gist(exc), "where": raised, "line": line, "known": known, "outside": outside, "beat": beat}
-        if self.store is None:
-            return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
-        with contextlib.suppress(Exception):  # the store is gone with rank 0: nothing more to tell
-            self.store.set(f"{_FAILED}/{self.ctx.rank}", json.dumps(error))
-            self.store.add(_FAILED, 1)
-            if self.ctx.is_main:
-                return self._report(self._failures())
+        told, failure = False, None
+        with _stops_held():
+            with contextlib.suppress(OSError):  # a full disk: the report still goes to the store and the terminal
+                log_traceback(self.run.path, self.ctx.rank, f"rank {self.ctx.rank} failed", exc, stacks=True)
+            # A rank that timed out in a collective is described as it stood while it waited there, any other by
+            # where its error was raised (its main thread is here now, in the handler).
+            raised = where_raised(exc)
+            with _BEATING:
+                waited = self.mine is not None and self.mine["waiting"]
+                beat = self.mine if waited else {**self._describe(), "where": raised}
+            outside = isinstance(exc, LighthouseLost)  # no rank's doing: the report blames none
+            error = {
+                "error": gist(exc),
+                "where": raised,
+                "line": line,
+                "known": known,
+                "outside": outside,
+                "beat": beat,
+            }
+            if self.store is None:
+                return self._report({self.ctx.rank: error}) if self.ctx.is_main else None
+            with contextlib.suppress(Exception):  # the store is gone with rank 0: nothing more to tell
+                self.store.set(f"{_FAILED}/{self.ctx.rank}", json.dumps(error))
+                self.store.add(_FAILED, 1)
+                told = True
+                if self.ctx.is_main:
+                    failure = self._report(self._failures())
+        # The waits are no part of the report: a stop signal may end them.
+        if failure is not None:
+            self._others_done()
+        elif told and not self.ctx.is_main:
             self._wait_reported()
-        return None
+        return failure
 
     def _store(self) -> dist.Store:
         if self.store is None:
@@ -281,7 +322,8 @@ class Heartbeat:
                 # Rank 0's process has ended (on another host: no beat for 15 s, longer than a report takes).
                 if store.check([f"{_BEAT}0"]) and exited(json.loads(store.get(f"{_BEAT}0")), patience=15):
                     if store.add(_REPORTER, 1) == 1:
-                        self._report(self._failures())  # into the run folder that rank 0 kept
+                        with _stops_held():
+                            self._report(self._failures())  # into the run folder that rank 0 kept
                     return
                 time.sleep(0.2)
             # Done with the store: no beat of this rank uses it from here on, and rank 0 may let it go.
@@ -290,10 +332,12 @@ class Heartbeat:
                 self._thread.join(timeout=2)
             store.add(_DONE, 1)
 
-    def _others_done(self, seen: dict[int, dict], patience: float = 5) -> None:
+    def _others_done(self, patience: float = 5) -> None:
         """Rank 0 stays until every other rank is done with the store (`patience` seconds at most): under srun it
         holds the store, which none must meet closed; under torchrun the agent ends the others once rank 0 has
         left, before they end on their own. A rank frozen or gone never says: it is not waited for."""
+        with _BEATING:
+            seen = dict(self.seen)
         silent = sum(1 for r, b in seen.items() if r != self.ctx.rank and (b.get("frozen") or exited(b)))
         deadline = time.monotonic() + patience
         with contextlib.suppress(Exception):
@@ -324,6 +368,4 @@ class Heartbeat:
         )
         if self.store is not None:
             self.store.set(_REPORTED, "1")
-            if self.ctx.is_main:
-                self._others_done(seen)
         return failure

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import threading
 import weakref
 from collections import deque
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, default_collate
 from ddplab.data.sample_seed import PerSampleSeed
 from ddplab.data.sampler import ResumableDistributedSampler
 from ddplab.data.stream import Batch, Stream, Tagged, declared, is_stateful, is_stream
-from ddplab.engine.parallel.torch_internals import stop_loader_workers
+from ddplab.engine.parallel.torch_internals import loader_shutting_down, stop_loader_workers
 from ddplab.runtime import process_state
 
 
@@ -67,10 +68,28 @@ def bounded_workers(workers: int, processes_per_node: int) -> tuple[int, str | N
     return allowed, f"data.num_workers={workers} cut to {allowed} loader workers per rank: {why}"
 
 
-def _end_with_rank(worker_id: int) -> None:
+# The job's stop signals (loop/preemption.py): a rank acts on them, its loader workers never.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def _worker_init(worker_id: int) -> None:
     """A loader worker dies with its rank: one stuck in a lock or a read would outlive it (the DataLoader's watchdog
-    checks only idle ones), holding the job's output pipes, so that whoever waits for its output waits for ever."""
+    checks only idle ones), holding the job's output pipes, so that whoever waits for its output waits for ever.
+
+    And the job's stop signals are its rank's to act on: one sent to the whole process group (`timeout`, `scancel`,
+    the terminal's Ctrl-C) killed the workers at once (SIGTERM's and SIGUSR1's default; SIGINT ends torch's worker
+    loop), and the rank's next batch failed the run before the rank could snapshot. The rank stops its workers
+    as usual once it has; one its loader is shutting down still ends on the loader's SIGTERM (torch's for a worker
+    stuck past 5 s). A handler, not SIG_IGN, which programs the worker runs would inherit."""
     process_state.die_with_parent()
+    shutting_down = loader_shutting_down()
+
+    def stop(signum, frame) -> None:
+        if shutting_down is not None:
+            threading.Thread(target=lambda: shutting_down() and os._exit(0), daemon=True).start()
+
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, stop)
 
 
 class Loaders:
@@ -94,7 +113,7 @@ class Loaders:
             num_workers=workers,
             persistent_workers=persistent and workers > 0,
             pin_memory=self.d.pin_memory and self.ctx.device.type == "cuda",
-            worker_init_fn=_end_with_rank if workers > 0 else None,
+            worker_init_fn=_worker_init if workers > 0 else None,
             **extra,
         )
         self._made.add(loader)

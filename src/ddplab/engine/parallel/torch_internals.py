@@ -15,6 +15,7 @@ import io
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -117,6 +118,18 @@ def stop_loader_workers(loader) -> None:
     iterator, loader._iterator = loader._iterator, None
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # a single-process iterator has none
         iterator._shutdown_workers()
+
+
+def loader_shutting_down() -> Callable[[], bool] | None:
+    """In a DataLoader worker (from its worker_init_fn): whether its loader is shutting its workers down, read from
+    the event torch's worker loop is handed (`_worker_loop`'s `done_event`), which no public API hands a worker's
+    code; None where torch moved it. The check takes the event's lock: a signal handler runs it in another thread,
+    or it could wait for a lock its own thread holds."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "_worker_loop":
+        frame = frame.f_back
+    done = frame.f_locals.get("done_event") if frame is not None else None
+    return None if done is None else done.is_set
 
 
 # ------------------------------------------------------------------ the interpreter (commands/launch.py)
