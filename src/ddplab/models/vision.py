@@ -152,47 +152,39 @@ def _pretrained(name: str, side: int, path: str) -> nn.Module:
     return model
 
 
-def find_head(model: nn.Module) -> str:
-    """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
-    heads = [
-        name
-        for name, m in model.named_modules()
-        if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES)
-        or (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES)
-    ]
-    if not heads:
-        raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
-    return heads[-1]
-
-
-def _frozen(m, model: nn.Module, head: nn.Module) -> nn.Module:
-    if m.freeze:  # only the head trains
+def build(m, channels: int, side: int, num_classes: int) -> nn.Module:
+    """`m.name` for images of (channels, side): the CNN, the small ViT, or a torchvision classifier (random
+    init, then m.weights, then a new head for the classes); with m.freeze only the head trains."""
+    if m.name == "cnn":
+        model: nn.Module = CNN(channels, num_classes, side, dropout=m.dropout)
+        head = model.fc2
+    elif m.name == "vit":
+        model, head = _vit(m, channels, side, num_classes)
+    else:
+        model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
+        heads = [  # the layers that make ImageNet's logits (a Linear, or squeezenet's 1x1 conv); the last is the head
+            (name, layer)
+            for name, layer in model.named_modules()
+            if (isinstance(layer, nn.Linear) and layer.out_features == IMAGENET_CLASSES)
+            or (isinstance(layer, nn.Conv2d) and layer.out_channels == IMAGENET_CLASSES)
+        ]
+        if not heads:
+            raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
+        name, old = heads[-1]
+        if isinstance(old, nn.Linear):
+            head = nn.Linear(old.in_features, num_classes)
+        else:
+            head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
+        model.set_submodule(name, head)
+    if m.weights and m.name in ("cnn", "vit"):  # a torchvision classifier's were loaded before its head changed
+        model.load_state_dict(fitting_weights(model, m.weights, m.name))
+    if m.freeze:
         model.requires_grad_(False)
         head.requires_grad_(True)
     return model
 
 
-def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
-    """torchvision classifier `m.name`: random init, then m.weights, then a new head for the classes."""
-    model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
-    head_name = find_head(model)
-    old = model.get_submodule(head_name)
-    head: nn.Module
-    if isinstance(old, nn.Linear):
-        head = nn.Linear(old.in_features, num_classes)
-    else:
-        assert isinstance(old, nn.Conv2d)  # find_head returns a Linear or a Conv2d
-        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
-    model.set_submodule(head_name, head)
-    return _frozen(m, model, head)
-
-
-def build_cnn(m, channels: int, side: int, num_classes: int) -> nn.Module:
-    model = CNN(channels, num_classes, side, dropout=m.dropout)
-    return _own_weights(m, model, model.fc2)
-
-
-def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
+def _vit(m, channels: int, side: int, num_classes: int) -> tuple[nn.Module, nn.Module]:
     """torchvision's VisionTransformer sized by the model section; its patch embedding, made for 3 channels,
     replaced for others."""
     if side % m.patch_size:
@@ -212,13 +204,7 @@ def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
         fan_in = channels * m.patch_size**2  # torchvision's own initialisation of this layer
         nn.init.trunc_normal_(model.conv_proj.weight, std=(1 / fan_in) ** 0.5)
         nn.init.zeros_(model.conv_proj.bias)
-    return _own_weights(m, model, model.heads)
-
-
-def _own_weights(m, model: nn.Module, head: nn.Module) -> nn.Module:
-    if m.weights:
-        model.load_state_dict(fitting_weights(model, m.weights, m.name))
-    return _frozen(m, model, head)
+    return model, model.heads
 
 
 # ---------------------------------------------------------------------------- checks
