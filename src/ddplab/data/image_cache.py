@@ -54,13 +54,13 @@ def pil_mode(meta: dict) -> str:
 
 
 def decode_steps(meta: dict):
-    """PIL image -> uint8 (C, S, S): the deterministic head of `vision.transform`."""
+    """PIL image -> uint8 (C, S, S): the deterministic head of `workloads.images.transform`."""
     side = meta["image_size"]
     return v2.Compose([v2.ToImage(), v2.Resize(side, antialias=True), v2.CenterCrop(side)])
 
 
 def on_the_fly(meta: dict):
-    """uint8 (..., C, S, S) -> normalised float: the tail of `vision.transform`, batch or item;
+    """uint8 (..., C, S, S) -> normalised float: the tail of `workloads.images.transform`, batch or item;
     grey becomes RGB here when the model needs 3 channels."""
     rgb = [v2.RGB()] if meta["channels"] == 3 else []
     return v2.Compose(

@@ -4,6 +4,7 @@ head replaced for the data's classes. Weights come from a local file (`model.wei
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 from collections import defaultdict
@@ -65,14 +66,11 @@ def compact(names: list[str]) -> str:
         families[family].append(name[len(family) :])
     parts = []
     for family, rests in sorted(families.items()):
-        rests = sorted(rests, key=_natural)
+        rests = sorted(  # '101' after '50': digits compare as numbers
+            rests, key=lambda r: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", r)]
+        )
         parts.append(family + rests[0] if len(rests) == 1 else f"{family}{{{','.join(rests)}}}")
     return ", ".join(parts)
-
-
-def _natural(text: str) -> list:
-    """'101' after '50': digits compare as numbers."""
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
 
 
 def unknown_model(name: str, own: list[str]) -> str:
@@ -139,19 +137,6 @@ def _torchvision(name: str, side: int) -> nn.Module:
     return models.get_model(name, weights=None, **kwargs)
 
 
-def _pretrained(name: str, side: int, path: str) -> nn.Module:
-    """Built on the meta device and given the file's tensors: random init of 100M+ parameters
-    (VGG) costs seconds and would be overwritten anyway."""
-    with torch.device("meta"):
-        model = _torchvision(name, side)
-    weights = fitting_weights(model, path, name)
-    model.load_state_dict(weights, assign=True)
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
-        model = _torchvision(name, side)
-        model.load_state_dict(weights)
-    return model
-
-
 def build(m, channels: int, side: int, num_classes: int) -> nn.Module:
     """`m.name` for images of (channels, side): the CNN, the small ViT, or a torchvision classifier (random
     init, then m.weights, then a new head for the classes); with m.freeze only the head trains."""
@@ -161,7 +146,16 @@ def build(m, channels: int, side: int, num_classes: int) -> nn.Module:
     elif m.name == "vit":
         model, head = _vit(m, channels, side, num_classes)
     else:
-        model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
+        # With weights, built on the meta device and given the file's tensors: random init of 100M+ parameters (VGG)
+        # costs seconds and would be overwritten anyway.
+        with torch.device("meta") if m.weights else contextlib.nullcontext():
+            model = _torchvision(m.name, side)
+        if m.weights:
+            weights = fitting_weights(model, m.weights, m.name)
+            model.load_state_dict(weights, assign=True)
+            if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
+                model = _torchvision(m.name, side)
+                model.load_state_dict(weights)
         heads = [  # the layers that make ImageNet's logits (a Linear, or squeezenet's 1x1 conv); the last is the head
             (name, layer)
             for name, layer in model.named_modules()

@@ -37,24 +37,21 @@ def read_corpus(path: str | None) -> str:
             raise UserError(f"data.path: folder {path} holds no .txt files")
     else:
         raise UserError(f"data.path: no such file or folder: {path}")
-    text = "\n".join(_read_utf8(f) for f in files)
+    texts = []
+    for f in files:  # a binary file would silently train on a vocabulary of junk (hundreds of symbols): refused
+        raw = f.read_bytes()
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise UserError(
+                f"data.path: {f} is not UTF-8 text (byte {err.start}: {raw[err.start]:#04x}); "
+                "give a text file, or convert it to UTF-8"
+            ) from None
+        if "\x00" in texts[-1]:
+            raise UserError(f"data.path: {f} holds NUL bytes: a binary file, not text")
+    text = "\n".join(texts)
     if len(text) < 16:
         raise UserError(f"data.path: {path} holds too little text ({len(text)} characters)")
-    return text
-
-
-def _read_utf8(path: Path) -> str:
-    """A binary file would silently train on a vocabulary of junk (hundreds of symbols): refused."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(
-            f"data.path: {path} is not UTF-8 text (byte {err.start}: {data[err.start]:#04x}); "
-            "give a text file, or convert it to UTF-8"
-        ) from None
-    if "\x00" in text:
-        raise UserError(f"data.path: {path} holds NUL bytes: a binary file, not text") from None
     return text
 
 
@@ -123,27 +120,24 @@ def byte_lines(context: int, column: str, item) -> tuple[torch.Tensor, torch.Ten
 
 def data(cfg) -> ddplab.Data:
     d, context = cfg.config.data, cfg.config.model.context
-    if d.stream:
-        return _streamed(cfg.config)
-    kind = d.tokenizer or "char"
-    if kind not in ("char", "byte"):
-        raise UserError(f"data.tokenizer={kind} does not fit data.name=text; use char or byte")
-    text = read_corpus(d.path)
-    tokenizer = CharTokenizer.fit(kind, text)
-    tokens = tokenizer.encode(text)
-    n_val = int(len(tokens) * d.val_fraction)
-    train = TokenChunks(tokens[: len(tokens) - n_val], context)
-    val = TokenChunks(tokens[len(tokens) - n_val :], context) if n_val > context else None
-    if len(train) == 0:
-        raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
-    return ddplab.Data(train=train, val=val, task=ddplab.LanguageModeling(tokenizer.vocab_size), meta=tokenizer.meta())
-
-
-def _streamed(c) -> ddplab.Data:
-    """data.stream: each line of the shards (or a row's data.text_column) one sample of bytes, read as streamed."""
-    train, val, test = shards.split_shards(c, partial(byte_lines, c.model.context, c.data.text_column))
-    shards.check_columns(train, c.data.train, {"text_column": c.data.text_column})
-    tokenizer = CharTokenizer("byte")
+    splits: tuple[Dataset, Dataset | None, Dataset | None]
+    if d.stream:  # each line of the shards (or a row's data.text_column) one sample of bytes, read as streamed
+        splits = shards.split_shards(cfg.config, partial(byte_lines, context, d.text_column))
+        shards.check_columns(splits[0], d.train, {"text_column": d.text_column})
+        tokenizer = CharTokenizer("byte")
+    else:
+        kind = d.tokenizer or "char"
+        if kind not in ("char", "byte"):
+            raise UserError(f"data.tokenizer={kind} does not fit data.name=text; use char or byte")
+        text = read_corpus(d.path)
+        tokenizer = CharTokenizer.fit(kind, text)
+        tokens = tokenizer.encode(text)
+        n_val = int(len(tokens) * d.val_fraction)
+        chunks = TokenChunks(tokens[: len(tokens) - n_val], context)
+        if len(chunks) == 0:
+            raise UserError(f"data.path: the corpus ({len(tokens)} tokens) is shorter than model.context={context}")
+        splits = chunks, TokenChunks(tokens[len(tokens) - n_val :], context) if n_val > context else None, None
+    train, val, test = splits
     return ddplab.Data(
         train=train, val=val, test=test, task=ddplab.LanguageModeling(tokenizer.vocab_size), meta=tokenizer.meta()
     )
