@@ -32,29 +32,19 @@ SMALL = 20 * 2**20  # files up to this size get their labels checked before laun
 # ---------------------------------------------------------------------------- hub datasets
 
 
-@contextlib.contextmanager
-def _offline():
-    """data.download=false: never touch the network (an unreachable hub costs ~30 s of retries). Both libraries
-    read their offline flag at import time; it is flipped for this call only."""
-    import datasets  # the text extra, only when a hub dataset is read
-    import huggingface_hub.constants as hub  # comes with datasets (the text extra)
-
-    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
-
-
 def hub_source(cfg) -> tuple[dict, list[str], None]:
     """The hub's labelled splits under our names, its ClassLabel's names, no label mapping."""
     import datasets  # the text extra, only when a hub dataset is read
+    import huggingface_hub.constants as hub  # comes with datasets (the text extra)
 
     name, fields = HUB[cfg.data.name]
+    # data.download=false: never touch the network (an unreachable hub costs ~30 s of retries). Both libraries read
+    # their offline flag at import time; it is flipped for this call only.
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    if not cfg.data.download:
+        datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
     try:
-        with contextlib.nullcontext() if cfg.data.download else _offline():
-            ds = datasets.load_dataset(name, cache_dir=cfg.data.cache_dir)
+        ds = datasets.load_dataset(name, cache_dir=cfg.data.cache_dir)
     except Exception as exc:  # noqa: BLE001 - every way of not finding the data gets the same advice
         reason = first_line(exc, 120) or type(exc).__name__
         how = "the hub is unreachable" if cfg.data.download else "data.download=false and it is not in the HF cache"
@@ -63,6 +53,8 @@ def hub_source(cfg) -> tuple[dict, list[str], None]:
             f"run once with data.download=true on a connected machine (data.cache_dir=<folder> to keep it), "
             f"or use data.name=text_files data.train=<csv/json/parquet>"
         ) from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
     names = list(ds["train"].features["label"].names)
     return {ours: ds[theirs] for theirs, ours in HUB_SPLITS.items() if theirs in ds}, names, None
 
