@@ -84,8 +84,8 @@ def worker(a) -> None:
 def baseline(a) -> None:
     import torch  # noqa: F401 - the same imports as a training process, for a fair floor
 
-    from ddplab.data.text_synthetic import generate
-    from ddplab.data.text_tokenize import HashTokenizer
+    from ddplab.data.text_sources import generate
+    from ddplab.workloads.text_classification import HashTokenizer
 
     before = memory()
     tok = HashTokenizer(30_000, a.max_len)

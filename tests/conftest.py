@@ -170,7 +170,7 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture
 def corpus(tmp_path: Path) -> Path:
     """A 60 KB slice of the embedded corpus as a user's text file."""
-    from ddplab.data.text_lm import embedded_corpus
+    from ddplab.workloads.char_lm import embedded_corpus
 
     path = tmp_path / "corpus.txt"
     path.write_text(embedded_corpus()[:60_000])

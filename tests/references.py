@@ -13,7 +13,7 @@ SAMPLES = 96  # 2 ranks x batch 8 -> 6 steps per epoch, 12 in all
 
 def corpus(folder: Path, chars: int) -> Path:
     """The first `chars` characters of the embedded corpus, as a user's text file in `folder`."""
-    from ddplab.data.text_lm import embedded_corpus
+    from ddplab.workloads.char_lm import embedded_corpus
 
     path = folder / "corpus.txt"
     path.write_text(embedded_corpus()[:chars])

@@ -28,7 +28,7 @@ def tree_digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def place(tmp_path_factory) -> Path:
     """A folder as a user's: a corpus, a finished run `done`, an unfinished run `open`, bad files."""
-    from ddplab.data.text_lm import embedded_corpus
+    from ddplab.workloads.char_lm import embedded_corpus
 
     root = tmp_path_factory.mktemp("bad")
     (root / "corpus.txt").write_text(embedded_corpus()[:20_000])

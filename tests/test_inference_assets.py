@@ -17,10 +17,10 @@ import ddplab
 from conftest import main
 from ddplab.commands.predict import predict
 from ddplab.commands.trained_model import load_model, sample
-from ddplab.data.text_lm import embedded_corpus
 from ddplab.engine.run_folder import assets
 from ddplab.engine.run_folder.folder import RunFolder
 from ddplab.errors import RunError
+from ddplab.workloads.char_lm import embedded_corpus
 
 FAST = ["logging.trackers=[]", "logging.progress=false", "training.warmup_steps=0", "generate.max_new_tokens=0"]
 

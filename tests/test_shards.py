@@ -243,10 +243,10 @@ def _reviews(folder: Path) -> Path:
 
 
 def test_text_files_stream_from_shards_tokenised_as_read_with_labels_from_the_first_rows(tmp_path, monkeypatch):
-    from ddplab.data import streamed
-    from ddplab.data.text_cls import Encoder
+    from ddplab.workloads import text_classification
+    from ddplab.workloads.text_classification import Encoder
 
-    monkeypatch.setattr(streamed, "PREFIX", 20)  # the labels are read from the first 20 rows
+    monkeypatch.setattr(text_classification, "PREFIX", 20)  # the labels are read from the first 20 rows
     shards = _reviews(tmp_path / "reviews")
     columns = ["data.name=text_files", "data.text_column=review", "data.label_column=stars", "model.name=transformer"]
     cfg, b = _built(tmp_path, *columns, f"data.train={shards}/*.parquet", f"data.val={shards / '0.parquet'}")

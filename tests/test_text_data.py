@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-from ddplab.data.text_synthetic import generate
-from ddplab.data.text_tokenize import HashTokenizer
+from ddplab.data.text_sources import generate
 from ddplab.engine.loop.setup import build_data
 from ddplab.engine.parallel.distributed import DistContext, LaunchInfo
 from ddplab.errors import UserError
 from ddplab.registry import load_config, workload
+from ddplab.workloads.text_classification import HashTokenizer
 
 ONE = DistContext(LaunchInfo("none"), None, torch.device("cpu"))
 
@@ -42,7 +42,7 @@ def test_hash_tokenizer_splits_lowercases_and_truncates():
 
 def test_hash_ids_are_the_same_in_every_process():
     code = (
-        "from ddplab.data.text_tokenize import HashTokenizer; "
+        "from ddplab.workloads.text_classification import HashTokenizer; "
         "print(HashTokenizer(30000, 16).encode('Rank zero and rank one agree, always.'))"
     )
     seed = str(hash("seed") % 1000 + 1)  # another string-hash seed than this process's

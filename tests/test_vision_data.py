@@ -173,7 +173,7 @@ def test_image_folder_layouts(tmp_path):
 @pytest.mark.parametrize("cache", ["raw", "false"])
 def test_grey_folder_stays_one_channel_at_its_size_unless_the_model_needs_rgb(tmp_path, cache):
     image_tree(tmp_path / "grey", side=28, grey=True)
-    for model, fn in (("cnn", images.cnn), ("vit", images.vit), ("resnet18", images.torchvision_model)):
+    for model in ("cnn", "vit", "resnet18"):
         cfg = folder_config(tmp_path, "grey", f"model.name={model}", f"data.cache={cache}")
         data = build_data(cfg)
         side, channels = (224, 3) if model == "resnet18" else (28, 1)
@@ -184,7 +184,7 @@ def test_grey_folder_stays_one_channel_at_its_size_unless_the_model_needs_rgb(tm
             torch.testing.assert_close(
                 x[0] * data.meta["std"][0] + data.meta["mean"][0], x[2] * data.meta["std"][2] + data.meta["mean"][2]
             )
-        net = fn(BuildConfig(Options(), cfg), data).eval()
+        net = images.model(BuildConfig(Options(), cfg), data).eval()
         batch, _ = data.collate_fn([data.val[0], data.val[1]])
         assert net(batch).shape == (2, 3)
         # predict's reading of a file is validation's: val/ is class by class, files in name order
@@ -237,7 +237,7 @@ def test_batched_fetch_and_collate_give_what_item_by_item_loading_gives():
     from torch.utils.data import DataLoader, Subset
     from torch.utils.data._utils.collate import default_collate
 
-    from ddplab.data.vision import ImageTensors, stack_images
+    from ddplab.workloads.images import ImageTensors, stack_images
 
     pixels, labels = torch.randint(0, 255, (40, 1, 8, 8), dtype=torch.uint8), (torch.arange(40) % 10).int()
     data = Subset(ImageTensors(pixels, labels), list(range(3, 40, 2)))

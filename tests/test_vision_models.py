@@ -28,8 +28,7 @@ def image_data(classes: int, channels: int, side: int) -> ddplab.Data:
 
 def build_model(cfg, data):
     """The image workload's model function for cfg's model.name, as the registry calls it."""
-    fn = {"cnn": images.cnn, "vit": images.vit}.get(cfg.model.name, images.torchvision_model)
-    return fn(BuildConfig(Options(), cfg), data)
+    return images.model(BuildConfig(Options(), cfg), data)
 
 
 @pytest.fixture(scope="module")

@@ -47,12 +47,12 @@ MODELS: dict[str, Builtin] = {
     "hf": Builtin(
         _W + "text_classification:hf", "classification", "text", check="ddplab.models.checks:check_hf", extra="text"
     ),
-    "cnn": Builtin(_W + "images:cnn", "classification", "image", image=(None, None), extra="vision"),
-    "vit": Builtin(_W + "images:vit", "classification", "image", image=(None, None), extra="vision"),
+    "cnn": Builtin(_W + "images:model", "classification", "image", image=(None, None), extra="vision"),
+    "vit": Builtin(_W + "images:model", "classification", "image", image=(None, None), extra="vision"),
 }
 # Every torchvision classifier by name: RGB at the side its ImageNet weights were made for.
 TORCHVISION = Builtin(
-    _W + "images:torchvision_model",
+    _W + "images:model",
     "classification",
     "image",
     image=(3, 224),

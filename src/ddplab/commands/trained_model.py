@@ -12,7 +12,6 @@ from ddplab.callbacks import Callback
 from ddplab.config import Config
 from ddplab.config.frozen import freeze
 from ddplab.config.reading import from_dict
-from ddplab.data.text_lm import CharTokenizer
 from ddplab.engine.loop.setup import build_data, build_model
 from ddplab.engine.run_folder.folder import RunFiles, RunFolder
 from ddplab.engine.snapshots.read import load_checkpoint
@@ -20,6 +19,7 @@ from ddplab.errors import RunError, UserError, first_line
 from ddplab.registry import workload
 from ddplab.tasks import restore
 from ddplab.workload import Assets, Data, build_config, check_trusted
+from ddplab.workloads.char_lm import CharTokenizer
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict, Config, Path]:

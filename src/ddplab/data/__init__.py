@@ -1,1 +1,1 @@
-"""Datasets, tokenizers and caches that the built-in workloads (ddplab/workloads/) are made of."""
+"""Datasets, streams, shards, samplers and caches that the built-in workloads (ddplab/workloads/) are made of."""

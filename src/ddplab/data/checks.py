@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from ddplab.errors import UserError, first_line
+from ddplab.errors import UserError, first_line, size_text
 from ddplab.runtime.extras import require
 
 # data.name -> (channels, side) of the images as stored; an image_folder tree's are read from its files.
@@ -19,6 +19,7 @@ TORCHVISION = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CI
 FOLDER_SIDE = 64  # side for folder trees whose images differ in size, when neither config nor model sets one
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # ImageFolder's
 GREY_MODES = ("1", "L", "LA")  # PIL modes read as one channel (8 bits at most: no clipping)
+SIZES_SHOWN = 3  # distinct image sizes a folder's message names
 
 
 # ---------------------------------------------------------------------------- images
@@ -30,14 +31,6 @@ class ImageSpec(NamedTuple):
     source_channels: int
     channels: int
     side: int
-
-
-class FolderImages(NamedTuple):
-    channels: int  # 1 when every image is grey, else 3
-    sizes: tuple  # the first distinct (width, height) pairs seen, at most SIZES_SHOWN; () when none was readable
-
-
-SIZES_SHOWN = 3
 
 
 def default_root(cfg) -> str:
@@ -61,11 +54,26 @@ def image_spec(
     if cfg.data.name != "image_folder":
         source, native = NATIVE[cfg.data.name]
         return ImageSpec(source, channels or source, cfg.data.image_size or side or native)
-    found = folder_images(cfg.data.root) if cfg.data.root else None
-    source = found.channels if found and found.sizes else 3
+    grey, sizes = folder_images(cfg.data.root) if cfg.data.root else (False, ())
+    source = 1 if grey and sizes else 3
     side = cfg.data.image_size or side
     if side is None:
-        side, why = _folder_side(found)
+        # One shared size is kept (a non-square one as its shorter side, centre-cropped); mixed sizes get
+        # FOLDER_SIDE, since any one image's size would be arbitrary.
+        side = FOLDER_SIDE
+        if not sizes:
+            why = f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
+        elif len(sizes) == 1:
+            ((w, h),) = sizes
+            side = min(w, h)
+            how = f"resized to {side} on the shorter side and centre-cropped to" if w != h else "kept at"
+            why = f"every image is {w}x{h}: {how} {side}x{side}"
+        else:
+            shown = ", ".join(f"{w}x{h}" for w, h in sizes) + (", ..." if len(sizes) == SIZES_SHOWN else "")
+            why = (
+                f"images differ in size ({shown}): resized and centre-cropped to "
+                f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose"
+            )
         if cfg.data.stream:
             why = (
                 f"streamed shards are not read ahead: resized and centre-cropped to {side}x{side}; set data.image_size"
@@ -75,26 +83,10 @@ def image_spec(
     return ImageSpec(source, channels or source, side)
 
 
-def _folder_side(found: FolderImages | None) -> tuple[int, str]:
-    """One shared size is kept (a non-square one as its shorter side, centre-cropped); mixed sizes
-    get FOLDER_SIDE, since any one image's size would be arbitrary."""
-    if found is None or not found.sizes:
-        return FOLDER_SIDE, f"no readable images: {FOLDER_SIDE}x{FOLDER_SIDE}"
-    if len(found.sizes) == 1:
-        ((w, h),) = found.sizes
-        side = min(w, h)
-        how = f"resized to {side} on the shorter side and centre-cropped to" if w != h else "kept at"
-        return side, f"every image is {w}x{h}: {how} {side}x{side}"
-    shown = ", ".join(f"{w}x{h}" for w, h in found.sizes) + (", ..." if len(found.sizes) == SIZES_SHOWN else "")
-    return FOLDER_SIDE, (
-        f"images differ in size ({shown}): resized and centre-cropped to "
-        f"{FOLDER_SIDE}x{FOLDER_SIDE}; set data.image_size to choose"
-    )
-
-
-def folder_images(root: str) -> FolderImages:
-    """Mode and size of the images under `root`, from the file headers, until they are known to differ in size
-    and hold colour. An unreadable file is skipped here and named when it is decoded."""
+def folder_images(root: str) -> tuple[bool, tuple]:
+    """(every image is grey, the first distinct (width, height) pairs seen, at most SIZES_SHOWN) under `root`, from
+    the file headers, until they are known to differ in size and hold colour. An unreadable file is skipped here and
+    named when it is decoded."""
     from PIL import Image  # only for image_folder: the launcher checks other configs without it
 
     grey = True
@@ -113,8 +105,8 @@ def folder_images(root: str) -> FolderImages:
             if size not in sizes and len(sizes) < SIZES_SHOWN:
                 sizes.append(size)
             if len(sizes) > 1 and not grey:
-                return FolderImages(3, tuple(sizes))
-    return FolderImages(1 if grey else 3, tuple(sizes))
+                return grey, tuple(sizes)
+    return grey, tuple(sizes)
 
 
 def check_images(cfg) -> None:
@@ -191,10 +183,10 @@ def check_text_classes(cfg) -> None:
             f"use data.tokenizer={wanted} (or leave it unset)"
         )
     if d.name == "synthetic_reviews":
-        from ddplab.data import text_synthetic  # numpy: kept off every command's start, as text_sources
+        from ddplab.data import text_sources  # numpy: kept off every command's start
 
         k = d.num_classes or 2
-        if not 2 <= k <= len(text_synthetic.NEGATIVE + text_synthetic.POSITIVE + text_synthetic.EXTRA) // 3:
+        if not 2 <= k <= len(text_sources.NEGATIVE + text_sources.POSITIVE + text_sources.EXTRA) // 3:
             raise UserError(f"data.num_classes={k}: synthetic_reviews makes 2 to 18 classes")
     if d.name == "text_files" and not d.stream:
         from ddplab.data import text_sources  # numpy: only for this source
@@ -277,14 +269,6 @@ def check_stream_files(cfg) -> None:
 FLOAT32, INT64 = 4, 8  # bytes a value
 
 
-def memory_bytes() -> int | None:
-    """This machine's physical memory (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def largest_tensors(cfg) -> list[tuple[str, str, tuple[int, ...], int]]:
     """(field, what it is, shape, bytes a value) of the tensors a config field sizes, so that one that cannot fit
     is caught before anything is allocated (a hash vocabulary of 10^12 asked torch for 64 TB, after the run
@@ -317,8 +301,9 @@ def check_memory(cfg) -> None:
     """Counts and shapes the config sets (vocabulary, classes, lengths, image sides, samples) fit this machine's
     memory: one line naming the field, the tensor and the bytes it needs, and exit 2, before anything is
     allocated. (A model that fits the host is moved to a GPU later; one that does not fit the host is never built.)"""
-    total = memory_bytes()
-    if total is None:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # the OS does not say
         return
     for field, what, shape, itemsize in largest_tensors(cfg):
         need = math.prod(shape) * itemsize
@@ -327,13 +312,5 @@ def check_memory(cfg) -> None:
             section = getattr(cfg, field.split(".")[0])
             raise UserError(
                 f"{field}={getattr(section, value)}: {what} ({' x '.join(map(str, shape))} values) needs "
-                f"{_size(need)}; this machine has {_size(total)} of memory"
+                f"{size_text(need)}; this machine has {size_text(total)} of memory"
             )
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
-        n /= 1024
-    raise AssertionError("unreachable")

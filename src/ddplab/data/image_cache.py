@@ -48,38 +48,19 @@ class ImageBatch(NamedTuple):
     labels: torch.Tensor
 
 
-def describe(samples: list[tuple[str, int]], root: str | Path, meta: dict, kind: str = "raw") -> dict:
-    """What the key hashes: each file's path (relative to the tree), size, mtime and class, and the decode settings."""
-    root = Path(root)
-    files = []
-    for path, label in samples:
-        st = os.stat(path)
-        files.append((str(Path(path).relative_to(root)), st.st_size, st.st_mtime_ns, int(label)))
-    return {
-        "version": VERSION,
-        "root": str(root.resolve()),
-        "files": files,
-        "image_size": meta["image_size"],
-        "mode": pil_mode(meta),
-        "steps": "to_image,resize(antialias),center_crop",
-        "format": kind,
-        "quality": QUALITY if kind == "jpeg" else None,
-    }
-
-
 def pil_mode(meta: dict) -> str:
     """Images are read as stored: grey stays one channel (a model that needs RGB repeats it later)."""
     return "L" if meta["source_channels"] == 1 else "RGB"
 
 
 def decode_steps(meta: dict):
-    """PIL image -> uint8 (C, S, S): the deterministic head of `vision.transform`."""
+    """PIL image -> uint8 (C, S, S): the deterministic head of `workloads.images.transform`."""
     side = meta["image_size"]
     return v2.Compose([v2.ToImage(), v2.Resize(side, antialias=True), v2.CenterCrop(side)])
 
 
 def on_the_fly(meta: dict):
-    """uint8 (..., C, S, S) -> normalised float: the tail of `vision.transform`, batch or item;
+    """uint8 (..., C, S, S) -> normalised float: the tail of `workloads.images.transform`, batch or item;
     grey becomes RGB here when the model needs 3 channels."""
     rgb = [v2.RGB()] if meta["channels"] == 3 else []
     return v2.Compose(
@@ -125,7 +106,19 @@ def _write(folder: Path, samples: list, meta: dict, kind: str, workers: int | No
     chunks = [(i, [path for path, _ in samples[i : i + chunk]]) for i in range(0, n, chunk)]
     workers = max(1, min(workers, len(chunks)))
     began = time.perf_counter()
-    with text_cache.building(folder) as tmp, _pool(workers) as pool, _bar(n) as bar:
+    # Forked like the DataLoader's workers (no re-import of torch per worker), one thread each; the bar only in
+    # terminals: a log gets the lines before and after.
+    pool = (
+        contextlib.nullcontext(SimpleNamespace(map=map))
+        if workers == 1
+        else ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads, initargs=(1,)
+        )
+    )
+    columns = TextColumn("image cache"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
+    bar = Progress(*columns, transient=True, disable=not sys.stdout.isatty())
+    bar.add_task("decode", total=n)
+    with text_cache.building(folder) as tmp, pool as executor, bar:
         np.save(tmp / "labels.npy", np.asarray([label for _, label in samples], dtype=np.int64))
         rows = None  # a raw cache: each worker writes its rows into the file itself, no pixels cross a pipe
         if kind == "raw":  # the rows go through plain file handles: no process keeps the whole array resident
@@ -135,7 +128,7 @@ def _write(folder: Path, samples: list, meta: dict, kind: str, workers: int | No
         lengths: list[int] = []
         with open(tmp / "images.bin", "wb") if kind == "jpeg" else contextlib.nullcontext() as f:
             decode = partial(decode_chunk, meta=meta, rows=rows)
-            for (_, paths), blobs in zip(chunks, pool.map(decode, chunks), strict=True):
+            for (_, paths), blobs in zip(chunks, executor.map(decode, chunks), strict=True):
                 if isinstance(blobs, str):
                     raise UserError(f"data.root: cannot read {blobs} as an image")
                 if f is not None:
@@ -191,23 +184,6 @@ def decode_chunk(chunk: tuple[int, list[str]], meta: dict, rows: tuple[str, int]
 
 def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _pool(workers: int):
-    """Forked like the DataLoader's workers (no re-import of torch per worker); one thread each."""
-    if workers == 1:
-        return contextlib.nullcontext(SimpleNamespace(map=map))
-    return ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads, initargs=(1,)
-    )
-
-
-def _bar(total: int) -> Progress:
-    """Only in terminals: a log gets the lines before and after."""
-    columns = TextColumn("image cache"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
-    bar = Progress(*columns, transient=True, disable=not sys.stdout.isatty())
-    bar.add_task("decode", total=total)
-    return bar
 
 
 def read_mode(meta: dict) -> ImageReadMode:
@@ -293,8 +269,21 @@ class CachedImages(Dataset):
 
 def cached_folder(cfg, dist, dataset, meta: dict) -> CachedImages:
     """An ImageFolder's samples, decoded once into the cache by the first rank of each node (dist=None: here)."""
-    kind = cfg.data.cache
-    key = json.dumps(describe(dataset.samples, dataset.root, meta, kind), sort_keys=True)
+    kind, root, files = cfg.data.cache, Path(dataset.root), []
+    for path, label in dataset.samples:  # each file's path (relative to the tree), size, mtime and class
+        st = os.stat(path)
+        files.append((str(Path(path).relative_to(root)), st.st_size, st.st_mtime_ns, int(label)))
+    described = {
+        "version": VERSION,
+        "root": str(root.resolve()),
+        "files": files,
+        "image_size": meta["image_size"],
+        "mode": pil_mode(meta),
+        "steps": "to_image,resize(antialias),center_crop",
+        "format": kind,
+        "quality": QUALITY if kind == "jpeg" else None,
+    }
+    key = json.dumps(described, sort_keys=True)
     folder = text_cache.cache_root(cfg) / f"images-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
     build = partial(write, folder, dataset.samples, meta, kind, log=partial(print, flush=True))
     text_cache.ensure(dist, folder, build, what="image cache")

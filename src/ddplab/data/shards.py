@@ -17,6 +17,7 @@ source do not: shuffle the rows before writing them, or make `window` as large a
 
 from __future__ import annotations
 
+import copy
 import json
 import operator
 import tarfile
@@ -71,7 +72,7 @@ class Shards(IterableDataset):
                 f"files at {paths!r}: give format="
             )
         self.format: str = named[0]
-        if _rows_or_none(window) is None:
+        if not hasattr(window, "__index__") or operator.index(window) < 1:
             raise UserError(f"Shards: window must be a whole number of rows, at least 1, not {window!r}")
         self.seed, self.shuffle, self.window = seed, shuffle, window
         self.columns = list(columns) if columns is not None else None
@@ -137,13 +138,42 @@ class Shards(IterableDataset):
             j = firsts[k + 1]
 
 
-def _rows_or_none(value) -> int | None:
-    """A count of rows, at least 1 (anything with __index__); None else (NaN compares false with every bound)."""
-    try:
-        rows = operator.index(value)
-    except TypeError:
-        return None
-    return rows if rows >= 1 else None
+# ---------------------------------------------------------------------------- the built-in sources streamed
+
+
+def split_shards(cfg, transform: Callable | None = None) -> tuple[Shards, Shards | None, Shards | None]:
+    """The built-in text, text_files and image_folder data streamed (data.stream=true): (train, val, test),
+    training in the order of (experiment.seed, epoch), the others in file order; each item through `transform`
+    (a split's own may replace it), tokenised or decoded in the loader workers, nothing held whole or cached.
+    What the whole-data path learns from every sample comes without a pass over the data: a text classifier's
+    labels from the first rows of the training shards, a language model's vocabulary from bytes, an image set's
+    classes from data.num_classes."""
+    d = cfg.data
+
+    def shards(path: str | None, train: bool) -> Shards | None:
+        return None if path is None else Shards(path, seed=cfg.experiment.seed, shuffle=train, transform=transform)
+
+    train = shards(d.train, True)
+    assert train is not None  # checks.check_stream: data.stream needs data.train
+    return train, shards(d.val, False), shards(d.test, False)
+
+
+def first_items(shards: Shards, n: int, columns: Sequence[str] | None = None) -> list:
+    """The first `n` items of `shards` in file order, as read (no transform)."""
+    plain = copy.copy(shards)
+    plain.shuffle, plain.transform, plain.columns = False, None, list(columns) if columns is not None else None
+    return list(plain.share(0, 0, n, 0, 1, 1, 0, 1))
+
+
+def check_columns(shards: Shards, path: str, fields: dict[str, str]) -> None:
+    """Table shards hold, in their first row, the columns the config names ({"text_column": "text", ...})."""
+    row = next(iter(first_items(shards, 1)), None)
+    if isinstance(row, dict):
+        for field, column in fields.items():
+            if column not in row:
+                raise UserError(
+                    f"data.{field}: {path} has no column '{column}'; its columns: {', '.join(map(str, row))}"
+                )
 
 
 # ---------------------------------------------------------------------------- formats

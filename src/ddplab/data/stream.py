@@ -89,7 +89,12 @@ class Stream(IterableDataset):
         end = self.limit if self.limit is None or self.skip else max(self.limit - start, 0)
         items = islice(self.dataset, start if self.skip else 0, end)
         if self.own and self.marked and info is not None:  # each worker's share ends on its own: its last item says so
-            yield from _last_marked(items)
+            held = next(items, Last)
+            for item in items:
+                yield held
+                held = item
+            if held is not Last:
+                yield Last(held)
             return
         for j, item in enumerate(items):
             if owns(j, self.rank, self.world_size, self.batch_size, worker, workers):
@@ -103,17 +108,6 @@ class Last:
 
     def __init__(self, item) -> None:
         self.item = item
-
-
-def _last_marked(items: Iterator) -> Iterator:
-    items = iter(items)
-    held = next(items, Last)
-    if held is Last:
-        return
-    for item in items:
-        yield held
-        held = item
-    yield Last(held)
 
 
 class Batch(NamedTuple):

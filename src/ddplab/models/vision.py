@@ -4,6 +4,7 @@ head replaced for the data's classes. Weights come from a local file (`model.wei
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 from collections import defaultdict
@@ -65,14 +66,11 @@ def compact(names: list[str]) -> str:
         families[family].append(name[len(family) :])
     parts = []
     for family, rests in sorted(families.items()):
-        rests = sorted(rests, key=_natural)
+        rests = sorted(  # '101' after '50': digits compare as numbers
+            rests, key=lambda r: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", r)]
+        )
         parts.append(family + rests[0] if len(rests) == 1 else f"{family}{{{','.join(rests)}}}")
     return ", ".join(parts)
-
-
-def _natural(text: str) -> list:
-    """'101' after '50': digits compare as numbers."""
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
 
 
 def unknown_model(name: str, own: list[str]) -> str:
@@ -139,60 +137,48 @@ def _torchvision(name: str, side: int) -> nn.Module:
     return models.get_model(name, weights=None, **kwargs)
 
 
-def _pretrained(name: str, side: int, path: str) -> nn.Module:
-    """Built on the meta device and given the file's tensors: random init of 100M+ parameters
-    (VGG) costs seconds and would be overwritten anyway."""
-    with torch.device("meta"):
-        model = _torchvision(name, side)
-    weights = fitting_weights(model, path, name)
-    model.load_state_dict(weights, assign=True)
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
-        model = _torchvision(name, side)
-        model.load_state_dict(weights)
-    return model
-
-
-def find_head(model: nn.Module) -> str:
-    """Dotted name of the layer that produces the ImageNet logits (Linear, or squeezenet's 1x1 conv)."""
-    heads = [
-        name
-        for name, m in model.named_modules()
-        if (isinstance(m, nn.Linear) and m.out_features == IMAGENET_CLASSES)
-        or (isinstance(m, nn.Conv2d) and m.out_channels == IMAGENET_CLASSES)
-    ]
-    if not heads:
-        raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
-    return heads[-1]
-
-
-def _frozen(m, model: nn.Module, head: nn.Module) -> nn.Module:
-    if m.freeze:  # only the head trains
+def build(m, channels: int, side: int, num_classes: int) -> nn.Module:
+    """`m.name` for images of (channels, side): the CNN, the small ViT, or a torchvision classifier (random
+    init, then m.weights, then a new head for the classes); with m.freeze only the head trains."""
+    if m.name == "cnn":
+        model: nn.Module = CNN(channels, num_classes, side, dropout=m.dropout)
+        head = model.fc2
+    elif m.name == "vit":
+        model, head = _vit(m, channels, side, num_classes)
+    else:
+        # With weights, built on the meta device and given the file's tensors: random init of 100M+ parameters (VGG)
+        # costs seconds and would be overwritten anyway.
+        with torch.device("meta") if m.weights else contextlib.nullcontext():
+            model = _torchvision(m.name, side)
+        if m.weights:
+            weights = fitting_weights(model, m.weights, m.name)
+            model.load_state_dict(weights, assign=True)
+            if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer the file does not hold
+                model = _torchvision(m.name, side)
+                model.load_state_dict(weights)
+        heads = [  # the layers that make ImageNet's logits (a Linear, or squeezenet's 1x1 conv); the last is the head
+            (name, layer)
+            for name, layer in model.named_modules()
+            if (isinstance(layer, nn.Linear) and layer.out_features == IMAGENET_CLASSES)
+            or (isinstance(layer, nn.Conv2d) and layer.out_channels == IMAGENET_CLASSES)
+        ]
+        if not heads:
+            raise UserError(f"model.name: cannot find the classification head of {type(model).__name__}")
+        name, old = heads[-1]
+        if isinstance(old, nn.Linear):
+            head = nn.Linear(old.in_features, num_classes)
+        else:
+            head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
+        model.set_submodule(name, head)
+    if m.weights and m.name in ("cnn", "vit"):  # a torchvision classifier's were loaded before its head changed
+        model.load_state_dict(fitting_weights(model, m.weights, m.name))
+    if m.freeze:
         model.requires_grad_(False)
         head.requires_grad_(True)
     return model
 
 
-def build_torchvision(m, side: int, num_classes: int) -> nn.Module:
-    """torchvision classifier `m.name`: random init, then m.weights, then a new head for the classes."""
-    model = _pretrained(m.name, side, m.weights) if m.weights else _torchvision(m.name, side)
-    head_name = find_head(model)
-    old = model.get_submodule(head_name)
-    head: nn.Module
-    if isinstance(old, nn.Linear):
-        head = nn.Linear(old.in_features, num_classes)
-    else:
-        assert isinstance(old, nn.Conv2d)  # find_head returns a Linear or a Conv2d
-        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
-    model.set_submodule(head_name, head)
-    return _frozen(m, model, head)
-
-
-def build_cnn(m, channels: int, side: int, num_classes: int) -> nn.Module:
-    model = CNN(channels, num_classes, side, dropout=m.dropout)
-    return _own_weights(m, model, model.fc2)
-
-
-def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
+def _vit(m, channels: int, side: int, num_classes: int) -> tuple[nn.Module, nn.Module]:
     """torchvision's VisionTransformer sized by the model section; its patch embedding, made for 3 channels,
     replaced for others."""
     if side % m.patch_size:
@@ -212,13 +198,7 @@ def build_vit(m, channels: int, side: int, num_classes: int) -> nn.Module:
         fan_in = channels * m.patch_size**2  # torchvision's own initialisation of this layer
         nn.init.trunc_normal_(model.conv_proj.weight, std=(1 / fan_in) ** 0.5)
         nn.init.zeros_(model.conv_proj.bias)
-    return _own_weights(m, model, model.heads)
-
-
-def _own_weights(m, model: nn.Module, head: nn.Module) -> nn.Module:
-    if m.weights:
-        model.load_state_dict(fitting_weights(model, m.weights, m.name))
-    return _frozen(m, model, head)
+    return model, model.heads
 
 
 # ---------------------------------------------------------------------------- checks
