@@ -180,7 +180,7 @@ def test_setups_are_categories_in_the_plots(tmp_path, monkeypatch):
         )
         return path
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_png", keep)
     plots.setups_plots(rows, tmp_path)
     plots.sweep_plots(rows, tmp_path)
     ticks, lines, xlabel = seen["epoch_time.png"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddplab.engine.run_folder.files import write_atomic
-from ddplab.report.plots import _save, _subplots
+from ddplab.metrics.class_report import save_png, subplots
 from ddplab.report.table import write_csv
 
 COLUMNS = [
@@ -65,7 +65,7 @@ def plot(result, path: Path) -> None:
     rows = result.rows
     several = len({r["strategy"] for r in rows}) > 1
     labels = [f"{r['setup']} {r['strategy']}" if several else r["setup"] for r in rows]
-    fig, (left, right) = _subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4.2))
     compute = [r["step_ms"] - r["exposed_comm_ms"] for r in rows]
     exposed = [r["exposed_comm_ms"] for r in rows]
     left.bar(labels, compute, label="compute (and hidden communication)", color="#4c72b0")
@@ -84,7 +84,7 @@ def plot(result, path: Path) -> None:
     right.set(xlabel="processes", ylabel="speedup of the epoch over 1x1", title="Speedup")
     right.legend(fontsize=8)
     fig.suptitle(f"Forecast: {result.workload}", fontsize=10)
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def write_all(result, out: Path) -> Path:

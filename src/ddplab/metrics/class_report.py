@@ -43,16 +43,27 @@ def class_reports(evaluators: dict, folder: Path, names: list[str] | None, write
     return out
 
 
-def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> None:
-    from matplotlib.figure import Figure  # no pyplot: a third of the import time, and no global state
+def subplots(*grid: int, figsize: tuple[float, float], **kw):
+    """(figure, axes) of a new figure; no pyplot: a third of the import time, and no global state to close."""
+    from matplotlib.figure import Figure  # the report extra; imported only to draw
 
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*grid, **kw)
+
+
+def save_png(fig, path: Path) -> Path:
+    fig.tight_layout()
+    write_atomic(path.parent, path.name, lambda f: fig.savefig(f, format="png", dpi=110))
+    return path
+
+
+def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split: str) -> None:
     counts = np.asarray(matrix, dtype=float)
     rows = counts.sum(1, keepdims=True)
     share = np.divide(counts, rows, out=np.zeros_like(counts), where=rows > 0)  # recall per true class
     n = len(classes)
     side = min(12.0, 3.0 + 0.45 * n)
-    fig = Figure(figsize=(side + 1, side))
-    ax = fig.subplots()
+    fig, ax = subplots(figsize=(side + 1, side))
     image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     if n <= 30:  # counts stay readable up to about 30 classes
         for i, j in np.ndindex(n, n):
@@ -62,8 +73,7 @@ def confusion_png(path: Path, classes: list[str], matrix: list[list[int]], split
     ax.set_yticks(range(n), classes, fontsize=7)
     ax.set(xlabel="predicted", ylabel="true", title=f"Confusion matrix, {split} ({int(counts.sum())} samples)")
     fig.colorbar(image, ax=ax, label="share of the true class")
-    fig.tight_layout()
-    write_atomic(path.parent, path.name, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(fig, path)
 
 
 class ClassReports(Callback):

@@ -8,29 +8,15 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ddplab.engine.run_folder.files import write_atomic
+from ddplab.metrics.class_report import save_png, subplots
 from ddplab.report.runs import Run
 from ddplab.report.table import swept_keys
-
-
-def _subplots(*grid: int, figsize: tuple[float, float], **kw):
-    """(figure, axes) of a new figure; no pyplot: a third of the import time, and no global state to close."""
-    from matplotlib.figure import Figure  # the report extra; imported only to draw
-
-    fig = Figure(figsize=figsize)
-    return fig, fig.subplots(*grid, **kw)
 
 
 def _legend(ax, **kw) -> None:
     """A legend where the panel has labelled lines (a panel with no point to draw has none)."""
     if ax.get_legend_handles_labels()[0]:
         ax.legend(**kw)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    write_atomic(path.parent, path.name, lambda f: fig.savefig(f, format="png", dpi=110))
-    return path
 
 
 def setup_order(rows: list[dict]) -> list[str]:
@@ -67,17 +53,17 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
     paths = []
     timed = _series(rows, "mean_epoch_time_s", where)
     if timed:
-        fig, ax = _subplots(figsize=(6.4, 4.2))
+        fig, ax = subplots(figsize=(6.4, 4.2))
         for label, items in timed.items():
             _errorbar(ax, [where[r["setup"]] for r in items], items, "mean_epoch_time_s", label=label)
         _categories(ax, order)
         ax.set(ylabel="mean epoch time (s)", title="Epoch time per setup")
         _legend(ax, fontsize=8)
-        paths.append(_save(fig, out / "epoch_time.png"))
+        paths.append(save_png(fig, out / "epoch_time.png"))
     rated = _series(rows, "samples_per_s", where)
     if not rated:
         return paths
-    fig, (left, right) = _subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4.2))
     for label, items in rated.items():
         xs = [where[r["setup"]] for r in items]
         line = _errorbar(left, xs, items, "samples_per_s", label=label)
@@ -96,7 +82,7 @@ def setups_plots(rows: list[dict], out: Path) -> list[Path]:
     for ax in (left, right):
         _categories(ax, order)
         _legend(ax, fontsize=8)
-    paths.append(_save(fig, out / "scaling.png"))
+    paths.append(save_png(fig, out / "scaling.png"))
     return paths
 
 
@@ -130,7 +116,7 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
         panels = [("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "training samples/s")]
         if any(r.get("comm_ms_per_step") for r in rows):
             panels.append(("comm_share", "communication share of a step"))
-        fig, axes = _subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
+        fig, axes = subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
         for ax, (metric, ylabel) in zip(axes, panels, strict=True):
             series: dict[str, list[dict]] = defaultdict(list)
             for r in rows:
@@ -147,7 +133,7 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
             ax.set(xlabel=leaf, ylabel=ylabel, title=f"{ylabel.split(' (')[0]} vs {leaf.split('.')[-1]}")
             ax.grid(alpha=0.3)
             _legend(ax, fontsize=8, title="setup")
-        paths.append(_save(fig, out / f"vs_{leaf.split('.')[-1]}.png"))
+        paths.append(save_png(fig, out / f"vs_{leaf.split('.')[-1]}.png"))
     return paths
 
 
@@ -186,7 +172,7 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
     swept = list(dict.fromkeys(json.dumps(g[0].swept, sort_keys=True) for g in points.values()))
     setups = sorted({g[0].setup for g in points.values()}, key=lambda s: [int(x) for x in s.split("x")])
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
-    fig, axes = _subplots(1, len(metrics), figsize=(6.2 * len(metrics), 4.4), squeeze=False)
+    fig, axes = subplots(1, len(metrics), figsize=(6.2 * len(metrics), 4.4), squeeze=False)
     for ax, key in zip(axes[0], metrics, strict=True):
         for label, group in points.items():
             curve = _median_curve(group, key)
@@ -201,7 +187,7 @@ def val_epoch_plot(runs: list[Run], path: Path) -> Path | None:
         ax.set(xlabel="epoch", ylabel=name, title=f"{name[0].upper()}{name[1:]} per epoch")
         ax.grid(alpha=0.3)
         _legend(ax, fontsize=7)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def loss_plots(runs: list[Run], out: Path) -> list[Path]:
@@ -209,7 +195,7 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
     paths = []
     views = (("epoch", "epoch", "loss_epochs.png"), ("elapsed_s", "training time (s)", "loss_time.png"))
     for axis, xlabel, fname in views:
-        fig, ax = _subplots(figsize=(7, 4.4))
+        fig, ax = subplots(figsize=(7, 4.4))
         for name, run in _firsts(runs).items():
             if axis == "elapsed_s" and run.steps:  # per log interval: finer than per epoch
                 pts, marker = [(s["elapsed_s"], s["loss"]) for s in run.steps], None
@@ -225,7 +211,7 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
         ax.set(xlabel=xlabel, ylabel="loss", title=f"Loss vs {xlabel} (first repeat of each point)")
         ax.grid(alpha=0.3)
         _legend(ax, fontsize=7, ncol=2)
-        paths.append(_save(fig, out / fname))
+        paths.append(save_png(fig, out / fname))
     return paths
 
 
@@ -237,13 +223,13 @@ def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
     series = {label: pts for label, pts in series.items() if pts}
     if not series:
         return None
-    fig, ax = _subplots(figsize=(7, 4.4))
+    fig, ax = subplots(figsize=(7, 4.4))
     for label, pts in series.items():
         ax.plot(*zip(*pts, strict=True), marker="o", label=label)
     ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time (first repeat)")
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=7)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def comm_plot(rows: list[dict], path: Path) -> Path | None:
@@ -251,7 +237,7 @@ def comm_plot(rows: list[dict], path: Path) -> Path | None:
     rows = [r for r in rows if r.get("comm_ms_per_step") is not None]
     if not rows:
         return None
-    fig, ax = _subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.4))
+    fig, ax = subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.4))
     names = [r["label"] for r in rows]
     compute = [r["compute_ms_per_step"] or 0.0 for r in rows]
     ax.bar(names, compute, label="compute (rest of the step)")
@@ -259,4 +245,4 @@ def comm_plot(rows: list[dict], path: Path) -> Path | None:
     ax.set(ylabel="ms per optimizer step (median over repeats)", title="Communication vs computation per point")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     _legend(ax, fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
