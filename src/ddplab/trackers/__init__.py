@@ -54,7 +54,8 @@ class Trackers(Callback):
         self._each(self.view, lambda tracker: tracker.finish(self.view, status))
         self.live = []
 
-    def _push(self, view) -> None:
+    def _push(self, view, *_, **__) -> None:
+        """Every tracker gets the log rows and epoch rows beyond those it holds (on_log and on_epoch_end: new rows)."""
         remembered = False
         for entry in list(self.live):
             tracker, train_done, epoch_done = entry
@@ -78,11 +79,7 @@ class Trackers(Callback):
         if remembered:
             view.run.write_json(RunFolder.TRACKERS, self.record)
 
-    def on_log(self, view, values: dict) -> None:  # new rows
-        self._push(view)
-
-    def on_epoch_end(self, view, row: dict) -> None:  # a new row
-        self._push(view)
+    on_log = on_epoch_end = _push
 
     def _each(self, view, call) -> None:
         for entry in list(self.live):
