@@ -128,9 +128,14 @@ def _start() -> str:
 
 
 def stop() -> None:
+    """End this test worker's server, and remove its folder (its socket and log)."""
     if _server is not None and _server.poll() is None:
         _server.kill()
         _server.wait()
+    if _socket is not None:
+        import shutil
+
+        shutil.rmtree(os.path.dirname(_socket), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------- the server
