@@ -564,3 +564,20 @@ def test_a_loader_worker_stuck_for_good_dies_with_its_rank(tmp_path):
     else:
         os.kill(worker, signal.SIGKILL)
         raise AssertionError(f"loader worker {worker} outlived its rank")
+
+
+@pytest.mark.parametrize("path", ["torch", "/opt/venvs/ml/lib/python3.11/site-packages/torch"])
+def test_the_launcher_hides_torchruns_failure_summary_however_torch_names_its_files(tmp_path, path, capfd):
+    import io
+    from collections import deque
+
+    from ddplab.commands.launch import _pump
+
+    agent = f"W1128 17:10:49.261000 21629 {path}/distributed/elastic/multiprocessing/api.py:900] Sending process"
+    lines = [
+        "epoch 1 step 1: loss 4.1\n",
+        f"{agent} 123 closing signal SIGTERM\n",
+        "Traceback (most recent call last):\n",
+    ]
+    _pump(io.BytesIO("".join(lines).encode()), tmp_path, deque())
+    assert capfd.readouterr().err == lines[0]  # the agent's failure summary and traceback are the launcher's to say

@@ -179,8 +179,9 @@ class _Job(StopSignals):
 
 
 # A log line of torchrun's agent handling a failure ("Sending process 123 closing signal SIGTERM"): what
-# follows is its failure summary and traceback, which the launcher's one line or report replaces.
-_AGENT_FAILING = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ torch/distributed/elastic/")
+# follows is its failure summary and traceback, which the launcher's one line or report replaces. torch names the
+# file relative to sys.path, or whole where it cannot (a virtualenv reached through a symbolic link).
+_AGENT_FAILING = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ (\S*/)?torch/distributed/elastic/")
 
 
 def _pump(stream, report: Path, tail: deque) -> None:
