@@ -74,7 +74,12 @@ def command(cmd: list[str], cold: bool = False) -> list[str]:
     `cold`: as it is (a test of what differs, e.g. the string-hash salt each fresh interpreter draws)."""
     if cold or not cmd or cmd[0] != sys.executable or cmd[3:4] == [str(STUB)] or not enabled():
         return cmd
-    return [sys.executable, "-S", "-E", str(STUB), _start(), *cmd[1:]]
+    _start()
+    return _stubbed(cmd)
+
+
+def _stubbed(cmd) -> list[str]:
+    return [sys.executable, "-S", "-E", str(STUB), _socket, *cmd[1:]]
 
 
 @contextlib.contextmanager
@@ -84,12 +89,11 @@ def processes():
         yield
         return
     _start()
-    plain = subprocess.Popen._execute_child
     subprocess.Popen._execute_child = _warm_execute_child  # type: ignore[method-assign]
     try:
         yield
     finally:
-        subprocess.Popen._execute_child = plain  # type: ignore[method-assign]
+        subprocess.Popen._execute_child = _plain_execute_child  # type: ignore[method-assign]
 
 
 _plain_execute_child = subprocess.Popen._execute_child
@@ -97,7 +101,7 @@ _plain_execute_child = subprocess.Popen._execute_child
 
 def _warm_execute_child(self, args, executable, *rest):
     if executable is None and isinstance(args, (list, tuple)) and args and args[0] == sys.executable:
-        args = [sys.executable, "-S", "-E", str(STUB), _socket, *args[1:]]
+        args = _stubbed(args)
     return _plain_execute_child(self, args, executable, *rest)
 
 

@@ -149,6 +149,11 @@ def keep_freed_memory() -> int:
     return kept
 
 
+# What ends a job from outside (SLURM's pre-emption, `scancel`, torchrun's agent, Ctrl-C): a rank acts on them
+# (engine/loop/preemption.py), holds them while it writes a failure report (heartbeat.py), and its loader
+# workers leave them to it (loaders.py).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

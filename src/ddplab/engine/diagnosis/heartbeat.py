@@ -63,10 +63,6 @@ def _peer_failed(signum, frame) -> None:
     raise PeerFailed("another rank failed; rank 0 wrote the job's report")
 
 
-# What ends a job from outside: torchrun's agent, scancel, a requeue, Ctrl-C (loop/preemption.py's stop signals).
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
 @contextlib.contextmanager
 def _stops_held() -> Iterator[None]:
     """The job's stop signals wait until the block is done, then take effect as they would have (by the handlers
@@ -77,7 +73,7 @@ def _stops_held() -> Iterator[None]:
         yield
         return
     came: list[int] = []
-    before = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in _STOP_SIGNALS}
+    before = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in process_state.STOP_SIGNALS}
     try:
         yield
     finally:

@@ -68,10 +68,6 @@ def bounded_workers(workers: int, processes_per_node: int) -> tuple[int, str | N
     return allowed, f"data.num_workers={workers} cut to {allowed} loader workers per rank: {why}"
 
 
-# The job's stop signals (loop/preemption.py): a rank acts on them, its loader workers never.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
 def _worker_init(worker_id: int) -> None:
     """A loader worker dies with its rank: one stuck in a lock or a read would outlive it (the DataLoader's watchdog
     checks only idle ones), holding the job's output pipes, so that whoever waits for its output waits for ever.
@@ -88,7 +84,7 @@ def _worker_init(worker_id: int) -> None:
         if shutting_down is not None:
             threading.Thread(target=lambda: shutting_down() and os._exit(0), daemon=True).start()
 
-    for sig in _STOP_SIGNALS:
+    for sig in process_state.STOP_SIGNALS:
         signal.signal(sig, stop)
 
 

@@ -16,6 +16,8 @@ import signal
 import threading
 import time
 
+from ddplab.runtime.process_state import STOP_SIGNALS
+
 ECHO_S = 5.0
 
 
@@ -24,7 +26,7 @@ STOPS = ("preempted", "interrupted")
 
 
 class StopSignals:
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.received: str | None = None
