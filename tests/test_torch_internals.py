@@ -185,6 +185,28 @@ def test_the_agent_continues_each_worker_it_ends(monkeypatch):
     )
 
 
+def test_torchrun_names_its_rendezvous_events_through_get_method_name(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    mend = internals.name_rendezvous_events_cheaply
+    takes("torch.distributed.elastic.rendezvous.dynamic_rendezvous.get_method_name", mend, "depth")
+    for holder in ("DynamicRendezvousHandler", "_BackendRendezvousStateHolder", "_DistributedRendezvousOpExecutor"):
+        assert "get_method_name()" in inspect.getsource(resolve(f"{rdzv.__name__}.{holder}._record", mend)), moved(
+            f"{holder}._record", mend, "names its events otherwise"
+        )
+    torchs = rdzv.get_method_name
+    monkeypatch.setattr(rdzv, "get_method_name", torchs)  # restored after
+    mend()
+
+    def record():  # as _record calls it: the name of the method that called _record
+        return torchs(), rdzv.get_method_name()
+
+    def next_state():
+        return record()
+
+    assert rdzv.get_method_name is not torchs and next_state() == ("next_state", "next_state")
+
+
 def test_another_threads_frame():
     here = inspect.currentframe()
     seen = []

@@ -392,6 +392,7 @@ def agent() -> None:
 
         torch_internals.fork_torchrun_workers(forked)
     torch_internals.continue_workers_it_ends()
+    torch_internals.name_rendezvous_events_cheaply()
     torchrun.main()
 
 
