@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 from conftest import TINY_GPT, _env, main
 from ddplab.engine.snapshots.read import load_snapshot
 from ddplab.engine.snapshots.write import Checkpointer
 
 WORKLOAD = '''
-import os, time
+import os, sys, time
+from pathlib import Path
 import torch
 import ddplab
 from torch.utils.data import TensorDataset
@@ -55,6 +57,9 @@ class Gated(torch.nn.Sequential):
 
 
 def model(cfg, data):
+    # This training process, for the test to find: a file named by its replica group and its pid.
+    group = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("distributed.replica_group="))
+    Path(cfg.options["gate"]).with_name(f"pid-group{group}-{os.getpid()}").touch()
     return Gated(cfg.options["gate"])
 '''
 
@@ -190,27 +195,18 @@ def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(co
     assert took < timeout + 10, f"the job ended {took:.1f} s after the Lighthouse"
 
 
-def _cmdline(pid: int | str) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
-def _worker(group: int) -> int | None:
-    """The pid of replica group `group`'s training process: the child of its torchrun agent (forked from it, so
-    with the agent's command line, or exec'd as `python -m ddplab train`)."""
+def _worker(folder: Path, group: int) -> int | None:
+    """The pid of replica group `group`'s training process (the lowest, under FSDP), from the file each one
+    writes (WORKLOAD's model function) while it is alive."""
     found = []
-    for proc in Path("/proc").iterdir():
-        cmd = _cmdline(proc.name) if proc.name.isdigit() else []
-        if f"distributed.replica_group={group}".encode() not in cmd or b"train" not in cmd:
-            continue
+    for entry in folder.glob(f"pid-group{group}-*"):
+        pid = entry.name.rpartition("-")[2]
         try:
-            parent = (proc / "status").read_text().split("PPid:")[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if any(b"ddplab.commands.launch" in c for c in _cmdline(parent)):
-            found.append(int(proc.name))
+            alive = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+        except OSError:
+            alive = False
+        if alive:
+            found.append(int(pid))
     return min(found, default=None)
 
 
@@ -238,30 +234,33 @@ def _wait(what, timeout: float, proc: subprocess.Popen):
 
 
 def _job(tmp_path: Path, name: str, steps: int, *extra: str, gate: Path | None = None) -> subprocess.Popen:
-    """A 2-group replica job of WORKLOAD (slow while `gate` exists), in its own session (killable whole)."""
+    """A 2-group replica job of WORKLOAD (slow while `gate` exists), in its own session (killable whole), started
+    warm (tests/warm.py: the stub, killed, takes the launcher with it, and the launcher its agents and workers)."""
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddplab",
-            "train",
-            "--replica-groups",
-            "2",
-            "distributed.fault_tolerance=replicas",
-            "model.name=wl.py:model",
-            "data.name=wl.py:data",
-            f"model.options.gate={gate or tmp_path / 'never'}",
-            "training.batch_size=8",
-            f"training.max_steps={steps}",
-            "training.epochs=100",
-            "training.warmup_steps=0",
-            "logging.log_every=10",
-            "logging.trackers=[]",
-            "logging.progress=false",
-            "distributed.timeout=60",
-            f"experiment.name={name}",
-            *extra,
-        ],
+        warm.command(
+            [
+                sys.executable,
+                "-m",
+                "ddplab",
+                "train",
+                "--replica-groups",
+                "2",
+                "distributed.fault_tolerance=replicas",
+                "model.name=wl.py:model",
+                "data.name=wl.py:data",
+                f"model.options.gate={gate or tmp_path / 'never'}",
+                "training.batch_size=8",
+                f"training.max_steps={steps}",
+                "training.epochs=100",
+                "training.warmup_steps=0",
+                "logging.log_every=10",
+                "logging.trackers=[]",
+                "logging.progress=false",
+                "distributed.timeout=60",
+                f"experiment.name={name}",
+                *extra,
+            ]
+        ),
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -305,14 +304,14 @@ def test_a_killed_group_rejoins_from_its_peer(tmp_path, nproc, strategy):
     runs = [tmp_path / "experiments" / f"ft-group{i}" for i in range(2)]
     try:
         _wait(lambda: True if len(_rows(runs[1])) >= kill_at else None, 120, proc)
-        survivor = _worker(0)
-        os.kill(_worker(1), signal.SIGKILL)
+        survivor = _worker(tmp_path, 0)
+        os.kill(_worker(tmp_path, 1), signal.SIGKILL)
         killed_at = len(_rows(runs[1]))
         # Back: a row of the restarted group, at a step past the kill (its state came from the peer: no snapshot yet).
         back = _wait(
             lambda: next((r for r in _rows(runs[1])[killed_at:] if int(r["step"]) > killed_at), None), 120, proc
         )
-        assert _worker(0) == survivor, "the healthy group was restarted"
+        assert _worker(tmp_path, 0) == survivor, "the healthy group was restarted"
         gate.unlink()
         out, _ = proc.communicate(timeout=120)
     finally:
