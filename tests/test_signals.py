@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 from conftest import _env, assert_ok, ddplab
 from ddplab.engine.snapshots.read import load_snapshot
@@ -21,10 +22,8 @@ from ddplab.engine.snapshots.write import Checkpointer
 from references import corpus as text
 from references import launched_args, launched_gpt, launched_job
 
-TAG = "DDPLAB_TEST_TAG"  # marks every process of one job, found again through /proc/PID/environ
-
-
 _job, _args = launched_job, launched_args  # 20 steps: a signal after step 2 meets a running job
+tagged = warm.tagged  # every process of one job, cold or warm
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +31,17 @@ def corpus(tmp_path_factory) -> Path:
     return text(tmp_path_factory.mktemp("corpus"), 40_000)
 
 
-def tagged(tag: str) -> list[int]:
-    """Live processes (zombies have no environment) carrying this job's tag."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"{TAG}={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def start(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen, str, Path]:
+def start(cmd: list[str], cwd: Path, cold: bool = False) -> tuple[subprocess.Popen, str, Path]:
+    """`cmd` started warm (tests/warm.py), or with `cold` as it is, its processes marked by a tag of their own."""
     tag = uuid.uuid4().hex
     out = cwd / f"{tag}.out"
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env() | {TAG: tag}, stdout=open(out, "w"), stderr=subprocess.PIPE, text=True
+        warm.command(cmd, cold),
+        cwd=cwd,
+        env=_env() | {warm.TAG: tag},
+        stdout=open(out, "w"),
+        stderr=subprocess.PIPE,
+        text=True,
     )
     return proc, tag, out
 
@@ -117,7 +109,8 @@ def test_a_stop_signal_to_the_launcher_snapshots_and_the_rerun_ends_as_if_never_
 
 @pytest.mark.parametrize("victim", ["launcher", "agent"])
 def test_sigkill_of_the_launcher_or_the_agent_leaves_no_worker(tmp_path, corpus, victim):
-    proc, tag, out = start(launcher(corpus, victim, "training.epochs=100"), tmp_path)
+    # Cold: what is tested is what the kernel does when a parent dies (a warm process's parent is the server).
+    proc, tag, out = start(launcher(corpus, victim, "training.epochs=100"), tmp_path, cold=True)
     try:
         wait_for_step(proc, out)
         assert len(tagged(tag)) >= 4  # launcher, agent, 2 workers
@@ -192,7 +185,7 @@ def test_sigterm_to_a_study_reaches_its_workers_exits_75_and_the_same_command_co
     summary = _summary(point)
     assert summary["status"] == "preempted" and 2 <= summary["aggregates"]["steps"] < 20  # the workers snapshotted
 
-    again = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(warm.command(cmd), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert_ok(again)
     done = _summary(point)
     assert done["status"] == "complete" and done["aggregates"]["resumes"] == 1 and done["aggregates"]["steps"] == 20
@@ -206,7 +199,7 @@ def test_sigterm_to_verify_reaches_its_workers_exits_75_and_the_same_command_con
     [work] = (tmp_path / "experiments").glob("verify-*")  # kept, for the same command to continue
     assert _summary(work / "ddp")["status"] == "preempted"
 
-    again = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(warm.command(cmd), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert_ok(again)
     assert f"continuing the pre-empted runs in {work.relative_to(tmp_path)}" in again.stdout
     assert again.stdout.strip().splitlines()[-1] == "PASS" and "steps compared: 20" in again.stdout, again.stdout
@@ -224,8 +217,8 @@ def test_a_stop_signal_to_one_worker_under_max_restarts_stops_the_job(tmp_path, 
     )
     try:
         wait_for_step(proc, out)
-        [agent] = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-        workers = [int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+        [agent] = warm.children(proc.pid)
+        workers = warm.children(agent)
         os.kill(workers[-1], sig)
         _, err = proc.communicate(timeout=120)
         assert wait_until_gone(tag, 10) < 10
@@ -252,8 +245,8 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_job_ends_comple
     proc, tag, out = start(cmd, tmp_path)
     try:
         wait_for_step(proc, out, step=4)
-        [agent] = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-        workers = [int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+        [agent] = warm.children(proc.pid)
+        workers = warm.children(agent)
         os.kill(workers[-1], signal.SIGKILL)
         os.kill(workers[0], signal.SIGTERM)
         _, err = proc.communicate(timeout=240)

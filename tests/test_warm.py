@@ -71,3 +71,25 @@ def test_signals_reach_the_warm_process_and_killing_its_stub_kills_it(tmp_path):
         while Path(f"/proc/{forked}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not Path(f"/proc/{forked}").exists()
+
+
+def test_a_jobs_processes_are_found_across_stubs_by_its_tag(tmp_path):
+    """A warm process's environment in /proc is the server's: `tagged` finds it (and what it forks) through its
+    stub, which carries the tag; `stands_for` and `children` see through the stub."""
+    (tmp_path / "script.py").write_text(
+        SCRIPT.replace('sys.argv[1] == "wait":', 'sys.argv[1] == "wait":\n    os.fork()')
+    )
+    cmd = warm.command([sys.executable, str(tmp_path / "script.py"), "wait"])
+    stub = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, warm.TAG: "t1"}, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # written after the fork
+        forked = warm.stands_for(stub.pid)
+        assert forked not in (stub.pid, None) and warm.stands_for(forked) == forked
+        [child] = warm.children(stub.pid)
+        assert warm.tagged("t1") == sorted([stub.pid, forked, child]) and warm.tagged("t2") == []
+    finally:
+        for pid in warm.tagged("t1"):
+            os.kill(pid, signal.SIGKILL)
+        stub.wait()

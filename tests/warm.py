@@ -11,9 +11,9 @@ What differs from a fresh interpreter: torch, ddplab and their imports are loade
 environment when imported; the string-hash salt is the server's), the process's parent is the server (the stub
 stands in for it: signals, parent death, resource limits and exit status pass through it), its pid is not the
 stub's, and it ends without the interpreter's teardown (exit handlers run, then os._exit, as ddplab's own workers
-end). Tests about process trees, pids, process groups, the salt or an abort in the teardown run their processes
-cold: COLD lists their files, `cold=True` a call of conftest's helpers, and `DDPLAB_TESTS_WARM=0` runs the whole
-suite cold.
+end). `tagged`, `stands_for` and `children` find a job's processes across stubs. Tests about parent death, pids,
+process groups, the salt or an abort in the teardown run their processes cold: COLD lists their files, `cold=True`
+a call of conftest's helpers, and `DDPLAB_TESTS_WARM=0` runs the whole suite cold.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ PRELOAD = (
 
 # Files whose tests look at processes themselves (pids, /proc, process groups, parent death): cold processes.
 COLD = {
-    "test_signals.py",
     "test_failures.py",
     "test_process_state.py",
     "test_node_launchers.py",
@@ -59,6 +58,9 @@ COLD = {
     "test_dist.py",
     "test_extras.py",
 }
+
+# A test's mark on the processes of one job, in their environment (tagged).
+TAG = "DDPLAB_TEST_TAG"
 
 _server: subprocess.Popen | None = None
 _socket: str | None = None
@@ -103,6 +105,47 @@ def _warm_execute_child(self, args, executable, *rest):
     if executable is None and isinstance(args, (list, tuple)) and args and args[0] == sys.executable:
         args = _stubbed(args)
     return _plain_execute_child(self, args, executable, *rest)
+
+
+def tagged(tag: str) -> list[int]:
+    """The live processes of the job marked `tag`: those started with TAG=tag in their environment (cold ones,
+    stubs; zombies have none), the processes stubs stand for, and their descendants. A forked process's environment
+    in /proc is the server's, and torch renames its agent (/proc/PID/comm): neither can mark it."""
+    parents: dict[int, int] = {}
+    roots = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                if f"{TAG}={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    roots.append(int(entry.name))
+    kids: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        kids.setdefault(parent, []).append(pid)
+    found: set[int] = set()
+    while roots:
+        pid = roots.pop()
+        if pid in found or pid not in parents:
+            continue
+        found.add(pid)
+        roots += [stands_for(pid), *kids.get(pid, ())]
+    return sorted(found)
+
+
+def stands_for(pid: int) -> int:
+    """The process a stub stands for (the pid the server forked for it); any other process, itself."""
+    if _socket is not None:
+        for entry in Path(_stubs()).glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                if int(entry.read_text()) == pid:
+                    return int(entry.name)
+    return pid
+
+
+def children(pid: int) -> list[int]:
+    """A process's children, or for a stub those of the process it stands for."""
+    pid = stands_for(pid)
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _start() -> str:
