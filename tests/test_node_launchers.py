@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 from conftest import _env
 from ddplab.engine.snapshots.read import load_snapshot
@@ -56,7 +57,7 @@ def skypilot(node: int, port: int) -> dict:
 def _start(variables: dict, args: list[str], cwd: Path, name: str) -> subprocess.Popen:
     out = open(cwd / f"{name}.txt", "a")  # noqa: SIM115 - the process's; closed when it ends
     return subprocess.Popen(
-        [sys.executable, "-m", "ddplab", *args],
+        warm.command([sys.executable, "-m", "ddplab", *args]),  # killed whole: its stub, then what it stands for
         cwd=cwd,
         env=_env() | variables,
         stdout=out,

@@ -53,7 +53,6 @@ PRELOAD = (
 COLD = {
     "test_failures.py",
     "test_process_state.py",
-    "test_node_launchers.py",
     "test_torch_internals.py",
     "test_dist.py",
     "test_extras.py",
