@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 
 from conftest import _env, ddplab, main
 
@@ -88,17 +89,19 @@ def _args(tmp_path: Path, name: str, *extra: str) -> list[str]:
 def _stalled_job(tmp_path, name, cmd_head, *extra):
     t0 = time.time()
     proc = subprocess.run(
-        [
-            *cmd_head,
-            *_args(
-                tmp_path,
-                name,
-                f"distributed.timeout={TIMEOUT}",
-                "distributed.stall_warning=3",
-                "training.epochs=1",
-                *extra,
-            ),
-        ],
+        warm.command(
+            [
+                *cmd_head,
+                *_args(
+                    tmp_path,
+                    name,
+                    f"distributed.timeout={TIMEOUT}",
+                    "distributed.stall_warning=3",
+                    "training.epochs=1",
+                    *extra,
+                ),
+            ]
+        ),
         cwd=tmp_path,
         env=_env(),
         capture_output=True,
