@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 from conftest import TINY_GPT, _env, main
 from ddplab.engine.run_folder.lock import HOLDER_FILE, RunLock
@@ -67,7 +68,7 @@ def test_fingerprint_allows_only_the_documented_fields():
 
 def _start(cwd: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ddplab", *args],
+        warm.command([sys.executable, "-m", "ddplab", *args]),
         cwd=cwd,
         env=_env(),
         stdout=subprocess.PIPE,

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import warm
 
 from conftest import TINY_GPT, _env, assert_ok, main, run_study
 from ddplab.commands.study import slurm_command
@@ -190,7 +191,7 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
     study = tmp_path / "experiments" / "cut"
     first, second = study / "n1-max_steps_4", study / "n1-max_steps_60"
     proc = subprocess.Popen(
-        args,
+        warm.command(args),  # Ctrl-C to its group reaches the stub, which passes it on to the study
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -213,7 +214,7 @@ def test_interrupted_study_does_not_rerun_finished_points(tmp_path, corpus):
     )
     stamp = (first / "metrics.json").stat().st_mtime_ns
 
-    again = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(warm.command(args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert_ok(again)
     assert "[1/2] n1-max_steps_4 (1 processes): complete, skipped" in again.stdout
     assert "[2/2] n1-max_steps_60 (1 processes): done" in again.stdout
