@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install bench docs dist core-check deploy-check constraints clean
+.PHONY: demo test test-fast lint install bench docs dist core-check deploy-check constraints clean durations
 
 # Every extra and the test tools, at the versions in constraints.txt.
 $(STAMP): pyproject.toml constraints.txt
@@ -34,6 +34,13 @@ SERIAL  := $(shell grep -l "mark.serial" tests/test_*.py)
 test: lint
 	$(PYTEST) -n $(WORKERS) --dist loadscope -m "not serial" --durations=15 --durations-min=10
 	$(PYTEST) -m serial $(SERIAL) || [ $$? -eq 5 ]  # 5: no such test
+
+# tests/durations.json (each file's seconds, which orders the parallel pass: the longest files start first) from a
+# whole parallel pass; refresh it when files grow or shrink much. A stale one only orders the files less well.
+durations: $(STAMP)
+	$(PYTEST) -n $(WORKERS) --dist loadscope -m "not serial" --junitxml=.durations.xml || true
+	$(PY) tests/tiers.py .durations.xml
+	rm -f .durations.xml
 
 # The unit and in-process tiers: no test starts a process.
 test-fast: $(STAMP)

@@ -226,13 +226,19 @@ def test_ctrl_c_under_plain_torchrun_snapshots_and_the_status_says_interrupted(t
     ]
     out = tmp_path / "out.txt"
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(), stdout=open(out, "w"), stderr=subprocess.PIPE, text=True, start_new_session=True
+        warm.command(cmd),
+        cwd=tmp_path,
+        env=_env(),
+        stdout=open(out, "w"),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     deadline = time.time() + 120
     while "step 2:" not in out.read_text():
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    os.killpg(warm.stands_for(proc.pid), signal.SIGINT)  # Ctrl-C, to the group of the agent and its workers
     _, err = proc.communicate(timeout=60)
     assert main("status", str(tmp_path / "experiments" / "int")) == 130, err[-2000:]
     assert capfd.readouterr().out == "interrupted\n"

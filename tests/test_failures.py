@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 from conftest import TINY_GPT, _env, ddplab
 from ddplab.api import train
@@ -423,22 +424,24 @@ def _job_at_step_3(corpus, tmp_path, rank: int, timeout: float) -> tuple[subproc
     """A 2-process job under the launcher, and the PID of `rank` once it has reached step 3."""
     run = tmp_path / "experiments" / "job"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddplab",
-            "train",
-            "--nproc-per-node",
-            "2",
-            f"data.path={corpus}",
-            *TINY_GPT,
-            "generate.max_new_tokens=0",
-            "training.epochs=1000",
-            "logging.log_every=1",
-            f"distributed.timeout={timeout}",
-            "distributed.stall_warning=3",
-            "experiment.name=job",
-        ],
+        warm.command(
+            [
+                sys.executable,
+                "-m",
+                "ddplab",
+                "train",
+                "--nproc-per-node",
+                "2",
+                f"data.path={corpus}",
+                *TINY_GPT,
+                "generate.max_new_tokens=0",
+                "training.epochs=1000",
+                "logging.log_every=1",
+                f"distributed.timeout={timeout}",
+                "distributed.stall_warning=3",
+                "experiment.name=job",
+            ]
+        ),
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -207,17 +208,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     longest_first(items)
 
 
+DURATIONS = HERE / "durations.json"  # each file's test seconds in a recent parallel pass: `make durations`
+
+
 def longest_first(items: list[pytest.Item]) -> None:
-    """The files with the most multi-process tests first, each file's tests in their own order. xdist
-    (--dist loadscope) hands whole files to its workers in this order, each a new one as it runs out: the long
-    files start at once and the short ones fill in at the end, instead of a long file started last running on
-    one core while the others wait."""
+    """The files that take longest first, each file's tests in their own order. xdist (--dist loadscope) hands whole
+    files to its workers in this order, each a new one as it runs out: the long files start at once and the short
+    ones fill in at the end, instead of a long file started last running on one core while the others wait (Ray's
+    one test, 76 s, did so). A file's weight is its seconds in tests/durations.json; one not there yet counts 5 s
+    for each multi-process test."""
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     weight: dict[str, float] = {}
     for item in items:
-        weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + (
-            1.0 if item.get_closest_marker("multiproc") else 0.01
-        )
+        path = item.nodeid.split("::")[0]
+        weight[path] = weight.get(path, 0.0) + (5.0 if item.get_closest_marker("multiproc") else 0.05)
+    weight = {path: known.get(path, guess) for path, guess in weight.items()}
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
+
+
+def write_durations(junit: Path) -> None:
+    """tests/durations.json from a JUnit XML report of the suite (pytest --junitxml): each file's test seconds."""
+    import xml.etree.ElementTree as ET
+
+    seconds: dict[str, float] = {}
+    for case in ET.parse(junit).iter("testcase"):
+        path = case.get("classname", "").replace(".", "/") + ".py"  # tests.test_x: tests/test_x.py
+        seconds[path] = seconds.get(path, 0.0) + float(case.get("time") or 0)
+    ordered = dict(sorted(((p, round(s, 1)) for p, s in seconds.items()), key=lambda kv: -kv[1]))
+    DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 def _python(args) -> bool:
@@ -266,3 +284,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     parts = [f"{tier} {len(tests)} tests {seconds:.0f} s" for tier, (tests, seconds) in _spent.items() if tests]
     terminalreporter.write_line(f"tiers (test time, summed over workers): {'; '.join(parts)}")
+
+
+if __name__ == "__main__":  # python tests/tiers.py REPORT.xml: tests/durations.json from a run's JUnit report
+    write_durations(Path(sys.argv[1]))

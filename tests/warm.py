@@ -51,7 +51,6 @@ PRELOAD = (
 
 # Files whose tests look at processes themselves (pids, /proc, process groups, parent death): cold processes.
 COLD = {
-    "test_failures.py",
     "test_process_state.py",
     "test_torch_internals.py",
     "test_dist.py",
