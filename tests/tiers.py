@@ -211,19 +211,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 DURATIONS = HERE / "durations.json"  # each file's test seconds in a recent parallel pass: `make durations`
 
 
+def _weight(path: str, known: dict, multiproc: int, others: int) -> float:
+    """A file's expected seconds: tests/durations.json's, or 5 s a multi-process test for a file not there yet."""
+    return known.get(path, 5.0 * multiproc + 0.05 * others)
+
+
 def longest_first(items: list[pytest.Item]) -> None:
-    """The files that take longest first, each file's tests in their own order. xdist (--dist loadscope) hands whole
-    files to its workers in this order, each a new one as it runs out: the long files start at once and the short
-    ones fill in at the end, instead of a long file started last running on one core while the others wait (Ray's
-    one test, 76 s, did so). A file's weight is its seconds in tests/durations.json; one not there yet counts 5 s
-    for each multi-process test."""
+    """Each file's tests together, the files that take longest first (the order `pytest -p no:xdist` runs)."""
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    weight: dict[str, float] = {}
+    counts: dict[str, list[int]] = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
-        weight[path] = weight.get(path, 0.0) + (5.0 if item.get_closest_marker("multiproc") else 0.05)
-    weight = {path: known.get(path, guess) for path, guess in weight.items()}
+        count = counts.setdefault(item.nodeid.split("::")[0], [0, 0])
+        count[0 if item.get_closest_marker("multiproc") else 1] += 1
+    weight = {path: _weight(path, known, *count) for path, count in counts.items()}
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's --dist loadscope, but each worker that runs out is handed the file expected to take longest
+    (tests/durations.json) instead of the one with the most tests: the long files start at once and the short ones
+    fill in at the end. Ray's one 76-s test came last, and ran alone on one core while the others waited."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+    class LongestFirst(LoadScopeScheduling):
+        def _assign_work_unit(self, node) -> None:
+            def expected(scope: str) -> float:  # a file not in durations.json: a second a test
+                return known.get(scope.split("::")[0], float(len(self.workqueue[scope])))
+
+            longest = max(self.workqueue, key=expected)
+            self.workqueue.move_to_end(longest, last=False)  # xdist hands out the first unit of its queue
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 def write_durations(junit: Path) -> None:
