@@ -31,7 +31,8 @@ class WandB(Tracker):
             name=cfg.run_name(),
             id=run_id,
             resume="allow",
-            dir=None if os.environ.get("WANDB_DIR") else str(view.run.path),  # the user's wins
+            # Named each time, the user's first: wandb.setup() keeps the WANDB_DIR it first read for the process.
+            dir=os.environ.get("WANDB_DIR") or str(view.run.path),
             group=study["study"] if study else None,
             config=None if "id" in mine else config,
             settings=wandb.Settings(console="off"),
