@@ -478,7 +478,9 @@ def test_a_rank_stopped_with_sigstop_is_named_at_its_step_and_the_job_ends_withi
     """Rank 1 frozen (alive, not advancing, its heartbeat thread stopped with it): rank 0 warns after
     distributed.stall_warning; its report names rank 1, not itself, at the step it stopped at (its last heartbeat
     can be a second, many steps, older); and the whole job ends, every process gone, within the timeout + 10 s
-    (it took 53 s with a timeout of 10: torchrun's agent waited 30 s for the stopped rank to act on SIGTERM)."""
+    (it took 53 s with a timeout of 10: torchrun's agent waited 30 s for the stopped rank to act on SIGTERM; then
+    20.4 s, about one run in twenty, where rank 1 stopped in its backward: continued, it waited in DDP's all_reduce
+    with rank 0 gone for the timeout again)."""
     timeout = 10
     proc, pid, run = _job_at_step_3(corpus, tmp_path, 1, timeout)
     try:
@@ -496,7 +498,7 @@ def test_a_rank_stopped_with_sigstop_is_named_at_its_step_and_the_job_ends_withi
         # stopped in it or in the next.
         last = max(int(step) for step in re.findall(r"epoch \d+ step (\d+):", told))
         assert failure["culprit"]["step"] in (last, last + 1), (failure["summary"], last)
-        assert took < timeout + 10, f"the job ended {took:.1f} s after the stop"
+        assert took < timeout + 10, f"the job ended {took:.1f} s after the stop: {err[-2000:]}"
         assert not [p for p in workers if _running(p)], "a worker outlived the job"
     finally:
         with contextlib.suppress(OSError):

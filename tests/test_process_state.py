@@ -241,13 +241,19 @@ def test_a_beat_that_raises_is_reported_once_and_the_beats_go_on(tmp_path, monke
     assert (tmp_path / "logs" / "rank0.log").read_text().count("Traceback (most recent call last)") == 1
 
 
-def test_another_ranks_failure_ends_this_rank_through_its_main_thread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_another_ranks_failure_ends_this_rank_through_its_main_thread(tmp_path, monkeypatch, rank):
+    """Rank 0 writes the report; every rank's main thread ends, or faulthandler ends the process after a grace,
+    rank 0's long enough to end its trackers' runs, the others' short (they have nothing left to write)."""
     exits, deadlines, reports = [], [], []
     monkeypatch.setattr(os, "_exit", exits.append)
     monkeypatch.setattr(heartbeat.faulthandler, "dump_traceback_later", lambda *a, **k: deadlines.append(a))
     monkeypatch.setattr(heartbeat.faulthandler, "cancel_dump_traceback_later", lambda: deadlines.append("cancelled"))
     handler = signal.getsignal(signal.SIGUSR2)
-    beat = _heartbeat(tmp_path, Store(failed=1), announce=reports.append)
+    store = Store(failed=1)
+    if rank:
+        store.data["ddplab/reported"] = "1"  # by rank 0
+    beat = _heartbeat(tmp_path, store, rank, announce=reports.append)
     with pytest.raises(PeerFailed), process_state.changes():
         beat.start()
         deadline = time.monotonic() + 10
@@ -255,10 +261,12 @@ def test_another_ranks_failure_ends_this_rank_through_its_main_thread(tmp_path, 
             time.sleep(0.05)
     beat.stop()
     assert exits == [] and not beat._thread.is_alive()
-    assert reports and reports[0].startswith("job failed: rank 1 failed"), reports
-    assert deadlines == [(heartbeat.GRACE_S,), "cancelled"]  # the last resort, called off by the main thread
+    if rank == 0:
+        assert reports and reports[0].startswith("job failed: rank 1 failed"), reports
+    grace = heartbeat.GRACE_S if rank == 0 else heartbeat.OTHER_RANKS_GRACE_S
+    assert deadlines == [(grace,), "cancelled"]  # the last resort, called off by the main thread
     assert signal.getsignal(signal.SIGUSR2) is handler
-    assert "another rank failed" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert "another rank failed" in (tmp_path / "logs" / f"rank{rank}.log").read_text()
 
 
 def test_a_store_gone_with_its_host_ends_this_rank_through_its_main_thread(tmp_path, monkeypatch, capfd):

@@ -45,7 +45,10 @@ _DONE = "ddplab/done"  # how many of the other ranks no longer use the store, on
 # forked mid-beat once hung a loader worker.
 _BEATING = threading.Lock()
 _END_SIGNAL = signal.SIGUSR2  # from the heartbeat thread to the main thread: another rank failed
-GRACE_S = 30.0  # for the main thread to end once told to; past it, faulthandler ends the process
+# For the main thread to end once told to; past it, faulthandler ends the process. Rank 0 ends the trackers' runs
+# as failed on its way out; another rank has nothing left to do once the report is written, and one stuck in C
+# (a stopped rank continued in a gloo collective with a peer that is gone) waited distributed.timeout again there.
+GRACE_S, OTHER_RANKS_GRACE_S = 30.0, 2.0
 
 
 @functools.cache
@@ -232,7 +235,7 @@ class Heartbeat:
 
         The main thread gets PeerFailed from a signal: a sleep or a wait in Python ends at once; a gloo
         collective returns when its peer's connection closes, or at distributed.timeout. A main thread that
-        cannot run Python (stuck in C: a GPU sync, a collective) within GRACE_S is ended by faulthandler, which
+        cannot run Python (stuck in C: a GPU sync, a collective) within its grace is ended by faulthandler, which
         dumps every stack again, as nothing else can end it."""
         with self._ending:
             if self._ended:
@@ -251,7 +254,8 @@ class Heartbeat:
         finally:
             if not self._stopping:
                 self._deadline = open(self.log_path, "a")
-                faulthandler.dump_traceback_later(GRACE_S, exit=True, file=self._deadline)
+                grace = GRACE_S if self.ctx.is_main else OTHER_RANKS_GRACE_S
+                faulthandler.dump_traceback_later(grace, exit=True, file=self._deadline)
                 if self._signals:
                     signal.pthread_kill(self._main, _END_SIGNAL)
 
