@@ -20,12 +20,13 @@ demo: $(STAMP)
 
 # The whole suite: one pytest-xdist worker per core and one more, as the multi-process tests spend part of their
 # time waiting (start-up, rendezvous, timeouts); on 2 cores, with a smaller suite, this pass took 558 s with 3
-# workers, 587 s with 4 and 623 s with 2; with today's 844 tests it took 900 s with 3 (the serial pass after it
-# 113 s), its jobs started warm: forked from one process per worker that has imported torch (tests/warm.py;
-# DDPLAB_TESTS_WARM=0 starts each from a fresh interpreter, as the pass did in 1,300-1,450 s). A test file's
-# tests share one worker, so a run trained once per file is trained once, and one that several files read is
-# trained once per session (tests/references.py); the pass ends with its 15 slowest tests (those over 10 s).
-# Then the tests that check wall-clock time or race a loaded machine, alone.
+# workers, 587 s with 4 and 623 s with 2; with today's 849 tests it took 658 s with 3 in a fresh clone (the serial
+# pass after it 75 s), its jobs started warm: forked from one process per worker that has imported torch
+# (tests/warm.py; DDPLAB_TESTS_WARM=0 starts each from a fresh interpreter, as the pass did in 1,300-1,450 s). A
+# test file's tests share one worker, so a run trained once per file is trained once, and one that several files
+# read is trained once per session (tests/references.py); the longest files start first (tests/durations.json);
+# the pass ends with its 15 slowest tests (those over 10 s). Then the tests that check wall-clock time or race a
+# loaded machine, alone.
 # Tiers: tests/tiers.py.
 PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
