@@ -479,8 +479,8 @@ def test_a_rank_stopped_with_sigstop_is_named_at_its_step_and_the_job_ends_withi
     distributed.stall_warning; its report names rank 1, not itself, at the step it stopped at (its last heartbeat
     can be a second, many steps, older); and the whole job ends, every process gone, within the timeout + 10 s
     (it took 53 s with a timeout of 10: torchrun's agent waited 30 s for the stopped rank to act on SIGTERM; then
-    20.4 s, about one run in twenty, where rank 1 stopped in its backward: continued, it waited in DDP's all_reduce
-    with rank 0 gone for the timeout again)."""
+    20.4 s in 2 runs of 60: continued inside a gloo collective with rank 0 gone, rank 1 waited there for the timeout
+    again, until the heartbeat's grace for a rank other than 0 ended it)."""
     timeout = 10
     proc, pid, run = _job_at_step_3(corpus, tmp_path, 1, timeout)
     try:
