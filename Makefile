@@ -33,7 +33,7 @@ WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) +
 # The serial tests' files only: collecting them takes 3 s, collecting every file 7 s.
 SERIAL  := $(shell grep -l "mark.serial" tests/test_*.py)
 test: lint
-	$(PYTEST) -n $(WORKERS) --dist loadscope -m "not serial" --durations=15 --durations-min=10
+	$(PYTEST) -n $(WORKERS) --dist loadscope --no-loadscope-reorder -m "not serial" --durations=15 --durations-min=10
 	$(PYTEST) -m serial $(SERIAL) || [ $$? -eq 5 ]  # 5: no such test
 
 # tests/durations.json (each file's seconds, which orders the parallel pass: the longest files start first) from a
@@ -45,7 +45,7 @@ durations: $(STAMP)
 
 # The unit and in-process tiers: no test starts a process.
 test-fast: $(STAMP)
-	$(PYTEST) -n auto --dist loadscope -m "not multiproc"
+	$(PYTEST) -n auto --dist loadscope --no-loadscope-reorder -m "not multiproc"
 
 # Lint, format and types, with zero findings (settings in pyproject.toml; mypy checks src/). `make test` runs it first.
 LINTED := src tests benchmarks deploy

@@ -24,7 +24,6 @@ from tiers import (  # noqa: F401 (hooks: the tiers)
     pytest_runtest_call,
     pytest_runtest_logreport,
     pytest_terminal_summary,
-    pytest_xdist_make_scheduler,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -211,43 +211,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 DURATIONS = HERE / "durations.json"  # each file's test seconds in a recent parallel pass: `make durations`
 
 
-def _weight(path: str, known: dict, multiproc: int, others: int) -> float:
-    """A file's expected seconds: tests/durations.json's, or 5 s a multi-process test for a file not there yet."""
-    return known.get(path, 5.0 * multiproc + 0.05 * others)
-
-
 def longest_first(items: list[pytest.Item]) -> None:
-    """Each file's tests together, the files that take longest first (the order `pytest -p no:xdist` runs)."""
+    """Each file's tests together, the files that take longest first. xdist (--dist loadscope
+    --no-loadscope-reorder, as the Makefile runs it) hands whole files to its workers in this order, each a new one
+    as it runs out: the long files start at once and the short ones fill in at the end. Its default order, the
+    files with the most tests first, started Ray's one 76-s test last, alone on one core."""
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     counts: dict[str, list[int]] = {}
     for item in items:
         count = counts.setdefault(item.nodeid.split("::")[0], [0, 0])
         count[0 if item.get_closest_marker("multiproc") else 1] += 1
-    weight = {path: _weight(path, known, *count) for path, count in counts.items()}
+    # A file not in tests/durations.json yet: 5 s a multi-process test.
+    weight = {path: known.get(path, 5.0 * multi + 0.05 * other) for path, (multi, other) in counts.items()}
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """xdist's --dist loadscope, but each worker that runs out is handed the file expected to take longest
-    (tests/durations.json) instead of the one with the most tests: the long files start at once and the short ones
-    fill in at the end. Ray's one 76-s test came last, and ran alone on one core while the others waited."""
-    if config.getoption("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-
-    class LongestFirst(LoadScopeScheduling):
-        def _assign_work_unit(self, node) -> None:
-            def expected(scope: str) -> float:  # a file not in durations.json: a second a test
-                return known.get(scope.split("::")[0], float(len(self.workqueue[scope])))
-
-            longest = max(self.workqueue, key=expected)
-            self.workqueue.move_to_end(longest, last=False)  # xdist hands out the first unit of its queue
-            super()._assign_work_unit(node)
-
-    return LongestFirst(config, log)
 
 
 def write_durations(junit: Path) -> None:
