@@ -182,9 +182,11 @@ def bad_data(cfg):
 
 
 def per_rank_vocabulary(cfg):
-    """A word list built from a set on each rank, in the order of that rank's hashing of strings
-    (each process salts it differently): the ids of the same text differ between ranks."""
-    vocab = {w: i for i, w in enumerate(list({*WORDS}))}
+    """A word list in an order of each rank's own, as one built from a set of strings is under plain torchrun
+    (each exec'd worker salts its string hashes differently): the ids of the same text differ between ranks."""
+    words = sorted({*WORDS})
+    random.Random(int(os.environ["RANK"])).shuffle(words)
+    vocab = {w: i for i, w in enumerate(words)}
     texts, labels = reviews(32, 0)
     items = [
         ({"input_ids": torch.tensor([vocab[w] for w in t.split()][:2])}, y) for t, y in zip(texts, labels, strict=True)

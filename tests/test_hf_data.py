@@ -199,8 +199,6 @@ def test_a_stream_killed_mid_epoch_resumes_at_the_exact_next_sample(tmp_path, ki
 
 
 def test_data_that_differs_between_ranks_is_refused_before_training(tmp_path):
-    # Plain torchrun: its workers are exec'd, each with its own string-hash salt; the workers ddplab's launcher
-    # forks share their parent's, so their vocabularies would agree (so would warm ones: cold).
     proc = torchrun(
         2,
         "train",
@@ -211,7 +209,6 @@ def test_data_that_differs_between_ranks_is_refused_before_training(tmp_path):
         *COMMON,
         cwd=tmp_path,
         timeout=240,
-        cold=True,
     )
     assert proc.returncode != 0
     assert "returns different data on rank 1 than on rank 0" in proc.stderr + proc.stdout

@@ -160,11 +160,14 @@ def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(co
     house = subprocess.Popen([program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS], stderr=subprocess.DEVNULL)
     address, run = f"http://localhost:{port}", tmp_path / "experiments" / "closed-group0"
     job = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2", "distributed.fault_tolerance=replicas"),
-            *(f"distributed.lighthouse={address}", f"distributed.timeout={timeout}", f"data.path={corpus}", *TINY_GPT),
-            *("generate.max_new_tokens=0", "training.epochs=1000", "logging.log_every=1", "experiment.name=closed"),
-        ],
+        warm.command(
+            [
+                *(sys.executable, "-m", "ddplab", "train", "--nproc-per-node", "2"),
+                *("distributed.fault_tolerance=replicas", f"distributed.lighthouse={address}"),
+                *(f"distributed.timeout={timeout}", f"data.path={corpus}", *TINY_GPT, "generate.max_new_tokens=0"),
+                *("training.epochs=1000", "logging.log_every=1", "experiment.name=closed"),
+            ]
+        ),
         cwd=tmp_path,
         env={**_env(), "RUST_LOG": "warn"},
         stdout=subprocess.DEVNULL,
