@@ -49,7 +49,6 @@ class HashTokenizer:
         if max_len < 2:
             raise UserError(f"data.max_len must be >= 2 (one [CLS] position plus words), got {max_len}")
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.pad_id = self.PAD
         self._memo: dict[str, int] = {}
 
     def describe(self) -> dict:
