@@ -151,9 +151,6 @@ def tokenizer_description(cfg) -> dict:
     return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len).describe()
 
 
-# ---------------------------------------------------------------------------- datasets
-
-
 def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
     """(meta, label names, (train, val, test) of {input_ids, label}), mapped under a fingerprint of the source
     and tokenizer that every rank and rerun finds again: one rank a node maps first while the others wait."""
@@ -219,9 +216,6 @@ def splits(cfg, sizes: dict, pick: Callable[[str, np.ndarray], Any]):
     return pick("train", rows), val, test
 
 
-# ---------------------------------------------------------------------------- tokenised as read
-
-
 class Encoder:
     """A raw text -> the token ids the model reads (`ddplab predict`, and streamed rows)."""
 
@@ -257,9 +251,6 @@ class TextRows:
             )
         text = row[self.text]
         return self.encode("" if text is None else str(text)), label
-
-
-# ---------------------------------------------------------------------------- the workload
 
 
 def data(cfg) -> ddplab.Data:
