@@ -292,13 +292,12 @@ class Regression(Task):
         return {"kind": self.kind, "outputs": self.outputs}
 
 
+KINDS = {"classification": Classification, "lm": LanguageModeling, "regression": Regression}
+
+
 def restore(info: dict | None) -> Task:
-    """The task a checkpoint describes (Task.describe()); a plain Task for a checkpoint file that describes none."""
-    kind = (info := info or {}).get("kind")
-    if kind == "classification":
-        return Classification(info["num_classes"], info.get("class_names"))
-    if kind == "lm":
-        return LanguageModeling(info.get("vocab_size"), info.get("shift", False))
-    if kind == "regression":
-        return Regression(info.get("outputs", 1))
-    return Task()
+    """The task a checkpoint describes (`describe()`: its kind and its arguments); a plain Task for a checkpoint
+    file that describes none."""
+    args = dict(info or {})
+    built_in = KINDS.get(args.pop("kind", None))
+    return built_in(**args) if built_in is not None else Task()

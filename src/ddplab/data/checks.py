@@ -22,9 +22,6 @@ GREY_MODES = ("1", "L", "LA")  # PIL modes read as one channel (8 bits at most: 
 SIZES_SHOWN = 3  # distinct image sizes a folder's message names
 
 
-# ---------------------------------------------------------------------------- images
-
-
 class ImageSpec(NamedTuple):
     """What the images become: channels as stored (and read), channels the model gets, side."""
 
@@ -152,9 +149,6 @@ def folder_layout(root: Path) -> dict[str, Path | None]:
     return {"train": root, "val": None, "test": None}
 
 
-# ---------------------------------------------------------------------------- text
-
-
 def check_corpus(cfg) -> None:
     """data.name=text: a named corpus exists."""
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
@@ -193,8 +187,6 @@ def check_text_classes(cfg) -> None:
 
         text_sources.check_files(cfg)
 
-
-# ---------------------------------------------------------------------------- streamed from shards
 
 # data.name -> the shard formats (ddplab.data.shard_files) it streams with data.stream=true
 STREAMS = {
@@ -263,8 +255,6 @@ def check_stream_files(cfg) -> None:
                 f"{path} holds {' and '.join(formats)} files"
             )
 
-
-# ---------------------------------------------------------------------------- sizes
 
 FLOAT32, INT64 = 4, 8  # bytes a value
 

@@ -138,9 +138,6 @@ class Shards(IterableDataset):
             j = firsts[k + 1]
 
 
-# ---------------------------------------------------------------------------- the built-in sources streamed
-
-
 def split_shards(cfg, transform: Callable | None = None) -> tuple[Shards, Shards | None, Shards | None]:
     """The built-in text, text_files and image_folder data streamed (data.stream=true): (train, val, test),
     training in the order of (experiment.seed, epoch), the others in file order; each item through `transform`
@@ -176,7 +173,6 @@ def check_columns(shards: Shards, path: str, fields: dict[str, str]) -> None:
                 )
 
 
-# ---------------------------------------------------------------------------- formats
 # A shard that cannot be read fails the run naming it and the damaged part (row group, record batch, line, tar
 # member): the library's own message names neither.
 

@@ -101,13 +101,10 @@ class Stream(IterableDataset):
                 yield item
 
 
-class Last:
+class Last(NamedTuple):
     """The last item of a loader worker's share (Stream marks it, Tagged takes the mark off)."""
 
-    __slots__ = ("item",)
-
-    def __init__(self, item) -> None:
-        self.item = item
+    item: Any
 
 
 class Batch(NamedTuple):

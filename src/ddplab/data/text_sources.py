@@ -29,9 +29,6 @@ SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet", ".pq")
 SMALL = 20 * 2**20  # files up to this size get their labels checked before launch
 
 
-# ---------------------------------------------------------------------------- hub datasets
-
-
 def hub_source(cfg) -> tuple[dict, list[str], None]:
     """The hub's labelled splits under our names, its ClassLabel's names, no label mapping."""
     import datasets  # the text extra, only when a hub dataset is read
@@ -62,9 +59,6 @@ def hub_source(cfg) -> tuple[dict, list[str], None]:
 def hub_describe(cfg) -> dict:
     name, fields = HUB[cfg.data.name]
     return {"dataset": name, "fields": fields, "cache_dir": cfg.data.cache_dir}
-
-
-# ---------------------------------------------------------------------------- the user's files
 
 
 def _files(cfg) -> dict[str, str]:
@@ -235,8 +229,6 @@ def files_describe(cfg) -> dict:
         "num_classes": d.num_classes,
     }
 
-
-# ---------------------------------------------------------------------------- synthetic reviews
 
 POSITIVE = (
     "great excellent wonderful superb brilliant enjoyable moving delightful masterpiece fantastic "

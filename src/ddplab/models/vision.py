@@ -47,9 +47,6 @@ class CNN(nn.Module):
         return self.fc2(x)
 
 
-# ---------------------------------------------------------------------------- names
-
-
 def torchvision_names() -> list[str]:
     return models.list_models(module=models)  # classifiers only: detection etc. live in sub-modules
 
@@ -81,9 +78,6 @@ def unknown_model(name: str, own: list[str]) -> str:
         f"model.name: unknown model '{name}'{hint}; choose one of {', '.join(sorted(own))}, "
         f"or a torchvision classifier: {compact(tv)}"
     )
-
-
-# ---------------------------------------------------------------------------- weights
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -123,9 +117,6 @@ def fitting_weights(model: nn.Module, path: str, name: str) -> dict[str, torch.T
     if found:
         raise UserError(f"model.weights: {path} does not fit {name}: {'; '.join(found)}")
     return weights
-
-
-# ---------------------------------------------------------------------------- builders (model section, image shape)
 
 
 def _torchvision(name: str, side: int) -> nn.Module:
@@ -199,9 +190,6 @@ def _vit(m, channels: int, side: int, num_classes: int) -> tuple[nn.Module, nn.M
         nn.init.trunc_normal_(model.conv_proj.weight, std=(1 / fan_in) ** 0.5)
         nn.init.zeros_(model.conv_proj.bias)
     return model, model.heads
-
-
-# ---------------------------------------------------------------------------- checks
 
 
 def check_input(cfg) -> None:

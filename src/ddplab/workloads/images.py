@@ -47,9 +47,6 @@ PRECOMPUTE_BYTES = 512 * 2**20  # transformed tensor sets up to this size are bu
 ImageSplits = tuple[Dataset, Dataset | None, Dataset | None, dict]
 
 
-# ---------------------------------------------------------------------------- transforms
-
-
 def transform(meta: dict):
     """The validation transform: uint8 tensor(s) or a PIL image -> normalised float (C, S, S)."""
     return v2.Compose([decode_steps(meta), on_the_fly(meta)])
@@ -96,9 +93,6 @@ def image_meta(spec: ImageSpec, label_names: list[str], mean: list[float], std: 
         "std": [float(s) for s in std],
         "input_shape": [spec.channels, spec.side, spec.side],
     }
-
-
-# ---------------------------------------------------------------------------- datasets
 
 
 class ImageTensors(image_cache.CachedImages):
@@ -202,9 +196,6 @@ def _augmented(dataset, augment):
     return view
 
 
-# ---------------------------------------------------------------------------- builders (cfg, job or None, ImageSpec)
-
-
 def digits(cfg, dist, spec: ImageSpec) -> ImageSplits:
     """scikit-learn's 1,797 digits, 8x8 ink levels 0..16, read from the CSV it ships without importing scikit-learn
     (a second of every run's start-up) unless the file is not found."""
@@ -302,8 +293,6 @@ def image_folder(cfg, dist, spec: ImageSpec) -> ImageSplits:
         cfg, meta, Subset(full, train), fixed.get("val", Subset(full, val)), fixed.get("test", Subset(full, test))
     )
 
-
-# ---------------------------------------------------------------------------- the workload
 
 SOURCES = {
     "digits": digits,

@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,6 @@ class HashTokenizer:
         if max_len < 2:
             raise UserError(f"data.max_len must be >= 2 (one [CLS] position plus words), got {max_len}")
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.pad_id = self.PAD
         self._memo: dict[str, int] = {}
 
     def describe(self) -> dict:
@@ -152,9 +151,6 @@ def tokenizer_description(cfg) -> dict:
     return HashTokenizer(cfg.data.vocab_size, cfg.data.max_len).describe()
 
 
-# ---------------------------------------------------------------------------- datasets
-
-
 def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
     """(meta, label names, (train, val, test) of {input_ids, label}), mapped under a fingerprint of the source
     and tokenizer that every rank and rerun finds again: one rank a node maps first while the others wait."""
@@ -180,8 +176,8 @@ def tokenised_splits(cfg, dist) -> tuple[dict, list[str], tuple]:
             out[split].set_format("torch")
 
     text_cache.ensure(dist, None, tokenise, f"tokenised {cfg.data.name}")
-    sizes = {s: len(out[s]) for s in ("train", "val", "test") if s in out}
-    return out["meta"], out["names"], splits(cfg, sizes, lambda s, rows: out[s].select(rows))
+    tokenised = {s: out[s] for s in ("train", "val", "test") if s in out}
+    return out["meta"], out["names"], splits(cfg, tokenised)
 
 
 def pad_collate(items, pad_id: int):
@@ -200,27 +196,21 @@ def pad_collate(items, pad_id: int):
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
-def splits(cfg, sizes: dict, pick: Callable[[str, np.ndarray], Any]):
+def splits(cfg, tokenised: dict):
     """(train, val, test): train rows shuffled with the seed (data.limit then takes a random subset of
     label-sorted data such as IMDB's), validation given or carved from train, val and test capped by data.limit."""
-    d = cfg.data
-    rows = np.random.default_rng(cfg.experiment.seed).permutation(sizes["train"])
-    val = test = None
-    if sizes.get("val"):
-        val = pick("val", np.arange(sizes["val"])[: d.limit])
-    elif d.val_fraction > 0:
+    d, train = cfg.data, tokenised["train"]
+    given = {s: ds.select(range(len(ds))[: d.limit]) for s, ds in tokenised.items() if s != "train" and len(ds)}
+    rows = np.random.default_rng(cfg.experiment.seed).permutation(len(train))
+    val = given.get("val")
+    if val is None and d.val_fraction > 0:
         n_val = max(int(len(rows) * d.val_fraction), 1)
-        val, rows = pick("train", np.sort(rows[:n_val])[: d.limit]), rows[n_val:]
-    if sizes.get("test"):
-        test = pick("test", np.arange(sizes["test"])[: d.limit])
+        val, rows = train.select(np.sort(rows[:n_val])[: d.limit]), rows[n_val:]
     if len(rows) == 0:
         raise UserError(
             f"data.name={d.name}: no training samples left after carving data.val_fraction={d.val_fraction}"
         )
-    return pick("train", rows), val, test
-
-
-# ---------------------------------------------------------------------------- tokenised as read
+    return train.select(rows), val, given.get("test")
 
 
 class Encoder:
@@ -258,9 +248,6 @@ class TextRows:
             )
         text = row[self.text]
         return self.encode("" if text is None else str(text)), label
-
-
-# ---------------------------------------------------------------------------- the workload
 
 
 def data(cfg) -> ddplab.Data:
