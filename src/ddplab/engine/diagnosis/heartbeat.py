@@ -199,19 +199,23 @@ class Heartbeat:
             except Exception:  # the store went with its host (rank 0, or the agent): _loop ends this rank
                 self.store = None
                 raise
-            with _BEATING:
-                self.seen.update(heard)
+            seen = self._seen(heard)
             if failed and not self._ended:
                 self._end_rank()
                 return
         if self.ctx.is_main and not self._ended:  # once the job has failed, its report says what each rank did
-            with _BEATING:
-                seen = dict(self.seen)
+            seen = self._seen()
             self._warn(seen)
             if count % 5 == 1:
                 self.run.write_json(
                     self.run.HEARTBEAT, {"time": time.time(), "ranks": seen, "progress": self.beat.progress}
                 )
+
+    def _seen(self, heard: dict[int, dict] | None = None) -> dict[int, dict]:
+        """Every rank's last beat (rank 0), once the beats just `heard` are added."""
+        with _BEATING:
+            self.seen.update(heard or {})
+            return dict(self.seen)
 
     def _read_all(self) -> dict[int, dict]:
         """Every rank's last beat in the store, each marked frozen or not."""
@@ -336,8 +340,7 @@ class Heartbeat:
         """Rank 0 stays until every other rank is done with the store (`patience` seconds at most): under srun it
         holds the store, which none must meet closed; under torchrun the agent ends the others once rank 0 has
         left, before they end on their own. A rank frozen or gone never says: it is not waited for."""
-        with _BEATING:
-            seen = dict(self.seen)
+        seen = self._seen()
         silent = sum(1 for r, b in seen.items() if r != self.ctx.rank and (b.get("frozen") or exited(b)))
         deadline = time.monotonic() + patience
         with contextlib.suppress(Exception):
@@ -345,12 +348,9 @@ class Heartbeat:
                 time.sleep(0.1)
 
     def _report(self, errors: dict[int, dict]) -> dict:
+        seen = self._seen()
         with contextlib.suppress(Exception):  # the latest beats, if the store still answers
-            heard = self._read_all()
-            with _BEATING:
-                self.seen.update(heard)
-        with _BEATING:
-            seen = dict(self.seen)
+            seen = self._seen(self._read_all())
         failure = compose(seen, errors, self.ctx.world_size, self.run.path, unfinished(self._started))
         with contextlib.suppress(OSError, RunError):  # a full disk: the terminal's copy is all there is
             amend(self.run.path, failure["report"], status="failed", failure=failure)

@@ -9,6 +9,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 
 import torch
@@ -119,11 +120,9 @@ class Loaders:
         """Stop the persistent workers of every loader made here, now, all loaders together. Torch stops them only when
         nothing holds their loader (they outlived `ddplab.train()`), and at exit torch 2.11 joins each for 5 s on CUDA
         (30 workers held a finished run for over 2 minutes); one loader's need not wait for another's."""
-        stopping = [threading.Thread(target=stop_loader_workers, args=(loader,)) for loader in list(self._made)]
-        for thread in stopping:
-            thread.start()
-        for thread in stopping:
-            thread.join()
+        if loaders := list(self._made):
+            with ThreadPoolExecutor(len(loaders)) as pool:
+                list(pool.map(stop_loader_workers, loaders))
 
     def train(self, dataset, sampler=None) -> DataLoader:
         # Its own generator: creating an iterator must not consume the global RNG, or a run
@@ -158,6 +157,8 @@ class TrainFeed:
     """The training data's position: an epoch and the samples of its global order consumed (TrainState.consumed).
     Map-style data: ResumableDistributedSampler resumes by slicing its permutation; a stream: StreamFeed below."""
 
+    sampler: ResumableDistributedSampler  # made by start()
+
     def __init__(self, dataset, loaders: Loaders, d, ctx, log: Callable[[str], None], share: tuple[int, int]) -> None:
         """`d`: the data section; `share`: (this process's share, shares) of each epoch's order (replica groups:
         engine/loop/parts.py)."""
@@ -168,7 +169,6 @@ class TrainFeed:
         self.size = declared(dataset, d.limit)  # None: a stream that does not know its length
         self.loader: DataLoader | None = None  # made at the first epoch, after the callbacks' on_train_start
         self.inexact: dict | None = None  # a resume that is not exact: how many samples may be read twice or skipped
-        self.sampler: ResumableDistributedSampler | None = None
         self.start(d, *share)
 
     @property
@@ -189,13 +189,11 @@ class TrainFeed:
         # Worker seeds come from the loader's own generator: a function of the epoch only,
         # so a resumed epoch hands its workers the same seeds.
         self.loader.generator.manual_seed(self.seed + epoch)
-        assert self.sampler is not None  # made by start()
         self.sampler.set_epoch(epoch, start=consumed)
         return iter(self.loader)
 
     def left(self) -> float:
         """Samples this rank has still to train on in the epoch (a stream: unknown, until it ends)."""
-        assert self.sampler is not None
         return len(self.sampler)
 
     def next_step(self, batches: Iterator, accum: int) -> list:

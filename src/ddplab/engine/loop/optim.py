@@ -63,12 +63,7 @@ def check_names(t) -> None:
     """training.optimizer and training.schedule name something that exists (imports a code reference)."""
     if is_reference(t.optimizer):
         resolve(t.optimizer, "training.optimizer")
-    elif t.optimizer not in OPTIMIZERS and torch_optimizer(t.optimizer) is None:
-        raise UserError(
-            f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
-            f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
-        )
-    else:  # its options, tried on one parameter (on the CPU: no job yet)
+    else:  # its name and options, tried on one parameter (on the CPU: no job yet)
         build_optimizer(t, BuildConfig(Options({}), None), torch.nn.Linear(1, 1), t.lr)
     if is_reference(t.schedule):
         resolve(t.schedule, "training.schedule")
@@ -87,8 +82,11 @@ def build_optimizer(t, job: BuildConfig, model: torch.nn.Module, lr: float) -> t
             if t.optimizer in OPTIMIZERS:
                 return OPTIMIZERS[t.optimizer](model, t, lr, job.dist and job.dist.device)
             cls = torch_optimizer(t.optimizer)
-            if cls is None:  # check_names says so before launch; here for a Trainer built directly
-                raise UserError(f"training.optimizer: unknown optimizer '{t.optimizer}'")
+            if cls is None:
+                raise UserError(
+                    f"training.optimizer: unknown optimizer '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}, "
+                    f"a torch.optim class (Adam, RMSprop, Adagrad, ...) or your own file.py:function"
+                )
             decay = {"weight_decay": t.weight_decay} if "weight_decay" in inspect.signature(cls).parameters else {}
             return cls([p for p in model.parameters() if p.requires_grad], lr=lr, **{**decay, **t.optimizer_options})
         except (TypeError, ValueError) as exc:

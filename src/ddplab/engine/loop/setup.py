@@ -162,8 +162,8 @@ def same_on_every_rank(data: Data, ctx, where: str, workers: int = 0) -> None:
     differ = next(((r, d) for r, d in enumerate(digests) if d != digests[0]), None)
     if differ is None:
         return
-    rank, digest = differ
-    part = next(k for k in digest if digest[k] != digests[0][k])
+    rank, theirs = differ
+    part = next(k for k in theirs if theirs[k] != digests[0][k])
     if part in SPLITS and is_stream(getattr(data, part)):
         raise UserError(
             f"{where}: Data.{part} is a stream whose length or kind differs on rank {rank} from rank 0's: "
@@ -224,7 +224,7 @@ def first_items(dataset, n: int = 4, reads: int = 1) -> list[str]:
         for _ in range(reads):
             h = hashlib.sha256()
             for item in islice(dataset, n):
-                _digest(item, h)
+                digest(item, h)
             digests.append(h.hexdigest())
     return digests
 
@@ -250,12 +250,13 @@ def data_digest(data: Data) -> dict:
             h = hashlib.sha256(f"{type(dataset).__name__} {None if own else size(dataset)}".encode())
             if dataset is not None and not is_stream(dataset):
                 for i in range(min(2, len(dataset))):
-                    _digest(dataset[i], h)
+                    digest(dataset[i], h)
             out[split] = h.hexdigest()
     return out
 
 
-def _digest(obj, h) -> None:
+def digest(obj, h) -> None:
+    """`obj` (tensors, arrays, plain values, and dicts and lists of them) into the hash `h`."""
     if isinstance(obj, torch.Tensor):
         obj = obj.detach().cpu().contiguous()
         h.update(str((obj.dtype, tuple(obj.shape))).encode())
@@ -266,10 +267,10 @@ def _digest(obj, h) -> None:
     elif isinstance(obj, Mapping):
         for k in sorted(obj, key=str):
             h.update(str(k).encode())
-            _digest(obj[k], h)
+            digest(obj[k], h)
     elif isinstance(obj, (tuple, list)):
         for v in obj:
-            _digest(v, h)
+            digest(v, h)
     elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
         h.update(repr(obj).encode())
     else:  # an image, a file handle: its repr may hold a memory address

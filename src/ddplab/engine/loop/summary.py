@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 from ddplab.data.stream import size
-from ddplab.engine.loop.setup import stochastic_parts
+from ddplab.engine.loop.setup import digest, stochastic_parts
 from ddplab.engine.parallel.ddp_comm import comm_summary
 from ddplab.engine.parallel.sharding import fsdp_units, state_bytes
 
@@ -17,9 +17,7 @@ def parameter_digest(model: torch.nn.Module) -> str:
     collective under fsdp/hsdp: sharded parameters are gathered whole)."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest({name: p.full_tensor() if hasattr(p, "full_tensor") else p}, h)
     return h.hexdigest()[:16]
 
 

@@ -8,6 +8,7 @@ strategy and data feed. Stops are agreed by all ranks after a step; a snapshot h
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import time
 
@@ -16,7 +17,6 @@ import torch
 from ddplab.config import Config
 from ddplab.data.stream import size
 from ddplab.engine.loop.data_identity import DataIdentity
-from ddplab.engine.loop.evaluation import evaluate
 from ddplab.engine.loop.ledger import LossLedger, loss_weights
 from ddplab.engine.loop.optim import Schedule, plan_for_budget
 from ddplab.engine.loop.parts import TrainParts, snapshot_parts
@@ -27,7 +27,7 @@ from ddplab.engine.loop.stops import Stops
 from ddplab.engine.loop.view import CallbackList, TrainView
 from ddplab.engine.parallel.clock import Clock
 from ddplab.engine.parallel.distributed import DistContext
-from ddplab.engine.parallel.sharding import load_full
+from ddplab.engine.parallel.sharding import is_sharded, load_full
 from ddplab.engine.run_folder.folder import RunFolder
 from ddplab.engine.snapshots.read import BEST, load_snapshot
 from ddplab.engine.snapshots.write import Checkpointer
@@ -273,7 +273,7 @@ class Trainer:
         self.eval_at = at
         with self.clock.timed("eval"):
             batches = self.loaders.evaluation(dataset)
-            metrics, self.evaluator = evaluate(self.raw, self.task, batches, self.ctx, self.autocast)
+            metrics, self.evaluator = evaluate_model(self.raw, self.task, batches, self.ctx, self.autocast)
             s = self.state
             self.improved = self.eval_at == "epoch_end" and metrics["loss"] < s.best_val_loss
             if self.improved:  # the best is an epoch's; its hooks see this evaluation in view.best
@@ -298,3 +298,45 @@ class Trainer:
         for name in ("model", "optimizer", "scheduler", "scaler", "raw", "feed", "loaders", "comm", "evaluator"):
             delattr(self, name)
         gc.collect()
+
+
+@torch.no_grad()
+def evaluate_model(model: torch.nn.Module, task, batches, ctx, autocast) -> tuple[dict, object]:
+    """(metrics, the evaluator) for the batches of a loader (`task.unpack` reads each), with the unwrapped model."""
+    # DDP syncs buffers at the start of each training forward, so after the last step every
+    # rank holds its own BatchNorm statistics: evaluate all shards with rank 0's, as DDP would.
+    ctx.broadcast_buffers(model)
+    was_training = model.training
+    model.eval()
+    evaluator = task.evaluator(ctx.device)
+    if hasattr(evaluator, "items"):  # a loss that is a mean over items: counted as the model counts them
+        evaluator.items = item_counter(task, model)
+    passes = _passes(batches, ctx) if is_sharded(model) else batches
+    inputs = None
+    for batch in passes:
+        if batch is not None:
+            inputs, target, _ = task.unpack(to_device(batch, ctx.device))
+        with autocast():
+            output = call_model(model, inputs)
+        if batch is not None:
+            evaluator.update(output, target)
+    model.train(was_training)
+    return evaluator.compute(ctx), evaluator
+
+
+def _passes(batches, ctx):
+    """Sharded (fsdp/hsdp), each forward pass gathers parameters from every rank: a rank whose shard has a batch
+    fewer repeats its last one, unscored (None among its passes), so that all make as many passes. A stream's
+    batches are agreed batch by batch (one all-reduce each: the length of a stream's shard is known only at its
+    end)."""
+    count = size(batches)
+    if count is not None:
+        most = int(ctx.all_reduce(torch.tensor([float(count)], device=ctx.device), "max").item())
+        yield from itertools.chain(batches, [None] * (most - count))
+        return
+    batches = iter(batches)
+    while True:
+        batch = next(batches, None)
+        if ctx.all_reduce(torch.tensor([float(batch is not None)], device=ctx.device), "max").item() == 0:
+            return
+        yield batch

@@ -146,11 +146,8 @@ class RunFiles:
 
     def summary(self) -> dict | None:
         """metrics.json; None when it is missing or holds no JSON object (not yet written, or not ddplab's)."""
-        try:
-            summary = json.loads((self.path / RunFolder.METRICS_JSON).read_text())
-        except (OSError, ValueError):
-            return None
-        return summary if isinstance(summary, dict) else None
+        summary = read_json(self.path / RunFolder.METRICS_JSON)
+        return summary if isinstance(summary, dict) and summary else None
 
     def finished(self) -> bool:
         """A run that ended by itself; a crashed ("running") or pre-empted one is continued instead."""
