@@ -216,16 +216,12 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
 
 
 def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
-    series = {
-        name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
-        for name, run in _firsts(runs).items()
-    }
-    series = {label: pts for label, pts in series.items() if pts}
-    if not series:
-        return None
     fig, ax = subplots(figsize=(7, 4.4))
-    for label, pts in series.items():
-        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    for name, run in _firsts(runs).items():
+        if pts := [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    if not ax.lines:
+        return None
     ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time (first repeat)")
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=7)
