@@ -170,6 +170,7 @@ CASES = [
     ("study-set-form", ["study", "--set", "training.lr"], "--set"),
     ("study-set-empty", ["study", "--set", "training.lr=1e-3,"], "--set"),
     ("study-nnodes", ["study", "--nnodes", "0"], "--nnodes"),
+    ("study-repeat", ["study", "--repeat", "0"], "--repeat"),
     ("study-budget", ["study", "--budget", "forever"], "--budget"),
     # report and status
     ("report-missing", ["report", "/no/such/dir"], "/no/such/dir"),

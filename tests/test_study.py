@@ -63,7 +63,6 @@ def test_setups_sweeps_and_point_names(tmp_path):
         (lambda: expand(None, [], [Setup(1, 1)], {"training.batch_size": ["8", "-1"]}, "s"), ["training.batch_size"]),
         (lambda: expand(None, [], [Setup(1, 1)], {"training.nope": ["1"]}, "s"), ["training.nope"]),
         (lambda: expand(None, ["experiment.name=x"], [Setup(1, 1)], {}, "s"), ["--name"]),
-        (lambda: expand(None, [], [Setup(1, 1)], {}, "s", repeat=0), ["--repeat", "0"]),
     ],
 )
 def test_bad_grids_are_one_line_errors(call, words):

@@ -277,11 +277,7 @@ def _lighthouse(given: str | None, env: Mapping[str, str], started: bool) -> str
     one (`started`) hands its address to the groups, which check it."""
     if started:
         return given
-    named, address = (
-        ("distributed.lighthouse", given)
-        if given is not None
-        else ("TORCHFT_LIGHTHOUSE", env.get("TORCHFT_LIGHTHOUSE"))
-    )
+    address = given if given is not None else env.get("TORCHFT_LIGHTHOUSE")
     if not address:
         raise UserError(
             "distributed.fault_tolerance=replicas needs a torchft Lighthouse: set distributed.lighthouse="
@@ -289,7 +285,8 @@ def _lighthouse(given: str | None, env: Mapping[str, str], started: bool) -> str
             "ddplab train --replica-groups N"
         )
     if not _lighthouse_address(address):
-        where = "" if named.startswith("distributed.") else " in the environment"
+        named = "distributed.lighthouse" if given is not None else "TORCHFT_LIGHTHOUSE"
+        where = "" if given is not None else " in the environment"
         raise UserError(f"{named}={address!r}{where} is not a Lighthouse address: give http://HOST:PORT (or https://)")
     return address
 

@@ -7,21 +7,10 @@ import time
 from pathlib import Path
 
 from ddplab.engine.run_folder.files import write_atomic
-from ddplab.report import plots
+from ddplab.report import plots, table
 from ddplab.report.noise import comparisons, efficiency_notes
 from ddplab.report.runs import find_runs
 from ddplab.report.scaling_table import scaling_tables
-from ddplab.report.table import (
-    build_rows,
-    has_replicas,
-    is_quality,
-    markdown,
-    markdown_table,
-    quality_columns_for,
-    strategy_table,
-    study_budget,
-    write_csv,
-)
 
 
 def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | None = None) -> Path:
@@ -29,9 +18,9 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
     runs, unfinished = find_runs(dirs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    budget, budget_from = study_budget(runs, budget_s)
-    rows = build_rows(runs, budget)
-    write_csv(rows, out / "report.csv")
+    budget, budget_from = table.study_budget(runs, budget_s)
+    rows = table.build_rows(runs, budget)
+    table.write_csv(rows, out / "report.csv")
 
     images = [
         *plots.setups_plots(rows, out),
@@ -58,7 +47,7 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         "",
         "## Timing",
         "",
-        markdown_table(rows),
+        table.markdown_table(rows),
         "",
         "- Cells read **median (min–max)** over a point's repeats (same config and seed); one value when they agree "
         "or the point ran once.",
@@ -78,7 +67,7 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
         ),
         "- lr is the learning rate actually used, after `training.lr_scaling`.",
     ]
-    if has_replicas(rows):  # a report without replica groups reads as it always did
+    if table.has_replicas(rows):  # a report without replica groups reads as it always did
         lines.append(
             "- **global batch** of a replica-group run (`distributed.fault_tolerance=replicas`, one run folder per "
             "group): the samples its committed steps actually trained on, mean per step over its epochs "
@@ -86,10 +75,9 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
             "the fewest groups in an epoch's steps (metrics.csv's `replicas`), lowest–highest over the epochs, "
             "of the groups planned. The step-by-step record is each group's replicas.csv."
         )
-    baselines = {r["baseline"] for r in rows if r["baseline"]}
     if any(r["speedup"] is None for r in rows):
         lines.append("- speedup is blank where no 1-process point of the same experiment is among these runs.")
-    if baselines:
+    if baselines := {r["baseline"] for r in rows if r["baseline"]}:
         lines.append(f"- baselines: {', '.join(sorted(baselines))}.")
     if unfinished:
         lines.append(f"- left out (not finished): {', '.join(str(p) for p in unfinished)}.")
@@ -98,7 +86,7 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
             "",
             "## Memory and cost per strategy",
             "",
-            strategy_table(rows),
+            table.strategy_table(rows),
             "",
             "- **params / grads / optimizer MiB / rank**: what one process holds (ddp: everything; fsdp: 1/N of it; "
             "hsdp: 1/(processes per node)). **peak MiB**: the largest rank's peak, CUDA's max_memory_allocated "
@@ -109,20 +97,19 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
             "**overhead ms/step**: the step's time beyond the same experiment's 1-process point, communication "
             "not hidden by compute (and any slowdown of processes sharing a machine), for every strategy.",
         ]
-    quality = quality_columns_for(rows)
-    if any(is_quality(k) for k, _ in quality):
+    quality = table.quality_columns_for(rows)
+    if any(table.is_quality(k) for k, _ in quality):
         lines += [
             "",
             "## Quality",
             "",
-            markdown(rows, quality),
+            table.markdown(rows, quality),
             "",
             "- the task's own scores (accuracy and macro precision / recall / F1 for classification; R², MAE, "
             "RMSE for regression; a Task's torchmetrics by their names): val scores are the last epoch's, on "
             "the whole validation split; test scores are the best model's on the test split.",
         ]
-    notes = comparisons(rows) + efficiency_notes(rows)
-    if notes:
+    if notes := comparisons(rows) + efficiency_notes(rows):
         lines += [
             "",
             "## Differences and noise",
@@ -132,9 +119,8 @@ def make_report(dirs: list[str | Path], out_dir: str | Path, budget_s: float | N
             "",
         ]
         lines += [f"- {line}" for line in notes]
-    table = scaling_tables(rows, budget, budget_from)
-    if table:
-        lines += ["", "## Scaling (one column per setup)", "", *table]
+    if scaling := scaling_tables(rows, budget, budget_from):
+        lines += ["", "## Scaling (one column per setup)", "", *scaling]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images if p is not None]
     write_atomic(out, "report.md", "\n".join(lines) + "\n")
     return out / "report.md"

@@ -97,6 +97,10 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
     """For each swept key with several values: epoch time, samples/s and the communication share of a step
     against the swept value, one line per setup and combination of the other swept values."""
     keys = [k for k in swept_keys(rows) if len({r.get(k) for r in rows}) > 1]
+    for r in rows:
+        if r.get("comm_ms_per_step") is not None and r.get("compute_ms_per_step") is not None:
+            total = r["comm_ms_per_step"] + r["compute_ms_per_step"]
+            r["comm_share"] = r["comm_ms_per_step"] / total if total else None  # the median only: no range kept
     paths = []
     for key in keys:
         leaf = key.split(":", 1)[1]
@@ -107,12 +111,6 @@ def sweep_plots(rows: list[dict], out: Path) -> list[Path]:
         except ValueError:
             numbers = None
         where = dict(zip(values, numbers or range(len(values)), strict=True))
-        share = [r for r in rows if r.get("comm_ms_per_step") is not None and r.get("compute_ms_per_step") is not None]
-        for r in share:
-            total = r["comm_ms_per_step"] + r["compute_ms_per_step"]
-            r["comm_share"] = r["comm_ms_per_step"] / total if total else None
-            # the share's range over repeats is not kept per run; show the median only
-            r["comm_share_min"] = r["comm_share_max"] = r["comm_share"]
         panels = [("mean_epoch_time_s", "mean epoch time (s)"), ("samples_per_s", "training samples/s")]
         if any(r.get("comm_ms_per_step") for r in rows):
             panels.append(("comm_share", "communication share of a step"))
@@ -216,16 +214,12 @@ def loss_plots(runs: list[Run], out: Path) -> list[Path]:
 
 
 def accuracy_plot(runs: list[Run], path: Path) -> Path | None:
-    series = {
-        name: [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]
-        for name, run in _firsts(runs).items()
-    }
-    series = {label: pts for label, pts in series.items() if pts}
-    if not series:
-        return None
     fig, ax = subplots(figsize=(7, 4.4))
-    for label, pts in series.items():
-        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    for name, run in _firsts(runs).items():
+        if pts := [(r["elapsed_s"], r["val_accuracy"]) for r in run.epochs if r.get("val_accuracy") is not None]:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    if not ax.lines:
+        return None
     ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time (first repeat)")
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=7)

@@ -132,10 +132,10 @@ def epochs_at_budget(run: Run, budget_s: float) -> tuple[float | None, bool]:
     return (budget_s / epoch_time, True) if epoch_time else (None, False)
 
 
-def step_ms(run: Run, epoch_s: float | None, steps_per_epoch: int | None) -> float | None:
+def step_ms(run: Run, epoch_s: float | None) -> float | None:
     """Milliseconds per optimizer step: over the full epochs, else over the partial ones (a run cut by max_steps)."""
-    if epoch_s and steps_per_epoch:
-        return 1000 * epoch_s / steps_per_epoch
+    if epoch_s and run.ddp.get("steps_per_epoch"):
+        return 1000 * epoch_s / run.ddp["steps_per_epoch"]
     partial = sum(r.get("epoch_time_s") or 0.0 for r in run.epochs)
     return 1000 * partial / run.total_steps if partial and run.total_steps else None
 
@@ -174,10 +174,9 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
         has_comm = any(r.get("comm_time_s") is not None for r in run.epochs) and (
             strategy == "ddp" or run.processes == 1 or bool(timed)
         )
-        state = run.ddp.get("state_bytes_per_rank")
-        state = state if isinstance(state, dict) else {}
-        epoch_s, steps_per_epoch = _mean(r.get("epoch_time_s") for r in run.full_epochs), run.ddp.get("steps_per_epoch")
-        test = run.summary.get("test", {}) or {}
+        state = run.ddp.get("state_bytes_per_rank") or {}
+        epoch_s = _mean(r.get("epoch_time_s") for r in run.full_epochs)
+        test = run.summary.get("test") or {}
         last = run.epochs[-1] if run.epochs else {}
         # The scores the run's task reported: its last epoch's val_<name>, its test split's <name>.
         names = {k[4:] for k in last if k.startswith("val_")} | {k for k in test if k != "samples"}
@@ -203,7 +202,7 @@ def run_rows(runs: list[Run], budget_s: float | None) -> list[dict]:
                 "epochs": len(run.full_epochs),
                 "steps": steps,
                 "mean_epoch_time_s": epoch_s,
-                "step_ms": step_ms(run, epoch_s, steps_per_epoch),
+                "step_ms": step_ms(run, epoch_s),
                 "samples_per_s": _mean(r.get("samples_per_s") for r in run.full_epochs or run.epochs),
                 "comm_ms_per_step": 1000 * comm / steps if has_comm and steps else None,
                 "compute_ms_per_step": 1000 * compute / steps if has_comm and steps else None,
@@ -358,9 +357,8 @@ def has_replicas(rows: list[dict]) -> bool:
 
 def strategy_table(rows: list[dict]) -> str:
     """Memory per rank and the cost per step of each point, with its strategy (a column of its own unless swept)."""
-    swept = _swept_columns(rows)
-    mine = [] if any(k == "swept:distributed.strategy" for k, _ in swept) else [("strategy", "strategy")]
-    return markdown(rows, HEAD + swept + mine + STRATEGY_COLUMNS)
+    mine = [] if "swept:distributed.strategy" in swept_keys(rows) else [("strategy", "strategy")]
+    return markdown(rows, HEAD + _swept_columns(rows) + mine + STRATEGY_COLUMNS)
 
 
 def write_csv(rows: list[dict], path: Path) -> None:

@@ -91,11 +91,7 @@ def expand(
     repeat: int = 1,
 ) -> list[Point]:
     """Every run of the grid (each point `repeat` times, same seed), each point validated as
-    `ddplab train` would before anything starts."""
-    if repeat < 1:
-        raise UserError(f"--repeat must be >= 1, got {repeat}")
-    if not setups:
-        raise UserError("--nproc: give at least one process count")
+    `ddplab train` would before anything starts (`repeat` and the setups are checked by the command line)."""
     for item in common:
         if item.split("=", 1)[0].strip() in ("experiment.name", "experiment.output_dir"):
             raise UserError(f"'{item}': a study names its run folders itself; use --name and --output-dir")
