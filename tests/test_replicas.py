@@ -153,11 +153,12 @@ def test_a_lighthouse_that_closes_mid_run_fails_the_job_naming_it_and_no_rank(co
     """The report blamed "rank 1 stalled", or a rank's TimeoutError: the step's quorum fails with the Lighthouse
     gone, and the job ends within the timeout (+ 10 s) with one line naming it."""
     pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
-    from ddplab.commands.launch import LIGHTHOUSE_OPTIONS
+    from ddplab.commands.launch import LIGHTHOUSE
 
     port, timeout = _closed_port(), 5
     program = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
-    house = subprocess.Popen([program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS], stderr=subprocess.DEVNULL)
+    options = [f"--{name}={value}" for name, value in LIGHTHOUSE.items()]
+    house = subprocess.Popen([program, f"--bind=[::]:{port}", *options], stderr=subprocess.DEVNULL)
     address, run = f"http://localhost:{port}", tmp_path / "experiments" / "closed-group0"
     job = subprocess.Popen(
         warm.command(

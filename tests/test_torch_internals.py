@@ -249,3 +249,23 @@ def test_a_forked_worker_names_the_packages_own_main_as_its_argv0():
     from ddplab.commands.launch import PACKAGE_MAIN
 
     assert PACKAGE_MAIN == Path(ddplab.__file__).resolve().with_name("__main__.py") and PACKAGE_MAIN.is_file()
+
+
+def test_torchfts_lighthouse_serves_without_importing_torch():
+    """torchft's compiled Lighthouse, loaded by itself in a process where torch cannot be imported, answers on
+    the port the system gave it; a replica group's quorum against it is test_replicas.py's."""
+    pytest.importorskip("torchft", reason="needs torchft (pip install 'ddplab[ft]')")
+    code = (
+        "import sys, socket; sys.modules['torch'] = None\n"  # any import of torch raises
+        "from ddplab.commands.launch import LIGHTHOUSE\n"
+        "from ddplab.engine.parallel import torch_internals\n"
+        "server = torch_internals.torchft_lighthouse(bind='[::]:0', **LIGHTHOUSE)\n"
+        "port = int(server.address().rpartition(':')[2])\n"
+        "socket.create_connection(('localhost', port), timeout=5).close()\n"
+        "server.shutdown()\n"
+        "print(port)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    what = f"does not serve: {out.stderr[-1000:]}"
+    assert out.returncode == 0, moved("torchft._torchft.LighthouseServer", internals.torchft_lighthouse, what)
+    assert int(out.stdout) > 0

@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,9 +31,8 @@ from ddplab.engine.parallel import torch_internals
 from ddplab.engine.run_folder.files import open_append
 from ddplab.engine.run_folder.folder import RunFiles, amend
 from ddplab.errors import ExitCode, RunError, UserError, stopped
-from ddplab.runtime.extras import install_line
 from ddplab.runtime.handoff import Handoff
-from ddplab.runtime.process_state import die_with_parent
+from ddplab.runtime.process_state import die_with_parent, env_default
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _NOT_FAILED = (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.INTERRUPTED)  # the job's exits that no failure explains
@@ -309,7 +306,6 @@ def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, g
     input. `groups`: that many replica groups, each its own agent, with a torchft Lighthouse here; a group that
     fails ends none of the others."""
     if groups:
-        env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}  # torchft's lines per step: RUST_LOG=info
         with lighthouse() as address:
             group = [f"distributed.replica_groups={groups}", f"distributed.lighthouse={address}"]
             overrides = [[*args, f"distributed.replica_group={i}", *group] for i in range(groups)]
@@ -329,35 +325,25 @@ def run_workers(nproc: int | str, args: list[str], *, env: dict | None = None, g
     return ended.code
 
 
-LIGHTHOUSE_OPTIONS = (
-    "--min_replicas=1",  # the groups left go on, however few
-    "--heartbeat_timeout_ms=2000",  # a group silent this long is out of the next quorum
-    "--join_timeout_ms=2000",  # how long a quorum waits for a group that is starting
-    "--quorum_tick_ms=50",
-)
+LIGHTHOUSE = {
+    "min_replicas": 1,  # the groups left go on, however few
+    "heartbeat_timeout_ms": 2000,  # a group silent this long is out of the next quorum
+    "join_timeout_ms": 2000,  # how long a quorum waits for a group that is starting
+    "quorum_tick_ms": 50,
+}
 
 
 @contextlib.contextmanager
 def lighthouse():
-    """A torchft Lighthouse on this machine for the job's replica groups (its address), stopped after."""
-    found = Path(sys.executable).with_name("torchft_lighthouse")
-    program = str(found) if found.exists() else shutil.which("torchft_lighthouse")
-    if program is None:
-        raise UserError(f"--replica-groups needs torchft's torchft_lighthouse on PATH: {install_line('ft')}")
-    with socket.socket() as probe:  # a free port, handed straight on
-        probe.bind(("localhost", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen(
-        [*AGENT, "--exec", program, f"--bind=[::]:{port}", *LIGHTHOUSE_OPTIONS],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    """A torchft Lighthouse in this process for the job's replica groups (its address), stopped after: on a port
+    of the system's choosing (none to race for), and it ends with this process however that ends. Without torchft
+    the job was refused before (registry.check_config)."""
+    env_default("RUST_LOG", "warn")  # torchft's lines at each step, here and in the groups: info
+    server = torch_internals.torchft_lighthouse(bind="[::]:0", **LIGHTHOUSE)
     try:
-        yield f"http://localhost:{port}"
+        yield f"http://localhost:{server.address().rpartition(':')[2]}"
     finally:
-        proc.terminate()
-        _end(proc, 10)
+        server.shutdown()
 
 
 def _end(proc: subprocess.Popen, grace: float) -> None:

@@ -231,3 +231,21 @@ def as_python_m(main: Path, args: list[str]) -> None:
     """sys.argv as `python -m PACKAGE ARGS` sets it (its __main__.py, then ARGS), for code that reads it in a
     worker forked from a process started with other arguments."""
     sys.argv = [str(main), *args]
+
+
+# ------------------------------------------------------------------ torchft (commands/launch.py: lighthouse)
+def torchft_lighthouse(**options):
+    """torchft's Lighthouse server (LighthouseServer(**options), running in threads of its own), without
+    importing the torchft package, whose __init__ imports torch: 4-5 s of CPU, at each replica job's start, for a
+    server written in Rust, and the launcher imports no torch. The server is in the package's compiled module
+    (torchft/_torchft*.so), loaded here by itself. Checked on torchft 0.2.0."""
+    import importlib.machinery
+    import importlib.util
+
+    package = importlib.util.find_spec("torchft")  # found, not imported
+    assert package is not None and package.submodule_search_locations, "torchft is not installed"
+    (path,) = Path(package.submodule_search_locations[0]).glob("_torchft.*.so")
+    loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", str(path))
+    module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(loader.name, loader, origin=str(path)))
+    loader.exec_module(module)
+    return module.LighthouseServer(**options)
