@@ -46,6 +46,17 @@ def test_a_warm_process_has_its_stubs_arguments_folder_environment_and_exit_code
     assert "torch imported before: True" in proc.stderr  # forked from the server, which imported it
 
 
+def test_a_process_whose_hugging_face_settings_differ_from_the_servers_runs_cold(tmp_path):
+    """transformers and huggingface_hub read their offline switch when imported, as the server did: a process
+    that sets it otherwise gets a fresh interpreter, which reads its own."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    cmd = warm.command([sys.executable, str(tmp_path / "script.py"), "exit", "0"])
+    offline = "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"
+    env = {**os.environ, "WARM_TEST": "yes", "HF_HUB_OFFLINE": offline}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "torch imported before: False" in proc.stderr, proc.stderr
+
+
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1(tmp_path):
     proc = _run(tmp_path, "raise")
     assert proc.returncode == 1 and proc.stderr.rstrip().endswith("ValueError: boom"), proc.stderr

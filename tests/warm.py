@@ -7,13 +7,14 @@ plain torchrun in each worker: 6 s of CPU each on this machine, most of a short 
 fork a process running ARGS as `python ARGS` would, with the stub's arguments, environment, folder and standard
 streams. A process forked so starts its own `python` children (an agent's, a launcher's) the same way.
 
-What differs from a fresh interpreter: torch, ddplab and their imports are loaded already (none of them reads the
-environment when imported; the string-hash salt is the server's), the process's parent is the server (the stub
-stands in for it: signals, parent death, resource limits and exit status pass through it), its pid is not the
-stub's, and it ends without the interpreter's teardown (exit handlers run, then os._exit, as ddplab's own workers
-end). `tagged`, `stands_for` and `children` find a job's processes across stubs. Tests about parent death, pids,
-process groups, the salt or an abort in the teardown run their processes cold: COLD lists their files, `cold=True`
-a call of conftest's helpers, and `DDPLAB_TESTS_WARM=0` runs the whole suite cold.
+What differs from a fresh interpreter: torch, ddplab, transformers, datasets and their imports are loaded already
+(the Hugging Face libraries read their cache and offline settings then: a process whose settings differ from the
+server's runs cold, warm_stub.READ_AT_IMPORT; the string-hash salt is the server's), the process's parent is the
+server (the stub stands in for it: signals, parent death, resource limits and exit status pass through it), its pid
+is not the stub's, and it ends without the interpreter's teardown (exit handlers run, then os._exit, as ddplab's own
+workers end). `tagged`, `stands_for` and `children` find a job's processes across stubs. Tests about parent death,
+pids, process groups, the salt or an abort in the teardown run their processes cold: COLD lists their files,
+`cold=True` a call of conftest's helpers, and `DDPLAB_TESTS_WARM=0` runs the whole suite cold.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ PRELOAD = (
     "ddplab.commands.train",
     "ddplab.workloads.char_lm",
     "ddplab.models.gpt",
+    "transformers",
+    "transformers.modeling_utils",
+    "datasets",
 )
 
 # Files whose tests look at processes themselves (pids, /proc, process groups, parent death): cold processes.
@@ -214,6 +218,9 @@ def serve(path: str) -> None:
     import gc
 
     gc.freeze()  # what was imported here is never collected: a process's exit collects only what it made
+    from warm_stub import read_at_import
+
+    Path(path + ".env").write_text(json.dumps(read_at_import(os.environ)))
     Path(path + ".ready").touch()
     while True:
         for key, _ in selector.select():

@@ -5,7 +5,8 @@ It stands in for the process it asks for: it hands the server its arguments, env
 and resource limits, passes on every signal it gets to the forked process, asks the kernel for the parent-death
 signal when that process asks for one, and ends as it ends (its exit code, or killed by the same signal). Killed
 itself (SIGKILL), the server kills the forked process. Arguments the server does not run (options other than -u,
-such as -c) are run by a fresh interpreter, as they would be."""
+such as -c), and an environment that the server's imports would not see (READ_AT_IMPORT), are run by a fresh
+interpreter, as they would be."""
 
 import array
 import ctypes
@@ -22,16 +23,29 @@ LIMITS = ("RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_C
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def warm_runs(args: list[str]) -> bool:
+# What the server's Hugging Face libraries read from the environment when imported (their cache folders, offline
+# switches): a process whose values differ from the server's runs in a fresh interpreter, which reads its own.
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_", "XDG_CACHE_HOME", "USE_T")
+
+
+def read_at_import(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT)}
+
+
+def warm_runs(args: list[str], server_env: dict) -> bool:
     while args[:1] == ["-u"]:
         args = args[1:]
+    if read_at_import(os.environ) != server_env:
+        return False
     return bool(args) and (args[0] == "-m" and len(args) > 1 or not args[0].startswith("-"))
 
 
 def main() -> None:
     path, args = sys.argv[1], sys.argv[2:]
-    if not warm_runs(args):
-        os.execv(sys._base_executable, [sys._base_executable, *args])
+    with open(path + ".env") as f:
+        server_env = json.load(f)
+    if not warm_runs(args, server_env):
+        os.execv(sys.executable, [sys.executable, *args])  # the venv's python, as the stub was started
     conn = socket.socket(socket.AF_UNIX)
     conn.connect(path)
     limits = {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}  # a test's preexec_fn set them
