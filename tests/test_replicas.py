@@ -472,8 +472,7 @@ def test_a_resume_that_keeps_the_global_batch_says_it_is_planned_with_every_grou
         run=SimpleNamespace(log=lines.append),
         feed=SimpleNamespace(size=640),
     )
-    manifest = {"global_batch": 128, "world_size": 2, "config": {"training": {"batch_size": 32, "grad_accum_steps": 1}}}
-    keep_batch(trainer, manifest)
+    keep_batch(trainer, {"global_batch": 128})
     assert trainer.batch["grad_accum_steps"] == 2 and lines == [
         "training.grad_accum_steps 1 -> 2: the global batch stays 128 on 2 processes x 2 replica groups, "
         "with every group present"

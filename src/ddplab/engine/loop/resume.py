@@ -74,8 +74,7 @@ def check_data(trainer, where: Path) -> None:
 def keep_batch(trainer, manifest: dict) -> None:
     """The run's global batch on this world size and batch size: its accumulation steps are recomputed, into
     the batch arithmetic (the config stays as given)."""
-    t, was = trainer.cfg.training, manifest["config"]["training"]
-    global_batch = manifest.get("global_batch") or was["batch_size"] * was["grad_accum_steps"] * manifest["world_size"]
+    t, global_batch = trainer.cfg.training, manifest["global_batch"]
     accum = keep_global_batch(global_batch, t.batch_size, trainer.shares)
     if accum != t.grad_accum_steps:
         # replica groups: planned with all present (each step's: replicas.csv)
