@@ -13,7 +13,8 @@ from ddplab.errors import UserError
 
 def test_view_phase_reads_eval_at_and_names_it():
     view = TrainView(SimpleNamespace(eval_at="epoch_end"))
-    with pytest.warns(DeprecationWarning, match=r"TrainView\.phase is deprecated .*use TrainView\.eval_at"):
+    said = r"TrainView\.phase is deprecated and goes in ddplab 0\.3: use TrainView\.eval_at"
+    with pytest.warns(DeprecationWarning, match=said):
         assert view.phase == "epoch_end"
 
 
@@ -28,9 +29,8 @@ def test_logging_tensorboard_reads_as_logging_trackers_and_names_it(given, track
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(f"logging:\n  tensorboard: {given}\n")
     for source, overrides in ((None, [f"logging.tensorboard={given}"]), (yaml_file, [])):
-        with pytest.warns(
-            DeprecationWarning, match=r"config key logging\.tensorboard is deprecated .*use logging\.trackers"
-        ):
+        said = r"config key logging\.tensorboard is deprecated and goes in ddplab 0\.3: use logging\.trackers"
+        with pytest.warns(DeprecationWarning, match=said):
             assert read_config(source, overrides).logging.trackers == trackers
 
 

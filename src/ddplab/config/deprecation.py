@@ -25,7 +25,7 @@ def renamed(new: str, old: str, until: str) -> property:
 
 # retired config key -> (its replacement, the type the old key took, its value as the new key's, release it goes in)
 KEYS: dict[str, tuple[str, type, Callable[[Any], Any], str]] = {
-    "logging.tensorboard": ("logging.trackers", bool, lambda on: ["tensorboard"] if on else [], "0.2")
+    "logging.tensorboard": ("logging.trackers", bool, lambda on: ["tensorboard"] if on else [], "0.3")
 }
 
 

@@ -60,7 +60,7 @@ class TrainView:
     data_wait = property(lambda v: v._t.state.epoch_data_wait, doc="This rank's seconds waiting for data this epoch.")
     snapshot_time = property(lambda v: v._t.state.epoch_snapshot_time, doc="Snapshot seconds since the last row.")
     eval_at = property(lambda v: v._t.eval_at, doc="Where this evaluation was asked for: train, epoch_end or test.")
-    phase = renamed("eval_at", "phase", until="0.2")
+    phase = renamed("eval_at", "phase", until="0.3")
     history = property(lambda v: tuple(v._t.state.history), doc="One row per epoch so far (metrics.csv).")
     log_rows = property(lambda v: tuple(v._t.state.steps), doc="One row per log interval: step, epoch, loss, lr...")
     batch = property(
