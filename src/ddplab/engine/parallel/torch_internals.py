@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.machinery
+import importlib.util
 import io
 import sys
 from collections.abc import Callable
@@ -239,9 +241,6 @@ def torchft_lighthouse(**options):
     importing the torchft package, whose __init__ imports torch: 4-5 s of CPU, at each replica job's start, for a
     server written in Rust, and the launcher imports no torch. The server is in the package's compiled module
     (torchft/_torchft*.so), loaded here by itself. Checked on torchft 0.2.0."""
-    import importlib.machinery
-    import importlib.util
-
     package = importlib.util.find_spec("torchft")  # found, not imported
     assert package is not None and package.submodule_search_locations, "torchft is not installed"
     (path,) = Path(package.submodule_search_locations[0]).glob("_torchft.*.so")
