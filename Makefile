@@ -20,9 +20,9 @@ demo: $(STAMP)
 
 # The whole suite: one pytest-xdist worker per core and one more, as the multi-process tests spend part of their
 # time waiting (start-up, rendezvous, timeouts); on 2 cores, with a smaller suite, this pass took 558 s with 3
-# workers, 587 s with 4 and 623 s with 2; with today's 849 tests it took 658-688 s with 3 in a fresh clone (the
-# serial pass after it 75 s), its jobs started warm: forked from one process per worker that has imported torch
-# (tests/warm.py; DDPLAB_TESTS_WARM=0 starts each from a fresh interpreter, as the pass did in 1,300-1,450 s). A
+# workers, 587 s with 4 and 623 s with 2; with today's 850 tests it took 540 s with 3 in a fresh clone (the
+# serial pass after it 78 s), its jobs started warm: forked from one process per worker that has imported torch and
+# transformers (tests/warm.py; DDPLAB_TESTS_WARM=0 starts each from a fresh interpreter, as the pass did in 1,300-1,450 s). A
 # test file's tests share one worker, so a run trained once per file is trained once, and one that several files
 # read is trained once per session (tests/references.py); the longest files start first (tests/durations.json);
 # the pass ends with its 15 slowest tests (those over 10 s). Then the tests that check wall-clock time or race a
