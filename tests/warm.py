@@ -34,6 +34,8 @@ import traceback
 import types
 from pathlib import Path
 
+from warm_stub import read_at_import, warm_runs
+
 HERE = Path(__file__).resolve().parent
 STUB = HERE / "warm_stub.py"
 RECORD = struct.Struct("!cq")  # as warm_stub.RECORD
@@ -218,9 +220,12 @@ def serve(path: str) -> None:
     import gc
 
     gc.freeze()  # what was imported here is never collected: a process's exit collects only what it made
-    from warm_stub import read_at_import
-
-    Path(path + ".env").write_text(json.dumps(read_at_import(os.environ)))
+    global _server_env, _site_path
+    _server_env = read_at_import(os.environ)
+    known = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    _site_path = [p for p in sys.path[1:] if p not in known]  # a fresh interpreter's, without the server's folder
+    os.execvp = _execvp
+    Path(path + ".env").write_text(json.dumps(_server_env))
     Path(path + ".ready").touch()
     while True:
         for key, _ in selector.select():
@@ -315,6 +320,9 @@ def _exactly(conn: socket.socket, size: int) -> bytes:
 
 _plain_die = None  # ddplab's die_with_parent
 _stub_conn: socket.socket | None = None
+_server_env: dict = {}  # the server's settings that its imports read (warm_stub.READ_AT_IMPORT)
+_site_path: list[str] = []  # sys.path as a fresh interpreter starts it, less its first entry and PYTHONPATH's
+_plain_execvp = os.execvp
 _stub_pid = 0  # the process that stands for its stub (its forked children are plain processes)
 
 
@@ -330,7 +338,6 @@ def _die_with_stub(sig: int = signal.SIGKILL) -> None:
 def _become(conn: socket.socket, fds: list[int], request: dict, close: list[int]) -> None:
     """In the forked process: become `python ARGS` as the stub was started, run it, and end as it would."""
     global _stub_conn, _stub_pid
-    code = 1
     try:
         os.setpgid(0, 0)
         for fd in close:
@@ -340,14 +347,27 @@ def _become(conn: socket.socket, fds: list[int], request: dict, close: list[int]
             os.close(fd)
         _stub_conn, _stub_pid = conn, os.getpid()
         os.chdir(request["cwd"])
-        added = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        known = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ.clear()
         os.environ.update(request["env"])
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        args = list(request["argv"])
+        import resource
+
+        for name, limit in request["limits"].items():
+            if resource.getrlimit(getattr(resource, name)) != tuple(limit):
+                resource.setrlimit(getattr(resource, name), tuple(limit))
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        traceback.print_exc()
+        _end(1)
+    _python(list(request["argv"]))
+
+
+def _python(args: list[str]) -> None:
+    """Run `python ARGS` in this process as a fresh interpreter would (its streams, sys.path and __main__), and
+    end as it would."""
+    code = 1
+    try:
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
         while args[0] == "-u":
             unbuffered, args = True, args[1:]
@@ -356,15 +376,10 @@ def _become(conn: socket.socket, fds: list[int], request: dict, close: list[int]
             import torch
 
             torch.set_num_threads(int(threads))
-        rest = [p for p in sys.path[1:] if p not in known]
+        added = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         first = os.getcwd() if args[0] == "-m" else str(Path(args[0]).resolve().parent)
-        sys.path[:] = [first, *added, *rest]
+        sys.path[:] = [first, *added, *_site_path]
         sys.modules["__main__"] = types.ModuleType("__main__")
-        import resource
-
-        for name, limit in request["limits"].items():
-            if resource.getrlimit(getattr(resource, name)) != tuple(limit):
-                resource.setrlimit(getattr(resource, name), tuple(limit))
         code = _run(args)
     except SystemExit as exit:
         code = _exit_code(exit.code)
@@ -376,6 +391,14 @@ def _become(conn: socket.socket, fds: list[int], request: dict, close: list[int]
         code = 1
     finally:
         _end(code)
+
+
+def _execvp(file: str, args: list[str]) -> None:
+    """os.execvp in a forked process: `python ARGS` that the stub would run warm runs in this process instead of
+    a fresh interpreter (the launcher's `--exec` hop, which a 1-process verify run takes); the rest is exec'd."""
+    if file == sys.executable and warm_runs(list(args[1:]), _server_env):
+        _python(list(args[1:]))
+    _plain_execvp(file, args)
 
 
 def _run(args: list[str]) -> int:
