@@ -37,6 +37,10 @@ def pytest_configure(config):
     the reference runs the tests share: one folder each for the whole run, made before xdist's workers start
     (they inherit them)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
+        # The suite's models and datasets are its own files: the Hugging Face libraries never ask the hub (and a
+        # test that sets these itself, as a user offline would, still runs warm: tests/warm_stub.READ_AT_IMPORT).
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+            os.environ.setdefault(name, "1")
         os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="ddplab-tests-state-")
         os.environ[SHARED] = tempfile.mkdtemp(prefix="ddplab-tests-shared-")
 
