@@ -56,7 +56,7 @@ def bounded_workers(workers: int, processes_per_node: int) -> tuple[int, str | N
     copies every page it or Python's reference counts touch)."""
     share = max(1, _cores() // processes_per_node)
     allowed, why = WORKERS_PER_CORE * share, f"{WORKERS_PER_CORE} per core of the {share} this rank may use"
-    available = _meminfo("MemAvailable") if workers else None  # none to cut: smaps_rollup takes 50 ms to read
+    available = _meminfo("MemAvailable") if workers else None  # none to cut: reading smaps_rollup takes 20 ms or more
     own = (_meminfo("Private_Dirty") or 0) + (_meminfo("Private_Clean") or 0) if available else 0
     if available and own and available // (own * processes_per_node) < allowed:
         allowed = int(available // (own * processes_per_node))
